@@ -33,6 +33,8 @@ from ..readout import Readout
 from ..tokens import chunks, encode, single_token_id, str_tokens, tokenize, run_with_cache
 from .base import Experiment, Result, register
 
+__all__ = ["LogitLens", "LogitLensResult", "lens_hooks", "emergence_layer"]
+
 LayerConvention = Literal["hidden_states", "resid_post", "resid_pre"]
 
 
@@ -87,6 +89,7 @@ class LogitLensResult(Result):
         out["top1_prob_by_layer"] = first["top1_prob"].round(6).tolist()
         out["entropy_by_layer"] = first["entropy"].round(6).tolist()
         fin = self.tables["final"]
+        fin = fin[fin["is_last"]]
         out["final_top1"] = fin[fin["prompt_idx"] == 0]["top1"].iloc[0]
         if "target" not in df.columns or df["target"].isna().all():
             return out
@@ -147,7 +150,7 @@ class LogitLensResult(Result):
                 line += f" {r.prob:12.4%} {r.rank:>7}"
             lines.append(line)
         fin = self.tables["final"]
-        fin = fin[(fin["prompt_idx"] == 0) & (fin["position"] == df["position"].iloc[0])]
+        fin = fin[(fin["prompt_idx"] == 0) & fin["is_last"]]
         line = f"model output top-1: {fin['top1'].iloc[0]!r} ({fin['top1_prob'].iloc[0]:.4%})"
         if has_t:
             fin = fin[fin["target"] == df["target"].iloc[0]]
@@ -329,7 +332,7 @@ class LogitLens(Experiment):
         fprobs = final_lp.exp()
         f_p, f_i = fprobs.topk(min(k, fprobs.shape[-1]), -1)
         for pj, p in enumerate(positions):
-            row = {"prompt_idx": pi, "position": p, "top1": tok.decode([int(f_i[pj, 0])]),
+            row = {"prompt_idx": pi, "position": p, "is_last": p == n_real - 1, "top1": tok.decode([int(f_i[pj, 0])]),
                    "top1_prob": float(f_p[pj, 0]),
                    "topk_tokens": [tok.decode([int(i)]) for i in f_i[pj].tolist()],
                    "topk_probs": [float(x) for x in f_p[pj].tolist()]}

@@ -1,0 +1,164 @@
+"""Config parsing, overrides, CLI and model-loading errors (no real model needed)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tracekit as tk
+from tracekit.cli import main
+from tracekit.config import ConfigError, apply_override, load_config, parse_config
+from tracekit.models import ModelLoadError, ModelSpec, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_shipped_configs_validate():
+    for p in sorted((ROOT / "experiments").glob("*.yaml")):
+        cfg, _ = load_config(p)
+        assert cfg.experiments, p
+
+
+def test_unknown_key_names_yaml_path(tmp_path):
+    p = write(tmp_path, """
+        model: {name: gpt2}
+        experiments:
+          - kind: logit_lens
+            prompts: ["a"]
+            targte: " Paris"
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "experiments[0].targte: unknown key" in str(e.value)
+
+
+def test_wrong_type_and_bad_value_name_paths(tmp_path):
+    p = write(tmp_path, """
+        model: {name: gpt2, dtype: float64, device: tpu}
+        experiments:
+          - kind: logit_lens
+            prompts: ["a"]
+            top_k: many
+            positions: middle
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    for path in ("model.dtype", "model.device", "experiments[0].top_k", "experiments[0].positions"):
+        assert path in msg, (path, msg)
+
+
+def test_missing_required_and_unknown_kind(tmp_path):
+    with pytest.raises(ConfigError, match=r"experiments\[0\].prompts: required field is missing"):
+        parse_config({"experiments": [{"kind": "logit_lens"}]})
+    with pytest.raises(ConfigError, match=r"experiments\[0\].kind: unknown experiment kind 'lens'"):
+        parse_config({"experiments": [{"kind": "lens"}]})
+    with pytest.raises(ConfigError, match="experiments: required"):
+        parse_config({"model": {"name": "gpt2"}})
+    with pytest.raises(ConfigError, match="unique"):
+        parse_config({"experiments": [{"kind": "logit_lens", "prompts": ["a"]}] * 2})
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    p = write(tmp_path, "model: {name: gpt2\nexperiments: [")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_set_overrides():
+    raw = {"model": {"name": "gpt2"}, "experiments": [{"kind": "logit_lens", "prompts": ["a"]}]}
+    apply_override(raw, "model.device=cpu")
+    apply_override(raw, 'experiments[0].target=" Rome"')
+    apply_override(raw, "experiments.0.top_k=3")
+    apply_override(raw, "model.config_overrides={n_layer: 2}")
+    cfg = parse_config(raw)
+    assert cfg.model.device == "cpu" and cfg.model.config_overrides == {"n_layer": 2}
+    assert cfg.experiments[0].target == " Rome" and cfg.experiments[0].top_k == 3
+    with pytest.raises(ConfigError, match="index"):
+        apply_override(raw, "experiments[3].top_k=1")
+    with pytest.raises(ConfigError, match="path=value"):
+        apply_override(raw, "model.device")
+
+
+def test_cli_validate(capsys):
+    assert main(["validate", str(ROOT / "experiments/paris_logit_lens.yaml")]) == 0
+    assert "valid" in capsys.readouterr().out
+    assert main(["validate", str(ROOT / "experiments/paris_logit_lens.yaml"), "--set", "experiments[0].top_k=0"]) == 2
+    assert "experiments[0].top_k" in capsys.readouterr().err
+
+
+def test_missing_model_fails_fast_with_advice(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
+        load_model("some-org/definitely-not-cached-model")
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        load_model("./no/such/dir")
+    with pytest.raises(ModelLoadError, match="no such GGUF"):
+        load_model("/tmp/none.gguf")
+
+
+def test_cuda_request_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ModelLoadError, match="CUDA is not available"):
+        load_model(ModelSpec(name="gpt2", device="cuda"))
+
+
+def test_cli_run_gpt2_config_on_random_weights(tmp_path, gpt2_tokenizer_dir, capsys):
+    """The shipped GPT-2 config runs end to end (random weights, GPT-2's real tokenizer): the run
+    directory holds every promised file and the expectations are reported (not met here)."""
+    code = main(["run", str(ROOT / "experiments/paris_logit_lens.yaml"), "--out", str(tmp_path), "--no-progress",
+                 "--set", "model.random_init=true", "--set", f"model.tokenizer={gpt2_tokenizer_dir}",
+                 "--set", "model.config_overrides={n_layer: 2, n_embd: 64, n_head: 4}", "--set", "model.device=cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    run_dir = next(tmp_path.iterdir())
+    for f in ("config.resolved.yaml", "summary.json", "environment.json", "expectations.json",
+              "paris/main.parquet", "paris/topk.parquet", "paris/target_by_layer.png", "paris/top1_grid.png"):
+        assert (run_dir / f).exists(), f
+    s = json.loads((run_dir / "summary.json").read_text())
+    for k in ("target_prob_final", "target_prob_by_layer", "target_rank_by_layer", "emergence_layer"):
+        assert k in s
+    assert len(s["target_prob_by_layer"]) == 3
+    assert s["expectations_total"] == 5
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["versions"]["torch"] and env["seed"] == 0 and env["dtype"] == "float32"
+    toks = __import__("pandas").read_parquet(run_dir / "paris/tokens.parquet")
+    assert toks["token_id"].tolist()[:3] == [464, 3139, 286]  # no BOS: starts with the article's 464 ("The")
+    assert toks["token_id"].tolist()[-5:] == [383, 3139, 286, 4881, 318]  # " The capital of France is"
+    assert "NOT MET" in out
+    assert main(["run", str(ROOT / "experiments/paris_logit_lens.yaml"), "--out", str(tmp_path), "--no-progress",
+                 "--strict", "--set", "model.random_init=true", "--set", f"model.tokenizer={gpt2_tokenizer_dir}",
+                 "--set", "model.config_overrides={n_layer: 2, n_embd: 64, n_head: 4}", "--set", "model.device=cpu"]) == 1
+
+
+def test_cli_bad_target_stops_before_model_work(tmp_path, gpt2_tokenizer_dir, capsys):
+    code = main(["run", str(ROOT / "experiments/paris_logit_lens.yaml"), "--out", str(tmp_path), "--no-progress",
+                 "--set", "model.random_init=true", "--set", f"model.tokenizer={gpt2_tokenizer_dir}",
+                 "--set", "model.config_overrides={n_layer: 1, n_embd: 32, n_head: 2}",
+                 "--set", "experiments[0].target=' Parisian'"])
+    err = capsys.readouterr().err
+    assert code == 2 and "exactly one token" in err and "target" in err
+    run_dir = next(tmp_path.iterdir())
+    assert (run_dir / "error.txt").exists() and not (run_dir / "paris").exists()
+
+
+def test_missing_model_via_cli(tmp_path, capsys):
+    code = main(["run", str(ROOT / "experiments/paris_logit_lens.yaml"), "--out", str(tmp_path), "--no-progress",
+                 "--set", "model.name=some-org/not-cached"])
+    assert code == 2
+    assert "not in the local Hugging Face cache" in capsys.readouterr().err

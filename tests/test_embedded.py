@@ -1,0 +1,47 @@
+"""End to end on the real embedded model (SmolLM2-135M-Instruct, GGUF Q4_1 -> float32)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tracekit as tk
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of China is Beijing. The capital of France is"
+
+
+@pytest.mark.slow
+def test_main_job_through_the_cli(tmp_path):
+    """The README's main job: ' Paris' is the final top-1 for the few-shot prompt."""
+    r = subprocess.run([sys.executable, "-m", "tracekit.cli", "run",
+                        str(ROOT / "experiments/paris_logit_lens_smollm2.yaml"), "--out", str(tmp_path),
+                        "--no-progress", "--strict"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = next(tmp_path.iterdir())
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["final_top1"] == " Paris"
+    assert s["target_rank_by_layer"][-1] == 1
+    assert s["target_prob_final"] > 0.5
+    assert s["expectations_met"] == s["expectations_total"]
+    assert (run_dir / "paris" / "top1_grid.png").exists()
+
+
+@pytest.mark.slow
+def test_embedded_lens_last_layer_equals_output(embedded_model):
+    import torch
+
+    res = tk.LogitLens(prompts=[PROMPT, "The capital of Italy is"], target=[" Paris", " Rome"]).run(
+        embedded_model, progress=False)
+    df = res.to_frame()
+    last = df[df["layer"] == df["layer"].max()].merge(res.tables["final"], on=["prompt_idx", "position", "target"])
+    assert (last["prob"] - last["target_prob"]).abs().max() < 1e-5
+    s = res.summary()
+    assert s["per_prompt"][0]["emergence_layer"] is not None
+    bos = embedded_model.tokenizer.bos_token_id
+    toks = res.tables["tokens"]
+    assert (toks.groupby("prompt_idx")["token_id"].apply(lambda x: (x == bos).sum()) == 1).all()

@@ -1,0 +1,154 @@
+"""Invariants of the logit lens on tiny random GPT-2 and Llama models (offline)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+import tracekit as tk
+from tracekit.experiments.logit_lens import emergence_layer, lens_hooks
+from tracekit.tokens import encode, tokenize
+
+from conftest import make_tiny
+
+PROMPTS = [
+    "The capital of China is Beijing. The capital of France is",
+    "The capital of France is",
+    "The capital of Italy is",  # differs from the previous prompt by one token
+    "Hello",
+]
+TARGETS = [" Paris", " Rome"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("process_weights", [True, False])
+@pytest.mark.parametrize("layers", ["hidden_states", "resid_post"])
+def test_last_layer_lens_equals_model_output(arch, process_weights, layers, gpt2_tokenizer_dir):
+    """The last layer's lens is the model's own softmax output (abs 1e-5, float32): the final norm
+    is recomputed from the residual, so reading the last block's output reproduces the logits."""
+    model = make_tiny(arch, gpt2_tokenizer_dir, process_weights=process_weights)
+    res = tk.LogitLens(prompts=PROMPTS, target=TARGETS, positions="all", layers=layers, top_k=5).run(
+        model, progress=False)
+    df = res.to_frame()
+    last_layer = df["layer"].max()
+    batch = tokenize(model, PROMPTS)
+    with torch.no_grad():
+        logits = model(batch.tokens, **tk.tokens.forward_kwargs(batch))
+    probs = logits.float().softmax(-1)
+    checked = 0
+    for r in df[df["layer"] == last_layer].itertuples():
+        pos = batch.real_index(r.prompt_idx)[r.position]
+        assert abs(r.prob - probs[r.prompt_idx, pos, r.target_id].item()) < 1e-5
+        assert abs(r.top1_prob - probs[r.prompt_idx, pos].max().item()) < 1e-5
+        checked += 1
+    assert checked == sum(batch.lengths) * len(TARGETS)
+    # and the lens' last layer matches the 'final' table (model output) exactly
+    fin = res.tables["final"]
+    merged = df[(df["layer"] == last_layer)].merge(fin, on=["prompt_idx", "position", "target"])
+    assert (merged["prob"] - merged["target_prob"]).abs().max() < 1e-5
+
+
+def test_resid_pre_last_layer_is_not_the_output(tiny_gpt2):
+    """Sanity check that the comparison above can fail: block inputs miss the last block."""
+    res = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris", layers="resid_pre").run(tiny_gpt2, progress=False)
+    df = res.to_frame()
+    fin = res.tables["final"]
+    last = df[df["layer"] == df["layer"].max()]
+    assert abs(last["prob"].iloc[0] - fin["target_prob"].iloc[0]) > 1e-9
+    assert last["hook"].iloc[0] == f"blocks.{tiny_gpt2.cfg.n_layers - 1}.hook_resid_pre"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_batched_equals_one_by_one(arch, side, gpt2_tokenizer_dir):
+    model = make_tiny(arch, gpt2_tokenizer_dir, padding_side=side)
+    exp = tk.LogitLens(prompts=PROMPTS, target=TARGETS, positions="all", batch_size=len(PROMPTS))
+    batched = exp.run(model, progress=False).to_frame()
+    singles = []
+    for i, p in enumerate(PROMPTS):
+        d = exp.model_copy(update={"prompts": [p]}).run(model, progress=False).to_frame()
+        d["prompt_idx"] = i
+        singles.append(d)
+    single = pd.concat(singles, ignore_index=True)
+    key = ["prompt_idx", "position", "layer", "target"]
+    a = batched.sort_values(key).reset_index(drop=True)
+    b = single.sort_values(key).reset_index(drop=True)
+    assert len(a) == len(b) > 0
+    assert (a["token"] == b["token"]).all()
+    assert (a["prob"] - b["prob"]).abs().max() < 1e-5
+    assert (a["log_prob"] - b["log_prob"]).abs().max() < 1e-4
+    assert (a["entropy"] - b["entropy"]).abs().max() < 1e-4
+    # ranks can differ only where two logits tie within float noise; require near-equality of rank too
+    assert ((a["rank"] - b["rank"]).abs() <= 1).all()
+
+
+def test_padding_side_does_not_change_results(gpt2_tokenizer_dir):
+    left = make_tiny("llama", gpt2_tokenizer_dir, padding_side="left")
+    right = make_tiny("llama", gpt2_tokenizer_dir, padding_side="right")
+    exp = tk.LogitLens(prompts=PROMPTS, target=" Paris")
+    a = exp.run(left, progress=False).to_frame()
+    b = exp.run(right, progress=False).to_frame()
+    assert (a["prob"].values - b["prob"].values).__abs__().max() < 1e-5
+
+
+@pytest.mark.parametrize("prepend", [True, False])
+def test_exactly_one_bos(prepend, gpt2_tokenizer_dir):
+    model = make_tiny("gpt2", gpt2_tokenizer_dir, prepend_bos=prepend)
+    bos = model.tokenizer.bos_token_id
+    for text in ["The capital of France is", "Hello", "<|endoftext|> already"]:
+        ids = encode(model, text)
+        plain = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if prepend:
+            assert ids[0] == bos and ids[1:] == plain
+            assert sum(1 for i in ids[:1] if i == bos) == 1
+        else:
+            assert ids == plain
+    res = tk.LogitLens(prompts=["The capital of France is"], positions="all").run(model, progress=False)
+    toks = res.tables["tokens"]
+    assert (toks["token_id"] == bos).sum() == (1 if prepend else 0)
+    if not prepend:  # the article's ids for GPT-2 (no BOS)
+        assert toks["token_id"].tolist() == [464, 3139, 286, 4881, 318]
+
+
+@pytest.mark.parametrize("bad", [" Parisian capital", "Paris is", ""])
+def test_multi_token_or_empty_target_is_an_error(tiny_gpt2, bad):
+    with pytest.raises(tk.TokenizationError) as e:
+        tk.LogitLens(prompts=["x"], target=bad).run(tiny_gpt2, progress=False)
+    assert "target" in str(e.value)
+    if bad:
+        assert "tokens" in str(e.value) and "exactly one token" in str(e.value)
+
+
+def test_target_without_space_suggests_leading_space(tiny_gpt2):
+    # 'Paris' (no space) is one token in GPT-2 too, but ' Paris' is the one that follows 'is'.
+    with pytest.raises(tk.TokenizationError, match="leading space"):
+        tk.LogitLens(prompts=["x"], target="Beijing").run(tiny_gpt2, progress=False)
+
+
+def test_save_load_roundtrip(tiny_llama, tmp_path):
+    res = tk.LogitLens(prompts=PROMPTS[:2], target=TARGETS, positions="all").run(tiny_llama, progress=False)
+    res.save(tmp_path / "r")
+    back = tk.Result.load(tmp_path / "r")
+    assert type(back) is type(res)
+    for name, df in res.tables.items():
+        pd.testing.assert_frame_equal(df.reset_index(drop=True), back.tables[name].reset_index(drop=True))
+    assert back.summary() == res.summary()
+    assert {p.name for p in (tmp_path / "r").glob("*.png")} == {"target_by_layer.png", "top1_grid.png"}
+
+
+def test_summary_fields_and_emergence(tiny_gpt2):
+    res = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris").run(tiny_gpt2, progress=False)
+    s = res.summary()
+    n = tiny_gpt2.cfg.n_layers + 1
+    for key in ("target_prob_final", "target_prob_by_layer", "target_rank_by_layer", "emergence_layer"):
+        assert key in s
+    assert len(s["target_prob_by_layer"]) == len(s["target_rank_by_layer"]) == n
+    assert s["hooks"] == [h for _, h in lens_hooks(tiny_gpt2.cfg.n_layers, "hidden_states")]
+    assert abs(s["target_prob_final"] - s["target_prob_by_layer"][-1]) < 1e-6
+
+
+def test_emergence_layer_definition():
+    assert emergence_layer([0, 1, 2, 3], [5, 1, 2, 1]) == 3
+    assert emergence_layer([0, 1, 2, 3], [5, 1, 1, 1]) == 1
+    assert emergence_layer([0, 1, 2, 3], [1, 1, 1, 2]) is None

@@ -132,6 +132,10 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
     env = environment(config)
     try:
         if model is None:
+            if not progress:
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()
             log(f"loading model {config.model.name!r} ...")
             model = load_model(config.model)
         env = environment(config, model)
@@ -190,7 +194,9 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
 def _bounds(r: dict) -> str:
     parts = []
     if r.get("expected") is not None:
-        parts.append(f"{r['expected']!r} +/- {r['atol']}")
+        exp = r["expected"]
+        parts.append(f"{exp!r} +/- {r['atol']}" if isinstance(exp, (int, float)) and not isinstance(exp, bool)
+                     else f"== {exp!r}")
     if r.get("min") is not None:
         parts.append(f">= {r['min']}")
     if r.get("max") is not None:

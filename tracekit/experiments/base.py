@@ -18,6 +18,7 @@ module in ``tracekit/experiments/__init__.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -32,13 +33,35 @@ RESULTS: dict[str, type["Result"]] = {}
 
 
 def register(cls: type["Experiment"]) -> type["Experiment"]:
-    """Class decorator: make an experiment kind available to configs under ``cls.kind``."""
+    """Class decorator: make an experiment kind available to configs under ``cls.kind``.
+
+    Also lets ``run`` take a model name / :class:`~tracekit.models.ModelSpec` / ``None`` (the
+    embedded default) in place of a loaded model: ``LogitLens(...).run("gpt2")``.
+    """
     kind = cls.model_fields["kind"].default
     if not isinstance(kind, str):
         raise TypeError(f"{cls.__name__} needs a string default for field 'kind'")
     REGISTRY[kind] = cls
     RESULTS[kind] = cls.result_class
+    if "run" in cls.__dict__ and not getattr(cls.__dict__["run"], "_tracekit_wrapped", False):
+        orig = cls.__dict__["run"]
+
+        @functools.wraps(orig)
+        def run(self, model=None, *args, **kwargs):
+            return orig(self, as_model(model), *args, **kwargs)
+
+        run._tracekit_wrapped = True
+        cls.run = run
     return cls
+
+
+def as_model(model):
+    """A loaded hooked model from a model, a model name, a ModelSpec, a dict or None (default)."""
+    from ..models import ModelSpec, load_model
+
+    if model is None or isinstance(model, (str, dict, ModelSpec)):
+        return load_model(model)
+    return model
 
 
 class Expectation(BaseModel):

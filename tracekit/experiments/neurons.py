@@ -1,0 +1,529 @@
+"""Direct logit attribution and FFN neuron attribution as experiment kinds.
+
+* ``kind: direct_logit_attribution`` (:class:`DirectLogitAttribution`): the target logit (or
+  target - foil logit difference) split into embeddings, every attention head and every MLP
+  (Elhage et al. 2021), through the run's final-norm scale; parts + bias terms = the model's logit.
+* ``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of
+  chosen MLP layers, read as key-value memories (Geva et al. 2021; 2022): top-k neurons per layer
+  and overall, the tokens their value vectors promote/suppress, their top-activating corpus
+  contexts (key readout), and a check by intervention (zero/mean ablation and amplification of
+  the top-k against k random neurons of the same layers).
+
+The computations are in :mod:`tracekit.attribution` (notebook-usable); this module shapes tables,
+summaries, reports and figures. Units: ``contribution``/``logit_diff`` in logits, ``*_prob`` in
+probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import numpy as np
+import pandas as pd
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tqdm.auto import tqdm
+
+from ..attribution import (
+    check_layers,
+    direct_logit_attribution,
+    key_readout,
+    neuron_intervention,
+    random_neurons,
+    resolve_target,
+    value_readout,
+)
+from .base import Experiment, Result, register
+
+__all__ = ["DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution",
+           "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _as_list(v):
+    return [v] if isinstance(v, str) else v
+
+
+# =============================================================================================
+# direct logit attribution
+
+
+class DirectLogitAttributionResult(Result):
+    """Tables: ``components`` (embed, pos_embed, attn.L, mlp.L, bias per prompt; they sum to
+    ``logit``), ``heads`` (per head plus ``b_O`` rows with head -1), ``prompts`` (per prompt: the
+    model's logit (difference), the sum of parts, the final-norm scale, tokens)."""
+
+    main_table = "components"
+
+    def summary(self) -> dict:
+        comp = self.tables["components"]
+        pr = self.tables["prompts"]
+        c0 = comp[comp["prompt_idx"] == 0]
+        h0 = self.tables["heads"]
+        h0 = h0[(h0["prompt_idx"] == 0) & (h0["head"] >= 0)]
+        k = self.config.top_k
+        top = c0.reindex(c0["contribution"].abs().sort_values(ascending=False).index).head(k)
+        toph = h0.reindex(h0["contribution"].abs().sort_values(ascending=False).index).head(k)
+        p0 = pr.iloc[0]
+        out = {
+            "target": self.config.target, "foil": self.config.foil, "metric": p0["metric"],
+            "logit": float(p0["logit"]), "sum_of_parts": float(p0["sum_of_parts"]),
+            "abs_error": float(abs(p0["logit"] - p0["sum_of_parts"])),
+            "final_scale": float(p0["final_scale"]),
+            "embed": float(c0[c0["kind"] == "embed"]["contribution"].sum()),
+            "attn_total": float(c0[c0["kind"] == "attn"]["contribution"].sum()),
+            "mlp_total": float(c0[c0["kind"] == "mlp"]["contribution"].sum()),
+            "bias": float(c0[c0["kind"] == "bias"]["contribution"].sum()),
+            "attn_by_layer": c0[c0["kind"] == "attn"].sort_values("layer")["contribution"].round(5).tolist(),
+            "mlp_by_layer": c0[c0["kind"] == "mlp"].sort_values("layer")["contribution"].round(5).tolist(),
+            "top_components": {r.component: round(float(r.contribution), 5) for r in top.itertuples()},
+            "top_heads": {r.component: round(float(r.contribution), 5) for r in toph.itertuples()},
+            "n_prompts": int(len(pr)),
+        }
+        if len(pr) > 1:
+            out["logit_by_prompt"] = pr["logit"].round(5).tolist()
+        return out
+
+    def report(self) -> str:
+        s = self.summary()
+        pr = self.tables["prompts"].iloc[0]
+        lines = [f"direct logit attribution [{self.config.step_name}] prompt 0: {pr['prompt']!r} at position "
+                 f"{pr['position']} ({pr['token']!r}); metric {s['metric']}",
+                 f"model: {s['logit']:.4f} logits; sum of parts {s['sum_of_parts']:.4f} (|error| {s['abs_error']:.2e}); "
+                 f"final-norm scale 1/sigma = {s['final_scale']:.4g} (the run's, frozen)",
+                 f"embeddings {s['embed']:+.4f}  attention {s['attn_total']:+.4f}  MLPs {s['mlp_total']:+.4f}  "
+                 f"bias {s['bias']:+.4f}", "top components (logits):"]
+        lines += [f"  {k:>12} {v:+.4f}" for k, v in s["top_components"].items()]
+        lines.append("top heads (logits):")
+        lines += [f"  {k:>12} {v:+.4f}" for k, v in s["top_heads"].items()]
+        return "\n".join(lines)
+
+    def figures(self) -> dict:
+        plt = _plt()
+        comp = self.tables["components"]
+        c0 = comp[comp["prompt_idx"] == 0]
+        figs = {}
+        att = c0[c0["kind"] == "attn"].sort_values("layer")
+        mlp = c0[c0["kind"] == "mlp"].sort_values("layer")
+        fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(att) + 3), 3.8))
+        x = att["layer"].to_numpy()
+        ax.bar(x - 0.2, att["contribution"], width=0.4, label="attention")
+        ax.bar(x + 0.2, mlp["contribution"], width=0.4, label="MLP")
+        emb = c0[c0["kind"] == "embed"]["contribution"].sum()
+        ax.bar([-1], [emb], width=0.4, color="gray", label="embeddings")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xlabel("layer (block index; -1 = embeddings)")
+        ax.set_ylabel(f"direct contribution (logits)")
+        ax.set_title(f"Direct logit attribution: {self.tables['prompts']['metric'].iloc[0]}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        figs["components"] = fig
+        h = self.tables["heads"]
+        h = h[(h["prompt_idx"] == 0) & (h["head"] >= 0)]
+        grid = h.pivot(index="layer", columns="head", values="contribution").sort_index()
+        v = float(np.abs(grid.to_numpy()).max()) or 1.0
+        fig, ax = plt.subplots(figsize=(max(4, 0.45 * grid.shape[1] + 2), max(3, 0.25 * grid.shape[0] + 1.5)))
+        im = ax.imshow(grid.to_numpy(), cmap="RdBu", vmin=-v, vmax=v, aspect="auto", origin="lower")
+        ax.set_xlabel("head"); ax.set_ylabel("layer"); ax.set_title("Per-head direct contribution (logits)")
+        ax.set_xticks(range(grid.shape[1])); ax.set_yticks(range(grid.shape[0]), grid.index.tolist(), fontsize=6)
+        fig.colorbar(im, ax=ax, fraction=0.04)
+        fig.tight_layout()
+        figs["heads"] = fig
+        return figs
+
+
+@register
+class DirectLogitAttribution(Experiment):
+    """Direct logit attribution (Elhage et al. 2021) of a target (minus a foil) at a position.
+
+    Fields:
+        prompts: one string or a list (each attributed separately; summary shows prompt 0).
+        target: one-token string, e.g. ``" Paris"``. foil: optional one-token string; the metric
+            becomes ``logit[target] - logit[foil]``.
+        position: token index read (BOS included; -1 = last).
+        top_k: components / heads listed in the summary.
+        batch_size: prompts per forward pass.
+
+    Raises:
+        TokenizationError: target/foil not one token. AttributionError: position out of range, or
+        an architecture whose residual stream is not the sum of the parts read.
+    """
+
+    kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
+    prompts: list[str] = Field(min_length=1)
+    target: str
+    foil: Optional[str] = None
+    position: int = -1
+    top_k: int = Field(default=10, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+
+    result_class = DirectLogitAttributionResult
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        return _as_list(v)
+
+    def check(self, model) -> None:
+        resolve_target(model, self.target, self.foil)
+
+    def run(self, model, progress: bool = True) -> DirectLogitAttributionResult:
+        self.check(model)
+        das = direct_logit_attribution(model, self.prompts, self.target, self.foil, self.position,
+                                       batch_size=self.batch_size)
+        comps, heads, prompts = [], [], []
+        for d in das:
+            comps.append(d.components_frame())
+            heads.append(d.heads_frame())
+            prompts.append({"prompt_idx": d.prompt_idx, "prompt": d.prompt, "position": d.position,
+                            "token": d.tokens[d.position], "metric": d.target.label, "logit": d.logit,
+                            "sum_of_parts": d.total(), "final_scale": d.final_scale, "tokens": d.tokens})
+        tables = {"components": pd.concat(comps, ignore_index=True), "heads": pd.concat(heads, ignore_index=True),
+                  "prompts": pd.DataFrame(prompts)}
+        meta = {"n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
+                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True)),
+                "scale": "final-norm scale of this run (ln_final.hook_scale), frozen"}
+        return DirectLogitAttributionResult(self, tables, meta)
+
+
+# =============================================================================================
+# neuron attribution
+
+
+class KeyReadoutConfig(BaseModel):
+    """Key readout (Geva et al. 2021): top-activating corpus contexts of the top neurons.
+
+    Fields:
+        corpus: ``stdlib`` (offline default: Python's reference-manual topics and stdlib
+            docstrings), a ``.txt``/``.jsonl`` file, a directory, or a list of them.
+        jsonl_field: the text key in JSONL records.
+        neurons: how many of the overall top neurons to read (default: the step's ``top_k``).
+        top_n: contexts per neuron.
+        max_tokens: text tokens read (bounds the time: ~12k tokens is < 1 min for SmolLM2 on 2 CPU cores).
+        seq_len / batch_size: window length (BOS included) and windows per forward pass.
+        sign: ``auto`` ranks by activation in the direction the neuron has on the prompt
+            (SwiGLU activations can be negative), ``positive`` / ``negative`` force it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    corpus: Union[str, list[str]] = "stdlib"
+    jsonl_field: str = "text"
+    neurons: Optional[int] = Field(default=None, ge=1)
+    top_n: int = Field(default=5, ge=1)
+    max_tokens: Optional[int] = Field(default=12288, ge=1)
+    seq_len: int = Field(default=64, ge=2)
+    batch_size: int = Field(default=16, ge=1)
+    sign: Literal["auto", "positive", "negative"] = "auto"
+
+
+class AblationConfig(BaseModel):
+    """Check by intervention: ablate / amplify the top-k neurons and k random neurons of the same
+    layers (the control), at the read position (``positions: last``) or everywhere (``all``).
+
+    Fields:
+        k: how many of the overall top neurons (default: the step's ``top_k``).
+        modes: ``zero`` and/or ``mean`` (the corpus mean from the key readout when it runs,
+            else the mean over the prompt's tokens).
+        amplify: factor(s) the activations are multiplied by (e.g. 2.0); empty list: none.
+        n_random: random control sets drawn. seed: their seed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    k: Optional[int] = Field(default=None, ge=1)
+    modes: list[Literal["zero", "mean"]] = Field(default_factory=lambda: ["zero", "mean"])
+    amplify: list[float] = Field(default_factory=lambda: [2.0])
+    n_random: int = Field(default=5, ge=0)
+    positions: Literal["last", "all"] = "last"
+    seed: int = 0
+
+    @field_validator("amplify", mode="before")
+    @classmethod
+    def _one(cls, v):
+        return [] if v is None else [v] if isinstance(v, (int, float)) else v
+
+
+class NeuronAttributionResult(Result):
+    """Tables: ``neurons`` (every neuron of the chosen layers per prompt: activation,
+    logit_per_activation, contribution), ``layers`` (per prompt and layer: the MLP's direct
+    attribution, its ``b_out`` term, the neuron sum), ``top`` (top-k per layer and overall, ranked
+    by mean contribution over prompts), ``values`` (value readout of the overall top neurons),
+    ``contexts`` (key readout), ``interventions`` (one row per set x mode x prompt)."""
+
+    main_table = "top"
+
+    def _top(self, scope="overall"):
+        t = self.tables["top"]
+        return t[t["scope"] == scope].sort_values("rank")
+
+    def summary(self) -> dict:
+        cfg = self.config
+        lay = self.tables["layers"]
+        l0 = lay[lay["prompt_idx"] == 0].sort_values("layer")
+        out: dict = {"target": cfg.target, "foil": cfg.foil, "metric": self.meta.get("metric"),
+                     "logit": self.meta.get("logit"), "layers": l0["layer"].tolist(),
+                     "mlp_attribution_by_layer": l0["mlp"].round(5).tolist(),
+                     "max_additivity_error": float((lay["neuron_sum"] + lay["mlp_bias"] - lay["mlp"]).abs().max())}
+        vals = self.tables.get("values", pd.DataFrame())
+        ctx = self.tables.get("contexts", pd.DataFrame())
+        tops = []
+        for r in self._top().itertuples():
+            item = {"neuron": f"{r.layer}.{r.neuron}", "layer": int(r.layer), "index": int(r.neuron),
+                    "activation": round(float(r.activation), 5), "contribution": round(float(r.contribution), 5)}
+            if len(vals):
+                v = vals[(vals["layer"] == r.layer) & (vals["neuron"] == r.neuron)]
+                item["promotes"] = v[v["side"] == "promoted"].sort_values("rank")["token"].tolist()
+                item["suppresses"] = v[v["side"] == "suppressed"].sort_values("rank")["token"].tolist()
+            if len(ctx):
+                c = ctx[(ctx["layer"] == r.layer) & (ctx["neuron"] == r.neuron)].sort_values("rank")
+                item["top_contexts"] = c["context"].tolist()
+            tops.append(item)
+        out["top_neurons"] = tops
+        out["top_contribution_sum"] = round(float(self._top()["contribution"].sum()), 5)
+        per_layer = {}
+        for L, g in self._top("layer").groupby("layer"):
+            per_layer[str(int(L))] = [f"{int(L)}.{int(n)}" for n in g.sort_values("rank")["neuron"]]
+        out["top_by_layer"] = per_layer
+        iv = self.tables.get("interventions", pd.DataFrame())
+        if len(iv):
+            abl = {}
+            for (mode, factor), g in iv.groupby(["mode", "factor"], dropna=False):
+                key = mode if mode != "scale" else f"amplify_x{factor:g}"
+                top = g[g["set"] == "top"]
+                rnd = g[g["set"] == "random"]
+                abl[key] = {
+                    "top_delta_prob": round(float(top["delta_target_prob"].mean()), 6),
+                    "top_delta_logit_diff": round(float(top["delta_logit_diff"].mean()), 5),
+                    "random_delta_prob_mean": round(float(rnd["delta_target_prob"].mean()), 6) if len(rnd) else None,
+                    "random_delta_prob_std": round(float(rnd.groupby("draw")["delta_target_prob"].mean().std(ddof=0)), 6) if len(rnd) else None,
+                    "random_delta_logit_diff_mean": round(float(rnd["delta_logit_diff"].mean()), 5) if len(rnd) else None,
+                    "clean_prob": round(float(top["clean_target_prob"].mean()), 6),
+                    "patched_prob": round(float(top["patched_target_prob"].mean()), 6),
+                }
+            out["interventions"] = abl
+            out["k_ablated"] = int(iv[iv["set"] == "top"]["k"].iloc[0])
+        return out
+
+    def report(self) -> str:
+        s = self.summary()
+        lines = [f"neuron attribution [{self.config.step_name}] metric {s['metric']} = {s['logit']:.4f} logits; "
+                 f"layers {s['layers'] if len(s['layers']) <= 8 else str(len(s['layers'])) + ' layers'}",
+                 f"MLP direct attribution by layer: " + ", ".join(
+                     f"{L}: {v:+.3f}" for L, v in zip(s["layers"], s["mlp_attribution_by_layer"])
+                     if len(s["layers"]) <= 8 or abs(v) > 0.2),
+                 f"neurons + b_out = MLP attribution, max |error| {s['max_additivity_error']:.2e}",
+                 f"top {len(s['top_neurons'])} neurons overall (sum {s['top_contribution_sum']:+.3f} logits):"]
+        for t in s["top_neurons"]:
+            lines.append(f"  {t['neuron']:>8}  act {t['activation']:+8.3f}  contribution {t['contribution']:+.4f}")
+            if "promotes" in t:
+                lines.append(f"           promotes {t['promotes'][:8]}")
+                lines.append(f"           suppresses {t['suppresses'][:5]}")
+            for c in t.get("top_contexts", [])[:3]:
+                lines.append(f"           context: {c!r}")
+        for key, v in s.get("interventions", {}).items():
+            rnd = ("" if v["random_delta_prob_mean"] is None else
+                   f"; random k: d_prob {v['random_delta_prob_mean']:+.4f} (std {v['random_delta_prob_std']:.4f}), "
+                   f"d_logit_diff {v['random_delta_logit_diff_mean']:+.3f}")
+            lines.append(f"{key:>12} top-{s['k_ablated']}: p {v['clean_prob']:.4f} -> {v['patched_prob']:.4f} "
+                         f"(d_prob {v['top_delta_prob']:+.4f}, d_logit_diff {v['top_delta_logit_diff']:+.3f}){rnd}")
+        return "\n".join(lines)
+
+    def figures(self) -> dict:
+        plt = _plt()
+        figs = {}
+        top = self._top()
+        if len(top):
+            fig, ax = plt.subplots(figsize=(7, max(2.5, 0.3 * len(top) + 1)))
+            labels = [f"{int(r.layer)}.{int(r.neuron)}" for r in top.itertuples()]
+            ax.barh(range(len(top)), top["contribution"], color="tab:blue")
+            ax.set_yticks(range(len(top)), labels); ax.invert_yaxis()
+            ax.set_xlabel(f"direct contribution to {self.meta.get('metric')} (logits)")
+            ax.set_title("Top neurons (layer.neuron)")
+            fig.tight_layout()
+            figs["top_neurons"] = fig
+        iv = self.tables.get("interventions", pd.DataFrame())
+        if len(iv):
+            g = iv.groupby(["mode", "factor", "set"], dropna=False)["delta_target_prob"].mean().reset_index()
+            keys = sorted({(m, f) for m, f in zip(g["mode"], g["factor"])}, key=str)
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            x = np.arange(len(keys))
+            for j, (st, col) in enumerate((("top", "tab:red"), ("random", "tab:gray"))):
+                ys = [float(g[(g["mode"] == m) & (g["factor"] == f) & (g["set"] == st)]["delta_target_prob"].mean())
+                      if len(g[(g["mode"] == m) & (g["factor"] == f) & (g["set"] == st)]) else 0.0 for m, f in keys]
+                ax.bar(x + (j - 0.5) * 0.38, ys, width=0.38, color=col, label=f"{st} k")
+            ax.set_xticks(x, [m if m != "scale" else f"x{f:g}" for m, f in keys])
+            ax.axhline(0, color="k", lw=0.5)
+            ax.set_ylabel("change in target probability"); ax.legend(fontsize=8)
+            ax.set_title("Intervention: top-k neurons vs random control")
+            fig.tight_layout()
+            figs["interventions"] = fig
+        return figs
+
+
+@register
+class NeuronAttribution(Experiment):
+    """Which FFN neurons write the target into the residual stream, what they promote, when they
+    fire, and whether removing them matters (Geva et al. 2021; 2022; DLA per Elhage et al. 2021).
+
+    Fields:
+        prompts: one string or a list (neurons are ranked by mean contribution over prompts).
+        target / foil: one-token strings; metric ``logit[target]`` (- ``logit[foil]``).
+        position: the read position (-1 = last).
+        layers: MLP layers (block indices) to attribute, or ``all``.
+        top_k: neurons listed per layer and overall.
+        rank_by: ``contribution`` (most positive first: neurons that push the target) or ``abs``.
+        value_tokens: promoted/suppressed tokens per top neuron (0: skip the value readout).
+        contexts: key readout settings, or null to skip (see :class:`KeyReadoutConfig`).
+        ablation: intervention settings, or null to skip (see :class:`AblationConfig`).
+
+    Raises:
+        TokenizationError: target/foil not one token. AttributionError: unknown layer, position
+        out of range. CorpusError: unreadable corpus.
+    """
+
+    kind: Literal["neuron_attribution"] = "neuron_attribution"
+    prompts: list[str] = Field(min_length=1)
+    target: str
+    foil: Optional[str] = None
+    position: int = -1
+    layers: Union[Literal["all"], list[int], int] = "all"
+    top_k: int = Field(default=10, ge=1)
+    rank_by: Literal["contribution", "abs"] = "contribution"
+    value_tokens: int = Field(default=10, ge=0)
+    contexts: Optional[KeyReadoutConfig] = Field(default_factory=KeyReadoutConfig)
+    ablation: Optional[AblationConfig] = Field(default_factory=AblationConfig)
+    batch_size: int = Field(default=8, ge=1)
+
+    result_class = NeuronAttributionResult
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        return _as_list(v)
+
+    def check(self, model) -> None:
+        resolve_target(model, self.target, self.foil)
+        check_layers(model, self.layers, "layers")
+
+    @torch.no_grad()
+    def run(self, model, progress: bool = True) -> NeuronAttributionResult:
+        self.check(model)
+        layers = check_layers(model, self.layers, "layers")
+        das = direct_logit_attribution(model, self.prompts, self.target, self.foil, self.position,
+                                       neuron_layers=layers, batch_size=self.batch_size)
+        neurons = pd.concat([d.neurons_frame() for d in das], ignore_index=True)
+        lay_rows = []
+        for d in das:
+            for L in layers:
+                lay_rows.append({"prompt_idx": d.prompt_idx, "layer": L, "mlp": float(d.mlp[L]),
+                                 "mlp_bias": float(d.mlp_bias[L]), "neuron_sum": float(d.neuron_contrib[L].sum())})
+        mean = neurons.groupby(["layer", "neuron"], as_index=False)[["activation", "contribution", "logit_per_activation"]].mean()
+        key = mean["contribution"] if self.rank_by == "contribution" else mean["contribution"].abs()
+        mean = mean.assign(_key=key)
+        top_rows = []
+        for L, g in mean.groupby("layer"):
+            g = g.sort_values("_key", ascending=False).head(self.top_k)
+            for r, row in enumerate(g.itertuples()):
+                top_rows.append({"scope": "layer", "rank": r + 1, "layer": int(L), "neuron": int(row.neuron),
+                                 "activation": row.activation, "logit_per_activation": row.logit_per_activation,
+                                 "contribution": row.contribution})
+        g = mean.sort_values("_key", ascending=False).head(self.top_k)
+        overall = []
+        for r, row in enumerate(g.itertuples()):
+            top_rows.append({"scope": "overall", "rank": r + 1, "layer": int(row.layer), "neuron": int(row.neuron),
+                             "activation": row.activation, "logit_per_activation": row.logit_per_activation,
+                             "contribution": row.contribution})
+            overall.append((int(row.layer), int(row.neuron), float(row.activation)))
+        tables = {"neurons": neurons, "layers": pd.DataFrame(lay_rows), "top": pd.DataFrame(top_rows)}
+
+        if self.value_tokens:
+            tables["values"] = pd.concat([
+                value_readout(model, L, n, k=self.value_tokens, sign=1.0 if a >= 0 else -1.0).assign(
+                    activation_sign=1 if a >= 0 else -1) for L, n, a in overall], ignore_index=True)
+
+        abl = self.ablation
+        k_abl = min(abl.k or self.top_k, len(overall)) if abl else 0
+        top_set = [(L, n) for L, n, _ in overall[:k_abl]]
+        rand_sets = [random_neurons(model, top_set, seed=abl.seed + i, exclude=top_set) for i in range(abl.n_random)] if abl else []
+
+        means = None
+        meta = {"metric": das[0].target.label, "logit": das[0].logit, "final_scale": das[0].final_scale,
+                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True))}
+        if self.contexts is not None:
+            cx = self.contexts
+            n_ctx = min(cx.neurons or self.top_k, len(overall))
+            read = [(L, n) for L, n, _ in overall[:n_ctx]]
+            sgn = {(L, n): (1.0 if a >= 0 else -1.0) for L, n, a in overall}
+            if cx.sign == "positive":
+                sgn = {k: 1.0 for k in sgn}
+            elif cx.sign == "negative":
+                sgn = {k: -1.0 for k in sgn}
+            extra = [x for s in rand_sets for x in s if x not in read] + [x for x in top_set if x not in read]
+            extra = list(dict.fromkeys(extra))
+            kr = key_readout(model, read + extra, cx.corpus, top_n=cx.top_n, seq_len=cx.seq_len,
+                             batch_size=cx.batch_size, max_tokens=cx.max_tokens,
+                             signs=[sgn.get(x, 1.0) for x in read] + [1.0] * len(extra),
+                             jsonl_field=cx.jsonl_field, progress=progress)
+            c = kr.contexts
+            keep = set(read)
+            tables["contexts"] = c[[(int(a), int(b)) in keep for a, b in zip(c["layer"], c["neuron"])]].reset_index(drop=True)
+            means = kr.means
+            meta.update(corpus=cx.corpus, corpus_tokens=kr.n_tokens, corpus_windows=kr.n_windows,
+                        mean_source="corpus")
+
+        if abl is not None and top_set:
+            if means is None and "mean" in abl.modes:
+                means = self._prompt_means(model, top_set + [x for s in rand_sets for x in s])
+                meta["mean_source"] = "prompt tokens (BOS excluded)"
+            rows = []
+            clean_by_prompt: dict = {}
+            plans = [(m, float("nan")) for m in abl.modes] + [("scale", float(f)) for f in abl.amplify]
+            sets = [("top", 0, top_set)] + [("random", i + 1, s) for i, s in enumerate(rand_sets)]
+            bar = tqdm(total=len(plans) * len(sets) * len(self.prompts), desc="interventions",
+                       disable=not progress, leave=False)
+            for mode, factor in plans:
+                for set_name, draw, nset in sets:
+                    for pi, prompt in enumerate(self.prompts):
+                        r = neuron_intervention(model, prompt, self.target, nset, mode=mode, foil=self.foil,
+                                                means=means, factor=factor if mode == "scale" else 1.0,
+                                                positions=abl.positions, position=self.position,
+                                                clean_metrics=clean_by_prompt.get(pi))
+                        clean_by_prompt[pi] = r["clean"]
+                        rows.append({"mode": mode, "factor": factor, "set": set_name, "draw": draw, "k": len(nset),
+                                     "prompt_idx": pi, "neurons": [f"{L}.{n}" for L, n in nset],
+                                     "clean_target_prob": r["clean"]["target_prob"],
+                                     "patched_target_prob": r["patched"]["target_prob"],
+                                     "delta_target_prob": r["delta"]["target_prob"],
+                                     "clean_logit_diff": r["clean"]["logit_diff"],
+                                     "patched_logit_diff": r["patched"]["logit_diff"],
+                                     "delta_logit_diff": r["delta"]["logit_diff"],
+                                     "delta_target_log_prob": r["delta"]["target_log_prob"]})
+                        bar.update(1)
+            bar.close()
+            tables["interventions"] = pd.DataFrame(rows)
+        return NeuronAttributionResult(self, tables, meta)
+
+    def _prompt_means(self, model, specs) -> dict:
+        from ..tokens import run_with_cache, tokenize
+
+        layers = sorted({L for L, _ in specs})
+        batch = tokenize(model, self.prompts)
+        _, cache = run_with_cache(model, batch, [f"blocks.{L}.mlp.hook_post" for L in layers])
+        mask = batch.attention_mask.bool().clone()
+        start = 1 if getattr(getattr(model, "tracekit_spec", None), "prepend_bos", False) else 0
+        for b in range(batch.size):
+            mask[b, batch.offsets[b]: batch.offsets[b] + start] = False
+        out = {}
+        for L, n in specs:
+            a = cache[f"blocks.{L}.mlp.hook_post"][..., n].float()
+            out[(L, n)] = float(a[mask].mean())
+        return out

@@ -1,0 +1,121 @@
+"""Benchmark: tracekit's batched, layer-skipping activation patching vs TransformerLens' one-at-a-time.
+
+In one process, on the same model and inputs (the embedded SmolLM2-135M by default; clean
+"The capital of France is", corrupted "The capital of Italy is", metric logit(' Paris') - logit(' Rome')):
+
+1. residual stream, every layer x position: ``tracekit.patching.get_act_patch_resid_pre`` vs
+   ``transformer_lens.patching.get_act_patch_resid_pre``;
+2. head outputs (hook_z), every layer x position x head: ``get_act_patch_attn_head_out_by_pos``
+   on both sides (``--head-layers`` restricts both to the same layers via ``index_df``).
+
+Prints each wall-time ratio and the max abs difference of the results; tracekit's time includes
+its own cached run. The last line is ``speedup <ratio>x max_abs_diff <value>`` for the residual
+sweep. ``--no-skip`` also times tracekit without skipping bit-exact no-op patches.
+
+    python benchmarks/bench_patching.py [--model smollm2-135m] [--threads 2] [--head-layers 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, same for both sides")
+    ap.add_argument("--clean", default="The capital of France is")
+    ap.add_argument("--corrupted", default="The capital of Italy is")
+    ap.add_argument("--answer", default=" Paris")
+    ap.add_argument("--wrong", default=" Rome")
+    ap.add_argument("--head-layers", type=int, default=None,
+                    help="head sweep over the last N layers only (both sides); default: all layers")
+    ap.add_argument("--skip-heads", action="store_true", help="only the residual sweep")
+    ap.add_argument("--no-skip", action="store_true", help="also time tracekit with skip_unchanged=False")
+    ap.add_argument("--batch-size", default="auto")
+    a = ap.parse_args(argv)
+
+    import pandas as pd
+    import torch
+    from transformer_lens import patching as tlp
+
+    from tracekit import patching as tkp
+    from tracekit.models import load_model
+    from tracekit.tokens import single_token_id, tokenize
+
+    torch.set_num_threads(a.threads)
+    bs = a.batch_size if a.batch_size == "auto" else int(a.batch_size)
+    t0 = time.perf_counter()
+    model = load_model(a.model, device=a.device)
+    print(f"model {a.model}: {model.cfg.n_layers} layers, d_model {model.cfg.d_model}, {model.cfg.n_heads} heads "
+          f"(loaded in {time.perf_counter() - t0:.1f} s); torch threads {torch.get_num_threads()}")
+    clean = tokenize(model, [a.clean]).tokens
+    corrupted = tokenize(model, [a.corrupted]).tokens
+    if clean.shape != corrupted.shape:
+        print("clean and corrupted prompts tokenize to different lengths", file=sys.stderr)
+        return 2
+    ans, wrong = single_token_id(model, a.answer), single_token_id(model, a.wrong)
+
+    def tl_metric(logits):  # TransformerLens: full logits [batch, pos, vocab] -> scalar
+        return (logits[:, -1, ans] - logits[:, -1, wrong]).mean()
+
+    def tk_metric(logits, prompt):  # tracekit: last-position logits [rows, vocab] -> [rows]
+        return logits[:, ans] - logits[:, wrong]
+
+    with torch.no_grad():
+        model(clean), model(corrupted)  # warm-up, both sides
+        _, clean_cache = model.run_with_cache(clean)
+
+    # 1. residual stream, all layers x positions
+    t = time.perf_counter()
+    ref = tlp.get_act_patch_resid_pre(model, corrupted, clean_cache, tl_metric).cpu()
+    t_tl = time.perf_counter() - t
+    t = time.perf_counter()
+    ours = tkp.get_act_patch_resid_pre(model, corrupted, clean, tk_metric, batch_size=bs).mean(0)
+    t_tk = time.perf_counter() - t
+    diff = (ref - ours).abs().max().item()
+    n_sites = ref.numel()
+    print(f"resid_pre {tuple(ref.shape)} ({n_sites} sites): TransformerLens {t_tl:.2f} s, tracekit {t_tk:.2f} s, "
+          f"ratio {t_tl / t_tk:.1f}x, max_abs_diff {diff:.2e}")
+    if a.no_skip:
+        t = time.perf_counter()
+        ours2 = tkp.get_act_patch_resid_pre(model, corrupted, clean, tk_metric, batch_size=bs,
+                                            skip_unchanged=False).mean(0)
+        t2 = time.perf_counter() - t
+        print(f"resid_pre without skipping no-op patches: tracekit {t2:.2f} s, ratio {t_tl / t2:.1f}x, "
+              f"max_abs_diff {(ref - ours2).abs().max().item():.2e}")
+
+    # 2. head outputs per position
+    if not a.skip_heads:
+        n_layers, n_pos, n_heads = model.cfg.n_layers, clean.shape[1], model.cfg.n_heads
+        first = 0 if a.head_layers is None else max(0, n_layers - a.head_layers)
+        import itertools
+
+        idf = pd.DataFrame(list(itertools.product(range(first, n_layers), range(n_pos), range(n_heads))),
+                           columns=["layer", "pos", "head_index"])
+        t = time.perf_counter()
+        ref_h = tlp.get_act_patch_attn_head_out_by_pos(model, corrupted, clean_cache, tl_metric,
+                                                       index_axis_names=None, index_df=idf).cpu()
+        th_tl = time.perf_counter() - t
+        t = time.perf_counter()
+        ours_h = tkp.get_act_patch_attn_head_out_by_pos(
+            model, corrupted, clean, tk_metric, index_df=idf.rename(columns={"head_index": "head"}),
+            batch_size=bs).mean(0)
+        th_tk = time.perf_counter() - t
+        print(f"head_out_by_pos ({len(idf)} sites, layers {first}..{n_layers - 1}): TransformerLens {th_tl:.2f} s, "
+              f"tracekit {th_tk:.2f} s, ratio {th_tl / th_tk:.1f}x, "
+              f"max_abs_diff {(ref_h - ours_h).abs().max().item():.2e}")
+
+    print(f"speedup {t_tl / t_tk:.1f}x max_abs_diff {diff:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,10 +19,10 @@ from typing import Literal, Optional, Union
 
 import numpy as np
 import pandas as pd
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from ..heads import attention_pattern, check_heads, classify_heads, head_scores, resolve_query, _check_layer
-from .base import Experiment, Result, register
+from .base import Experiment, OptionalPrompts, Prompts, Result, register
 
 __all__ = ["AttentionPatterns", "AttentionPatternResult", "HeadScan", "HeadScanResult"]
 
@@ -236,18 +236,13 @@ class HeadScan(Experiment):
     n_seqs: int = Field(default=4, ge=1)
     seed: int = 0
     layers: Union[Literal["all"], list[int]] = "all"
-    prompts: list[str] = Field(default_factory=list)
+    prompts: OptionalPrompts = Field(default_factory=list)
     top_k: int = Field(default=5, ge=1)
     induction_threshold: float = 0.3
     dominance: float = Field(default=0.4, gt=0, le=1)
     spread_entropy: float = Field(default=0.9, gt=0, le=1)
 
     result_class = HeadScanResult
-
-    @field_validator("prompts", mode="before")
-    @classmethod
-    def _as_list(cls, v):
-        return [v] if isinstance(v, str) else v
 
     def _layers(self, model):
         return list(range(int(model.cfg.n_layers))) if self.layers == "all" else [_check_layer(model, L, "layers") for L in self.layers]

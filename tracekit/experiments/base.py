@@ -26,7 +26,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+def _str_to_list(v):
+    return [v] if isinstance(v, str) else v
+
+
+#: A config field holding prompts: one string or a list of strings (at least one).
+Prompts = Annotated[list[str], BeforeValidator(_str_to_list), Field(min_length=1)]
+#: The same, possibly empty.
+OptionalPrompts = Annotated[list[str], BeforeValidator(_str_to_list)]
 
 REGISTRY: dict[str, type["Experiment"]] = {}
 RESULTS: dict[str, type["Result"]] = {}

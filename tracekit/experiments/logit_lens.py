@@ -26,12 +26,12 @@ from typing import Literal, Optional, Union
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from ..readout import Readout
 from ..tokens import chunks, encode, single_token_id, str_tokens, tokenize, run_with_cache
-from .base import Experiment, Result, register
+from .base import Experiment, Prompts, Result, register
 
 __all__ = ["LogitLens", "LogitLensResult", "lens_hooks", "emergence_layer"]
 
@@ -233,7 +233,7 @@ class LogitLens(Experiment):
     """
 
     kind: Literal["logit_lens"] = "logit_lens"
-    prompts: list[str] = Field(min_length=1)
+    prompts: Prompts
     target: Optional[Union[str, list[str]]] = None
     positions: Literal["last", "all"] = "last"
     layers: LayerConvention = "hidden_states"
@@ -241,11 +241,6 @@ class LogitLens(Experiment):
     batch_size: int = Field(default=8, ge=1)
 
     result_class = LogitLensResult
-
-    @field_validator("prompts", mode="before")
-    @classmethod
-    def _one_prompt(cls, v):
-        return [v] if isinstance(v, str) else v
 
     @property
     def targets(self) -> list[str]:

@@ -33,7 +33,7 @@ from ..attribution import (
     resolve_target,
     value_readout,
 )
-from .base import Experiment, Result, register
+from .base import Experiment, OptionalPrompts, Prompts, Result, register
 
 __all__ = ["DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution",
            "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
@@ -46,10 +46,6 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _as_list(v):
-    return [v] if isinstance(v, str) else v
 
 
 # =============================================================================================
@@ -158,7 +154,7 @@ class DirectLogitAttribution(Experiment):
     """
 
     kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
-    prompts: list[str] = Field(min_length=1)
+    prompts: Prompts
     target: str
     foil: Optional[str] = None
     position: int = -1
@@ -166,11 +162,6 @@ class DirectLogitAttribution(Experiment):
     batch_size: int = Field(default=8, ge=1)
 
     result_class = DirectLogitAttributionResult
-
-    @field_validator("prompts", mode="before")
-    @classmethod
-    def _one_prompt(cls, v):
-        return _as_list(v)
 
     def check(self, model) -> None:
         resolve_target(model, self.target, self.foil)
@@ -391,7 +382,7 @@ class NeuronAttribution(Experiment):
     """
 
     kind: Literal["neuron_attribution"] = "neuron_attribution"
-    prompts: list[str] = Field(min_length=1)
+    prompts: Prompts
     target: str
     foil: Optional[str] = None
     position: int = -1
@@ -404,11 +395,6 @@ class NeuronAttribution(Experiment):
     batch_size: int = Field(default=8, ge=1)
 
     result_class = NeuronAttributionResult
-
-    @field_validator("prompts", mode="before")
-    @classmethod
-    def _one_prompt(cls, v):
-        return _as_list(v)
 
     def check(self, model) -> None:
         resolve_target(model, self.target, self.foil)

@@ -83,6 +83,9 @@ def test_set_overrides():
     apply_override(raw, 'experiments[0].target=" Rome"')
     apply_override(raw, "experiments.0.top_k=3")
     apply_override(raw, "model.config_overrides={n_layer: 2}")
+    assert apply_override({"a": 1}, "a= Paris")["a"] == " Paris"  # unquoted: leading space kept
+    assert apply_override({"a": 1}, "a=' Paris'")["a"] == " Paris"
+    assert apply_override({"a": 1}, "a=3")["a"] == 3
     cfg = parse_config(raw)
     assert cfg.model.device == "cpu" and cfg.model.config_overrides == {"n_layer": 2}
     assert cfg.experiments[0].target == " Rome" and cfg.experiments[0].top_k == 3
@@ -162,3 +165,27 @@ def test_missing_model_via_cli(tmp_path, capsys):
                  "--set", "model.name=some-org/not-cached"])
     assert code == 2
     assert "not in the local Hugging Face cache" in capsys.readouterr().err
+
+
+def test_step_name_cannot_escape_the_run_directory():
+    with pytest.raises(ConfigError, match=r"experiments\[0\].name"):
+        parse_config({"experiments": [{"kind": "logit_lens", "name": "../../evil", "prompts": ["a"]}]})
+
+
+def test_patching_answer_equal_to_wrong_is_a_config_error():
+    step = {"kind": "activation_patching", "pairs": [{"clean": "a b", "corrupted": "a c", "answer": " x", "wrong": " x"}]}
+    with pytest.raises(ConfigError, match="answer and wrong must differ"):
+        parse_config({"experiments": [step]})
+
+
+def test_config_override_typo_is_an_error(gpt2_tokenizer_dir):
+    with pytest.raises(ModelLoadError, match="n_layers"):
+        load_model(ModelSpec(name="gpt2", random_init=True, tokenizer=gpt2_tokenizer_dir,
+                             config_overrides={"n_layers": 2}))
+
+
+def test_unknown_expectation_metric_lists_available_keys():
+    from tracekit.experiments.base import Expectation
+
+    row = Expectation(metric="target_prob_finall", value=1).check({"target_prob_final": 0.5})
+    assert row["met"] is False and "target_prob_final" in row["error"]

@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                                       progress=not args.no_progress)
     except StepFailed as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (ModelLoadError, TokenizationError, ValueError) as e:
+        bad_input = isinstance(e.__cause__, (TokenizationError, ValueError, OSError, KeyError))
+        return 2 if bad_input else 1
+    except (ModelLoadError, TokenizationError, ValueError, OSError, KeyError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir}")

@@ -21,8 +21,9 @@ future kinds); ``sweep`` (reserved) will expand a step over field values.
 
 Errors: unknown keys, wrong types and bad values raise :class:`ConfigError` whose message lists
 every problem with its path, e.g. ``experiments[0].target: Field required``.
-``--set path=value`` overrides (``experiments[0].target=" Rome"``, ``model.device=cpu``) are
-applied to the raw YAML before validation, values parsed as YAML.
+``--set path=value`` overrides (``experiments[0].target= Rome``, ``model.device=cpu``) are
+applied to the raw YAML before validation. Values are parsed as YAML (numbers, lists, mappings,
+quoted strings), except that an unquoted string is kept verbatim, leading space included.
 """
 
 from __future__ import annotations
@@ -144,8 +145,11 @@ def apply_override(raw: dict, assignment: str) -> dict:
     if not keys:
         raise ConfigError(f"--set {assignment!r}: empty path")
     try:
-        value = yaml.safe_load(value_s) if value_s.strip() else ""
+        value = yaml.safe_load(value_s) if value_s.strip() else value_s
     except yaml.YAMLError:
+        value = value_s
+    if isinstance(value, str) and not value_s.lstrip().startswith(("'", '"')):
+        # YAML would strip a leading space, and " Paris" is a different token from "Paris".
         value = value_s
     obj: Any = raw
     for j, k in enumerate(keys[:-1]):

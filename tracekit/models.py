@@ -205,6 +205,13 @@ def _random_hf_model(spec: ModelSpec, dtype: torch.dtype):
                 f"model.random_init needs the architecture's config: {spec.name!r} is neither "
                 f"gpt2/llama nor a cached/local config ({type(e).__name__}: {e})."
             ) from e
+    default = type(cfg)()  # config classes accept unknown kwargs silently: compare with a default
+    unknown = [k for k in overrides if not hasattr(default, k)]
+    if unknown:
+        raise ModelLoadError(
+            f"model.config_overrides: unknown {type(cfg).__name__} field(s) {unknown}; "
+            f"check the spelling (e.g. GPT-2: n_layer, n_embd, n_head; Llama: num_hidden_layers, hidden_size)."
+        )
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 

@@ -171,6 +171,9 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         expectations += rows
         log(result.report() if hasattr(result, "report") else json.dumps(_jsonable(summaries[name]), indent=2))
         for r in rows:
+            if r.get("error"):
+                log(f"  expectation {name}.{r['metric']}: ERROR {r['error']}")
+                continue
             mark = "met" if r["met"] else "NOT MET"
             log(f"  expectation {name}.{r['metric']}: observed {r.get('observed')!r} vs "
                 f"{_bounds(r)} -> {mark}" + (f"  ({r['note']})" if r.get("note") else ""))

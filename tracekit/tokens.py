@@ -16,6 +16,8 @@ Answer/target strings must be exactly one token, leading space included (``" Par
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -92,6 +94,10 @@ def single_token_id(model, text: str, field: str = "target") -> int:
             f"{field}: {text!r} is {len(ids)} tokens {describe_tokenization(model, text)}, "
             f"but must be exactly one token.{hint}"
         )
+    if not text.startswith(" ") and text[:1].isalpha() and len(encode(model, " " + text, prepend_bos=False)) == 1:
+        warnings.warn(f"{field}: {text!r} has no leading space; after a word the model usually predicts "
+                      f"{' ' + text!r}, a different token. Use {' ' + text!r} unless you mean the bare form.",
+                      stacklevel=2)
     return ids[0]
 
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Optional
 import pandas as pd
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 def _str_to_list(v):
     return [v] if isinstance(v, str) else v
@@ -104,7 +104,10 @@ class Expectation(BaseModel):
         try:
             obs = lookup(summary, self.metric)
         except (KeyError, IndexError, TypeError) as e:
-            row.update(observed=None, met=False, error=f"no such summary metric: {e}")
+            keys = sorted(k for k in summary if k != "expectations")
+            row.update(observed=None, met=False,
+                       error=f"no such summary metric {self.metric!r} ({type(e).__name__}: {e}); "
+                             f"available: {keys}")
             return row
         row["observed"] = obs
         met = True
@@ -121,6 +124,7 @@ class Expectation(BaseModel):
         return row
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _INDEX = re.compile(r"\[(-?\d+|'[^']*'|\"[^\"]*\")\]")
 
 
@@ -150,6 +154,14 @@ class Experiment(BaseModel):
     expect: list[Expectation] = Field(default_factory=list)
 
     result_class: ClassVar[type["Result"]]
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v):
+        if v is not None and (not _NAME.fullmatch(v) or v in (".", "..")):
+            raise ValueError(f"step name {v!r} must be letters, digits, '.', '_' or '-' "
+                             "(it names the step's folder in the run directory)")
+        return v
 
     def check(self, model) -> None:
         """Validate everything that needs the tokenizer (targets, prompt alignment) before any

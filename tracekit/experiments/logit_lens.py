@@ -30,7 +30,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from ..readout import Readout
-from ..tokens import chunks, encode, single_token_id, str_tokens, tokenize, run_with_cache
+from ..tokens import TokenizationError, chunks, encode, single_token_id, str_tokens, tokenize, run_with_cache
 from .base import Experiment, Prompts, Result, register
 
 __all__ = ["LogitLens", "LogitLensResult", "lens_hooks", "emergence_layer"]
@@ -249,6 +249,10 @@ class LogitLens(Experiment):
         return [self.target] if isinstance(self.target, str) else list(self.target)
 
     def check(self, model) -> None:
+        for i, p in enumerate(self.prompts):
+            if not encode(model, p):
+                raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt "
+                                        "(or set model.prepend_bos: true)")
         for j, t in enumerate(self.targets):
             single_token_id(model, t, field="target" if isinstance(self.target, str) else f"target[{j}]")
 

@@ -69,6 +69,16 @@ class PromptPair(BaseModel):
     answer: Union[str, list[str]]
     wrong: Optional[Union[str, list[str]]] = None
 
+    @model_validator(mode="after")
+    def _answer_differs_from_wrong(self):
+        a = [self.answer] if isinstance(self.answer, str) else list(self.answer)
+        w = [] if self.wrong is None else ([self.wrong] if isinstance(self.wrong, str) else list(self.wrong))
+        same = [x for x, y in zip(a, w) if x == y]
+        if same:
+            raise ValueError(f"answer and wrong must differ (both {same[0]!r}): the logit difference "
+                             "would be 0 for every run; set wrong to the corrupted prompt's answer")
+        return self
+
     @property
     def answers(self) -> list[str]:
         return [self.answer] if isinstance(self.answer, str) else list(self.answer)
@@ -183,6 +193,8 @@ class ActivationPatchingResult(Result):
                                  "corrupted": float(r.corrupted)} for r in flagged.itertuples()]
         out["n_flagged"] = int(flagged[flagged["metric"] == cfg.main_metric]["pair"].nunique())
         out["n_unflagged_pairs"] = int(good[good["metric"] == cfg.main_metric]["pair"].nunique())
+        mrows = self.tables["main"][self.tables["main"]["scope"] == "mean"]
+        out["mean_flagged_metrics"] = sorted(mrows[mrows["flagged"].astype(bool)]["metric"].unique().tolist())
 
         def rec(r) -> dict:
             d = {"direction": r["direction"], "site": r["site"], "layer": int(r["layer"]),
@@ -584,12 +596,14 @@ class ActivationPatching(Experiment):
                 position=("position", "first"), token=("token", "first")).reset_index()
             agg["normalized"] = P.normalize(agg["value"].to_numpy(), agg["_clean"].to_numpy(),
                                             agg["_corr"].to_numpy(), self.min_denominator)
+            mean_flag = np.abs(agg["_clean"].to_numpy() - agg["_corr"].to_numpy()) < self.min_denominator
             mean = agg.drop(columns=["_clean", "_corr"])
             if not equal:
                 mean["position"] = pd.array([pd.NA] * len(mean), dtype="Int64")
                 mean["token"] = None
             mean["pair"] = pd.array([pd.NA] * len(mean), dtype="Int64")
-            mean["flagged"] = False
+            # the averaged clean/corrupted gap can vanish even when no single pair's does
+            mean["flagged"] = mean_flag
             mean["scope"] = "mean"
         cols = ["scope", "direction", "site", "hook", "layer", "position", "pos_from_end", "token", "head", "neuron",
                 "pair", "metric", "value", "normalized", "flagged"]

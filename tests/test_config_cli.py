@@ -189,3 +189,27 @@ def test_unknown_expectation_metric_lists_available_keys():
 
     row = Expectation(metric="target_prob_finall", value=1).check({"target_prob_final": 0.5})
     assert row["met"] is False and "target_prob_final" in row["error"]
+
+
+def test_device_and_tokenizer_errors_before_loading(gpt2_tokenizer_dir):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ModelLoadError, match="n_devices"):
+            load_model(ModelSpec(name="gpt2", n_devices=2))
+    with pytest.raises(ModelLoadError, match="model.tokenizer: no such tokenizer directory"):
+        load_model(ModelSpec(name="gpt2", random_init=True, tokenizer="/no/such/tok"))
+
+
+def test_bad_pairs_jsonl_names_file_and_line(tmp_path):
+    from tracekit.experiments.patching import load_pairs
+
+    p = tmp_path / "pairs.jsonl"
+    p.write_text('{"clean": "a", "corrupted": "b", "answer": " x", "wrong": " y"}\n{not json}\n')
+    with pytest.raises(ValueError, match=r"pairs\.jsonl line 2 is not valid JSON"):
+        load_pairs(p)
+
+
+def test_result_load_on_a_non_result_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a saved tracekit result"):
+        tk.Result.load(tmp_path)

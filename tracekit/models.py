@@ -110,6 +110,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def _check_devices(spec: ModelSpec) -> None:
+    """Fail before loading weights when the spec asks for devices this machine lacks."""
+    if spec.n_devices and spec.n_devices > 1 and torch.cuda.device_count() < spec.n_devices:
+        raise ModelLoadError(
+            f"model.n_devices is {spec.n_devices} but {torch.cuda.device_count()} CUDA device(s) are "
+            "visible; lower n_devices or unset it (device: auto uses one device)."
+        )
+    if spec.device_map is None and not spec.n_devices:
+        resolve_device(spec.device)
+
+
 def embedded_gguf_path() -> Path:
     """Path of the embedded SmolLM2-135M GGUF file. Raises ModelLoadError if not installed.
 
@@ -166,6 +177,8 @@ def _load_tokenizer(source: str, **kw):
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
     d = Path(source).expanduser()
+    if source.startswith((".", "/", "~")) and not d.exists():
+        raise ModelLoadError(f"model.tokenizer: no such tokenizer directory {source!r}.")
     try:
         if d.is_dir() and (d / "vocab.json").exists() and (d / "merges.txt").exists() and not (
             (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists()
@@ -311,6 +324,7 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     hf_model.eval()
     name = bridge_name or getattr(hf_model.config, "_name_or_path", None) or hf_model.config.model_type
     boot_kw: dict[str, Any] = {"hf_model": hf_model, "tokenizer": tokenizer, "dtype": DTYPES[spec.dtype]}
+    _check_devices(spec)
     if spec.n_devices and spec.n_devices > 1:
         boot_kw["n_devices"] = spec.n_devices
     elif spec.device_map is None:
@@ -357,6 +371,7 @@ def load_model(spec: ModelSpec | str | dict | None = None, **overrides):
     key = spec.key()
     if key in _CACHE:
         return _CACHE[key]
+    _check_devices(spec)
     dtype = DTYPES[spec.dtype]
     device = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
     hf, tok, bridge_name = _load_hf(spec, dtype, device)

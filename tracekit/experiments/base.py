@@ -248,6 +248,9 @@ class Result:
     def load(cls, directory: str | Path) -> "Result":
         """Load a result saved by :meth:`save` (the right subclass is found from ``config.json``)."""
         d = Path(directory)
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"{d} is not a saved tracekit result (no config.json); pass a step's "
+                                    "folder inside a run directory, e.g. results/<run>/<step name>")
         cfg = json.loads((d / "config.json").read_text())
         kind = cfg.get("kind")
         if kind not in REGISTRY:

@@ -116,9 +116,20 @@ def load_pairs(path: Union[str, Path], field: str = "pairs_file") -> list[Prompt
         raise ValueError(f"{field}: no such file {str(path)!r} (paths are relative to the working directory)")
     ext = p.suffix.lower()
     if ext == ".jsonl":
-        recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        recs = []
+        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{field}: {p} line {lineno} is not valid JSON ({e.msg}); "
+                                 "each line must be one object with clean, corrupted, answer, wrong") from e
     elif ext == ".json":
-        recs = json.loads(p.read_text())
+        try:
+            recs = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: {p} is not valid JSON ({e})") from e
         if not isinstance(recs, list):
             raise ValueError(f"{field}: {p} must hold a JSON list of pair objects")
     elif ext == ".csv":

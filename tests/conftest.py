@@ -1,60 +1,59 @@
-"""Shared fixtures: tiny randomly initialised models of GPT-2 and Llama architecture, built offline
-with GPT-2's real tokenizer tables (../shared/data/gpt2-bpe), and the embedded model (slow)."""
+"""Shared fixtures. Tiers (as TransformerLens' tests/AGENTS.md):
+
+* ``tests/unit``: no model, or a tiny one built in milliseconds; pure functions (positions, metrics,
+  config parsing, splits).
+* ``tests/integration``: tiny random GPT-2 / Llama models (tests/helpers.py), including perturbed
+  norms and biases, tied embeddings and GQA, with weight processing on and off.
+* ``tests/acceptance``: the real embedded model (SmolLM2-135M), marked ``slow``; run in CI too.
+
+GPT-2's real tokenizer tables are vendored in ``tracekit/data/gpt2-bpe`` (nothing outside the repo
+is read).
+"""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import GPT2_BPE, PERTURBED_IDS, PERTURBED_VARIANTS, make_perturbed, make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
-
-ROOT = Path(__file__).resolve().parents[1]
-GPT2_BPE = ROOT.parent / "shared" / "data" / "gpt2-bpe"
-if not GPT2_BPE.exists():  # a copy inside the repo, if someone vendors it
-    GPT2_BPE = ROOT / "tests" / "data" / "gpt2-bpe"
 
 
 @pytest.fixture(scope="session")
 def gpt2_tokenizer_dir() -> str:
-    if not (GPT2_BPE / "vocab.json").exists():
-        pytest.fail(f"GPT-2 tokenizer tables not found at {GPT2_BPE}")
-    return str(GPT2_BPE)
-
-
-def make_tiny(arch: str, tokenizer_dir: str, process_weights: bool = True, prepend_bos: bool = True,
-              padding_side: str = "right", n_layers: int = 3, seed: int = 0):
-    """A tiny random model through the same loader users use (ModelSpec random_init)."""
-    from tracekit.models import ModelSpec, load_model
-
-    overrides = ({"n_layer": n_layers, "n_embd": 64, "n_head": 4, "n_positions": 128}
-                 if arch == "gpt2" else {"num_hidden_layers": n_layers})
-    spec = ModelSpec(name=arch, random_init=True, tokenizer=tokenizer_dir, config_overrides=overrides,
-                     process_weights=process_weights, prepend_bos=prepend_bos, padding_side=padding_side,
-                     seed=seed, device="cpu")
-    return load_model(spec)
+    return GPT2_BPE
 
 
 @pytest.fixture(scope="session", params=["gpt2", "llama"])
-def tiny_model(request, gpt2_tokenizer_dir):
-    return make_tiny(request.param, gpt2_tokenizer_dir)
+def tiny_model(request):
+    return make_tiny(request.param)
 
 
 @pytest.fixture(scope="session")
-def tiny_gpt2(gpt2_tokenizer_dir):
-    return make_tiny("gpt2", gpt2_tokenizer_dir)
+def tiny_gpt2():
+    return make_tiny("gpt2")
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(gpt2_tokenizer_dir):
-    return make_tiny("llama", gpt2_tokenizer_dir)
+def tiny_llama():
+    return make_tiny("llama")
+
+
+@pytest.fixture(scope="session", params=[(a, t, pw) for a, t in PERTURBED_VARIANTS for pw in (True, False)],
+                ids=[f"{i}-{'processed' if pw else 'raw'}" for i in PERTURBED_IDS for pw in (True, False)])
+def perturbed_model(request):
+    """Tiny GPT-2 / Llama / tied-embedding Llama with perturbed norms and biases, weight processing
+    on and off (6 variants)."""
+    arch, tied, pw = request.param
+    return make_perturbed(arch, process_weights=pw, tied=tied)
 
 
 @pytest.fixture(scope="session")

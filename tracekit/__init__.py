@@ -8,18 +8,41 @@ Notebook use::
                        target=" Paris").run(model)
     res.to_frame(); res.summary(); res.plot()
 
-Modules, one stage of "how did the model compute this token?" each:
-``models`` (loading), ``tokens`` (tokenization/padding), ``readout`` (final norm + unembedding),
-``experiments`` (the kinds), ``config`` (YAML), ``runner``/``cli`` (``tracekit run``).
+Modules, one stage of "how did the model compute this token?" each (docs/design.md has the map):
+``models`` (loading), ``tokens`` (tokenization, positions, padding), ``readout`` (final norm +
+unembedding, written once), ``hooks`` (hook names, gated hooks, no leaked state), ``metrics``,
+one engine module per method, ``experiments`` (the kinds over the engines), ``config`` (YAML),
+``runner``/``cli`` (``tracekit run``), ``errors`` (one error root).
 """
 
-from .models import ModelLoadError, ModelSpec, load_model, wrap_hf_model  # noqa: F401
-from .tokens import TokenizationError  # noqa: F401
-from .readout import Readout  # noqa: F401
-from .experiments import *  # noqa: F401,F403
-from .experiments import __all__ as _exp_all
-from .config import ConfigError, load_config, parse_config  # noqa: F401
+from .errors import (AttentionError, AttributionError, ConfigError, CorpusError, HookError, ModelLoadError,
+                     OutputError, PatchingError, ProbingError, ResultLoadError, SAEError, TokenizationError,
+                     TracekitError)
+from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spec_of, wrap_hf_model
+from .readout import Readout
+from .tokens import Position, parse_position
+from .experiments import (REGISTRY, AblationConfig, ActivationPatching, ActivationPatchingResult,
+                          AttentionPatternResult, AttentionPatterns, DirectLogitAttribution,
+                          DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
+                          KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
+                          NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
+                          register)
+from .config import RunConfig, load_config, parse_config
 
-__version__ = "0.1.0"
-__all__ = ["ModelLoadError", "ModelSpec", "load_model", "wrap_hf_model", "TokenizationError",
-           "Readout", "ConfigError", "load_config", "parse_config", *_exp_all]
+__version__ = "0.2.0"
+__all__ = [
+    # errors
+    "TracekitError", "ConfigError", "ModelLoadError", "TokenizationError", "HookError", "PatchingError",
+    "AttributionError", "AttentionError", "CorpusError", "ProbingError", "SAEError", "ResultLoadError",
+    "OutputError",
+    # models, tokens, readout
+    "ModelSpec", "ModelInfo", "load_model", "load_model_info", "model_spec_of", "wrap_hf_model", "Readout",
+    "Position", "parse_position",
+    # protocol and config
+    "REGISTRY", "Experiment", "Result", "Expectation", "register", "RunConfig", "load_config", "parse_config",
+    # kinds
+    "LogitLens", "LogitLensResult", "ActivationPatching", "ActivationPatchingResult", "PromptPair",
+    "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
+    "KeyReadoutConfig", "AblationConfig", "AttentionPatterns", "AttentionPatternResult", "HeadScan",
+    "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
+]

@@ -53,9 +53,7 @@ __all__ = [
 ]
 
 
-class AttributionError(ValueError):
-    """Bad input for an attribution (unknown layer or neuron index, position out of range), or a
-    model whose residual stream is not the sum of the parts this module reads."""
+from .errors import AttributionError  # noqa: E402  (re-exported)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,59 +88,14 @@ def resolve_target(model, target: str, foil: Optional[str] = None) -> LogitTarge
     return LogitTarget(target, t, foil, f)
 
 
-def final_norm_params(model) -> tuple[Float[torch.Tensor, "d_model"], Optional[Float[torch.Tensor, "d_model"]], bool]:
-    """``(weight, bias or None, is_layernorm)`` of the final norm as the forward pass applies it.
-
-    With ``process_weights`` (fold_ln) the weight is all ones and its values live in ``W_U``;
-    without, they are the trained values. RMSNorm has no bias and does not centre.
-    """
-    lf = model.ln_final
-    d = int(model.cfg.d_model)
-    rms = getattr(lf, "uses_rms_norm", None)
-    if rms is None:
-        rms = str(getattr(model.cfg, "normalization_type", "LN") or "LN").startswith("RMS")
-    w = None
-    for name in ("weight", "w"):
-        try:
-            w = getattr(lf, name)
-        except AttributeError:
-            w = None
-        if isinstance(w, torch.Tensor):
-            break
-        w = None
-    dev = model.W_U.device
-    w = torch.ones(d, device=dev) if w is None else w.detach().float().to(dev)
-    if getattr(model.cfg, "rmsnorm_uses_offset", False):
-        w = 1.0 + w
-    b = None
-    if not rms:
-        comp = getattr(lf, "original_component", None)
-        b = getattr(comp, "bias", None) if comp is not None else getattr(lf, "b", None)
-        b = b.detach().float().to(dev) if isinstance(b, torch.Tensor) else None
-    return w, b, not rms
+def final_norm_params(model):
+    """``(weight, bias or None, is_layernorm)`` of the final norm: :meth:`tracekit.Readout.norm_params`."""
+    return Readout(model).norm_params()
 
 
 def logit_direction(model, tgt: LogitTarget) -> tuple[Float[torch.Tensor, "d_model"], float]:
-    """The residual-space direction read by the (target - foil) logit, and the constant bias term.
-
-    Returns:
-        ``(u_eff, bias)``: ``u_eff = w * u`` (centred over ``d_model`` for LayerNorm), so a write
-        ``c`` contributes ``c . u_eff / sigma`` logits; ``bias = b_norm . u + b_U[t] - b_U[f]``
-        (logits), independent of the input.
-    """
-    W_U = Readout(model).W_U
-    u = W_U[:, tgt.target_id].float()
-    if tgt.foil_id is not None:
-        u = u - W_U[:, tgt.foil_id].float()
-    w, b, is_ln = final_norm_params(model)
-    ue = u * w
-    if is_ln:
-        ue = ue - ue.mean()
-    bias = float(b @ u) if b is not None else 0.0
-    b_U = getattr(model, "b_U", None)
-    if isinstance(b_U, torch.Tensor):
-        bias += float(b_U[tgt.target_id]) - (float(b_U[tgt.foil_id]) if tgt.foil_id is not None else 0.0)
-    return ue, bias
+    """The (target - foil) logit's residual direction and bias: :meth:`tracekit.Readout.direction`."""
+    return Readout(model).direction(tgt.target_id, tgt.foil_id)
 
 
 def _vec(x) -> Optional[torch.Tensor]:
@@ -354,7 +307,7 @@ def direct_logit_attribution(
     for s in range(0, len(prompts), size):
         chunk = prompts[s:s + size]
         batch = tokenize(model, chunk)
-        logits, cache = run_with_cache(model, batch, names)
+        logits, cache = run_with_cache(model, batch, names, strict=False)
         for b, prompt in enumerate(chunk):
             p = _position(batch, b, position)
             sigma = float(cache["ln_final.hook_scale"][b, p].float().reshape(-1)[0])
@@ -417,13 +370,7 @@ def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, "d_vocab
         AttributionError: unknown layer or neuron.
     """
     L, N = parse_neuron(model, (layer, neuron), "neuron")
-    w, _, is_ln = final_norm_params(model)
-    v = model.blocks[L].mlp.W_out[N].float()
-    if is_ln:
-        v = v - v.mean()
-    W_U = Readout(model).W_U
-    scores = ((v * w.to(v.device)).to(W_U.dtype) @ W_U).float()
-    return (scores - scores.mean()).cpu()
+    return Readout(model).vocab_projection(model.blocks[L].mlp.W_out[N]).cpu()
 
 
 @torch.no_grad()

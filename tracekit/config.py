@@ -39,8 +39,7 @@ from .experiments.base import REGISTRY, Experiment
 from .models import ModelSpec
 
 
-class ConfigError(ValueError):
-    """A config is invalid; the message names each YAML path and the fix."""
+from .errors import ConfigError  # noqa: E402  (re-exported)
 
 
 class RunConfig(BaseModel):

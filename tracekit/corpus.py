@@ -48,8 +48,7 @@ _DOC_MODULES = ("abc", "argparse", "bisect", "calendar", "collections/__init__",
                 "urllib/parse", "uuid", "warnings", "zipfile")
 
 
-class CorpusError(ValueError):
-    """A corpus source cannot be read; the message names the field and the fix."""
+from .errors import CorpusError  # noqa: E402  (re-exported)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ __all__ = ["HeadError", "AttentionPattern", "attention_pattern", "resolve_query"
 HEAD_LABELS = ("self", "first", "previous", "spread", "content")
 
 
-class HeadError(ValueError):
-    """Bad layer / head / query input; the message names the field and the valid range."""
+from .errors import AttentionError as HeadError  # noqa: E402
+
 
 
 def _check_layer(model, layer: int, field: str = "layer") -> int:

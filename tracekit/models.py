@@ -26,16 +26,23 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 import os
 import socket
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .errors import ModelLoadError
+
 log = logging.getLogger(__name__)
+
+__all__ = ["ModelSpec", "ModelInfo", "ModelLoadError", "load_model", "load_model_info", "wrap_hf_model",
+           "model_spec_of", "model_device", "resolve_device", "embedded_gguf_path", "clear_cache",
+           "BUILTIN_TOKENIZERS", "bos_info", "model_fingerprint", "as_spec"]
 
 EMBEDDED_ALIASES = ("smollm2-135m", "embedded", "smollm2")
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,8 +51,6 @@ EMBEDDED_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ModelLoadError(RuntimeError):
-    """The model named by a spec cannot be had; the message says why and what to do."""
 
 
 class ModelSpec(BaseModel):
@@ -58,7 +63,11 @@ class ModelSpec(BaseModel):
         n_devices: split the model over this many CUDA devices (bridge ``n_devices``).
         device_map: a Hugging Face device map (``auto``, ``balanced``, or a dict); excludes ``device``.
         dtype: ``float32`` | ``float16`` | ``bfloat16``. Numeric invariants are stated for float32.
-        prepend_bos: prepend exactly one BOS token to every prompt (none when false).
+        prepend_bos: ``auto`` (default) follows the model's own tokenizer: a BOS is prepended
+            exactly when the tokenizer adds one itself (GPT-2: no, the article's ids start at 464;
+            SmolLM2: no, its ``bos_token`` is the chat marker ``<|im_start|>``; Llama 3: yes).
+            ``true``/``false`` force exactly one BOS / none. The loaded model records the resolved
+            value (``model_spec_of(model).prepend_bos`` is a bool) and the token prepended.
         padding_side: where batched prompts are padded; results do not depend on it.
         process_weights: TransformerLens weight processing in compatibility mode (fold LayerNorm,
             centre writing weights and unembedding). Probabilities are unchanged by it; raw logits
@@ -68,7 +77,7 @@ class ModelSpec(BaseModel):
         seed: seed for ``random_init``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "smollm2-135m"
     tokenizer: Optional[str] = None
@@ -76,7 +85,7 @@ class ModelSpec(BaseModel):
     n_devices: Optional[int] = Field(default=None, ge=1)
     device_map: Optional[Any] = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    prepend_bos: bool = True
+    prepend_bos: Union[bool, Literal["auto"]] = "auto"
     padding_side: Literal["left", "right"] = "right"
     process_weights: bool = True
     random_init: bool = False
@@ -92,7 +101,47 @@ class ModelSpec(BaseModel):
         return v
 
     def key(self) -> str:
+        """Identity of the loaded model (every field)."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+    def weights_key(self) -> str:
+        """Identity of the weights alone: specs that differ only in ``device``, ``prepend_bos``,
+        ``padding_side`` or ``process_weights`` share one read of the weights."""
+        d = self.model_dump(mode="json", exclude={"device", "prepend_bos", "padding_side", "process_weights"})
+        return json.dumps(d, sort_keys=True)
+
+    def resolved_prepend_bos(self, tokenizer) -> bool:
+        """``prepend_bos`` as a bool: ``auto`` -> whether the tokenizer itself adds a BOS."""
+        if isinstance(self.prepend_bos, bool):
+            return self.prepend_bos
+        return tokenizer_adds_bos(tokenizer)
+
+
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """Whether a Hugging Face tokenizer prepends its BOS token by itself (``add_special_tokens``)."""
+    cached = getattr(tokenizer, "_tracekit_adds_bos", None)
+    if cached is not None:
+        return cached
+    bos = getattr(tokenizer, "bos_token_id", None)
+    try:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # noqa: BLE001 - unusual tokenizers: no automatic BOS
+        ids = []
+    adds = bos is not None and len(ids) > 0 and ids[0] == bos
+    try:
+        tokenizer._tracekit_adds_bos = adds
+    except AttributeError:  # pragma: no cover
+        pass
+    return adds
+
+
+def bos_info(model) -> dict:
+    """What tokenization prepends: ``{"prepend_bos": bool, "bos_token": str|None, "bos_token_id": int|None}``."""
+    spec = model_spec_of(model)
+    tok = getattr(model, "tokenizer", None)
+    on = bool(spec.prepend_bos)
+    return {"prepend_bos": on, "bos_token": getattr(tok, "bos_token", None) if on else None,
+            "bos_token_id": getattr(tok, "bos_token_id", None) if on else None}
 
 
 _CACHE: dict[str, Any] = {}
@@ -173,9 +222,26 @@ def _hub_cached(name: str) -> bool:
     return isinstance(hit, str)
 
 
+#: Tokenizers shipped inside tracekit, usable offline as ``model.tokenizer: <name>``.
+BUILTIN_TOKENIZERS = {"gpt2-bpe": "data/gpt2-bpe"}
+
+
+def builtin_tokenizer_dir(name: str) -> Optional[Path]:
+    """Directory of a tokenizer shipped with tracekit (``gpt2-bpe``: GPT-2's BPE tables, MIT)."""
+    rel = BUILTIN_TOKENIZERS.get(name)
+    if rel is None:
+        return None
+    from importlib import resources
+
+    return Path(str(resources.files("tracekit").joinpath(rel)))
+
+
 def _load_tokenizer(source: str, **kw):
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
+    builtin = builtin_tokenizer_dir(source)
+    if builtin is not None:
+        source = str(builtin)
     d = Path(source).expanduser()
     if source.startswith((".", "/", "~")) and not d.exists():
         raise ModelLoadError(f"model.tokenizer: no such tokenizer directory {source!r}.")
@@ -183,7 +249,7 @@ def _load_tokenizer(source: str, **kw):
         if d.is_dir() and (d / "vocab.json").exists() and (d / "merges.txt").exists() and not (
             (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists()
         ):
-            # Bare GPT-2 BPE tables (vocab.json + merges.txt), e.g. ../shared/data/gpt2-bpe.
+            # Bare GPT-2 BPE tables (vocab.json + merges.txt), e.g. the built-in gpt2-bpe.
             return GPT2TokenizerFast.from_pretrained(str(d), **kw)
         return AutoTokenizer.from_pretrained(source, **kw)
     except Exception as e:  # noqa: BLE001 - re-raised with context
@@ -196,9 +262,9 @@ def _load_tokenizer(source: str, **kw):
 _RANDOM_ARCHS = {"gpt2": "gpt2", "openai-community/gpt2": "gpt2", "llama": "llama"}
 
 
-def _random_hf_model(spec: ModelSpec, dtype: torch.dtype):
-    """Randomly initialised model of the spec's architecture (offline)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig
+def _random_config(spec: ModelSpec):
+    """The Hugging Face config of a ``random_init`` spec (architecture + ``config_overrides``)."""
+    from transformers import AutoConfig, GPT2Config, LlamaConfig
 
     arch = _RANDOM_ARCHS.get(spec.name)
     overrides = dict(spec.config_overrides)
@@ -225,56 +291,44 @@ def _random_hf_model(spec: ModelSpec, dtype: torch.dtype):
             f"model.config_overrides: unknown {type(cfg).__name__} field(s) {unknown}; "
             f"check the spelling (e.g. GPT-2: n_layer, n_embd, n_head; Llama: num_hidden_layers, hidden_size)."
         )
-    torch.manual_seed(spec.seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return cfg
 
 
-def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
-    """Return (hf_model, tokenizer, bridge_name)."""
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True)
+class _Source:
+    """Where a spec's model comes from: ``random`` | ``gguf`` | ``dir`` | ``hub``."""
 
+    kind: str
+    path: str
+    bridge_name: str
+
+
+def _source(spec: ModelSpec) -> _Source:
+    """Resolve a spec to its source, failing at once (no weights read) when it cannot be had."""
     name = spec.name
-    kw: dict[str, Any] = {"dtype": dtype}
-    if spec.device_map is not None:
-        kw["device_map"] = spec.device_map
-
     if spec.random_init:
         if spec.tokenizer is None:
-            raise ModelLoadError("model.random_init needs model.tokenizer (a tokenizer directory).")
-        tok = _load_tokenizer(spec.tokenizer)
-        hf = _random_hf_model(spec, dtype)
-        if getattr(hf.config, "vocab_size", len(tok)) < len(tok):
-            hf.resize_token_embeddings(len(tok))
-        bridge_name = {"gpt2": "gpt2", "llama": "meta-llama/Llama-3.2-1B"}.get(
-            _RANDOM_ARCHS.get(name, ""), name
-        )
-        return hf, tok, bridge_name
-
+            raise ModelLoadError("model.random_init needs model.tokenizer (a tokenizer directory, or the "
+                                 "built-in 'gpt2-bpe').")
+        bridge = {"gpt2": "gpt2", "llama": "meta-llama/Llama-3.2-1B"}.get(_RANDOM_ARCHS.get(name, ""), name)
+        return _Source("random", name, bridge)
     if name.lower() in EMBEDDED_ALIASES:
         path = embedded_gguf_path()
         _require_gguf()
-        return _load_gguf(path, spec, kw) + (EMBEDDED_HUB_NAME,)
-
+        return _Source("gguf", str(path), EMBEDDED_HUB_NAME)
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not p.is_file():
             raise ModelLoadError(f"model.name {name!r}: no such GGUF file.")
         _require_gguf()
-        return _load_gguf(p, spec, kw) + (name,)
-
+        return _Source("gguf", str(p), name)
     if p.exists() or name.startswith((".", "/", "~")):
         if not p.is_dir() or not (p / "config.json").exists():
             raise ModelLoadError(
                 f"model.name {name!r} looks like a local path but is not a model directory "
                 "(a folder with config.json and weights). Fix the path, or give a hub id."
             )
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(str(p), **kw)
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(f"model.name {name!r}: unsupported model ({e}).") from e
-        tok = _load_tokenizer(spec.tokenizer or str(p))
-        return hf, tok, name
-
+        return _Source("dir", str(p), name)
     # A hub id: use the local cache; go to the hub only when it answers quickly.
     if not _hub_cached(name) and not _hub_reachable():
         raise ModelLoadError(
@@ -283,31 +337,88 @@ def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
             f"(`huggingface-cli download {name}`), point model.name at a local directory, or use "
             "the embedded default model.name: smollm2-135m."
         )
+    return _Source("hub", name, name)
+
+
+def _tokenizer_for(spec: ModelSpec, src: _Source):
+    if spec.tokenizer:
+        return _load_tokenizer(spec.tokenizer)
+    if src.kind == "gguf":
+        p = Path(src.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _load_tokenizer(str(p.parent), gguf_file=p.name)
+    return _load_tokenizer(src.path)
+
+
+def _load_config_and_tokenizer(spec: ModelSpec):
+    """``(hf config, tokenizer, bridge name)`` of a spec, without reading weights."""
+    from transformers import AutoConfig
+
+    src = _source(spec)
+    tok = _tokenizer_for(spec, src)
+    if src.kind == "random":
+        cfg = _random_config(spec)
+        if getattr(cfg, "vocab_size", len(tok)) < len(tok):
+            cfg.vocab_size = len(tok)
+        return cfg, tok, src.bridge_name
     try:
-        hf = AutoModelForCausalLM.from_pretrained(name, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if src.kind == "gguf":
+                p = Path(src.path)
+                cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+            else:
+                cfg = AutoConfig.from_pretrained(src.path)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read the config of model {spec.name!r}: {type(e).__name__}: {e}") from e
+    return cfg, tok, src.bridge_name
+
+
+def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
+    """Return (hf_model, tokenizer, bridge_name)."""
+    from transformers import AutoModelForCausalLM
+
+    src = _source(spec)
+    kw: dict[str, Any] = {"dtype": dtype}
+    if spec.device_map is not None:
+        kw["device_map"] = spec.device_map
+    tok = _tokenizer_for(spec, src)
+    if src.kind == "random":
+        cfg = _random_config(spec)
+        torch.manual_seed(spec.seed)
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        if getattr(hf.config, "vocab_size", len(tok)) < len(tok):
+            hf.resize_token_embeddings(len(tok))
+        return hf, tok, src.bridge_name
+    if src.kind == "gguf":
+        return _load_gguf(Path(src.path), kw), tok, src.bridge_name
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(src.path, **kw)
     except OSError as e:
-        raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
-    except ValueError as e:
-        raise ModelLoadError(f"model {name!r} is not a supported causal LM: {e}") from e
-    tok = _load_tokenizer(spec.tokenizer or name)
-    return hf, tok, name
+        raise ModelLoadError(f"cannot load model {spec.name!r}: {e}") from e
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"model {spec.name!r} is not a supported causal LM: {e}") from e
+    return hf, tok, src.bridge_name
 
 
-def _load_gguf(path: Path, spec: ModelSpec, kw: dict):
+def _load_gguf(path: Path, kw: dict):
+    """Dequantise a GGUF file into a Hugging Face model (``transformers`` + ``gguf``)."""
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tok = _load_tokenizer(spec.tokenizer or str(path.parent), **({} if spec.tokenizer else {"gguf_file": path.name}))
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+            return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot dequantise GGUF {path}: {type(e).__name__}: {e}") from e
-    return hf, tok
 
 
 def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_name: str | None = None):
     """Wrap an already-built Hugging Face causal LM in a TransformerBridge (compatibility mode).
+
+    The HF model object becomes part of the bridge: never wrap one HF model twice (TransformerLens
+    rewires its modules; a second bridge on the same object gives wrong logits silently).
 
     Args:
         hf_model: a ``transformers`` causal LM (e.g. ``GPT2LMHeadModel``, ``LlamaForCausalLM``).
@@ -316,11 +427,18 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
         bridge_name: architecture name handed to ``boot_transformers`` (default: the HF config's).
 
     Returns:
-        A ``TransformerBridge`` with TransformerLens hook names; ``model.tracekit_spec`` holds the spec.
+        A ``TransformerBridge`` with TransformerLens hook names; ``model_spec_of(model)`` gives the
+        spec with ``prepend_bos`` resolved to a bool.
+
+    Raises:
+        ModelLoadError: the bridge does not support the architecture, or devices are missing.
     """
     from transformer_lens.model_bridge import TransformerBridge
 
     spec = spec or ModelSpec(name=getattr(hf_model.config, "_name_or_path", "custom") or "custom")
+    if getattr(hf_model, "_tracekit_wrapped", False):
+        raise ModelLoadError("this Hugging Face model is already wrapped in a bridge; load a fresh copy "
+                             "(tracekit.load_model shares the weights without re-reading them)")
     hf_model.eval()
     name = bridge_name or getattr(hf_model.config, "_name_or_path", None) or hf_model.config.model_type
     boot_kw: dict[str, Any] = {"hf_model": hf_model, "tokenizer": tokenizer, "dtype": DTYPES[spec.dtype]}
@@ -338,16 +456,54 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
                 f"TransformerLens' bridge does not support this model ({type(hf_model).__name__}): {e}"
             ) from e
         bridge.enable_compatibility_mode(disable_warnings=True, no_processing=not spec.process_weights)
-    bridge.cfg.default_prepend_bos = spec.prepend_bos
+    hf_model.__dict__["_tracekit_wrapped"] = True
+    resolved = spec.model_copy(update={"prepend_bos": spec.resolved_prepend_bos(tokenizer)})
+    bridge.cfg.default_prepend_bos = resolved.prepend_bos
     bridge.eval()
     for p in bridge.parameters():
         p.requires_grad_(False)
-    bridge.__dict__["tracekit_spec"] = spec
+    bridge.__dict__["tracekit_spec"] = resolved
+    bridge.__dict__["tracekit_requested_spec"] = spec
     return bridge
+
+
+# Weights read once per process: weights_key -> (hf config, state dict sharing the first model's
+# storage, tokenizer, bridge name). TransformerLens' weight processing does not write into the
+# Hugging Face tensors (tested), so a second bridge built on the same tensors is exact.
+_WEIGHTS: dict[str, tuple[Any, dict, dict, Any, str]] = {}
+
+
+def clear_cache() -> None:
+    """Forget every loaded model and cached weights of this process (frees their memory)."""
+    _CACHE.clear()
+    _WEIGHTS.clear()
+
+
+def _hf_from_weights(entry, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    config, state, buffers, _, _ = entry
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf.load_state_dict(state, assign=True, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        hf.tie_weights()
+    for name, buf in list(hf.named_buffers()):  # non-persistent buffers (rotary inv_freq) are not in the state
+        if buf.is_meta:
+            mod_name, _, attr = name.rpartition(".")
+            mod = hf.get_submodule(mod_name) if mod_name else hf
+            mod._buffers[attr] = buffers[name]
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if left:
+        raise ModelLoadError(f"internal: could not share weights {left[:3]}; call tracekit.models.clear_cache()")
+    return hf
 
 
 def load_model(spec: ModelSpec | str | dict | None = None, **overrides):
     """Load (once per process) the hooked model a spec names.
+
+    Specs that differ only in ``device``, ``prepend_bos``, ``padding_side`` or ``process_weights``
+    share one read (and, for GGUF, one dequantisation) of the weights.
 
     Args:
         spec: a :class:`ModelSpec`, a model name, a dict of ModelSpec fields, or None (embedded default).
@@ -360,33 +516,142 @@ def load_model(spec: ModelSpec | str | dict | None = None, **overrides):
         ModelLoadError: the model cannot be had (not cached and offline, bad path, missing
             package, unsupported architecture, CUDA asked for but absent); the message says what to do.
     """
-    if spec is None:
-        spec = ModelSpec(**overrides)
-    elif isinstance(spec, str):
-        spec = ModelSpec(name=spec, **overrides)
-    elif isinstance(spec, dict):
-        spec = ModelSpec(**{**spec, **overrides})
-    elif overrides:
-        spec = spec.model_copy(update=overrides)
+    spec = as_spec(spec, **overrides)
     key = spec.key()
     if key in _CACHE:
         return _CACHE[key]
     _check_devices(spec)
     dtype = DTYPES[spec.dtype]
     device = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
-    hf, tok, bridge_name = _load_hf(spec, dtype, device)
+    wkey = spec.weights_key()
+    if wkey in _WEIGHTS and spec.device_map is None:
+        entry = _WEIGHTS[wkey]
+        hf, tok, bridge_name = _hf_from_weights(entry, dtype), entry[3], entry[4]
+    else:
+        hf, tok, bridge_name = _load_hf(spec, dtype, device)
+        if spec.device_map is None:
+            _WEIGHTS[wkey] = (hf.config, dict(hf.state_dict()), dict(hf.named_buffers()), tok, bridge_name)
     bridge = wrap_hf_model(hf, tok, spec, bridge_name=bridge_name)
     _CACHE[key] = bridge
     return bridge
 
 
+def as_spec(spec: ModelSpec | str | dict | None = None, **overrides) -> ModelSpec:
+    """A :class:`ModelSpec` from a spec, a model name, a dict of fields or None (the default)."""
+    if spec is None:
+        return ModelSpec(**overrides)
+    if isinstance(spec, str):
+        return ModelSpec(name=spec, **overrides)
+    if isinstance(spec, dict):
+        return ModelSpec(**{**spec, **overrides})
+    return spec.model_copy(update=overrides) if overrides else spec
+
+
 def model_spec_of(model) -> ModelSpec:
-    """The ModelSpec a model was loaded with (a default spec for foreign models)."""
+    """The ModelSpec a model was loaded with, ``prepend_bos`` resolved to a bool (a default spec
+    for foreign models)."""
     spec = getattr(model, "__dict__", {}).get("tracekit_spec")
     if spec is None:
         prepend = bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
         spec = ModelSpec(name=str(getattr(model.cfg, "model_name", "custom")), prepend_bos=prepend)
     return spec
+
+
+class ModelInfo:
+    """What a model is, without its weights: tokenizer, TransformerLens config and hook names.
+
+    Built in seconds by :func:`load_model_info` so configs can be checked (single-token targets,
+    prompt lengths against the context, layer/head indices, hook names) before the model loads.
+    Duck-types the parts of a loaded model that ``Experiment.check`` reads: ``tokenizer``,
+    ``cfg``, ``hook_dict`` (names only), ``tracekit_spec`` and ``_gated_hook_reason``.
+    """
+
+    def __init__(self, spec: ModelSpec, tokenizer, cfg, hook_names: list[str], gate):
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.hook_dict = {n: None for n in hook_names}
+        self._gate = gate
+        self.tracekit_spec = spec.model_copy(update={"prepend_bos": spec.resolved_prepend_bos(tokenizer)})
+        self.tracekit_requested_spec = spec
+
+    def _gated_hook_reason(self, name: str) -> Optional[str]:
+        return self._gate(name)
+
+    def __repr__(self) -> str:
+        return f"ModelInfo({self.tracekit_spec.name!r}, n_layers={self.cfg.n_layers})"
+
+
+_INFO: dict[str, ModelInfo] = {}
+
+
+def load_model_info(spec: ModelSpec | str | dict | None = None, **overrides) -> "ModelInfo | Any":
+    """The tokenizer, config and hook names of a spec's model, without reading its weights.
+
+    A model already loaded in this process is returned as is. Otherwise the architecture is
+    instantiated with one block on the ``meta`` device (no memory, no weights) and wrapped in a
+    bridge to read TransformerLens' config and hook names, which are then named for every block.
+
+    Raises:
+        ModelLoadError: as :func:`load_model`, for what can be known without the weights.
+    """
+    spec = as_spec(spec, **overrides)
+    if spec.key() in _CACHE:
+        return _CACHE[spec.key()]
+    if spec.key() in _INFO:
+        return _INFO[spec.key()]
+    _check_devices(spec)
+    config, tok, bridge_name = _load_config_and_tokenizer(spec)
+    info = _info_from_config(spec, config, tok, bridge_name)
+    _INFO[spec.key()] = info
+    return info
+
+
+def _info_from_config(spec: ModelSpec, config, tok, bridge_name: str) -> ModelInfo:
+    import copy
+    import re
+
+    from transformers import AutoModelForCausalLM
+    from transformer_lens.model_bridge import TransformerBridge
+
+    n_layers = None
+    small = copy.deepcopy(config)
+    for attr in ("num_hidden_layers", "n_layer"):
+        if hasattr(small, attr):
+            n_layers = int(getattr(small, attr))
+            setattr(small, attr, 1)
+            break
+    if n_layers is None:
+        raise ModelLoadError(f"model {spec.name!r}: cannot read the number of layers from its config")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(small)
+            bridge = TransformerBridge.boot_transformers(bridge_name, hf_model=hf, tokenizer=tok, device="meta")
+        except NotImplementedError:  # e.g. GPT-2's fused QKV must be read at boot: use empty memory
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(small)
+            hf = hf.to_empty(device="cpu")
+            bridge = TransformerBridge.boot_transformers(bridge_name, hf_model=hf, tokenizer=tok, device="cpu")
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"TransformerLens' bridge does not support this model: {e}") from e
+        bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    cfg = copy.copy(bridge.cfg)
+    cfg.n_layers = n_layers
+    names = []
+    pat = re.compile(r"^blocks\.0\.")
+    for n in bridge.hook_dict:
+        if pat.match(n):
+            names += [pat.sub(f"blocks.{L}.", n) for L in range(n_layers)]
+        else:
+            names.append(n)
+    gate = bridge._gated_hook_reason if hasattr(bridge, "_gated_hook_reason") else (lambda n: None)
+    frozen_cfg = copy.copy(cfg)
+
+    def gate_fn(name: str, _g=gate) -> Optional[str]:
+        return _g(name)
+
+    return ModelInfo(spec, tok, frozen_cfg, names, gate_fn)
 
 
 def model_device(model) -> torch.device:
@@ -395,3 +660,27 @@ def model_device(model) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:  # pragma: no cover
         return torch.device("cpu")
+
+
+def model_fingerprint(model) -> str:
+    """A short hash identifying a loaded model's weights in the basis tracekit reads them
+    (after weight processing): shapes plus a strided sample of the unembedding and embedding.
+
+    Stored in every result's meta so an artifact fitted on one model/basis (a probe direction, an
+    SAE) is refused on another (as tuned-lens' ``unembed_hash``). Cached on the model.
+    """
+    import hashlib
+
+    cached = getattr(model, "__dict__", {}).get("_tracekit_fingerprint")
+    if cached:
+        return cached
+    h = hashlib.sha256()
+    for name in ("W_U", "W_E"):
+        w = getattr(model, name, None)
+        if isinstance(w, torch.Tensor):
+            h.update(str(tuple(w.shape)).encode())
+            sample = w.detach().flatten()[:: max(1, w.numel() // 65536)].float().cpu().numpy().tobytes()
+            h.update(sample)
+    fp = h.hexdigest()[:16]
+    model.__dict__["_tracekit_fingerprint"] = fp
+    return fp

@@ -83,6 +83,7 @@ import torch
 from jaxtyping import Float, Int
 
 from .models import model_device
+from .readout import Readout
 from .tokens import TokenizationError, describe_tokenization, encode, str_tokens
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,7 @@ __all__ = [
 ]
 
 
-class PatchingError(ValueError):
-    """Bad patching input (sites, layers, baselines); the message names the field and the fix."""
+from .errors import PatchingError  # noqa: E402  (re-exported)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,48 +254,9 @@ def expand_sites(names: Sequence[str], field: str = "sites") -> list[str]:
 # Metrics: vectorised over rows; logits are the final position's [rows, d_vocab].
 # ---------------------------------------------------------------------------------------------
 
-def logit_diff(logits: Float[torch.Tensor, "rows d_vocab"], answer: Int[torch.Tensor, "rows k"],
-               wrong: Int[torch.Tensor, "rows k"]) -> Float[torch.Tensor, "rows"]:
-    """Mean over the k answer/wrong pairs of logit(answer) - logit(wrong) (units: logits)."""
-    lg = logits.float()
-    return (lg.gather(-1, answer) - lg.gather(-1, wrong)).mean(-1)
-
-
-def answer_prob(logits: Float[torch.Tensor, "rows d_vocab"], answer: Int[torch.Tensor, "rows k"]) -> Float[torch.Tensor, "rows"]:
-    """Mean over answers of the answer's probability (in [0, 1])."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, answer).exp().mean(-1)
-
-
-def answer_log_prob(logits: Float[torch.Tensor, "rows d_vocab"], answer: Int[torch.Tensor, "rows k"]) -> Float[torch.Tensor, "rows"]:
-    """Mean over answers of the answer's natural-log probability."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, answer).mean(-1)
-
-
-def kl_div(logits: Float[torch.Tensor, "rows d_vocab"], ref_log_probs: Float[torch.Tensor, "rows d_vocab"]) -> Float[torch.Tensor, "rows"]:
-    """KL(P_ref || P_logits) in nats, P_ref given as natural-log probabilities (the clean run)."""
-    lp = torch.log_softmax(logits.float(), -1)
-    return (ref_log_probs.exp() * (ref_log_probs - lp)).sum(-1)
-
-
-def normalize(value, clean, corrupted, min_denominator: float = 1e-3):
-    """``(value - corrupted) / (clean - corrupted)``: clean -> exactly 1, corrupted -> exactly 0.
-
-    Works on floats, numpy arrays or tensors (broadcasting). Where ``|clean - corrupted| <
-    min_denominator`` the result is NaN (the caller flags the pair): patching cannot be measured
-    against a baseline gap of ~0, and dividing by it would amplify noise without bound.
-    """
-    import numpy as np
-
-    den = clean - corrupted
-    if torch.is_tensor(den):
-        ok = den.abs() >= min_denominator
-        safe = torch.where(ok, den, torch.ones_like(den))
-        return torch.where(ok, (value - corrupted) / safe, torch.full_like(value - corrupted, float("nan")))
-    den = np.asarray(den, dtype=float)
-    ok = np.abs(den) >= min_denominator
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(ok, (np.asarray(value, dtype=float) - corrupted) / np.where(ok, den, 1.0), np.nan)
-    return out.item() if out.ndim == 0 else out
+from .metrics import kl_div, logit_diff, normalize  # noqa: E402  (metrics are defined once)
+from .metrics import target_log_prob as answer_log_prob  # noqa: E402
+from .metrics import target_prob as answer_prob  # noqa: E402
 
 
 def check_same_length(model, clean: Sequence[str], corrupted: Sequence[str], field: str = "pairs") -> list[tuple[list[int], list[int]]]:
@@ -578,7 +539,7 @@ def _replay(model, run: CachedRun, jobs: list[PatchJob], rows: list[tuple[int, i
             for h in handles:
                 h.remove()
     assert x is not None
-    logits = model.unembed(model.ln_final(x[:, -1:, :]))[:, 0]
+    logits = Readout(model).logits(x[:, -1:, :])[:, 0]
     # rows were appended in order of start layer, i.e. in the given order
     return logits.float()
 

@@ -59,6 +59,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
+from .errors import ProbingError
 from .tokens import TokenizationError, chunks, encode, run_with_cache, tokenize
 
 __all__ = [
@@ -630,7 +631,7 @@ def _hook_dims(model, hooks: Sequence[str]) -> dict[str, int]:
 # 3. splits and controls
 # --------------------------------------------------------------------------------------------
 
-class SplitLeakError(RuntimeError):
+class SplitLeakError(ProbingError):
     """A train/test split shares a group (entity or template) across its sides."""
 
 

@@ -156,7 +156,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         ts = time.time()
         try:
             seed_everything(config.seed)
-            result = step.run(model, progress=progress)
+            result = step.run(model, progress=progress, check=False)
             result.save(run_dir / name)
         except Exception as e:  # noqa: BLE001 - recorded, earlier results kept
             failed = (name, e)

@@ -1,34 +1,43 @@
-"""Tokenization and batched forward passes with correct padding.
+"""Tokenization, positions and batched forward passes with correct padding.
 
-Every experiment tokenizes through :func:`tokenize`, so BOS handling, padding and "where is each
-prompt's last real token" are decided in one place:
+Every experiment tokenizes through :func:`tokenize`, so BOS handling, padding, context length and
+"which token is position X" are decided in one place:
 
-* each prompt is tokenized on its own, without the tokenizer's special tokens; exactly one BOS
-  is prepended when ``prepend_bos`` is on (none when off);
+* each prompt is tokenized on its own. Prompt text is **text**: a special-token string inside it
+  (``<|endoftext|>``, ``<|im_start|>``) is split into ordinary tokens, never turned into a control
+  token (``split_special_tokens``). Exactly one BOS is prepended when the model spec's
+  ``prepend_bos`` is on (none when off; the default follows the model's own tokenizer);
+* a prompt longer than the model's context (``cfg.n_ctx``) is refused before any work, naming the
+  prompt, its length and the limit (:func:`check_length`);
 * prompts are padded on the left or right into one ``[batch, pos]`` tensor with an attention
-  mask; the bridge derives position ids from the mask, so a left-padded prompt sees the same
+  mask; the bridge derives position ids from the mask, so a padded prompt sees the same
   positions as when run alone (tested: batched == one-by-one);
-* :attr:`Batch.last` gives each prompt's last real position.
+* a *position* is one :class:`Position` everywhere (config field ``position``), parsed by
+  :func:`parse_position` and resolved against a prompt's tokens by :meth:`Position.resolve`.
 
-Answer/target strings must be exactly one token, leading space included (``" Paris"``):
-:func:`single_token_id` raises :class:`TokenizationError` showing how the string tokenizes.
+Target strings must be exactly one token, leading space included (``" Paris"``):
+:func:`single_token_id` raises :class:`TokenizationError` showing how the string tokenizes
+(byte-level pieces of non-Latin text shown as their bytes, with the characters they complete).
 """
 
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 
+from .errors import TokenizationError
 from .models import model_device, model_spec_of
 
-
-class TokenizationError(ValueError):
-    """A string that must be one token is not, or prompts that must align do not."""
+__all__ = [
+    "TokenizationError", "encode", "str_tokens", "token_repr", "describe_tokenization", "single_token_id",
+    "Batch", "tokenize", "pad_ids", "forward_kwargs", "run_with_cache", "chunks", "check_length",
+    "context_length", "Position", "PositionSpec", "parse_position", "POSITION_FORMS",
+    "token_index_of_substring",
+]
 
 
 def _tok(model):
@@ -39,11 +48,14 @@ def _tok(model):
 
 
 def encode(model, text: str, prepend_bos: Optional[bool] = None) -> list[int]:
-    """Token ids of one string, with exactly one BOS when ``prepend_bos`` (default: the model spec's)."""
+    """Token ids of one string, with exactly one BOS when ``prepend_bos`` (default: the model spec's).
+
+    Special-token strings in ``text`` are tokenized as text (``split_special_tokens``).
+    """
     tok = _tok(model)
     if prepend_bos is None:
-        prepend_bos = model_spec_of(model).prepend_bos
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        prepend_bos = model_spec_of(model).resolved_prepend_bos(tok)
+    ids = list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     if prepend_bos:
         bos = tok.bos_token_id
         if bos is None:
@@ -54,16 +66,61 @@ def encode(model, text: str, prepend_bos: Optional[bool] = None) -> list[int]:
     return ids
 
 
+def _byte_decoder() -> dict[str, int]:
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    return {v: k for k, v in bytes_to_unicode().items()}
+
+
+def token_repr(model, token_id: int) -> str:
+    """A readable form of one token: its text (``' Paris'``), or, when it is only part of a
+    character (byte-level BPE pieces of non-Latin text), its bytes (``<bytes e5 b7>``)."""
+    tok = _tok(model)
+    s = tok.decode([int(token_id)])
+    if "\ufffd" not in s:
+        return repr(s)
+    piece = tok.convert_ids_to_tokens(int(token_id))
+    dec = _byte_decoder()
+    if isinstance(piece, str) and piece and all(c in dec for c in piece):
+        return "<bytes " + " ".join(f"{dec[c]:02x}" for c in piece) + ">"
+    if isinstance(piece, str) and piece.startswith("<0x"):  # sentencepiece byte fallback
+        return f"<bytes {piece[3:-1].lower()}>"
+    return repr(s)
+
+
 def str_tokens(model, ids: Sequence[int]) -> list[str]:
     """Decoded string of each token id (``" Paris"`` keeps its leading space)."""
     tok = _tok(model)
     return [tok.decode([int(i)]) for i in ids]
 
 
+def _clean_pieces(model, ids: Sequence[int]) -> list[tuple[str, list[int]]]:
+    """Group token ids into runs that decode to whole characters: ``[(text, ids), ...]``."""
+    tok = _tok(model)
+    out: list[tuple[str, list[int]]] = []
+    cur: list[int] = []
+    for i in ids:
+        cur.append(int(i))
+        s = tok.decode(cur)
+        if "\ufffd" not in s:
+            out.append((s, cur))
+            cur = []
+    if cur:
+        out.append((tok.decode(cur), cur))
+    return out
+
+
 def describe_tokenization(model, text: str) -> str:
-    """Human-readable tokenization, e.g. ``[' Par'(1234), 'is'(271)]``."""
+    """Human-readable tokenization, e.g. ``[' Par'(1234), 'is'(271)]``; byte pieces of a character
+    are shown as bytes with the character they complete (``<bytes e5 b7>(32432)+<bytes b4>(112) = '巴'``)."""
     ids = encode(model, text, prepend_bos=False)
-    return "[" + ", ".join(f"{s!r}({i})" for s, i in zip(str_tokens(model, ids), ids)) + "]"
+    parts = []
+    for s, grp in _clean_pieces(model, ids):
+        if len(grp) == 1 and "\ufffd" not in model.tokenizer.decode(grp):
+            parts.append(f"{s!r}({grp[0]})")
+        else:
+            parts.append("+".join(f"{token_repr(model, i)}({i})" for i in grp) + f" = {s!r}")
+    return "[" + ", ".join(parts) + "]"
 
 
 def single_token_id(model, text: str, field: str = "target") -> int:
@@ -76,20 +133,23 @@ def single_token_id(model, text: str, field: str = "target") -> int:
 
     Raises:
         TokenizationError: the string is empty or is several tokens; the message shows its
-            tokenization and suggests the first token.
+            tokenization and suggests a single token that decodes to text (never a byte piece).
     """
     if not isinstance(text, str) or text == "":
         raise TokenizationError(f"{field}: must be a non-empty string, got {text!r}")
     ids = encode(model, text, prepend_bos=False)
     if len(ids) != 1:
         hint = ""
-        if ids:
-            first = str_tokens(model, ids[:1])[0]
-            hint = f" Use a single-token string such as {first!r}"
-            if not text.startswith(" "):
-                sp = encode(model, " " + text, prepend_bos=False)
-                if len(sp) == 1:
-                    hint = f" Did you mean {' ' + text!r} (with a leading space, one token)?"
+        pieces = _clean_pieces(model, ids)
+        if len(pieces[0][1]) == 1:
+            hint = f" Use a single-token string such as {pieces[0][0]!r}"
+        else:
+            hint = (f" Its first character {pieces[0][0]!r} alone is {len(pieces[0][1])} tokens, so no prefix of it "
+                    "is one token; pick another target word")
+        if not text.startswith(" "):
+            sp = encode(model, " " + text, prepend_bos=False)
+            if len(sp) == 1:
+                hint = f" Did you mean {' ' + text!r} (with a leading space, one token)?"
         raise TokenizationError(
             f"{field}: {text!r} is {len(ids)} tokens {describe_tokenization(model, text)}, "
             f"but must be exactly one token.{hint}"
@@ -99,6 +159,180 @@ def single_token_id(model, text: str, field: str = "target") -> int:
                       f"{' ' + text!r}, a different token. Use {' ' + text!r} unless you mean the bare form.",
                       stacklevel=2)
     return ids[0]
+
+
+def context_length(model) -> Optional[int]:
+    """The model's context length in tokens (``cfg.n_ctx``), or None when unknown."""
+    n = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    return int(n) if n else None
+
+
+def check_length(model, ids: Sequence[int], field: str = "prompts", text: Optional[str] = None) -> None:
+    """Refuse a token sequence longer than the model's context.
+
+    Raises:
+        TokenizationError: naming the field, the length and the limit.
+    """
+    n_ctx = context_length(model)
+    if n_ctx is not None and len(ids) > n_ctx:
+        shown = f" ({text[:60]!r}...)" if text else ""
+        raise TokenizationError(f"{field}{shown} is {len(ids)} tokens, longer than the model's context of {n_ctx} "
+                                "tokens; shorten it (the model cannot attend beyond its context)")
+
+
+# ---------------------------------------------------------------------------------------------
+# positions
+
+#: Every form a position can take, and what it means.
+POSITION_FORMS: dict[str, str] = {
+    "int": "a token index in the tokenized prompt (BOS counted when prepended; negative counts from the end, "
+           "-1 = last)",
+    "last": "the prompt's last real token (same as -1)",
+    "all": "every real token (BOS excluded where the kind says so)",
+    "mean": "the mean over the real tokens, BOS excluded",
+    "token:<text>": "the token holding the last character of the last occurrence of <text> in the prompt",
+    "field:<column>": "like token:, with <text> taken from the row's <column> (probing datasets)",
+}
+
+PositionKind = Literal["index", "last", "all", "mean", "token", "field"]
+#: The config type of a ``position`` field (validated by :func:`parse_position`).
+PositionSpec = Union[int, str]
+
+
+@dataclass(frozen=True)
+class Position:
+    """A parsed position spec (see :data:`POSITION_FORMS`)."""
+
+    kind: PositionKind
+    index: Optional[int] = None
+    text: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.kind == "index":
+            return str(self.index)
+        if self.kind in ("token", "field"):
+            return f"{self.kind}:{self.text}"
+        return self.kind
+
+    @property
+    def single(self) -> bool:
+        """True when the position names one token per prompt."""
+        return self.kind in ("index", "last", "token", "field")
+
+    def resolve(self, model, text: str, ids: Sequence[int], field: str = "position",
+                field_value: Optional[str] = None, skip_bos: Optional[bool] = None) -> list[int]:
+        """Token indices (into ``ids``, BOS included) this position names in one prompt.
+
+        Args:
+            model: the model (tokenizer).
+            text: the prompt text; ids: its tokens as :func:`encode` gives them.
+            field_value: the row's value for ``field:<column>``.
+            skip_bos: drop a leading BOS for ``all``/``mean`` (default: when the spec prepends one).
+
+        Raises:
+            TokenizationError: an index out of range, or a text not in the prompt; the message
+                lists the prompt's tokens.
+        """
+        n = len(ids)
+        if self.kind == "last":
+            return [n - 1]
+        if self.kind == "index":
+            assert self.index is not None
+            if not -n <= self.index < n:
+                raise TokenizationError(f"{field}: {self.index} is out of range for a prompt of {n} tokens "
+                                        f"{str_tokens(model, ids)} (use 0..{n - 1} or -1 for the last)")
+            return [self.index % n]
+        if self.kind in ("all", "mean"):
+            bos = _tok(model).bos_token_id
+            drop = skip_bos if skip_bos is not None else (n > 1 and bos is not None and ids[0] == bos
+                                                          and model_spec_of(model).resolved_prepend_bos(_tok(model)))
+            return list(range(1 if drop else 0, n))
+        sub = self.text if self.kind == "token" else field_value
+        if sub is None:
+            raise TokenizationError(f"{field}: {self} needs the row's {self.text!r} value")
+        return [token_index_of_substring(model, text, str(sub), ids, field=field)]
+
+
+def parse_position(spec: PositionSpec, allowed: Sequence[str] = tuple(POSITION_FORMS), field: str = "position"
+                   ) -> Position:
+    """Parse a position spec (an int or one of the strings in :data:`POSITION_FORMS`).
+
+    Args:
+        spec: e.g. ``-1``, ``"last"``, ``"all"``, ``"token: is"``, ``"field:country"``.
+        allowed: the forms this kind accepts (keys of :data:`POSITION_FORMS`).
+        field: config field quoted in the error.
+
+    Raises:
+        TokenizationError: an unknown or disallowed form; the message lists the allowed ones.
+    """
+    def bad(why: str) -> TokenizationError:
+        forms = "; ".join(f"{k} ({POSITION_FORMS[k]})" for k in allowed)
+        return TokenizationError(f"{field}: {why}. Use {forms}")
+
+    if isinstance(spec, bool):
+        raise bad(f"{spec!r} is not a position")
+    if isinstance(spec, int):
+        pos = Position("index", index=int(spec))
+        key = "int"
+    elif isinstance(spec, str):
+        s = spec.strip()
+        if s in ("last", "all", "mean"):
+            pos, key = Position(s), s  # type: ignore[arg-type]
+        elif s.lstrip("-").isdigit():
+            pos, key = Position("index", index=int(s)), "int"
+        elif s.startswith(("token:", "field:")):
+            kind, arg = spec.split(":", 1)
+            kind = kind.strip()
+            if kind == "field":
+                arg = arg.strip()
+            elif arg.startswith(" ") and arg.strip() and not arg.startswith("  "):
+                pass  # "token: is" keeps the space: it is part of the text
+            if arg.strip() == "":
+                raise bad(f"{spec!r} has an empty {kind}")
+            pos, key = Position(kind, text=arg), f"{kind}:<{'text' if kind == 'token' else 'column'}>"  # type: ignore[arg-type]
+        else:
+            raise bad(f"unknown position {spec!r} (a token string is written 'token:{spec}')")
+    else:
+        raise bad(f"{spec!r} is not a position")
+    if key not in allowed:
+        raise bad(f"{spec!r} is not accepted here")
+    return pos
+
+
+def token_index_of_substring(model, text: str, sub: str, ids: Optional[Sequence[int]] = None,
+                             field: str = "position") -> int:
+    """Index (into ``encode(model, text)``, BOS included) of the token holding the last character
+    of the last occurrence of ``sub`` in ``text``.
+
+    Uses the fast tokenizer's character offsets and checks they describe the same tokens as
+    :func:`encode`.
+
+    Raises:
+        TokenizationError: ``sub`` does not occur in ``text``, or the tokenizer gives no offsets /
+            disagrees with :func:`encode`.
+    """
+    start = text.rfind(sub)
+    if start < 0 or sub == "":
+        raise TokenizationError(f"{field}: {sub!r} does not occur in the prompt {text!r}")
+    end = start + len(sub)
+    tok = _tok(model)
+    try:
+        enc = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError) as e:
+        raise TokenizationError(f"{field}: token:/field: positions need a fast tokenizer (character offsets)") from e
+    ids = list(ids) if ids is not None else encode(model, text)
+    n_bos = len(ids) - len(enc["input_ids"])
+    if n_bos not in (0, 1) or list(enc["input_ids"]) != ids[n_bos:]:
+        raise TokenizationError(f"{field}: tokenizer offsets disagree with tracekit.tokens.encode for {text!r}")
+    offs = enc["offset_mapping"]
+    cands = [j for j, (a, b) in enumerate(offs) if a <= end - 1 < b]
+    if not cands:
+        cands = [j for j, (a, _) in enumerate(offs) if a < end]
+    return n_bos + cands[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
 
 
 @dataclass
@@ -124,7 +358,7 @@ class Batch:
         return int(self.tokens.shape[0])
 
     @property
-    def last(self) -> Int[torch.Tensor, "batch"]:
+    def last(self) -> Int[torch.Tensor, " batch"]:
         """Index of each prompt's last real token in the padded tensor."""
         width = self.tokens.shape[1]
         L = torch.tensor(self.lengths, device=self.tokens.device)
@@ -151,30 +385,34 @@ def tokenize(
     prompts: Sequence[str],
     prepend_bos: Optional[bool] = None,
     padding_side: Optional[str] = None,
+    field: str = "prompts",
 ) -> Batch:
     """Tokenize prompts one by one and pad them into a batch on the model's device.
 
     Args:
         model: hooked model with a tokenizer.
         prompts: the texts.
-        prepend_bos: default: the model spec's ``prepend_bos``.
+        prepend_bos: default: the model spec's ``prepend_bos`` (resolved against the tokenizer).
         padding_side: ``left`` | ``right``; default: the model spec's ``padding_side``.
+        field: config field quoted in errors.
 
     Raises:
-        TokenizationError: an empty prompt list, or a prompt with no tokens.
+        TokenizationError: an empty prompt list, a prompt with no tokens, or a prompt longer than
+            the model's context.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     if not prompts:
-        raise TokenizationError("prompts: need at least one prompt")
+        raise TokenizationError(f"{field}: need at least one prompt")
     spec = model_spec_of(model)
     side = padding_side or spec.padding_side
     if side not in ("left", "right"):
         raise TokenizationError(f"padding_side must be 'left' or 'right', got {side!r}")
     ids = [encode(model, p, prepend_bos) for p in prompts]
-    for p, i in zip(prompts, ids):
-        if not i:
-            raise TokenizationError(f"prompts: {p!r} tokenizes to nothing")
+    for i, (p, seq) in enumerate(zip(prompts, ids)):
+        if not seq:
+            raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
+        check_length(model, seq, f"{field}[{i}]", p)
     return pad_ids(model, ids, side)
 
 
@@ -200,16 +438,33 @@ def forward_kwargs(batch: Batch) -> dict:
 
 
 @torch.no_grad()
-def run_with_cache(model, batch: Batch, names: Iterable[str] | Callable[[str], bool]):
-    """Forward a batch caching only the named hooks.
+def run_with_cache(model, batch: Batch, names: Iterable[str] | Callable[[str], bool], strict: bool = True):
+    """Forward a batch caching only the named hooks (gated hooks are enabled for the call).
+
+    ``strict=False`` allows named hooks that exist but do not fire for this architecture (e.g.
+    ``hook_pos_embed`` under rotary positions); they are simply absent from the cache.
 
     Returns:
         ``(logits [batch, pos, d_vocab], cache)`` where ``cache[name]`` is ``[batch, pos, ...]``.
+
+    Raises:
+        HookError: a named hook does not exist, or never fired.
     """
-    if not callable(names):
-        wanted = set(names)
-        names = wanted.__contains__
-    return model.run_with_cache(batch.tokens, names_filter=names, **forward_kwargs(batch))
+    from .hooks import check_hooks, enabled_hooks
+
+    if callable(names):
+        return model.run_with_cache(batch.tokens, names_filter=names, **forward_kwargs(batch))
+    wanted = list(dict.fromkeys(names))
+    check_hooks(model, wanted, "hooks")
+    with enabled_hooks(model, wanted):
+        logits, cache = model.run_with_cache(batch.tokens, names_filter=set(wanted).__contains__,
+                                             **forward_kwargs(batch))
+    missing = [n for n in wanted if n not in cache]
+    if missing and strict:
+        from .errors import HookError
+
+        raise HookError(f"hooks: {missing} never fired in the forward pass")
+    return logits, cache
 
 
 def chunks(n: int, size: int) -> Iterable[slice]:

@@ -152,8 +152,7 @@ class AttentionPatterns(Experiment):
             check_heads(model, [self.head], "head")
         resolve_query(str_tokens(model, encode(model, self.prompt)), self.query)
 
-    def run(self, model, progress: bool = True) -> AttentionPatternResult:
-        self.check(model)
+    def _run(self, model, progress: bool = True) -> AttentionPatternResult:
         ap = attention_pattern(model, self.prompt, self.layer)
         heads = check_heads(model, self.heads)
         if self.head is not None and self.head not in heads:
@@ -250,7 +249,7 @@ class HeadScan(Experiment):
     def check(self, model) -> None:
         self._layers(model)
 
-    def run(self, model, progress: bool = True) -> HeadScanResult:
+    def _run(self, model, progress: bool = True) -> HeadScanResult:
         layers = self._layers(model)
         tables = {"scores": head_scores(model, self.seq_len, self.n_seqs, self.seed, layers)}
         if self.prompts:

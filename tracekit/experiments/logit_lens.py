@@ -257,8 +257,7 @@ class LogitLens(Experiment):
             single_token_id(model, t, field="target" if isinstance(self.target, str) else f"target[{j}]")
 
     @torch.no_grad()
-    def run(self, model, progress: bool = True) -> LogitLensResult:
-        self.check(model)
+    def _run(self, model, progress: bool = True) -> LogitLensResult:
         readout = Readout(model)
         n_layers = model.cfg.n_layers
         hooks = lens_hooks(n_layers, self.layers)

@@ -33,7 +33,7 @@ from ..attribution import (
     resolve_target,
     value_readout,
 )
-from .base import Experiment, OptionalPrompts, Prompts, Result, register
+from .base import Experiment, OptionalPrompts, Prompts, Result, register, StrictModel
 
 __all__ = ["DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution",
            "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
@@ -166,8 +166,7 @@ class DirectLogitAttribution(Experiment):
     def check(self, model) -> None:
         resolve_target(model, self.target, self.foil)
 
-    def run(self, model, progress: bool = True) -> DirectLogitAttributionResult:
-        self.check(model)
+    def _run(self, model, progress: bool = True) -> DirectLogitAttributionResult:
         das = direct_logit_attribution(model, self.prompts, self.target, self.foil, self.position,
                                        batch_size=self.batch_size)
         comps, heads, prompts = [], [], []
@@ -189,7 +188,7 @@ class DirectLogitAttribution(Experiment):
 # neuron attribution
 
 
-class KeyReadoutConfig(BaseModel):
+class KeyReadoutConfig(StrictModel):
     """Key readout (Geva et al. 2021): top-activating corpus contexts of the top neurons.
 
     Fields:
@@ -216,7 +215,7 @@ class KeyReadoutConfig(BaseModel):
     sign: Literal["auto", "positive", "negative"] = "auto"
 
 
-class AblationConfig(BaseModel):
+class AblationConfig(StrictModel):
     """Check by intervention: ablate / amplify the top-k neurons and k random neurons of the same
     layers (the control), at the read position (``positions: last``) or everywhere (``all``).
 
@@ -401,8 +400,7 @@ class NeuronAttribution(Experiment):
         check_layers(model, self.layers, "layers")
 
     @torch.no_grad()
-    def run(self, model, progress: bool = True) -> NeuronAttributionResult:
-        self.check(model)
+    def _run(self, model, progress: bool = True) -> NeuronAttributionResult:
         layers = check_layers(model, self.layers, "layers")
         das = direct_logit_attribution(model, self.prompts, self.target, self.foil, self.position,
                                        neuron_layers=layers, batch_size=self.batch_size)

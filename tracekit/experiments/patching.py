@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from .. import patching as P
 from ..models import model_device
 from ..tokens import TokenizationError, single_token_id, str_tokens
-from .base import Experiment, Result, register
+from .base import Experiment, Result, register, StrictModel
 
 __all__ = ["ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs"]
 
@@ -51,7 +51,7 @@ Direction = Literal["denoising", "noising"]
 Ablation = Literal["zero", "mean", "resample"]
 
 
-class PromptPair(BaseModel):
+class PromptPair(StrictModel):
     """One clean/corrupted prompt pair.
 
     Fields:
@@ -451,8 +451,7 @@ class ActivationPatching(Experiment):
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, model, progress: bool = True) -> ActivationPatchingResult:
-        self.check(model)
+    def _run(self, model, progress: bool = True) -> ActivationPatchingResult:
         pairs = self.all_pairs()
         ans_ids, wrong_ids = self._pair_ids(model, pairs)
         ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs])

@@ -48,7 +48,7 @@ from ..probing import (
     load_probe_directions, parse_position, percentile_ci, probe_hooks, _row_positions,
 )
 from ..tokens import encode
-from .base import Experiment, Result, register
+from .base import Experiment, Result, register, StrictModel
 
 # load_probe_directions is re-exported so that ``tracekit.load_probe_directions`` works.
 __all__ = ["LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions"]
@@ -57,7 +57,7 @@ CLASS_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 REG_METRICS = ("r2", "pearson", "mse")
 
 
-class ProbeDatasetSpec(BaseModel):
+class ProbeDatasetSpec(StrictModel):
     """Where the labelled rows come from (YAML ``dataset:``).
 
     Either ``builtin: countries`` (50 countries x templates; ``target: continent | language``,
@@ -387,16 +387,15 @@ class LinearProbe(Experiment):
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, model, progress: bool = True, fwd_hooks=None) -> LinearProbeResult:
+    def _run(self, model, progress: bool = True) -> LinearProbeResult:
         """Extract, fit and evaluate every layer. ``fwd_hooks`` (notebook use): extra forward hooks
         active during extraction."""
         t0 = time.time()
-        self.check(model)
         ds = self.dataset.load(self.task)
         task = self.task
         triples = self._triples(model)
         acts = extract_activations(model, ds.texts, [h for _, _, h in triples], self.position, self.batch_size,
-                                   fields=self._fields(ds), fwd_hooks=fwd_hooks, cache_dir=self.cache_dir,
+                                   fields=self._fields(ds), cache_dir=self.cache_dir,
                                    max_memory_mb=self.max_memory_mb, progress=progress)
         t_extract = time.time() - t0
         try:

@@ -26,40 +26,14 @@ from tracekit.attribution import (
 )
 from tracekit.readout import Readout
 from tracekit.tokens import TokenizationError
+from helpers import make_perturbed
 
 ATOL = 1e-4
 PROMPTS = ["The capital of France is", "Hello, my name is John and I live in"]
-_CACHE: dict = {}
 
 
 def perturbed_tiny(arch: str, tokenizer_dir: str, process_weights: bool):
-    """A tiny random model with non-trivial norm weights, biases and O(1) logits."""
-    key = (arch, process_weights)
-    if key in _CACHE:
-        return _CACHE[key]
-    from tracekit.models import ModelSpec, _load_tokenizer, _random_hf_model, wrap_hf_model
-
-    overrides = ({"n_layer": 3, "n_embd": 64, "n_head": 4, "n_positions": 128} if arch == "gpt2"
-                 else {"num_hidden_layers": 3})
-    spec = ModelSpec(name=arch, random_init=True, tokenizer=tokenizer_dir, config_overrides=overrides,
-                     process_weights=process_weights, device="cpu", seed=7)
-    tok = _load_tokenizer(tokenizer_dir)
-    hf = _random_hf_model(spec, torch.float32)
-    if hf.config.vocab_size < len(tok):
-        hf.resize_token_embeddings(len(tok), mean_resizing=False)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.ndim == 1 and ("ln" in name or "norm" in name) and "bias" not in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.3 * noise)
-            else:
-                p.mul_(4.0)
-    bridge = wrap_hf_model(hf, tok, spec, bridge_name="gpt2" if arch == "gpt2" else "meta-llama/Llama-3.2-1B")
-    _CACHE[key] = bridge
-    return bridge
+    return make_perturbed(arch, process_weights=process_weights)
 
 
 @pytest.fixture(scope="module", params=[("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)],
@@ -109,7 +83,7 @@ def test_scale_is_the_runs_final_norm_scale(pmodel):
     d = direct_logit_attribution(pmodel, PROMPTS[0], " Paris")[0]
     batch = tokenize(pmodel, PROMPTS[0])
     _, cache = run_with_cache(pmodel, batch, ["ln_final.hook_in"])
-    assert d.final_scale == pytest.approx(float(Readout(pmodel).final_scale(cache["ln_final.hook_in"][0, -1])), rel=1e-5)
+    assert d.final_scale == pytest.approx(float(Readout(pmodel).scale(cache["ln_final.hook_in"][0, -1])), rel=1e-5)
 
 
 def test_frozen_direct_path_ablation_equals_contribution(pmodel):

@@ -11,7 +11,7 @@ import pytest
 
 import tracekit as tk
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of China is Beijing. The capital of France is"
 
 

@@ -10,7 +10,7 @@ import tracekit as tk
 from tracekit.experiments.logit_lens import emergence_layer, lens_hooks
 from tracekit.tokens import encode, tokenize
 
-from conftest import make_tiny
+from helpers import make_tiny
 
 PROMPTS = [
     "The capital of China is Beijing. The capital of France is",
@@ -98,10 +98,11 @@ def test_exactly_one_bos(prepend, gpt2_tokenizer_dir):
     bos = model.tokenizer.bos_token_id
     for text in ["The capital of France is", "Hello", "<|endoftext|> already"]:
         ids = encode(model, text)
-        plain = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # prompt text is text: a special-token string inside it is split into ordinary tokens
+        plain = model.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        assert ids.count(bos) == (1 if prepend else 0)
         if prepend:
             assert ids[0] == bos and ids[1:] == plain
-            assert sum(1 for i in ids[:1] if i == bos) == 1
         else:
             assert ids == plain
     res = tk.LogitLens(prompts=["The capital of France is"], positions="all").run(model, progress=False)

@@ -14,7 +14,7 @@ from tracekit.cli import main
 from tracekit.config import ConfigError, apply_override, load_config, parse_config
 from tracekit.models import ModelLoadError, ModelSpec, load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, text: str) -> Path:
@@ -211,5 +211,5 @@ def test_bad_pairs_jsonl_names_file_and_line(tmp_path):
 
 
 def test_result_load_on_a_non_result_dir(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a saved tracekit result"):
+    with pytest.raises(FileNotFoundError, match="not a complete saved tracekit result"):
         tk.Result.load(tmp_path)

@@ -17,7 +17,7 @@ from tracekit.probing import (
     load_countries, load_probe_dataset, load_probe_directions, parse_position, probe_hooks, probe_metrics,
 )
 
-from conftest import make_tiny
+from helpers import make_tiny
 
 # float32 activations: padded vs unpadded forward passes differ by reduction order only (~1e-6);
 # 1e-4 absolute leaves two orders of magnitude of margin on O(1) activations.
@@ -97,7 +97,8 @@ def _planted_probe(path, **kw):
 def test_planted_direction_found_at_k_and_not_before(planted_model, tmp_path):
     k = 2
     path = planted_dataset(tmp_path)
-    res = _planted_probe(path).run(planted_model, progress=False, fwd_hooks=planting_hooks(planted_model, k, 1.0))
+    with planted_model.hooks(fwd_hooks=planting_hooks(planted_model, k, 1.0)):  # a notebook user's hooks
+        res = _planted_probe(path).run(planted_model, progress=False)
     d = res.to_frame().set_index("layer")
     assert list(d.index) == [0, 1, 2, 3, 4]
     for L in range(0, k):  # before k: at chance, and not reported as beating the controls
@@ -119,7 +120,8 @@ def test_planted_direction_found_at_k_and_not_before(planted_model, tmp_path):
     assert not set(sp[sp.side == "train"].group) & set(sp[sp.side == "test"].group)
 
     # Same seed -> identical numbers (split, control labels, inner folds, bootstrap).
-    res2 = _planted_probe(path).run(planted_model, progress=False, fwd_hooks=planting_hooks(planted_model, k, 1.0))
+    with planted_model.hooks(fwd_hooks=planting_hooks(planted_model, k, 1.0)):
+        res2 = _planted_probe(path).run(planted_model, progress=False)
     pd.testing.assert_frame_equal(res.to_frame(), res2.to_frame(), check_exact=True)
     pd.testing.assert_frame_equal(res.tables["split"], res2.tables["split"], check_exact=True)
 
@@ -144,8 +146,8 @@ def test_planted_direction_found_at_k_and_not_before(planted_model, tmp_path):
 
 def test_no_plant_no_signal(planted_model, tmp_path):
     """Without the planted signal nothing beats the controls (the test above can fail)."""
-    res = _planted_probe(planted_dataset(tmp_path), bootstrap=200).run(
-        planted_model, progress=False, fwd_hooks=planting_hooks(planted_model, 2, 0.0))
+    with planted_model.hooks(fwd_hooks=planting_hooks(planted_model, 2, 0.0)):
+        res = _planted_probe(planted_dataset(tmp_path), bootstrap=200).run(planted_model, progress=False)
     d = res.to_frame()
     assert not d["beats_controls"].any(), d[["layer", "accuracy", "selectivity_lo", "vs_baseline_lo"]]
     assert (d["accuracy"] <= 0.75).all()
@@ -393,7 +395,7 @@ def test_errors_name_the_field(tiny_gpt2, tmp_path):
 def test_configs_validate():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for name in ("country_probe.yaml", "country_probe_gpt2.yaml"):
         cfg, _ = tk.load_config(root / "experiments" / name)
         step = cfg.experiments[0]

@@ -17,7 +17,7 @@ from tracekit.heads import (
     resolve_query,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rows_sum_to_one_and_future_is_zero(tiny_model):
@@ -37,7 +37,7 @@ def test_rows_sum_to_one_and_future_is_zero(tiny_model):
 def test_article_prompt_tokens_and_query(gpt2_tokenizer_dir):
     """GPT-2 tokenization of the article prompt (no BOS): ids [464, 3139, 286, 4881, 318], query ' is' at 4."""
     import tracekit as tk
-    from conftest import make_tiny
+    from helpers import make_tiny
 
     m = make_tiny("gpt2", gpt2_tokenizer_dir, prepend_bos=False)
     res = tk.AttentionPatterns(prompt="The capital of France is", layer=0, head=2, query=" is").run(m)

@@ -276,7 +276,7 @@ def test_configs_validate():
 
     from tracekit.config import load_config
 
-    root = Path(__file__).resolve().parents[1] / "experiments"
+    root = Path(__file__).resolve().parents[2] / "experiments"
     for name in ("paris_patching.yaml", "ioi_patching.yaml"):
         cfg, _ = load_config(root / name)
         assert cfg.experiments[0].kind == "activation_patching"

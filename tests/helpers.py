@@ -1,0 +1,84 @@
+"""Test model factories (tiers and fixtures: tests/conftest.py).
+
+* :func:`make_tiny`: a tiny randomly initialised GPT-2 or Llama through the loader users use
+  (``ModelSpec(random_init=True)``) with GPT-2's real tokenizer tables (built-in ``gpt2-bpe``).
+* :func:`make_perturbed`: the same architectures with norm weights away from 1, non-zero biases and
+  O(1) logits, so final-norm and folding bugs change numbers (a unit-weight random model hides
+  them); ``tied=True`` gives a Llama whose unembedding is its embedding (tie_word_embeddings).
+  GPT-2: LayerNorm, biases, learned positions, fused QKV. Llama: RMSNorm, GQA (4 query heads, 2
+  key/value heads), SwiGLU, rotary positions, no biases.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2_BPE = str(ROOT / "tracekit" / "data" / "gpt2-bpe")
+
+_PERTURBED: dict = {}
+
+
+def tiny_overrides(arch: str, n_layers: int = 3, tied: bool = False) -> dict:
+    if arch == "gpt2":
+        return {"n_layer": n_layers, "n_embd": 64, "n_head": 4, "n_positions": 128}
+    out = {"num_hidden_layers": n_layers}
+    if tied:
+        out["tie_word_embeddings"] = True
+    return out
+
+
+def make_tiny(arch: str, tokenizer_dir: str = GPT2_BPE, process_weights: bool = True, prepend_bos=True,
+              padding_side: str = "right", n_layers: int = 3, seed: int = 0, tied: bool = False):
+    """A tiny random model through the same loader users use (ModelSpec random_init)."""
+    from tracekit.models import ModelSpec, load_model
+
+    spec = ModelSpec(name=arch, random_init=True, tokenizer=tokenizer_dir,
+                     config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,
+                     prepend_bos=prepend_bos, padding_side=padding_side, seed=seed, device="cpu")
+    return load_model(spec)
+
+
+def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, prepend_bos=True,
+                   padding_side: str = "right", n_layers: int = 3):
+    """A tiny random model with non-trivial norm weights, biases and O(1) logits (cached)."""
+    key = (arch, process_weights, tied, prepend_bos, padding_side, n_layers)
+    if key in _PERTURBED:
+        return _PERTURBED[key]
+    from tracekit.models import ModelSpec, _load_tokenizer, _random_config, wrap_hf_model
+    from transformers import AutoModelForCausalLM
+
+    spec = ModelSpec(name=arch, random_init=True, tokenizer=GPT2_BPE,
+                     config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,
+                     prepend_bos=prepend_bos, padding_side=padding_side, device="cpu", seed=7)
+    tok = _load_tokenizer(GPT2_BPE)
+    torch.manual_seed(7)
+    hf = AutoModelForCausalLM.from_config(_random_config(spec), dtype=torch.float32)
+    if hf.config.vocab_size < len(tok):
+        hf.resize_token_embeddings(len(tok), mean_resizing=False)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        seen = set()
+        for name, p in hf.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 1 and ("ln" in name or "norm" in name) and "bias" not in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.3 * noise)
+            else:
+                p.mul_(4.0)
+    if tied:
+        assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    bridge = wrap_hf_model(hf, tok, spec, bridge_name="gpt2" if arch == "gpt2" else "meta-llama/Llama-3.2-1B")
+    _PERTURBED[key] = bridge
+    return bridge
+
+
+#: (arch, tied) variants every numeric invariant runs on, with ids.
+PERTURBED_VARIANTS = [("gpt2", False), ("llama", False), ("llama", True)]
+PERTURBED_IDS = ["gpt2", "llama", "llama-tied"]

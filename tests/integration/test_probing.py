@@ -693,3 +693,106 @@ def test_multiple_comparisons_recorded_and_applied():
     assert (bon.main.vs_shuffled_lo_adj.iloc[1:] <= raw.main.vs_shuffled_lo_adj.iloc[1:] + 1e-12).all()
     # a notebook gets the same numbers through the kind
     assert list(bon.main.columns[:3]) == ["site", "layer", "hook"]
+
+
+# ---------------------------------------------------------------------------------------------
+# scratch folders: no leftovers on exceptions, Ctrl-C, kill
+# ---------------------------------------------------------------------------------------------
+
+def test_scratch_dir_removed_on_every_exit(tmp_path, monkeypatch):
+    import signal
+
+    from tracekit.scratch import live_scratch_dirs, scratch_dir
+
+    monkeypatch.setenv("TRACEKIT_SCRATCH", str(tmp_path / "s"))
+    before = signal.getsignal(signal.SIGTERM)
+    with scratch_dir("t-") as s:
+        assert s.path.parent == tmp_path / "s" and s.path.is_dir()
+        assert signal.getsignal(signal.SIGTERM) is not before  # cleanup installed while alive
+        (s.path / "f").write_text("x")
+    assert not s.path.exists() and signal.getsignal(signal.SIGTERM) == before
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with scratch_dir("t-") as s:
+                raise exc
+        assert not s.path.exists()
+    with scratch_dir("t-") as s:
+        s.detach()
+    assert s.path.exists() and s.path in live_scratch_dirs()
+    s.remove()
+    assert not s.path.exists() and not live_scratch_dirs()
+    assert list((tmp_path / "s").iterdir()) == []
+
+
+_EXTRACT_SCRIPT = r"""
+import sys, time
+sys.path.insert(0, {tests!r})
+from helpers import make_tiny
+from tracekit.probing import country_dataset, extract_activations
+
+model = make_tiny("gpt2", n_layers=2)
+texts = country_dataset().texts
+hooks = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+slow = [("blocks.0.hook_resid_post", lambda x, hook: (time.sleep(0.03), x)[1])]
+acts = extract_activations(model, texts, hooks, batch_size=4, fwd_hooks=slow, max_memory_mb=1e-4,
+                           chunk_mb=0.001)
+assert acts.on_disk
+print("EXTRACTED", flush=True)
+time.sleep(120)
+"""
+
+
+def test_signal_during_extraction_leaves_no_scratch(tmp_path):
+    """Real subprocesses extracting to disk (tiny max_memory_mb) get a real SIGINT / SIGTERM while
+    chunk files are being written, or SIGTERM while holding the finished chunks: no folder is left
+    behind, and SIGTERM still ends the process with the signal. (The three run in parallel.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "extract.py"
+    script.write_text(_EXTRACT_SCRIPT.format(tests=str(root / "tests")))
+    cases = {}
+    for sig, when in (("SIGINT", "during"), ("SIGTERM", "during"), ("SIGTERM", "after")):
+        scratch = tmp_path / f"scratch-{sig}-{when}"
+        env = {**os.environ, "TRACEKIT_SCRATCH": str(scratch), "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=str(root), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cases[(sig, when)] = (proc, scratch)
+
+    def chunks_written(scratch):
+        return scratch.exists() and any(len(list(d.glob("chunk_*"))) >= 2 for d in scratch.iterdir())
+
+    try:
+        deadline = time.time() + 180
+        pending = dict(cases)
+        while pending and time.time() < deadline:
+            for key, (proc, scratch) in list(pending.items()):
+                sig, when = key
+                assert proc.poll() is None, (key, proc.stderr.read())
+                ready = chunks_written(scratch) if when == "during" else (
+                    scratch.exists() and any((d / "index.json").exists() for d in scratch.iterdir()))
+                if ready:
+                    assert [d.name for d in scratch.iterdir()][0].startswith("tracekit-acts-")
+                    if when == "after":
+                        assert proc.stdout.readline().strip() == "EXTRACTED"
+                    proc.send_signal(getattr(signal, sig))
+                    del pending[key]
+            time.sleep(0.05)
+        assert not pending, f"no extraction reached the signal point: {list(pending)}"
+        for key, (proc, scratch) in cases.items():
+            proc.wait(timeout=60)
+            assert proc.returncode != 0, key
+            if key[0] == "SIGTERM":
+                assert proc.returncode == -signal.SIGTERM, (key, proc.returncode)  # still dies of the signal
+            assert list(scratch.iterdir()) == [], (key, list(scratch.rglob("*"))[:5])
+    finally:
+        for proc, _ in cases.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -242,8 +242,8 @@ def test_batched_extraction_equals_one_by_one(arch, side, gpt2_tokenizer_dir):
     ds = country_dataset()
     f = ds.frame.iloc[::23].reset_index(drop=True)  # 14 prompts of different lengths
     hooks = [h for _, _, h in probe_hooks(model.cfg.n_layers, ["resid_post", "attn_out", "mlp_out"])]
-    for position in ("last", "mean", "field:country", "token: is", "all"):
-        sub = f[f.text.str.contains(" is")] if position.startswith("token:") else f
+    for position in ("last", -2, "mean", "field:country", "token: is", "all"):
+        sub = f[f.text.str.contains(" is")] if str(position).startswith("token:") else f
         fields = sub.country.tolist()
         one = extract_activations(model, sub.text.tolist(), hooks, position, batch_size=1, fields=fields)
         many = extract_activations(model, sub.text.tolist(), hooks, position, batch_size=5, fields=fields)

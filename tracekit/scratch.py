@@ -25,7 +25,7 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator
 
 __all__ = ["scratch_dir", "Scratch", "scratch_root", "live_scratch_dirs", "SCRATCH_ENV"]
 
@@ -33,7 +33,7 @@ SCRATCH_ENV = "TRACEKIT_SCRATCH"
 
 _LIVE: dict[str, "Scratch"] = {}
 _LOCK = threading.RLock()
-_PREV_TERM: Optional[object] = None
+_PREV_TERM: Any = None
 _TERM_INSTALLED = False
 _ATEXIT = False
 

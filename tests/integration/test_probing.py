@@ -376,7 +376,8 @@ def test_country_table_is_sane():
 
 def test_errors_name_the_field(tiny_gpt2, tmp_path):
     p = tmp_path / "d.csv"
-    pd.DataFrame({"text": ["a b", "c d", "e f", "g h"], "y": ["x", "x", "z", "z"], "g": [1, 2, 3, 3]}).to_csv(p, index=False)
+    pd.DataFrame({"text": ["a b", "c d", "e f", "g h"], "y": ["x", "x", "z", "z"],
+                  "g": [1, 2, 3, 3]}).to_csv(p, index=False)
     with pytest.raises(ValueError, match=r"dataset\.label: unknown label column 'label'.*\['text', 'y', 'g'\]"):
         load_probe_dataset(p)
     ds = load_probe_dataset(p, label="y", group="g")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -377,7 +377,7 @@ def probe_layers(
 
     rows, pred_rows, arrays, boots = [], [], {}, {}
     excluded: dict[str, set] = {"probe": set(), "control": set()}
-    fit_kw = dict(task=task, n_classes=K, Cs=Cs, alphas=alphas, inner_folds=inner_folds, seed=seed,
+    fit_kw: dict[str, Any] = dict(task=task, n_classes=K, Cs=Cs, alphas=alphas, inner_folds=inner_folds, seed=seed,
                   max_iter=max_iter, class_names=classes or None)
     bar = tqdm(total=len(targets), desc="probing layers", disable=not progress, leave=False)
     try:
@@ -414,6 +414,7 @@ def probe_layers(
                             sp = inner_splits(entity_ex[used], tpl, y_ex[used] if task == "classification" else None,
                                               group_by, inner_folds, seed)
                         probe = fit_probe(X[used], y_ex[used], X[:1], splits=sp, **fit_kw)
+                    assert probe is not None
                     key = f"probe.{site}.{layer}"
                     arrays[f"{key}.weight"] = torch.tensor(probe.weight, dtype=torch.float32)
                     arrays[f"{key}.bias"] = torch.tensor(probe.bias, dtype=torch.float32)

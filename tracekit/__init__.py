@@ -28,6 +28,7 @@ from .experiments import (REGISTRY, AblationConfig, ActivationPatching, Activati
                           NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
                           register)
 from .config import RunConfig, load_config, parse_config
+from .probing import load_probe_directions
 
 __version__ = "0.2.0"
 __all__ = [
@@ -44,5 +45,5 @@ __all__ = [
     "LogitLens", "LogitLensResult", "ActivationPatching", "ActivationPatchingResult", "PromptPair",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
     "KeyReadoutConfig", "AblationConfig", "AttentionPatterns", "AttentionPatternResult", "HeadScan",
-    "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
+    "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions",
 ]

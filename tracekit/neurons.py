@@ -45,7 +45,7 @@ from .tokens import Position, PositionSpec, forward_kwargs, tokenize
 
 __all__ = [
     "AttributionError", "parse_neuron", "neuron_contributions", "value_logits", "value_readout", "KeyReadout",
-    "key_readout", "neuron_intervention", "random_neurons", "output_metrics", "INTERVENE_AT",
+    "key_readout", "neuron_intervention", "random_neurons", "output_metrics", "prompt_means", "INTERVENE_AT",
 ]
 
 #: Where :func:`neuron_intervention` edits activations: the read position only, or every position.
@@ -299,6 +299,30 @@ def key_readout(
 
 # ---------------------------------------------------------------------------------------------
 # interventions
+
+
+@torch.no_grad()
+def prompt_means(model, prompts: Sequence[str], neurons: Sequence) -> dict:
+    """Mean activation (``hook_post``) of each neuron over the prompts' real tokens, BOS excluded:
+    the baseline of a ``mean`` ablation when no corpus is read.
+
+    Returns:
+        ``{(layer, neuron): mean activation}``.
+
+    Raises:
+        AttributionError: bad neuron spec.
+    """
+    from .tokens import run_with_cache
+
+    specs = [parse_neuron(model, n) for n in neurons]
+    layers = sorted({L for L, _ in specs})
+    batch = tokenize(model, list(prompts))
+    _, cache = run_with_cache(model, batch, [f"blocks.{L}.mlp.hook_post" for L in layers])
+    mask = batch.attention_mask.bool().clone()
+    start = 1 if getattr(getattr(model, "tracekit_spec", None), "prepend_bos", False) else 0
+    for b in range(batch.size):
+        mask[b, batch.offsets[b]: batch.offsets[b] + start] = False
+    return {(L, n): float(cache[f"blocks.{L}.mlp.hook_post"][..., n].float()[mask].mean()) for L, n in specs}
 
 
 def random_neurons(model, like: Sequence[tuple[int, int]], seed: int = 0, exclude: Iterable = ()) -> list[tuple[int, int]]:

@@ -336,3 +336,17 @@ def test_check_works_on_model_info(tiny_gpt2):
         tk.NeuronAttribution(prompts=PROMPTS, target=" Paris", layers=[7]).check(info)
     with pytest.raises(TokenizationError, match="position"):
         tk.NeuronAttribution(prompts=PROMPTS, target=" Paris", position="token: Rome").check(info)
+
+
+def test_prompt_means_exclude_bos_and_padding(tiny_gpt2):
+    from tracekit.neurons import prompt_means
+    from tracekit.tokens import run_with_cache, tokenize
+
+    m = tiny_gpt2  # prepends BOS, pads on the right
+    got = prompt_means(m, PROMPTS, [(1, 3), "2.5"])
+    acts = []
+    for p in PROMPTS:  # one by one: no padding; drop BOS
+        _, c = run_with_cache(m, tokenize(m, [p]), ["blocks.1.mlp.hook_post", "blocks.2.mlp.hook_post"])
+        acts.append((c["blocks.1.mlp.hook_post"][0, 1:, 3], c["blocks.2.mlp.hook_post"][0, 1:, 5]))
+    assert got[(1, 3)] == pytest.approx(float(torch.cat([a for a, _ in acts]).mean()), abs=1e-6)
+    assert got[(2, 5)] == pytest.approx(float(torch.cat([b for _, b in acts]).mean()), abs=1e-6)

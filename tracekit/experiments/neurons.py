@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from .. import plotting
 from ..dla import POSITION_FORMS, check_layers, resolve_target
-from ..neurons import key_readout, neuron_contributions, neuron_intervention, random_neurons, value_readout
+from ..neurons import (key_readout, neuron_contributions, neuron_intervention, prompt_means, random_neurons,
+                       value_readout)
 from ..tokens import PositionSpec, parse_position
 from .base import Experiment, Prompts, Result, StrictModel, register
 from .dla import check_prompt_positions
@@ -172,12 +173,18 @@ class NeuronAttributionResult(Result):
                 lines.append(f"           suppresses {t['suppresses'][:5]}")
             for c in t.get("top_contexts", [])[:3]:
                 lines.append(f"           context: {c!r}")
-        for key, v in s.get("interventions", {}).items():
-            rnd = ("" if v["random_delta_prob_mean"] is None else
-                   f"; random k: d_prob {v['random_delta_prob_mean']:+.4f} (std {v['random_delta_prob_std']:.4f}), "
-                   f"d_logit_diff {v['random_delta_logit_diff_mean']:+.3f}")
-            lines.append(f"{key:>12} top-{s['k_ablated']}: p {v['clean_prob']:.4f} -> {v['patched_prob']:.4f} "
-                         f"(d_prob {v['top_delta_prob']:+.4f}, d_logit_diff {v['top_delta_logit_diff']:+.3f}){rnd}")
+        iv = s.get("interventions", {})
+        if iv:
+            lines.append(f"interventions on the top-{s['k_ablated']} neurons vs random k of the same layers:")
+            rows = []
+            for key, v in iv.items():
+                rnd = v["random_delta_prob_mean"] is not None
+                rows.append((key, f"{v['clean_prob']:.4f}", f"{v['patched_prob']:.4f}", f"{v['top_delta_prob']:+.4f}",
+                             f"{v['top_delta_logit_diff']:+.3f}",
+                             f"{v['random_delta_prob_mean']:+.4f} ({v['random_delta_prob_std']:.4f})" if rnd else "-",
+                             f"{v['random_delta_logit_diff_mean']:+.3f}" if rnd else "-"))
+            lines.append(plotting.text_table(rows, ["intervention", "p clean", "p patched", "d_prob", "d_logit_diff",
+                                                    "random d_prob (std)", "random d_logit_diff"]))
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -321,7 +328,7 @@ class NeuronAttribution(Experiment):
 
         if abl is not None and top_set:
             if means is None and "mean" in abl.modes:
-                means = self._prompt_means(model, top_set + [x for s in rand_sets for x in s])
+                means = prompt_means(model, self.prompts, top_set + [x for s in rand_sets for x in s])
                 meta["mean_source"] = "prompt tokens (BOS excluded)"
             rows = []
             clean_by_prompt: dict = {}
@@ -350,19 +357,3 @@ class NeuronAttribution(Experiment):
             bar.close()
             tables["interventions"] = pd.DataFrame(rows)
         return NeuronAttributionResult(self, tables, meta)
-
-    def _prompt_means(self, model, specs) -> dict:
-        from ..tokens import run_with_cache, tokenize
-
-        layers = sorted({L for L, _ in specs})
-        batch = tokenize(model, self.prompts)
-        _, cache = run_with_cache(model, batch, [f"blocks.{L}.mlp.hook_post" for L in layers])
-        mask = batch.attention_mask.bool().clone()
-        start = 1 if getattr(getattr(model, "tracekit_spec", None), "prepend_bos", False) else 0
-        for b in range(batch.size):
-            mask[b, batch.offsets[b]: batch.offsets[b] + start] = False
-        out = {}
-        for L, n in specs:
-            a = cache[f"blocks.{L}.mlp.hook_post"][..., n].float()
-            out[(L, n)] = float(a[mask].mean())
-        return out

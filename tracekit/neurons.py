@@ -28,7 +28,7 @@ by raising inside a hook).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -42,6 +42,9 @@ from .hooks import check_hooks
 from .metrics import logit_diff, target_log_prob, target_prob
 from .readout import Readout
 from .tokens import Position, PositionSpec, forward_kwargs, tokenize
+
+if TYPE_CHECKING:
+    from .corpus import Window
 
 __all__ = [
     "AttributionError", "parse_neuron", "neuron_contributions", "value_logits", "value_readout", "KeyReadout",
@@ -103,7 +106,7 @@ def neuron_contributions(
 
 
 @torch.no_grad()
-def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, "d_vocab"]:
+def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_vocab"]:
     """A neuron's value vector read in vocabulary space: ``(centre(W_out[L, n]) * w) @ W_U``,
     centred over the vocabulary (logits per unit activation at final-norm scale 1; Geva et al. 2022).
 
@@ -248,7 +251,7 @@ def key_readout(
     best_p = torch.full((N, top_n), -1, dtype=torch.long)
     sums = torch.zeros(N, dtype=torch.float64)
     count = 0
-    windows: dict[int, object] = {}
+    windows: dict[int, Window] = {}
     n_windows = 0
     docs = iter_documents(corpus, jsonl_field=jsonl_field)
     wins = token_windows(model, docs, seq_len=seq_len, max_tokens=max_tokens)
@@ -460,7 +463,8 @@ def neuron_intervention(
             if freeze_downstream:
                 act = clean[hook.name].clone().to(act.dtype)
             idx_d = idx.to(act.device)
-            mv = mean_vals[L].to(act.device) if mean_vals[L] is not None else None
+            m = mean_vals[L]
+            mv = m.to(act.device) if m is not None else None
             view = act[:, sel]
             view[..., idx_d] = _new_values(mode, view[..., idx_d], mv, factor)
             act[:, sel] = view

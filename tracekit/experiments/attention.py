@@ -119,11 +119,12 @@ class AttentionPatternResult(Result):
 
 
 def _retired(v, names: dict):
+    """Refuse retired keys, naming every one found and its new key."""
     if isinstance(v, dict):
-        for old, new in names.items():
-            if old in v:
-                raise ValueError(f"'{old}' is renamed to '{new}'"
-                                 + (" (a token string is written 'token: is')" if old == "query" else ""))
+        found = [f"'{old}' is renamed to '{new}'" + (" (a token string is written 'token: is')" if old == "query" else "")
+                 for old, new in names.items() if old in v]
+        if found:
+            raise ValueError("; ".join(found))
     return v
 
 

@@ -22,7 +22,7 @@ from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spe
 from .readout import Readout
 from .tokens import Position, parse_position
 from .experiments import (REGISTRY, AblationConfig, ActivationPatching, ActivationPatchingResult,
-                          AttentionPatternResult, AttentionPatterns, DirectLogitAttribution,
+                          AttentionPattern, AttentionPatternResult, DirectLogitAttribution,
                           DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
                           KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
                           NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
@@ -44,6 +44,6 @@ __all__ = [
     # kinds
     "LogitLens", "LogitLensResult", "ActivationPatching", "ActivationPatchingResult", "PromptPair",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
-    "KeyReadoutConfig", "AblationConfig", "AttentionPatterns", "AttentionPatternResult", "HeadScan",
+    "KeyReadoutConfig", "AblationConfig", "AttentionPattern", "AttentionPatternResult", "HeadScan",
     "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions",
 ]

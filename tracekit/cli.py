@@ -1,4 +1,5 @@
-"""Command line: ``tracekit run CONFIG --out DIR``, ``tracekit validate CONFIG``, ``tracekit kinds``.
+"""Command line: ``tracekit run CONFIG --out DIR``, ``tracekit validate CONFIG``, ``tracekit kinds``,
+``tracekit cache [clear]``.
 
 Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was not met;
 2 invalid config / input / model that cannot be loaded (the message says which field and the fix).
@@ -27,7 +28,33 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
     sub.add_parser("kinds", help="list experiment kinds and their fields")
+    # --- cache (tracekit.cache): on-disk dequantised GGUF weights --------------------------------
+    c = sub.add_parser("cache", help="list the weight cache (tracekit cache) or empty it (tracekit cache clear)")
+    c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     return p
+
+
+def _cache_cmd(action: str) -> int:
+    """``tracekit cache [list|clear]``: one line per entry (size, key, created, dtype, GGUF)."""
+    from . import cache
+
+    root = cache.cache_dir()
+    if action == "clear":
+        n, freed = cache.clear_cache_dir()
+        print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB) from {root}")
+        return 0
+    rows = cache.list_entries()
+    print(f"tracekit cache: {root}" + ("" if cache.cache_enabled() else " (disabled: TRACEKIT_CACHE=off)"))
+    if not rows:
+        print("  (empty)")
+        return 0
+    for r in rows:
+        flag = "" if r["valid"] else "  [invalid: rebuilt on next load]"
+        print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}  "
+              f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}{flag}")
+    total = sum(r["size_bytes"] for r in rows)
+    print(f"  {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {total / 2**20:.1f} MiB")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError, load_config
     from .experiments import REGISTRY
 
+    if args.cmd == "cache":
+        return _cache_cmd(args.action)
     if args.cmd == "kinds":
         for kind, cls in sorted(REGISTRY.items()):
             fields = ", ".join(n for n in cls.model_fields if n not in ("kind",))

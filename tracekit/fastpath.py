@@ -16,7 +16,7 @@ same tensors (bit-identical), the readout is ``Readout(model).log_probs`` (the f
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from jaxtyping import Float, Int
@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 from .readout import Readout
 from .tokens import Batch, forward_kwargs
 
-__all__ = ["residual_stream", "lens_readout"]
+__all__ = ["lens_readout", "residual_stream"]
 
 
 class _AllHooksRead(Exception):
@@ -36,7 +36,7 @@ def residual_stream(
     model,
     batch: Batch,
     hook_names: Sequence[str],
-    positions: Int[torch.Tensor, "batch"] | Int[torch.Tensor, "batch n_read"] | None = None,
+    positions: Int[torch.Tensor, " batch"] | Int[torch.Tensor, "batch n_read"] | None = None,
     stop_early: bool = True,
 ) -> Float[torch.Tensor, "hook batch n_read d_model"] | Float[torch.Tensor, "hook batch d_model"]:
     """Activations of ``hook_names`` on a batch, read at ``positions`` only, stacked in the given order.
@@ -80,7 +80,6 @@ def residual_stream(
             got[name] = act if positions is None else act[rows, positions]
             if stop_early and len(got) == len(wanted):
                 raise _AllHooksRead
-            return None
 
         return hook
 

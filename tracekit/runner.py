@@ -29,6 +29,7 @@ import yaml
 from .config import RunConfig
 from .experiments.base import _jsonable
 from .models import load_model, resolve_device
+from .resources import peak_memory
 
 
 class StepFailed(RuntimeError):
@@ -179,6 +180,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
                 f"{_bounds(r)} -> {mark}" + (f"  ({r['note']})" if r.get("note") else ""))
 
     env["total_s"] = round(time.time() - t0, 2)
+    env["peak_memory"] = peak_memory()  # tracekit.resources: peak RSS (and CUDA peak) of this process
     summary: dict = {"steps": summaries}
     if len(config.experiments) == 1 and summaries:
         summary = {**next(iter(summaries.values())), **summary}

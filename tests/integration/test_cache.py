@@ -342,3 +342,16 @@ def test_embedded_model_warm_load_is_bit_identical_and_fast(tmp_path, monkeypatc
         models.clear_cache()
         models._CACHE.update(saved[0])
         models._WEIGHTS.update(saved[1])
+
+
+def test_runner_records_peak_memory(tmp_path, tiny_gpt2):
+    """environment.json carries the process's peak memory (tracekit.resources.peak_memory)."""
+    from tracekit.config import parse_config
+    from tracekit.runner import run_config
+
+    cfg = parse_config({"model": {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "device": "cpu"},
+                        "experiments": [{"kind": "logit_lens", "prompts": "The capital of France is"}]})
+    run_dir, _ = run_config(cfg, tmp_path, model=tiny_gpt2, progress=False, log=lambda *a: None)
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["peak_memory"]["peak_rss_mib"] > 0
+    assert env["peak_memory"]["peak_rss_mib"] + 1 >= env["peak_memory"]["rss_mib"]

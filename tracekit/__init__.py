@@ -28,6 +28,7 @@ from .experiments import (REGISTRY, AblationConfig, ActivationPatching, Activati
                           NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
                           register)
 from .config import RunConfig, load_config, parse_config
+from .sweep import load_results, run_sweep
 
 __version__ = "0.2.0"
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "Position", "parse_position",
     # protocol and config
     "REGISTRY", "Experiment", "Result", "Expectation", "register", "RunConfig", "load_config", "parse_config",
+    # sweeps
+    "load_results", "run_sweep",
     # kinds
     "LogitLens", "LogitLensResult", "ActivationPatching", "ActivationPatchingResult", "PromptPair",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",

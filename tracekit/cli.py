@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
     sub.add_parser("kinds", help="list experiment kinds and their fields")
+    from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
+    add_commands(sub)
     return p
 
 
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     from .config import ConfigError, load_config
     from .experiments import REGISTRY
+
+    if args.cmd in ("sweep", "results"):  # sweeps: tracekit.sweep
+        from .sweep import main as sweep_main
+        return sweep_main(args)
 
     if args.cmd == "kinds":
         for kind, cls in sorted(REGISTRY.items()):

@@ -29,6 +29,7 @@ import yaml
 from .config import RunConfig
 from .experiments.base import _jsonable
 from .models import load_model, resolve_device
+from .pipeline import resolve_step
 
 
 class StepFailed(RuntimeError):
@@ -155,6 +156,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         name = step.step_name
         ts = time.time()
         try:
+            step = resolve_step(step, run_dir, model)  # pipeline: references -> values, recorded, checked
             seed_everything(config.seed)
             result = step.run(model, progress=progress, check=False)
             result.save(run_dir / name)

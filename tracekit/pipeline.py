@@ -451,7 +451,7 @@ def resolve_reference(ref: Reference, run_dir: str | Path, where: str = "referen
         value = _read_tables(folder, ref, where)
     else:
         p = (folder / ref.path).resolve()
-        if not str(p).startswith(str(folder.resolve())):
+        if not p.is_relative_to(folder.resolve()):
             raise ConfigError(f"{where}.path: {ref.path!r} leaves the step's folder {folder}")
         if not p.exists():
             have = sorted(x.name for x in folder.iterdir())

@@ -285,3 +285,9 @@ def test_ray_executor_gives_the_local_index(local_sweep, tmp_path):
     outcome = run_sweep(SWEEP, tmp_path / "ray", executor="ray", workers=2, progress=False, log=quiet)
     assert outcome.exit_code == 1 and sorted(outcome.failed) == sorted(local.failed)
     pd.testing.assert_frame_equal(stable_columns(outcome.index), stable_columns(local.index))
+
+
+def test_shipped_sweep_config_expands():
+    points, _ = expand_sweep(ROOT / "experiments" / "paris_sweep.yaml")
+    assert len(points) == 6 and len({p.model_key for p in points}) == 1
+    assert {p.names["experiments[0].prompts"] for p in points} == {"bare", "example"}

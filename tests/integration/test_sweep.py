@@ -40,7 +40,7 @@ def tiny(arch):
             "device": "cpu"}
 
 
-#: 2 models x 2 kinds x 3 targets = 12 points; the 4 points with target " Paris is" (two tokens) fail.
+#: 2 models x 2 kinds x 2 targets = 8 points; the 4 points with target " Paris is" (two tokens) fail.
 SWEEP = {
     "model": tiny("gpt2"),
     "seed": 3,
@@ -50,11 +50,11 @@ SWEEP = {
         "zip": {"model.name": ["gpt2", "llama"],
                 "model.config_overrides": [tiny_overrides("gpt2", 2), tiny_overrides("llama", 2)]},
         "grid": {"experiments[0].kind": ["logit_lens", "direct_logit_attribution"],
-                 "experiments[0].target": [" Paris", " Rome", " Paris is"]},
+                 "experiments[0].target": [" Paris", " Paris is"]},
         "compare": ["step/target_prob_by_layer"],
     },
 }
-N_POINTS, N_FAILING = 12, 4
+N_POINTS, N_FAILING = 8, 4
 
 
 def quiet(*a, **k):
@@ -85,8 +85,8 @@ def test_expansion_grid_zip_names_and_seeds():
     assert [p.params["model.name"] for p in points[:4]] == ["gpt2", "llama"] * 2
     assert {(p.config.model.name, p.config.model.config_overrides["n_layer" if p.config.model.name == "gpt2"
              else "num_hidden_layers"]) for p in points} == {("gpt2", 2), ("llama", 2)}
-    assert points[2].config.experiments[0].target == " Rome"
-    assert [p.config.experiments[0].kind for p in points[5:7]] == ["logit_lens", "direct_logit_attribution"]
+    assert points[2].config.experiments[0].target == " Paris is"
+    assert [p.config.experiments[0].kind for p in points[3:5]] == ["logit_lens", "direct_logit_attribution"]
     # seeds derive from the sweep seed and the parameters: recorded, stable, distinct
     assert [p.seed for p in points] == [p.config.seed for p in points]
     assert points[0].seed == derive_seed(3, points[0].params) == expand_sweep(SWEEP)[0][0].seed
@@ -109,7 +109,7 @@ def test_expansion_grid_zip_names_and_seeds():
     (lambda s: s["sweep"].update({"grd": {}}), ["unknown key", "grd"]),
     (lambda s: s["sweep"]["grid"].update({"experiments[3].target": [" a"]}), ["experiments[3].target",
                                                                              "does not exist"]),
-    (lambda s: s["sweep"]["grid"].update({"experiments[0].top_kk": [1, 2]}), ["24 sweep point(s) are invalid",
+    (lambda s: s["sweep"]["grid"].update({"experiments[0].top_kk": [1, 2]}), ["16 sweep point(s) are invalid",
                                                                              "experiments[0].top_kk"]),
     (lambda s: s["sweep"]["grid"].update({"experiments[0].batch_size": []}), ["non-empty list"]),
     (lambda s: s["sweep"]["grid"].update({"model.name": ["gpt2"]}), ["also in sweep.grid"]),
@@ -259,7 +259,7 @@ def test_killed_sweep_resumes_without_redoing_finished_points(local_sweep, tmp_p
     assert 3 <= len(finished) < N_POINTS and (idx["status"] == "pending").any()
     # 2) SIGKILL a few points later (no handler runs)
     proc = _cli(cfg, out)
-    recs = _wait_for(proc, out, len(finished) + 2)
+    recs = _wait_for(proc, out, min(len(finished) + 1, N_POINTS - 1))
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     done_before = {k: r for k, r in _records(out).items() if r["status"] == "complete"}

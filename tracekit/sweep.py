@@ -265,6 +265,9 @@ def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), s
         n = next(iter(lens.values()))
         axes.append([{p: cols[p][i] for p in cols} for i in range(n)])
     sweep_seed = raw.get("seed", 0)
+    if isinstance(sweep_seed, bool) or not isinstance(sweep_seed, int):
+        raise ConfigError(f"{source}: seed: the sweep seed must be an integer (each point's seed derives from it), "
+                          f"got {sweep_seed!r}")
     points: list[Point] = []
     problems: list[str] = []
     for i, combo in enumerate(itertools.product(*axes)):
@@ -279,8 +282,7 @@ def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), s
                 set_path(praw, p, v, f"{source}: sweep[{p!r}]")
         except ConfigError as e:
             raise ConfigError(str(e)) from None
-        seed = praw.get("seed", 0) if "seed" in params else derive_seed(sweep_seed if isinstance(sweep_seed, int)
-                                                                       else 0, params)
+        seed = praw.get("seed", 0) if "seed" in params else derive_seed(sweep_seed, params)
         praw["seed"] = seed
         label = ", ".join(f"{k}={_short(v)}" for k, v in names.items())
         try:
@@ -909,11 +911,13 @@ def _print_index(df, columns: str | None) -> None:
                                                                      "error", "run_dir", "started", "seconds",
                                                                      "summary")]
         nums = [c for c in df.columns if "/" in c and not c.startswith("env/") and "[" not in c
-                and df[c].dtype.kind in "fi"]
+                and df[c].dtype.kind in "fi" and df[c].notna().any()]
+        nums.sort(key=lambda c: -int(df[c].notna().sum()))  # the numbers most points have first
         cols = fixed + swept + ["status", "seconds"] + nums[:6]
     rows = []
     for _, r in df[cols].iterrows():
-        rows.append([(f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)))[:40] for v in r])
+        rows.append([(f"{v:.4g}" if isinstance(v, float) else "" if v is None else
+                      repr(v) if isinstance(v, str) and v[:1].isspace() else str(v))[:40] for v in r])
     print(text_table(rows, cols))
 
 

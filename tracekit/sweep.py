@@ -754,7 +754,9 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
                 log(f"point {p.index} ({p.label}) {rec['status']}: {str(rec.get('error')).splitlines()[0]}")
 
         try:
-            if executor == "ray":
+            if not todo:
+                pass
+            elif executor == "ray":
                 _run_ray(todo, out, on_record, progress, log, address, workers)
             else:
                 _run_local(todo, out, on_record, progress, log)

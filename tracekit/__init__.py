@@ -29,6 +29,7 @@ from .experiments import (REGISTRY, AblationConfig, ActivationPatching, Activati
                           register)
 from .config import RunConfig, load_config, parse_config
 from .probing import load_probe_directions
+from .sweep import load_results, run_sweep
 
 __version__ = "0.2.0"
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "Position", "parse_position",
     # protocol and config
     "REGISTRY", "Experiment", "Result", "Expectation", "register", "RunConfig", "load_config", "parse_config",
+    # sweeps
+    "load_results", "run_sweep",
     # kinds
     "LogitLens", "LogitLensResult", "ActivationPatching", "ActivationPatchingResult", "PromptPair",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",

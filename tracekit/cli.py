@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     # --- cache (tracekit.cache): on-disk dequantised GGUF weights --------------------------------
     c = sub.add_parser("cache", help="list the weight cache (tracekit cache) or empty it (tracekit cache clear)")
     c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
+    from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
+    add_commands(sub)
     return p
 
 
@@ -105,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "cache":
         return _cache_cmd(args.action)
+    if args.cmd in ("sweep", "results"):  # sweeps: tracekit.sweep
+        from .sweep import main as sweep_main
+        return sweep_main(args)
+
     if args.cmd == "kinds":
         for kind, cls in sorted(REGISTRY.items()):
             fields = ", ".join(n for n in cls.model_fields if n not in ("kind",))

@@ -41,6 +41,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from .errors import ConfigError
 from .experiments.base import REGISTRY, Experiment, StrictModel
 from .models import ModelSpec
+from .pipeline import check_references, make_step
 
 __all__ = ["ConfigError", "RunConfig", "parse_config", "apply_override", "load_raw", "load_config", "yaml_load"]
 
@@ -181,6 +182,10 @@ def parse_config(raw: Any, source: str = "<config>") -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping with 'model' and 'experiments'")
     problems: list[str] = []
+    if "sweep" in raw:  # sweeps: see tracekit.sweep
+        problems.append("sweep: a config with a sweep block runs with `tracekit sweep CONFIG --out DIR` "
+                        "(or tracekit.sweep.expand_sweep)")
+        raw = {k: v for k, v in raw.items() if k != "sweep"}
     top = {k: v for k, v in raw.items() if k != "experiments"}
     steps_raw = raw.get("experiments")
     if steps_raw is None:
@@ -204,10 +209,15 @@ def parse_config(raw: Any, source: str = "<config>") -> RunConfig:
         if kind not in REGISTRY:
             problems.append(f"{where}.kind: unknown experiment kind {kind!r}; known kinds: {sorted(REGISTRY)}")
             continue
+        pending = make_step(step, i)  # pipeline: fields taking earlier steps' results (tracekit.pipeline)
+        if pending is not None:
+            steps.append(pending)
+            continue
         try:
             steps.append(REGISTRY[kind].model_validate(step))
         except ValidationError as e:
             problems += _errors(e, ("experiments", i), REGISTRY[kind])
+    problems += check_references(steps_raw)  # pipeline: references resolvable, in order, no cycle
     names = [s.step_name for s in steps]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

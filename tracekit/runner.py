@@ -49,6 +49,7 @@ from .config import RunConfig
 from .errors import OutputError, TracekitError
 from .experiments.base import jsonable
 from .models import load_model, load_model_info, resolve_device
+from .pipeline import resolve_step
 
 __all__ = ["run_config", "check_config", "StepFailed", "RunInterrupted", "read_status", "environment",
            "new_run_dir", "check_writable", "seed_everything"]
@@ -342,6 +343,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
                 name = current = step.step_name
                 status.write(step=name)
                 ts = time.time()
+                step = resolve_step(step, run_dir, model)  # pipeline: references -> values, recorded, checked
                 seed_everything(config.seed)
                 result = step.run(model, progress=progress, check=False)
                 _save_step(result, run_dir / name, log)

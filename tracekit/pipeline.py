@@ -1,0 +1,527 @@
+"""Pipelines: a step's field may take an earlier step's result.
+
+Any field of a step (at any depth, also inside a list) may be a *reference* instead of a value: a
+mapping with ``from`` (the name of an earlier step) and exactly one of ``key``, ``table`` or
+``path``::
+
+    experiments:
+      - {kind: logit_lens, name: lens, prompts: [...], target: " Paris"}
+      - kind: neuron_attribution
+        name: neurons
+        # a summary value (path into the step's summary.json; dots and [index] / ['key'])
+        layers: [{from: lens, key: emergence_layer, offset: -1}]     # hidden state h = output of block h-1
+      - kind: attention_pattern
+        # a cell of a saved table: filter rows (pandas query), order them, take a column
+        layer: {from: dla, table: heads, where: "head >= 0 and prompt_idx == 0",
+                order_by: contribution, abs: true, descending: true, column: layer, row: 0}
+      - kind: some_kind
+        # a file or folder the step saved (e.g. an SAE directory): its absolute path
+        sae: {from: train, path: sae}
+
+Table references: ``where`` (a ``DataFrame.query`` string), ``order_by`` (a column; ``abs: true``
+orders by absolute value, ``descending: true`` largest first), ``column`` (required), ``unique``
+(drop repeated values, first kept), then ``row: i`` (one value) or ``rows: n`` (the first ``n`` as a
+list; neither: the whole column as a list). ``offset: k`` adds ``k`` to an int (or to each int of a
+list), e.g. to turn a lens hidden-state index into a block index.
+
+Checked when the config is parsed, before any model loads (:func:`check_references`, errors are
+:class:`~tracekit.errors.ConfigError` lines naming the YAML path): malformed references, an unknown
+step, a step referring to itself or to a later step (steps run in order), cycles, summary keys /
+tables a kind documents (``summary_keys`` / ``table_names`` class attributes of its result class,
+where the kind declares them), and every other field of the step. When the step is about to run,
+:func:`resolve_step` reads the referenced values from the earlier steps' saved folders (what was
+saved is what is used), checks each key / table / column / path exists, validates the whole step
+with the resolved values against the kind's pydantic field types (a value that does not fit is a
+``ConfigError`` naming the YAML path, the reference and the value), writes the resolved step into
+``config.resolved.yaml`` and ``references.json`` of the run directory (and, through
+``Result.save``, into the step's ``config.json``), and runs the step's ``check``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from .errors import ConfigError
+from .experiments.base import MANIFEST, REGISTRY, StrictModel, jsonable
+
+__all__ = [
+    "PendingStep",
+    "Reference",
+    "check_references",
+    "find_references",
+    "is_reference",
+    "lookup_path",
+    "make_step",
+    "resolve_reference",
+    "resolve_step",
+]
+
+
+class Reference(StrictModel):
+    """A value taken from an earlier step's saved result (see the module docstring)."""
+
+    from_: str = Field(alias="from")
+    key: str | None = None
+    table: str | None = None
+    column: str | None = None
+    where: str | None = None
+    order_by: str | None = None
+    descending: bool = False
+    abs_: bool = Field(default=False, alias="abs")
+    unique: bool = False
+    row: int | None = None
+    rows: int | None = Field(default=None, ge=1)
+    path: str | None = None
+    offset: int | None = None
+
+    model_config = StrictModel.model_config | {"populate_by_name": True}
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("key", "table", "path") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("a reference needs 'from' and exactly one of 'key' (a summary value), 'table' (+ "
+                             f"'column') or 'path' (a saved file/folder); got {given or 'none'}")
+        table_only = [k for k, v in (("column", self.column), ("where", self.where), ("order_by", self.order_by),
+                                     ("row", self.row), ("rows", self.rows)) if v is not None]
+        table_only += [k for k, v in (("descending", self.descending), ("abs", self.abs_), ("unique", self.unique))
+                       if v]
+        if self.table is None and table_only:
+            raise ValueError(f"{table_only} only apply to a table reference ('table' + 'column')")
+        if self.table is not None and self.column is None:
+            raise ValueError("a table reference needs 'column' (the column whose value(s) are taken)")
+        if self.row is not None and self.rows is not None:
+            raise ValueError("give 'row' (one value) or 'rows' (the first n values), not both")
+        if self.path is not None and self.offset is not None:
+            raise ValueError("'offset' applies to numbers, not to a path")
+        return self
+
+    def describe(self) -> str:
+        if self.key is not None:
+            src = f"{self.from_}.{self.key}"
+        elif self.table is not None:
+            src = f"{self.from_} table {self.table!r} column {self.column!r}"
+            if self.where:
+                src += f" where {self.where!r}"
+            if self.order_by:
+                src += f" ordered by {'|' + self.order_by + '|' if self.abs_ else self.order_by}" + \
+                       (" descending" if self.descending else "")
+            if self.row is not None:
+                src += f" row {self.row}"
+            elif self.rows is not None:
+                src += f" first {self.rows} rows"
+        else:
+            src = f"{self.from_} path {self.path!r}"
+        if self.offset:
+            src += f" {'+' if self.offset > 0 else '-'} {abs(self.offset)}"
+        return src
+
+
+def is_reference(obj: Any) -> bool:
+    """A mapping with a ``from`` key is a reference to an earlier step's result."""
+    return isinstance(obj, dict) and "from" in obj
+
+
+def find_references(obj: Any, loc: tuple = ()) -> list[tuple[tuple, Any]]:
+    """Every ``(loc, raw reference)`` inside a raw step (loc: keys and list indices from the step)."""
+    if is_reference(obj):
+        return [(loc, obj)]
+    out: list = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += find_references(v, loc + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += find_references(v, loc + (i,))
+    return out
+
+
+def _fmt(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
+    return out
+
+
+def _step_name(raw: Any) -> str | None:
+    if not isinstance(raw, dict):
+        return None
+    name = raw.get("name") or raw.get("kind")
+    return name if isinstance(name, str) else None
+
+
+def _parse_ref(raw: dict, where: str) -> tuple[Reference | None, list[str]]:
+    try:
+        return Reference.model_validate(raw), []
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            sub = _fmt(tuple(p for p in err["loc"] if p != "from_"))
+            msg = ("unknown key of a reference (known: from, key, table, column, where, order_by, descending, "
+                   "abs, unique, row, rows, path, offset)") if err["type"] == "extra_forbidden" else err["msg"]
+            msgs.append(f"{where}{'.' + sub if sub else ''}: {msg}")
+        return None, msgs
+
+
+def _graph(steps_raw: list) -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {}
+    for raw in steps_raw:
+        name = _step_name(raw)
+        if name is None:
+            continue
+        g.setdefault(name, set()).update(r.get("from") for _, r in find_references(raw)
+                                         if isinstance(r.get("from"), str))
+    return g
+
+
+def _cycle(g: dict[str, set[str]], start: str) -> list[str] | None:
+    """A dependency path start -> ... -> start, if any."""
+    stack = [(start, [start])]
+    seen = set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in sorted(g.get(node, ())):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def _ref_at(raw: Any, loc: tuple) -> tuple | None:
+    """The location of the reference a pydantic error location ends in (union tags and other
+    non-path parts of the location are skipped), or None."""
+    obj, walked = raw, ()
+    for part in loc:
+        if is_reference(obj):
+            return walked
+        if isinstance(obj, dict) and part in obj or isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+            obj, walked = obj[part], walked + (part,)
+    return walked if is_reference(obj) else None
+
+
+def _holds_ref(raw: Any, loc: tuple) -> bool:
+    """Whether the part of the raw step a pydantic error location points at holds a reference (it
+    cannot be judged before the reference is resolved; union branches' errors included)."""
+    obj = raw
+    for part in loc:
+        if is_reference(obj):
+            return True
+        if isinstance(obj, dict) and part in obj or isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+            obj = obj[part]
+    return bool(find_references(obj))
+
+
+def check_references(steps_raw: list, prefix: str = "experiments") -> list[str]:
+    """Everything about the references of a list of raw steps that can be checked without a model.
+
+    Returns:
+        Problems, one line each, starting with the YAML path (empty when all is well).
+    """
+    problems: list[str] = []
+    names = [_step_name(s) for s in steps_raw]
+    graph = _graph(steps_raw)
+    for i, raw in enumerate(steps_raw):
+        if not isinstance(raw, dict):
+            continue
+        me = names[i]
+        for loc, rref in find_references(raw):
+            where = f"{prefix}[{i}].{_fmt(loc)}"
+            if "kind" in loc[:1] or "name" in loc[:1]:
+                problems.append(f"{where}: the step's kind and name cannot come from another step")
+                continue
+            ref, errs = _parse_ref(rref, where)
+            problems += errs
+            if ref is None:
+                continue
+            src = ref.from_
+            earlier = [n for n in names[:i] if n]
+            if src == me:
+                problems.append(f"{where}.from: step {me!r} refers to itself (a cycle); a step can only use "
+                                f"results of earlier steps {earlier}")
+                continue
+            if src not in names:
+                problems.append(f"{where}.from: unknown step {src!r}; earlier steps: {earlier}")
+                continue
+            j = names.index(src)
+            if j > i:
+                cyc = _cycle(graph, me) if me else None
+                if cyc:
+                    problems.append(f"{where}.from: steps refer to each other in a cycle: {' -> '.join(cyc)}; "
+                                    "each step can only use results of earlier steps")
+                else:
+                    problems.append(f"{where}.from: step {src!r} runs later (step {j}); steps run in order, so "
+                                    f"a step can only use results of earlier steps {earlier}: move {src!r} "
+                                    f"before {me!r}")
+                continue
+            kind = steps_raw[j].get("kind")
+            cls = REGISTRY.get(kind)
+            if cls is None:
+                continue
+            rcls = cls.result_class
+            if ref.key is not None:
+                documented = getattr(rcls, "summary_keys", None)
+                head = re.split(r"[.\[]", ref.key, maxsplit=1)[0]
+                if documented is not None and head not in documented:
+                    problems.append(f"{where}.key: {kind} step {src!r} has no summary key {head!r}; its summary "
+                                    f"keys: {sorted(documented)}")
+            if ref.table is not None:
+                tables = getattr(rcls, "table_names", None)
+                if tables is not None and ref.table not in tables:
+                    problems.append(f"{where}.table: {kind} step {src!r} saves no table {ref.table!r}; its "
+                                    f"tables: {sorted(tables)}")
+        # the step's other fields, with each reference standing in for a value of the right type
+        cls = REGISTRY.get(raw.get("kind"))
+        if cls is not None and find_references(raw):
+            try:
+                cls.model_validate(raw)
+            except ValidationError as e:
+                for err in e.errors():
+                    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+                    if _holds_ref(raw, loc):
+                        continue
+                    msg = ("unknown key (check spelling; see `tracekit kinds` for each kind's fields)"
+                           if err["type"] == "extra_forbidden" else err["msg"])
+                    problems.append(f"{prefix}[{i}]{'.' + _fmt(loc) if loc else ''}: {msg}")
+    return problems
+
+
+class PendingStep:
+    """A step whose fields hold references: validated as far as possible when the config is parsed,
+    made into its experiment by :func:`resolve_step` when it is about to run.
+
+    Quacks like an :class:`~tracekit.experiments.base.Experiment` where the runner needs it before
+    resolution (``kind``, ``name``, ``step_name``, ``model_dump``, ``check`` (nothing: the step is
+    checked once resolved)).
+    """
+
+    def __init__(self, raw: dict, index: int):
+        self.raw = copy.deepcopy(raw)
+        self.index = index
+        self.kind: str = raw["kind"]
+        self.name: str | None = raw.get("name")
+        self.references = []
+        for loc, r in find_references(raw):
+            try:
+                self.references.append((loc, Reference.model_validate(r)))
+            except ValidationError:
+                pass  # reported by check_references when the config is parsed
+
+    @property
+    def step_name(self) -> str:
+        return self.name or self.kind
+
+    @property
+    def expect(self) -> list:
+        return []
+
+    @property
+    def result_class(self):
+        return REGISTRY[self.kind].result_class
+
+    def check(self, model) -> None:
+        """Nothing yet: the step is checked by :func:`resolve_step`, once its values are known."""
+
+    def model_dump(self, mode: str = "python", **kwargs) -> dict:
+        return copy.deepcopy(self.raw)
+
+    def run(self, *args, **kwargs):
+        raise ConfigError(f"experiments[{self.index}] ({self.step_name}): the step takes values from earlier steps "
+                          f"({', '.join(r.describe() for _, r in self.references)}); run the whole config "
+                          "(tracekit run) or resolve it with tracekit.pipeline.resolve_step")
+
+    def __repr__(self) -> str:
+        return f"PendingStep({self.kind!r}, name={self.name!r}, references={len(self.references)})"
+
+
+def make_step(raw: dict, index: int):
+    """A :class:`PendingStep` when the raw step holds references, else None (validate it normally)."""
+    return PendingStep(raw, index) if find_references(raw) else None
+
+
+_SEG = re.compile(r"\[(-?\d+)\]|\[(?:'([^']*)'|\"([^\"]*)\")\]|\.?([^.\[\]]+)")
+
+
+def lookup_path(obj: Any, path: str) -> Any:
+    """``a.b[0].c`` / ``a['x y']`` lookup in nested dicts and lists (any mix, unlike
+    :func:`tracekit.experiments.base.lookup`, which takes names first then indices).
+
+    Raises:
+        KeyError / IndexError / TypeError: with the part of the path that failed.
+    """
+    pos, done = 0, ""
+    while pos < len(path):
+        m = _SEG.match(path, pos)
+        if not m or m.end() == pos:
+            raise KeyError(f"cannot parse {path[pos:]!r}")
+        idx, q1, q2, name = m.groups()
+        part = int(idx) if idx is not None else (q1 if q1 is not None else (q2 if q2 is not None else name))
+        if isinstance(obj, dict):
+            if part not in obj:
+                raise KeyError(f"{done or 'the summary'} has no key {part!r}; keys: {sorted(map(str, obj))}")
+            obj = obj[part]
+        elif isinstance(obj, list):
+            if not isinstance(part, int):
+                if isinstance(part, str) and part.lstrip("-").isdigit():
+                    part = int(part)
+                else:
+                    raise TypeError(f"{done} is a list; index it with [i]")
+            if not -len(obj) <= part < len(obj):
+                raise IndexError(f"{done} has {len(obj)} items; [{part}] is out of range")
+            obj = obj[part]
+        else:
+            raise TypeError(f"{done} is {obj!r}, not a mapping or list")
+        done = path[:m.end()]
+        pos = m.end()
+    return obj
+
+
+def _read_tables(folder: Path, ref: Reference, where: str):
+    import pandas as pd
+
+    man = json.loads((folder / MANIFEST).read_text())
+    tables = man.get("tables", [])
+    if ref.table not in tables:
+        raise ConfigError(f"{where}.table: step {ref.from_!r} saved no table {ref.table!r}; its tables: {tables}")
+    df = pd.read_parquet(folder / f"{ref.table}.parquet")
+    cols = list(df.columns)
+    if ref.where:
+        try:
+            df = df.query(ref.where)
+        except Exception as e:
+            raise ConfigError(f"{where}.where: {ref.where!r} cannot filter table {ref.table!r} "
+                              f"({type(e).__name__}: {e}); columns: {cols}") from e
+    if ref.order_by:
+        if ref.order_by not in df.columns:
+            raise ConfigError(f"{where}.order_by: table {ref.table!r} has no column {ref.order_by!r}; columns: {cols}")
+        key = (lambda s: s.abs()) if ref.abs_ else None
+        df = df.sort_values(ref.order_by, ascending=not ref.descending, key=key, kind="stable")
+    if ref.column not in df.columns:
+        raise ConfigError(f"{where}.column: table {ref.table!r} has no column {ref.column!r}; columns: {cols}")
+    values = df[ref.column].tolist()
+    if ref.unique:
+        values = list(dict.fromkeys(values))
+    if ref.row is not None:
+        if not -len(values) <= ref.row < len(values):
+            raise ConfigError(f"{where}.row: {ref.row} is out of range: {len(values)} row(s) "
+                              f"{'match ' + repr(ref.where) if ref.where else 'in the table'}")
+        return jsonable(values[ref.row])
+    if ref.rows is not None:
+        values = values[: ref.rows]
+    return jsonable(values)
+
+
+def _offset(value: Any, k: int, where: str) -> Any:
+    def add(v):
+        if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, float) and v.is_integer():
+                return int(v) + k
+            raise ConfigError(f"{where}.offset: the referenced value {value!r} is not an integer (or a list of "
+                              "integers), so an offset cannot be added")
+        return v + k
+    return [add(v) for v in value] if isinstance(value, list) else add(value)
+
+
+def resolve_reference(ref: Reference, run_dir: str | Path, where: str = "reference") -> Any:
+    """The value a reference stands for, read from ``run_dir/<from>`` (a saved step folder).
+
+    Raises:
+        ConfigError: the step's folder is missing or incomplete, or the key / table / column / row /
+            path does not exist; the message names ``where`` and lists what exists.
+    """
+    folder = Path(run_dir) / ref.from_
+    if not (folder / MANIFEST).is_file():
+        raise ConfigError(f"{where}.from: step {ref.from_!r} has no saved result in {run_dir} (did it fail?)")
+    if ref.key is not None:
+        summary = json.loads((folder / "summary.json").read_text())
+        summary.pop("expectations", None)
+        try:
+            value = lookup_path(summary, ref.key)
+        except (KeyError, IndexError, TypeError) as e:
+            msg = e.args[0] if e.args else str(e)
+            raise ConfigError(f"{where}.key: step {ref.from_!r} has no summary value {ref.key!r}: {msg}") from e
+    elif ref.table is not None:
+        value = _read_tables(folder, ref, where)
+    else:
+        p = (folder / ref.path).resolve()
+        if not p.is_relative_to(folder.resolve()):
+            raise ConfigError(f"{where}.path: {ref.path!r} leaves the step's folder {folder}")
+        if not p.exists():
+            have = sorted(x.name for x in folder.iterdir())
+            raise ConfigError(f"{where}.path: step {ref.from_!r} saved no {ref.path!r}; its folder holds {have}")
+        return str(p)
+    if ref.offset:
+        value = _offset(value, ref.offset, where)
+    return value
+
+
+def _set(obj: Any, loc: tuple, value: Any) -> None:
+    for part in loc[:-1]:
+        obj = obj[part]
+    obj[loc[-1]] = value
+
+
+def resolve_step(step, run_dir: str | Path, model=None):
+    """Turn a :class:`PendingStep` into its experiment, with values read from the run directory's
+    earlier step folders; anything else is returned unchanged.
+
+    Records what was resolved: ``run_dir/references.json`` (per step: YAML path, reference, value)
+    and the step's entry of ``run_dir/config.resolved.yaml`` (values in place of references). With
+    ``model`` given, runs the resolved step's ``check(model)``.
+
+    Raises:
+        ConfigError: a reference cannot be resolved, or a resolved value does not fit the field's
+            type (the message names the YAML path, the reference and the value).
+    """
+    if not isinstance(step, PendingStep):
+        return step
+    import yaml
+
+    run_dir = Path(run_dir)
+    raw = copy.deepcopy(step.raw)
+    prefix = f"experiments[{step.index}]"
+    record = []
+    for loc, ref in step.references:
+        where = f"{prefix}.{_fmt(loc)}"
+        value = resolve_reference(ref, run_dir, where)
+        _set(raw, loc, value)
+        record.append({"field": where, "from": ref.model_dump(by_alias=True, exclude_defaults=True), "value": value})
+    cls = REGISTRY[step.kind]
+    try:
+        resolved = cls.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            at = _ref_at(step.raw, loc)
+            if at is not None:
+                ref = dict(step.references)[at]
+                val = next(r["value"] for r in record if r["field"] == f"{prefix}.{_fmt(at)}")
+                lines.append(f"{prefix}.{_fmt(at)}: the value {val!r} taken from {ref.describe()} does not "
+                             f"fit the field: {err['msg']}")
+            else:
+                lines.append(f"{prefix}{'.' + _fmt(loc) if loc else ''}: {err['msg']}")
+        raise ConfigError(f"step {step.step_name!r}: resolved references do not fit:\n  " + "\n  ".join(
+            dict.fromkeys(lines))) from e
+    refs_file = run_dir / "references.json"
+    allrefs = json.loads(refs_file.read_text()) if refs_file.is_file() else {}
+    allrefs[step.step_name] = record
+    refs_file.write_text(json.dumps(jsonable(allrefs), indent=2))
+    cfg_file = run_dir / "config.resolved.yaml"
+    if cfg_file.is_file():
+        cfg = yaml.safe_load(cfg_file.read_text())
+        try:
+            cfg["experiments"][step.index] = jsonable(resolved.model_dump(mode="json"))
+            cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        except (KeyError, IndexError, TypeError):
+            pass
+    if model is not None:
+        resolved.check(model)
+    return resolved

@@ -9,7 +9,7 @@ mapping with ``from`` (the name of an earlier step) and exactly one of ``key``, 
       - kind: neuron_attribution
         name: neurons
         # a summary value (path into the step's summary.json; dots and [index] / ['key'])
-        layers: [{from: lens, key: emergence_layer, offset: -1}]     # hidden state h = output of block h-1
+        layers: [{from: lens, key: emergence_layer}]     # the block whose output has the target on top
       - kind: attention_pattern
         # a cell of a saved table: filter rows (pandas query), order them, take a column
         layer: {from: dla, table: heads, where: "head >= 0 and prompt_idx == 0",

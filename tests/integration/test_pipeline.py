@@ -32,7 +32,7 @@ def dla(name="dla"):
 
 
 def attention(layer, head=None, name="att"):
-    step = {"kind": "attention_pattern", "name": name, "prompt": PROMPT, "layer": layer}
+    step = {"kind": "attention_pattern", "name": name, "prompts": [PROMPT], "layer": layer}
     if head is not None:
         step["head"] = head
     return step
@@ -48,7 +48,7 @@ def quiet(*a, **k):
 
 def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path):
     neurons = {"kind": "neuron_attribution", "name": "neurons", "prompts": [PROMPT], "target": " Paris",
-               "layers": [{"from": "lens", "key": "layers[-1]", "offset": -1}], "contexts": None, "ablation": None,
+               "layers": [{"from": "lens", "key": "hidden_states[-1]", "offset": -1}], "contexts": None, "ablation": None,
                "top_k": 3}
     cfg = parse_config(config(lens(), dla(), attention({**TOP_HEAD, "column": "layer"}, {**TOP_HEAD, "column": "head"}),
                               neurons))
@@ -63,7 +63,7 @@ def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path
     att_cfg = json.loads((run_dir / "att" / "config.json").read_text())
     assert (att_cfg["layer"], att_cfg["head"]) == (int(top["layer"]), int(top["head"]))
     neu_cfg = json.loads((run_dir / "neurons" / "config.json").read_text())
-    assert neu_cfg["layers"] == [lens_summary["layers"][-1] - 1] == [tiny_gpt2.cfg.n_layers - 1]
+    assert neu_cfg["layers"] == [lens_summary["hidden_states"][-1] - 1] == [tiny_gpt2.cfg.n_layers - 1]
     # the run dir says what ran: values in config.resolved.yaml, provenance in references.json
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     assert resolved["experiments"][2]["layer"] == int(top["layer"])
@@ -72,7 +72,7 @@ def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path
     refs = json.loads((run_dir / "references.json").read_text())
     assert {r["field"]: r["value"] for r in refs["att"]} == {"experiments[2].layer": int(top["layer"]),
                                                              "experiments[2].head": int(top["head"])}
-    assert refs["neurons"][0]["from"] == {"from": "lens", "key": "layers[-1]", "offset": -1}
+    assert refs["neurons"][0]["from"] == {"from": "lens", "key": "hidden_states[-1]", "offset": -1}
     assert summary["steps"]["att"]  # the step ran on the resolved values
 
 
@@ -104,8 +104,8 @@ def test_reference_errors_before_any_model(steps, path, words):
 def test_documented_summary_keys_are_checked_at_parse_time(monkeypatch):
     from tracekit.experiments.logit_lens import LogitLensResult
 
-    monkeypatch.setattr(LogitLensResult, "summary_keys", ("emergence_layer", "layers"), raising=False)
-    parse_config(config(lens(), attention({"from": "lens", "key": "layers[0]"})))
+    monkeypatch.setattr(LogitLensResult, "summary_keys", ("emergence_layer", "hidden_states"), raising=False)
+    parse_config(config(lens(), attention({"from": "lens", "key": "hidden_states[0]"})))
     with pytest.raises(ConfigError, match=r"experiments\[1\]\.layer\.key: logit_lens step 'lens' has no summary key "
                                           r"'emergence_layr'"):
         parse_config(config(lens(), attention({"from": "lens", "key": "emergence_layr"})))

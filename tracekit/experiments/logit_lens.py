@@ -35,6 +35,13 @@ class LogitLensResult(Result):
     """Result of :class:`LogitLens`: tables ``main``, ``topk``, ``tokens``, ``final``."""
 
     main_table = "main"
+    #: Keys of summary() (pipelines check references against them before any model loads).
+    summary_keys = ("layer_convention", "hidden_states", "hooks", "n_prompts", "top1_by_hidden_state",
+                    "top1_prob_by_hidden_state", "entropy_by_hidden_state", "final_top1", "targets", "target",
+                    "target_prob_final", "target_prob_by_hidden_state", "target_rank_by_hidden_state",
+                    "target_log_prob_by_hidden_state", "emergence_hidden_state", "emergence_layer", "jump",
+                    "jump_layer", "per_prompt", "emergence_hidden_state_by_prompt")
+    table_names = ("main", "topk", "tokens", "final")
 
     def _last_rows(self) -> pd.DataFrame:
         df = self.tables["main"]

@@ -112,7 +112,7 @@ def test_documented_summary_keys_are_checked_at_parse_time(monkeypatch):
 
 
 @pytest.mark.parametrize("ref, words", [
-    ({"from": "lens", "key": "emergence_layr"}, ["experiments[1].layer.key", "no summary value", "keys:"]),
+    ({"from": "lens", "key": "jump.nosuch"}, ["experiments[1].layer.key", "no summary value"]),
     ({"from": "lens", "key": "final_top1"}, ["experiments[1].layer: the value", "does not fit",
                                               "valid integer"]),
     ({"from": "lens", "table": "main", "column": "nosuch", "row": 0}, ["experiments[1].layer.column",

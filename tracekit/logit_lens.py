@@ -19,6 +19,10 @@ probability between consecutive hidden states read; the block that produced it i
 (block ``h-1`` for a gain into hidden state ``h``), and the block whose output first has the target
 on top for good is the ``emergence_layer``.
 
+Speed: only the residual hooks read are kept, only at the positions read, and the forward pass ends
+after the last block's output (:mod:`tracekit.fastpath`); the model's own output distribution is the
+readout of the last block's output (equal to its logits' softmax, tested to 1e-5).
+
 Units: ``prob`` in [0, 1]; ``log_prob`` natural log; ``rank`` is 1 for the top token (1 + the number
 of tokens with a strictly larger probability); ``entropy`` in nats.
 
@@ -38,8 +42,7 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 
-from .readout import Readout
-from .tokens import Position, chunks, parse_position, run_with_cache, single_token_id, str_tokens, tokenize
+from .tokens import Position, chunks, parse_position, single_token_id, str_tokens, tokenize
 
 __all__ = ["LayerConvention", "LensPoint", "lens_points", "PromptLens", "logit_lens", "landmarks",
            "emergence_hidden_state", "LENS_POSITIONS"]
@@ -111,20 +114,6 @@ class PromptLens:
         return self.target_log_prob.exp()
 
 
-def _read(lp: Float[torch.Tensor, "... d_vocab"], tgt: Optional[torch.Tensor], k: int):
-    """Per-row entropy, top-k and target log-probs/ranks of log-probabilities ``lp``."""
-    probs = lp.exp()
-    ent = -(probs * lp).sum(-1)
-    top_p, top_i = probs.topk(k, dim=-1)
-    if tgt is not None and len(tgt):
-        t_lp = lp[..., tgt]
-        t_rank = (lp.unsqueeze(-2) > t_lp.unsqueeze(-1)).sum(-1) + 1
-    else:
-        t_lp = lp.new_zeros(lp.shape[:-1] + (0,))
-        t_rank = torch.zeros(lp.shape[:-1] + (0,), dtype=torch.long, device=lp.device)
-    return ent, top_i, top_p, t_lp, t_rank
-
-
 @torch.no_grad()
 def logit_lens(
     model,
@@ -155,35 +144,38 @@ def logit_lens(
         TokenizationError: a target is not one token, a position out of range, a prompt longer than
             the context.
     """
+    from .fastpath import lens_readout, residual_stream
+
     pos = position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS)
     n_layers = int(model.cfg.n_layers)
     points = lens_points(n_layers, layer_convention)
     hooks = [p.hook for p in points]
+    last_post = f"blocks.{n_layers - 1}.hook_resid_post"  # its readout is the model's own output
+    read_hooks = hooks + ([] if last_post in hooks else [last_post])
+    final_at = read_hooks.index(last_post)
     tgt_ids = [single_token_id(model, t, field="target") for t in targets]
-    k = min(int(top_k), int(model.cfg.d_vocab))
-    readout = Readout(model)
     out: list[PromptLens] = []
     for sl in chunks(len(prompts), batch_size):
         chunk = list(prompts[sl])
         batch = tokenize(model, chunk)
-        logits, cache = run_with_cache(model, batch, hooks)
-        resid = torch.stack([cache[h] for h in hooks])  # [H, b, pos, d]
-        tgt = torch.tensor(tgt_ids, device=resid.device, dtype=torch.long) if tgt_ids else None
+        reads = [pos.resolve(model, p, batch.ids[b], field="position", skip_bos=False) for b, p in enumerate(chunk)]
+        width = max(len(r) for r in reads)
+        idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]
+                           for b, r in enumerate(reads)])  # [b, n_read] padded indices (last repeated)
+        resid = residual_stream(model, batch, read_hooks, positions=idx)  # [hooks, b, n_read, d]
+        r = lens_readout(model, resid, tgt_ids, top_k)
         for b, prompt in enumerate(chunk):
-            idx = batch.real_index(b)
+            n = len(reads[b])
+            lens_part = {k: v[: len(hooks), b, :n] for k, v in r.items()}
+            final = {k: v[final_at, b, :n] for k, v in r.items()}
             ids = batch.ids[b]
-            read = pos.resolve(model, prompt, ids, field="position", skip_bos=False)
-            lp = readout.log_probs(resid[:, b, idx[read]])  # [H, P, vocab]
-            ent, top_i, top_p, t_lp, t_rank = _read(lp, tgt, k)
-            final_lp = torch.log_softmax(logits[b, idx[read]].float(), -1)  # [P, vocab]
-            _, f_i, f_p, f_t, _ = _read(final_lp, tgt, k)
-            out.append(PromptLens(prompt, list(ids), str_tokens(model, ids), list(read), points, tgt_ids,
-                                  t_lp.cpu(), t_rank.cpu(), ent.cpu(), top_i.cpu(), top_p.cpu(), f_t.cpu(),
-                                  f_i.cpu(), f_p.cpu()))
-            del lp
+            out.append(PromptLens(prompt, list(ids), str_tokens(model, ids), list(reads[b]), points, tgt_ids,
+                                  lens_part["target_log_prob"], lens_part["target_rank"], lens_part["entropy"],
+                                  lens_part["top_id"], lens_part["top_prob"], final["target_log_prob"],
+                                  final["top_id"], final["top_prob"]))
         if progress is not None:
             progress(len(chunk))
-        del cache, resid, logits
+        del resid, r
     return out
 
 

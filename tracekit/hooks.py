@@ -138,6 +138,18 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
+#: Modules whose hooks are the libraries' own machinery, installed lazily on a model's first forward
+#: pass (TransformerLens' bridge wires capture hooks for hook_mlp_in / split-qkv once and remembers it
+#: with a flag; transformers installs output recorders): never removed, or those hooks would stop
+#: firing silently. User-facing hook points (``transformer_lens.hook_points``) are not in this list.
+_INTERNAL = ("transformer_lens.model_bridge", "transformers.")
+
+
+def _library_internal(fn) -> bool:
+    mod = getattr(fn, "__module__", "") or ""
+    return mod.startswith(_INTERNAL)
+
+
 def _snapshot(model) -> dict[str, Any]:
     mods = list(model.modules())
     snap: dict[str, Any] = {
@@ -169,7 +181,7 @@ def _restore(model, snap: dict[str, Any]) -> None:
             cur = getattr(m, d, None)
             if not cur:
                 continue
-            for k in [k for k in cur if k not in keys]:
+            for k in [k for k in cur if k not in keys and not _library_internal(cur[k])]:
                 del cur[k]
     for m, training in snap["training"]:
         if m.training != training:

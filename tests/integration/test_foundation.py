@@ -122,6 +122,8 @@ def test_state_guard_removes_hooks_and_flags_whatever_is_raised(exc):
     m = make_perturbed("gpt2")
     x = torch.tensor([[464, 3139, 286, 4881, 318]])
     ref = m(x).clone()
+    hooks_before = {name: set(getattr(mod, "_forward_hooks", {})) | set(getattr(mod, "_forward_pre_hooks", {}))
+                    for name, mod in m.named_modules()}
 
     def poison(act, hook):
         return act * 0
@@ -134,7 +136,23 @@ def test_state_guard_removes_hooks_and_flags_whatever_is_raised(exc):
             raise exc
     assert torch.equal(m(x), ref)
     assert not m.cfg.use_hook_mlp_in
-    assert all(not getattr(mod, "_forward_hooks", {}) for mod in m.modules())
+    after = {name: set(getattr(mod, "_forward_hooks", {})) | set(getattr(mod, "_forward_pre_hooks", {}))
+             for name, mod in m.named_modules()}
+    assert after == hooks_before
+
+
+def test_state_guard_keeps_the_bridges_own_lazy_hooks():
+    """TransformerLens wires hook_mlp_in capture hooks on the first forward and remembers it with a
+    flag: a guard around that first forward must keep them, or hook_mlp_in would never fire again."""
+    from helpers import make_tiny as fresh_tiny
+
+    m = fresh_tiny("gpt2", seed=99)  # a model that has not run yet
+    with state_guard(m):
+        m(torch.tensor([[464, 3139]]))
+    from tracekit.tokens import run_with_cache, tokenize
+
+    _, cache = run_with_cache(m, tokenize(m, ["The capital of France is"]), ["blocks.1.hook_mlp_in"])
+    assert cache["blocks.1.hook_mlp_in"].abs().sum() > 0
 
 
 def test_user_hooks_added_before_a_run_are_kept():

@@ -280,7 +280,7 @@ class ActivationPatchingResult(Result):
         corr_t = t0[t0["prompt"] == "corrupted"].set_index("position")["token"]
         equal_len = bool(self.meta.get("equal_lengths", True))
 
-        def pos_label(pfe: int) -> str:
+        def pos_label(pfe) -> str:
             n = len(clean_t)
             p = n + int(pfe)
             if not equal_len or p not in clean_t.index:

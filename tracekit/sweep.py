@@ -15,7 +15,7 @@ A config with a ``sweep`` block::
           capitals: ["The capital of France is"]       # a mapping names its values (index shows the name)
           rivers: ["The river through Paris is the"]
         experiments[0].name: [lens_capitals, lens_rivers]
-      compare: [lens/target_prob_by_layer]    # figures overlaying a metric over points (optional)
+      compare: [lens/target_prob_by_hidden_state]    # figures overlaying a metric over points (optional)
 
 Any field path works (``model.name``, ``experiments[0].target``, ``seed``). Unless ``seed`` is swept,
 each point's ``seed`` is derived from the sweep seed and the point's parameters
@@ -38,7 +38,7 @@ interrupted, 2 for an invalid config). Killing the process loses at most the poi
 Index columns: ``point``, ``label``, ``config_hash``, ``seed``, ``status``, ``error``, ``run_dir``,
 ``started``, ``seconds``; one column per swept path (the value, or its name when values are named);
 ``<step>/<summary key>`` for every number (and string) of every step's summary, nested keys
-joined by ``.`` and lists by ``[i]`` (``lens/target_prob_by_layer[3]``); ``summary`` (all step
+joined by ``.`` and lists by ``[i]`` (``lens/target_prob_by_hidden_state[3]``); ``summary`` (all step
 summaries as JSON); ``env/...`` (device, package versions, git commit, load/step seconds).
 :func:`load_results` reads it; :func:`compare` draws one metric over points.
 
@@ -798,7 +798,7 @@ def _safe(s: str) -> str:
 def compare(index, metric: str, by: str | list[str] | None = None, title: str | None = None):
     """One metric over the points of a sweep, in one figure.
 
-    A list-valued summary metric (``lens/target_prob_by_layer`` or just ``target_prob_by_layer``:
+    A list-valued summary metric (``lens/target_prob_by_hidden_state`` or just ``target_prob_by_hidden_state``:
     every step with that key) is drawn as one curve per point over the list index (e.g. the lens
     curve of ' Paris' per model); a scalar one as bars. ``by``: the swept path(s) naming the
     series (default: every swept parameter).
@@ -891,7 +891,7 @@ def add_commands(sub) -> None:
     r.add_argument("directory")
     r.add_argument("--columns", default=None, help="comma-separated index columns to show (default: a summary)")
     r.add_argument("--plot", default=None, metavar="METRIC", help="draw METRIC over points (e.g. "
-                   "lens/target_prob_by_layer)")
+                   "lens/target_prob_by_hidden_state)")
     r.add_argument("--by", default=None, help="swept path naming each series (default: all swept paths)")
     r.add_argument("--output", default=None, help="figure file (default: DIR/compare-METRIC.png)")
 

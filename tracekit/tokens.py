@@ -67,9 +67,16 @@ def encode(model, text: str, prepend_bos: Optional[bool] = None) -> list[int]:
 
 
 def _byte_decoder() -> dict[str, int]:
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    return {v: k for k, v in bytes_to_unicode().items()}
+    """Inverse of GPT-2's byte-to-unicode table (byte-level BPE pieces -> bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def token_repr(model, token_id: int) -> str:

@@ -52,13 +52,19 @@ def test_wrong_type_and_bad_value_name_paths(tmp_path):
           - kind: logit_lens
             prompts: ["a"]
             top_k: many
-            positions: middle
+            position: middle
     """)
     with pytest.raises(ConfigError) as e:
         load_config(p)
     msg = str(e.value)
-    for path in ("model.dtype", "model.device", "experiments[0].top_k", "experiments[0].positions"):
+    for path in ("model.dtype", "model.device", "experiments[0].top_k", "experiments[0].position"):
         assert path in msg, (path, msg)
+    p = write(tmp_path, """
+        experiments:
+          - {kind: logit_lens, prompts: ["a"], positions: all}
+    """)
+    with pytest.raises(ConfigError, match=r"experiments\[0\].*'positions' was renamed to 'position'"):
+        load_config(p)
 
 
 def test_missing_required_and_unknown_kind(tmp_path):
@@ -98,11 +104,22 @@ def test_set_overrides():
         apply_override(raw, "model.device")
 
 
-def test_cli_validate(capsys):
-    assert main(["validate", str(ROOT / "experiments/paris_logit_lens.yaml")]) == 0
-    assert "valid" in capsys.readouterr().out
-    assert main(["validate", str(ROOT / "experiments/paris_logit_lens.yaml"), "--set", "experiments[0].top_k=0"]) == 2
+def test_cli_validate(capsys, gpt2_tokenizer_dir):
+    cfg = str(ROOT / "experiments/paris_logit_lens.yaml")
+    assert main(["validate", cfg, "--schema-only"]) == 0
+    assert "valid (schema)" in capsys.readouterr().out
+    assert main(["validate", cfg, "--schema-only", "--set", "experiments[0].top_k=0"]) == 2
     assert "experiments[0].top_k" in capsys.readouterr().err
+    # without the weights, the full check still reads the tokenizer and config (random_init here)
+    rnd = ["--set", "model.random_init=true", "--set", f"model.tokenizer={gpt2_tokenizer_dir}",
+           "--set", "model.config_overrides={n_layer: 2, n_embd: 64, n_head: 4}", "--set", "model.device=cpu"]
+    assert main(["validate", cfg, *rnd]) == 0
+    assert "tokenizer" in capsys.readouterr().out
+    assert main(["validate", cfg, *rnd, "--set", "experiments[0].target=' Parisian'"]) == 2
+    assert "exactly one token" in capsys.readouterr().err
+    # GPT-2's weights are not cached here: the full check says so at once
+    assert main(["validate", cfg]) == 2
+    assert "not in the local Hugging Face cache" in capsys.readouterr().err
 
 
 def test_missing_model_fails_fast_with_advice(monkeypatch):
@@ -137,9 +154,9 @@ def test_cli_run_gpt2_config_on_random_weights(tmp_path, gpt2_tokenizer_dir, cap
               "paris/main.parquet", "paris/topk.parquet", "paris/target_by_layer.png", "paris/top1_grid.png"):
         assert (run_dir / f).exists(), f
     s = json.loads((run_dir / "summary.json").read_text())
-    for k in ("target_prob_final", "target_prob_by_layer", "target_rank_by_layer", "emergence_layer"):
+    for k in ("target_prob_final", "target_prob_by_hidden_state", "target_rank_by_hidden_state", "emergence_layer"):
         assert k in s
-    assert len(s["target_prob_by_layer"]) == 3
+    assert len(s["target_prob_by_hidden_state"]) == 3
     assert s["expectations_total"] == 5
     env = json.loads((run_dir / "environment.json").read_text())
     assert env["versions"]["torch"] and env["seed"] == 0 and env["dtype"] == "float32"
@@ -159,8 +176,7 @@ def test_cli_bad_target_stops_before_model_work(tmp_path, gpt2_tokenizer_dir, ca
                  "--set", "experiments[0].target=' Parisian'"])
     err = capsys.readouterr().err
     assert code == 2 and "exactly one token" in err and "target" in err
-    run_dir = next(tmp_path.iterdir())
-    assert (run_dir / "error.txt").exists() and not (run_dir / "paris").exists()
+    assert not any(tmp_path.iterdir())  # checked from the tokenizer before any run directory exists
 
 
 def test_missing_model_via_cli(tmp_path, capsys):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tracekit as tk
-from tracekit.experiments.logit_lens import emergence_layer, lens_hooks
+from tracekit.logit_lens import emergence_hidden_state, landmarks, lens_points
 from tracekit.tokens import encode, tokenize
 
 from helpers import make_tiny
@@ -28,16 +28,16 @@ def test_last_layer_lens_equals_model_output(arch, process_weights, layers, gpt2
     """The last layer's lens is the model's own softmax output (abs 1e-5, float32): the final norm
     is recomputed from the residual, so reading the last block's output reproduces the logits."""
     model = make_tiny(arch, gpt2_tokenizer_dir, process_weights=process_weights)
-    res = tk.LogitLens(prompts=PROMPTS, target=TARGETS, positions="all", layers=layers, top_k=5).run(
+    res = tk.LogitLens(prompts=PROMPTS, target=TARGETS, position="all", layer_convention=layers, top_k=5).run(
         model, progress=False)
     df = res.to_frame()
-    last_layer = df["layer"].max()
+    last_layer = df["hidden_state"].max()
     batch = tokenize(model, PROMPTS)
     with torch.no_grad():
         logits = model(batch.tokens, **tk.tokens.forward_kwargs(batch))
     probs = logits.float().softmax(-1)
     checked = 0
-    for r in df[df["layer"] == last_layer].itertuples():
+    for r in df[df["hidden_state"] == last_layer].itertuples():
         pos = batch.real_index(r.prompt_idx)[r.position]
         assert abs(r.prob - probs[r.prompt_idx, pos, r.target_id].item()) < 1e-5
         assert abs(r.top1_prob - probs[r.prompt_idx, pos].max().item()) < 1e-5
@@ -45,16 +45,16 @@ def test_last_layer_lens_equals_model_output(arch, process_weights, layers, gpt2
     assert checked == sum(batch.lengths) * len(TARGETS)
     # and the lens' last layer matches the 'final' table (model output) exactly
     fin = res.tables["final"]
-    merged = df[(df["layer"] == last_layer)].merge(fin, on=["prompt_idx", "position", "target"])
+    merged = df[(df["hidden_state"] == last_layer)].merge(fin, on=["prompt_idx", "position", "target"])
     assert (merged["prob"] - merged["target_prob"]).abs().max() < 1e-5
 
 
 def test_resid_pre_last_layer_is_not_the_output(tiny_gpt2):
     """Sanity check that the comparison above can fail: block inputs miss the last block."""
-    res = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris", layers="resid_pre").run(tiny_gpt2, progress=False)
+    res = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris", layer_convention="resid_pre").run(tiny_gpt2, progress=False)
     df = res.to_frame()
     fin = res.tables["final"]
-    last = df[df["layer"] == df["layer"].max()]
+    last = df[df["hidden_state"] == df["hidden_state"].max()]
     assert abs(last["prob"].iloc[0] - fin["target_prob"].iloc[0]) > 1e-9
     assert last["hook"].iloc[0] == f"blocks.{tiny_gpt2.cfg.n_layers - 1}.hook_resid_pre"
 
@@ -63,7 +63,7 @@ def test_resid_pre_last_layer_is_not_the_output(tiny_gpt2):
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_batched_equals_one_by_one(arch, side, gpt2_tokenizer_dir):
     model = make_tiny(arch, gpt2_tokenizer_dir, padding_side=side)
-    exp = tk.LogitLens(prompts=PROMPTS, target=TARGETS, positions="all", batch_size=len(PROMPTS))
+    exp = tk.LogitLens(prompts=PROMPTS, target=TARGETS, position="all", batch_size=len(PROMPTS))
     batched = exp.run(model, progress=False).to_frame()
     singles = []
     for i, p in enumerate(PROMPTS):
@@ -71,7 +71,7 @@ def test_batched_equals_one_by_one(arch, side, gpt2_tokenizer_dir):
         d["prompt_idx"] = i
         singles.append(d)
     single = pd.concat(singles, ignore_index=True)
-    key = ["prompt_idx", "position", "layer", "target"]
+    key = ["prompt_idx", "position", "hidden_state", "target"]
     a = batched.sort_values(key).reset_index(drop=True)
     b = single.sort_values(key).reset_index(drop=True)
     assert len(a) == len(b) > 0
@@ -105,7 +105,7 @@ def test_exactly_one_bos(prepend, gpt2_tokenizer_dir):
             assert ids[0] == bos and ids[1:] == plain
         else:
             assert ids == plain
-    res = tk.LogitLens(prompts=["The capital of France is"], positions="all").run(model, progress=False)
+    res = tk.LogitLens(prompts=["The capital of France is"], position="all").run(model, progress=False)
     toks = res.tables["tokens"]
     assert (toks["token_id"] == bos).sum() == (1 if prepend else 0)
     if not prepend:  # the article's ids for GPT-2 (no BOS)
@@ -128,7 +128,7 @@ def test_target_without_space_suggests_leading_space(tiny_gpt2):
 
 
 def test_save_load_roundtrip(tiny_llama, tmp_path):
-    res = tk.LogitLens(prompts=PROMPTS[:2], target=TARGETS, positions="all").run(tiny_llama, progress=False)
+    res = tk.LogitLens(prompts=PROMPTS[:2], target=TARGETS, position="all").run(tiny_llama, progress=False)
     res.save(tmp_path / "r")
     back = tk.Result.load(tmp_path / "r")
     assert type(back) is type(res)
@@ -142,14 +142,33 @@ def test_summary_fields_and_emergence(tiny_gpt2):
     res = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris").run(tiny_gpt2, progress=False)
     s = res.summary()
     n = tiny_gpt2.cfg.n_layers + 1
-    for key in ("target_prob_final", "target_prob_by_layer", "target_rank_by_layer", "emergence_layer"):
+    for key in ("target_prob_final", "target_prob_by_hidden_state", "target_rank_by_hidden_state",
+                "emergence_hidden_state", "emergence_layer", "jump", "jump_layer"):
         assert key in s
-    assert len(s["target_prob_by_layer"]) == len(s["target_rank_by_layer"]) == n
-    assert s["hooks"] == [h for _, h in lens_hooks(tiny_gpt2.cfg.n_layers, "hidden_states")]
-    assert abs(s["target_prob_final"] - s["target_prob_by_layer"][-1]) < 1e-6
+    assert len(s["target_prob_by_hidden_state"]) == len(s["target_rank_by_hidden_state"]) == n
+    assert s["hooks"] == [p.hook for p in lens_points(tiny_gpt2.cfg.n_layers, "hidden_states")]
+    assert abs(s["target_prob_final"] - s["target_prob_by_hidden_state"][-1]) < 1e-6
 
 
-def test_emergence_layer_definition():
-    assert emergence_layer([0, 1, 2, 3], [5, 1, 2, 1]) == 3
-    assert emergence_layer([0, 1, 2, 3], [5, 1, 1, 1]) == 1
-    assert emergence_layer([0, 1, 2, 3], [1, 1, 1, 2]) is None
+def test_resid_post_summary_is_indexed_by_hidden_state(tiny_gpt2):
+    """resid_post reads hidden states 1..n: the lists keep index = hidden state, None for h = 0."""
+    s = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris", layer_convention="resid_post").run(
+        tiny_gpt2, progress=False).summary()
+    assert s["target_prob_by_hidden_state"][0] is None and s["hidden_states"] == [1, 2, 3]
+    full = tk.LogitLens(prompts=PROMPTS[:1], target=" Paris").run(tiny_gpt2, progress=False).summary()
+    assert s["target_prob_by_hidden_state"][1:] == full["target_prob_by_hidden_state"][1:]
+
+
+def test_emergence_and_jump_definitions():
+    assert emergence_hidden_state([0, 1, 2, 3], [5, 1, 2, 1]) == 3
+    assert emergence_hidden_state([0, 1, 2, 3], [5, 1, 1, 1]) == 1
+    assert emergence_hidden_state([0, 1, 2, 3], [1, 1, 1, 2]) is None
+    lm = landmarks([0, 1, 2, 3], [0.0, 0.1, 0.8, 0.9], [9, 5, 1, 1])
+    assert lm["emergence_hidden_state"] == 2 and lm["emergence_layer"] == 1  # output of block 1
+    assert lm["jump"]["from_hidden_state"] == 1 and lm["jump"]["to_hidden_state"] == 2 and lm["jump_layer"] == 1
+
+
+def test_retired_keys_name_the_new_ones():
+    for old, new in (("positions", "position"), ("layers", "layer_convention")):
+        with pytest.raises(Exception, match=new):
+            tk.LogitLens(prompts=["x"], **{old: "all" if old == "positions" else "hidden_states"})

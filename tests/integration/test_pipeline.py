@@ -48,7 +48,7 @@ def quiet(*a, **k):
 
 def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path):
     neurons = {"kind": "neuron_attribution", "name": "neurons", "prompts": [PROMPT], "target": " Paris",
-               "layers": [{"from": "lens", "key": "layers[-1]", "offset": -1}], "contexts": None, "ablation": None,
+               "layers": [{"from": "lens", "key": "hidden_states[-1]", "offset": -1}], "contexts": None, "ablation": None,
                "top_k": 3}
     cfg = parse_config(config(lens(), dla(), attention({**TOP_HEAD, "column": "layer"}, {**TOP_HEAD, "column": "head"}),
                               neurons))
@@ -63,7 +63,7 @@ def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path
     att_cfg = json.loads((run_dir / "att" / "config.json").read_text())
     assert (att_cfg["layer"], att_cfg["head"]) == (int(top["layer"]), int(top["head"]))
     neu_cfg = json.loads((run_dir / "neurons" / "config.json").read_text())
-    assert neu_cfg["layers"] == [lens_summary["layers"][-1] - 1] == [tiny_gpt2.cfg.n_layers - 1]
+    assert neu_cfg["layers"] == [lens_summary["hidden_states"][-1] - 1] == [tiny_gpt2.cfg.n_layers - 1]
     # the run dir says what ran: values in config.resolved.yaml, provenance in references.json
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     assert resolved["experiments"][2]["layer"] == int(top["layer"])
@@ -72,7 +72,7 @@ def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path
     refs = json.loads((run_dir / "references.json").read_text())
     assert {r["field"]: r["value"] for r in refs["att"]} == {"experiments[2].layer": int(top["layer"]),
                                                              "experiments[2].head": int(top["head"])}
-    assert refs["neurons"][0]["from"] == {"from": "lens", "key": "layers[-1]", "offset": -1}
+    assert refs["neurons"][0]["from"] == {"from": "lens", "key": "hidden_states[-1]", "offset": -1}
     assert summary["steps"]["att"]  # the step ran on the resolved values
 
 

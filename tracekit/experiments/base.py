@@ -42,7 +42,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from ..errors import OutputError, ResultLoadError
 
 __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts",
-           "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST"]
+           "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message"]
 
 
 class StrictModel(BaseModel):
@@ -102,6 +102,12 @@ def as_model(model):
     if model is None or isinstance(model, (str, dict, ModelSpec)):
         return load_model(model)
     return model
+
+
+def retired_message(cls: type, old: str) -> str:
+    """``'answer' was renamed to 'target'`` for a retired field of an experiment class."""
+    new, _, note = cls.retired[old].partition("; ")
+    return f"'{old}' was renamed to '{new}'" + (f" ({note})" if note else "")
 
 
 def _is_number(x: Any) -> bool:
@@ -202,6 +208,20 @@ class Experiment(StrictModel):
     expect: list[Expectation] = Field(default_factory=list)
 
     result_class: ClassVar[type["Result"]]
+    #: Retired field names -> the new name (plus an optional note after "; "). A config or a
+    #: constructor call that uses one fails naming the new key.
+    retired: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, **data: Any):
+        bad = [k for k in data if k in type(self).retired]
+        if bad:
+            msgs = [retired_message(type(self), k) for k in bad]
+            try:
+                BaseModel.__init__(self, **{k: v for k, v in data.items() if k not in bad})
+            except Exception as e:  # noqa: BLE001 - reported together with the renamed keys
+                msgs.append(f"also: {e}")
+            raise ValueError("; ".join(msgs))
+        super().__init__(**data)
 
     @field_validator("name")
     @classmethod

@@ -1,186 +1,166 @@
-"""Logit lens: the next-token distribution each layer's residual stream would give.
+"""``kind: logit_lens`` -- at which layer does the answer appear in the residual stream?
 
-Method (nostalgebraist, "interpreting GPT: the logit lens", 2020; tuned-lens' ``LogitLens`` in
-``tuned_lens/nn/lenses.py``): take the residual stream after (or before) each block, apply the
-model's final norm -- *recomputed* for that vector -- and the unembedding, and read off a
-distribution over the vocabulary. It answers "at which layer does ' Paris' appear?".
+The method and its numbering live in :mod:`tracekit.logit_lens` (notebook-callable); this module
+validates the config, calls the engine and shapes tables, summary, report and figures.
 
-Layer conventions (``layers:``; the table's ``hook`` column names the hook read for each row):
+Tables:
 
-* ``hidden_states`` (default, Hugging Face ``output_hidden_states`` numbering): layer 0 is the
-  embedding output (``blocks.0.hook_resid_pre``), layer ``L >= 1`` is the output of block
-  ``L-1`` (``blocks.{L-1}.hook_resid_post``); ``n_layers + 1`` rows, the last equals the model's
-  own output distribution;
-* ``resid_post``: layer ``L`` is the output of block ``L`` (``blocks.{L}.hook_resid_post``);
-  the last equals the model's output;
-* ``resid_pre``: layer ``L`` is the input of block ``L`` (``blocks.{L}.hook_resid_pre``).
-
-Units: ``prob`` is a probability in [0, 1]; ``log_prob`` natural log; ``rank`` is 1 for the
-top token (1 + the number of tokens with a strictly larger probability); ``entropy`` in nats.
+* ``main``: one row per prompt x position x hidden state x target (without targets: per prompt x
+  position x hidden state): ``hidden_state`` (the lens axis), ``layer`` (block index), ``site``
+  (``resid_pre``/``resid_post``), ``hook``, ``prob``, ``log_prob``, ``rank``, ``entropy``, ``top1``...;
+* ``topk``: prompt x position x hidden state x k;
+* ``tokens``: every prompt's tokenization (BOS included when prepended);
+* ``final``: the model's own output distribution (top-k, targets) at each read position.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 import pandas as pd
-import torch
-from pydantic import Field
-from tqdm.auto import tqdm
+from pydantic import Field, field_validator
 
-from ..readout import Readout
-from ..tokens import TokenizationError, chunks, encode, single_token_id, str_tokens, tokenize, run_with_cache
+from .. import plotting
+from ..logit_lens import LENS_POSITIONS, LayerConvention, landmarks, lens_points, logit_lens
+from ..tokens import encode, parse_position, single_token_id, str_tokens, check_length
 from .base import Experiment, Prompts, Result, register
 
-__all__ = ["LogitLens", "LogitLensResult", "lens_hooks", "emergence_layer"]
+__all__ = ["LogitLens", "LogitLensResult"]
 
-LayerConvention = Literal["hidden_states", "resid_post", "resid_pre"]
-
-
-def lens_hooks(n_layers: int, convention: str) -> list[tuple[int, str]]:
-    """(layer label, hook name) pairs read by a layer convention, in order."""
-    if convention == "hidden_states":
-        return [(0, "blocks.0.hook_resid_pre")] + [
-            (L + 1, f"blocks.{L}.hook_resid_post") for L in range(n_layers)
-        ]
-    if convention == "resid_post":
-        return [(L, f"blocks.{L}.hook_resid_post") for L in range(n_layers)]
-    if convention == "resid_pre":
-        return [(L, f"blocks.{L}.hook_resid_pre") for L in range(n_layers)]
-    raise ValueError(f"layers: unknown convention {convention!r}; use hidden_states, resid_post or resid_pre")
-
-
-def emergence_layer(layers: list[int], ranks: list[int]) -> Optional[int]:
-    """First layer from which the target stays top-1 through the last layer (None if never)."""
-    out = None
-    for L, r in zip(reversed(layers), reversed(ranks)):
-        if r == 1:
-            out = L
-        else:
-            break
-    return out
+_HS_LABEL = "hidden state (0 = embeddings, h = output of block h-1)"
 
 
 class LogitLensResult(Result):
-    """Tables: ``main`` (one row per prompt x position x layer x target; without targets one row per
-    prompt x position x layer), ``topk`` (prompt x position x layer x k), ``tokens`` (the
-    tokenization of every prompt), ``final`` (the model's own output distribution's top-k and
-    targets at each read position)."""
+    """Result of :class:`LogitLens`: tables ``main``, ``topk``, ``tokens``, ``final``."""
 
     main_table = "main"
 
-    # ---- summary -------------------------------------------------------------------------
     def _last_rows(self) -> pd.DataFrame:
         df = self.tables["main"]
         return df[df["is_last"]]
 
+    def _by_hidden_state(self, values: dict) -> list:
+        """A list indexed by hidden state (0..n_layers), None where the convention reads none."""
+        n = int(self.meta.get("n_layers", 0)) + 1
+        return [values.get(h) for h in range(n)]
+
     def summary(self) -> dict:
         df = self._last_rows()
         cfg = self.config
-        out: dict = {
-            "layer_convention": cfg.layers,
-            "layers": sorted(df["layer"].unique().tolist()),
-            "hooks": df.drop_duplicates("layer").sort_values("layer")["hook"].tolist(),
+        hs = sorted(df["hidden_state"].unique().tolist())
+        first = df[df["prompt_idx"] == 0].drop_duplicates("hidden_state").sort_values("hidden_state")
+        out: dict[str, Any] = {
+            "layer_convention": cfg.layer_convention,
+            "hidden_states": hs,
+            "hooks": first["hook"].tolist(),
             "n_prompts": int(df["prompt_idx"].nunique()),
+            "top1_by_hidden_state": self._by_hidden_state(dict(zip(first["hidden_state"], first["top1"]))),
+            "top1_prob_by_hidden_state": self._by_hidden_state(
+                dict(zip(first["hidden_state"], first["top1_prob"].round(6)))),
+            "entropy_by_hidden_state": self._by_hidden_state(
+                dict(zip(first["hidden_state"], first["entropy"].round(6)))),
         }
-        first = df[df["prompt_idx"] == 0].drop_duplicates("layer").sort_values("layer")
-        out["top1_by_layer"] = first["top1"].tolist()
-        out["top1_prob_by_layer"] = first["top1_prob"].round(6).tolist()
-        out["entropy_by_layer"] = first["entropy"].round(6).tolist()
         fin = self.tables["final"]
         fin = fin[fin["is_last"]]
         out["final_top1"] = fin[fin["prompt_idx"] == 0]["top1"].iloc[0]
         if "target" not in df.columns or df["target"].isna().all():
             return out
-        targets = [t for t in df["target"].dropna().unique().tolist()]
+        targets = df["target"].dropna().unique().tolist()
         out["targets"] = targets
         per_prompt = []
         for (pi, tgt), g in df.groupby(["prompt_idx", "target"], sort=True):
-            g = g.sort_values("layer")
-            f = fin[(fin["prompt_idx"] == pi)]
-            per_prompt.append({
-                "prompt_idx": int(pi),
-                "target": tgt,
-                "target_prob_final": float(f[f["target"] == tgt]["target_prob"].iloc[0]),
-                "target_prob_by_layer": g["prob"].round(6).tolist(),
-                "target_rank_by_layer": g["rank"].astype(int).tolist(),
-                "target_logprob_by_layer": g["log_prob"].round(5).tolist(),
-                "emergence_layer": emergence_layer(g["layer"].tolist(), g["rank"].astype(int).tolist()),
-            })
+            g = g.sort_values("hidden_state")
+            f = fin[(fin["prompt_idx"] == pi) & (fin["target"] == tgt)]
+            probs = g["prob"].round(6).tolist()
+            ranks = g["rank"].astype(int).tolist()
+            rec = {"prompt_idx": int(pi), "target": tgt,
+                   "target_prob_final": float(f["target_prob"].iloc[0]),
+                   "target_prob_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], probs))),
+                   "target_rank_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], ranks))),
+                   "target_log_prob_by_hidden_state": self._by_hidden_state(
+                       dict(zip(g["hidden_state"], g["log_prob"].round(5)))),
+                   **landmarks(g["hidden_state"].tolist(), probs, ranks)}
+            per_prompt.append(rec)
         head = [p for p in per_prompt if p["target"] == targets[0]]
         if len(head) == 1:
-            out.update({k: v for k, v in head[0].items() if k not in ("prompt_idx",)})
+            out.update({k: v for k, v in head[0].items() if k != "prompt_idx"})
         else:
             out["target"] = targets[0]
             out["target_prob_final"] = float(np.mean([p["target_prob_final"] for p in head]))
-            out["target_prob_by_layer"] = np.mean([p["target_prob_by_layer"] for p in head], 0).round(6).tolist()
-            out["target_rank_by_layer"] = np.median([p["target_rank_by_layer"] for p in head], 0).tolist()
-            out["emergence_layer_by_prompt"] = [p["emergence_layer"] for p in head]
-            out["emergence_layer"] = None if any(p["emergence_layer"] is None for p in head) else max(
-                p["emergence_layer"] for p in head)
+            P = np.array([[np.nan if v is None else v for v in p["target_prob_by_hidden_state"]] for p in head])
+            R = np.array([[np.nan if v is None else v for v in p["target_rank_by_hidden_state"]] for p in head])
+            out["target_prob_by_hidden_state"] = [None if np.isnan(v) else round(float(v), 6)
+                                                  for v in np.nanmean(P, 0)] if len(P) else []
+            out["target_rank_by_hidden_state"] = [None if np.isnan(v) else float(v) for v in np.nanmedian(R, 0)]
+            out["emergence_hidden_state_by_prompt"] = [p["emergence_hidden_state"] for p in head]
+            em = [p["emergence_hidden_state"] for p in head]
+            out["emergence_hidden_state"] = None if any(e is None for e in em) else max(em)
+            out["emergence_layer"] = (out["emergence_hidden_state"] - 1) if out["emergence_hidden_state"] else None
+            mean_curve = [v for v in out["target_prob_by_hidden_state"]]
+            read = [h for h, v in enumerate(mean_curve) if v is not None]
+            lm = landmarks(read, [mean_curve[h] for h in read], [2] * len(read))
+            out["jump"], out["jump_layer"] = lm["jump"], lm["jump_layer"]
         if len(per_prompt) > 1:
             out["per_prompt"] = per_prompt
-        if len(head) == 1:
-            probs = head[0]["target_prob_by_layer"]
-            jumps = np.diff(probs)
-            j = int(np.argmax(jumps)) if len(jumps) else 0
-            layers = out["layers"]
-            out["largest_jump"] = {"from_layer": layers[j], "to_layer": layers[j + 1] if len(layers) > 1 else layers[j],
-                                   "from_prob": probs[j], "to_prob": probs[j + 1] if len(probs) > 1 else probs[j]}
         return out
 
     def report(self) -> str:
-        """Per-layer table of the first prompt's last position (and target, if any)."""
+        """Per-hidden-state table of the first prompt's last position (and first target, if any)."""
         df = self._last_rows()
         df = df[df["prompt_idx"] == 0]
         has_t = "target" in df.columns and df["target"].notna().any()
         if has_t:
             df = df[df["target"] == df["target"].dropna().iloc[0]]
-        df = df.sort_values("layer")
-        lines = [f"logit lens [{self.config.step_name}] layers={self.config.layers} prompt 0: "
-                 f"{df['prompt'].iloc[0]!r}"]
-        head = f"{'layer':>5} {'hook':28s} {'top-1':>14} {'p(top-1)':>9}"
-        if has_t:
-            head += f" {'p(' + repr(df['target'].iloc[0]) + ')':>12} {'rank':>7}"
-        lines.append(head)
+        df = df.sort_values("hidden_state")
+        rows = []
         for r in df.itertuples():
-            line = f"{r.layer:>5} {r.hook:28s} {r.top1!r:>14} {r.top1_prob:9.4f}"
+            row = [r.hidden_state, r.hook, repr(r.top1), f"{r.top1_prob:.4f}"]
             if has_t:
-                line += f" {r.prob:12.4%} {r.rank:>7}"
-            lines.append(line)
+                row += [f"{r.prob:.4%}", r.rank]
+            rows.append(row)
+        headers = ["h", "hook", "top-1", "p(top-1)"] + ([f"p({df['target'].iloc[0]!r})", "rank"] if has_t else [])
+        lines = [f"logit lens [{self.config.step_name}] {self.config.layer_convention} "
+                 f"(h = hidden state: 0 = embeddings, h = output of block h-1) prompt 0: {df['prompt'].iloc[0]!r}",
+                 plotting.text_table(rows, headers, align=">" + "<" + ">" * (len(headers) - 2))]
         fin = self.tables["final"]
         fin = fin[(fin["prompt_idx"] == 0) & fin["is_last"]]
         line = f"model output top-1: {fin['top1'].iloc[0]!r} ({fin['top1_prob'].iloc[0]:.4%})"
         if has_t:
-            fin = fin[fin["target"] == df["target"].iloc[0]]
-            em = emergence_layer(df["layer"].tolist(), df["rank"].astype(int).tolist())
-            line += f"; p({df['target'].iloc[0]!r}) = {fin['target_prob'].iloc[0]:.4%}; emergence layer: {em}"
+            t = df["target"].iloc[0]
+            fin_t = fin[fin["target"] == t]
+            lm = landmarks(df["hidden_state"].tolist(), df["prob"].tolist(), df["rank"].astype(int).tolist())
+            em = lm["emergence_hidden_state"]
+            line += f"; p({t!r}) = {fin_t['target_prob'].iloc[0]:.4%}"
+            line += (f"; emergence: hidden state {em} (output of block {em - 1})" if em else "; never top-1 for good")
+            if lm["jump"]:
+                j = lm["jump"]
+                line += (f"; largest jump: h{j['from_hidden_state']} -> h{j['to_hidden_state']} "
+                         f"({j['from_prob']:.2%} -> {j['to_prob']:.2%}, block {j['layer']})")
         lines.append(line)
         return "\n".join(lines)
 
-    # ---- figures -------------------------------------------------------------------------
     def figures(self) -> dict:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
+        plt = plotting.plt()
         figs = {}
         df = self._last_rows()
-        conv = self.config.layers
         if "target" in df.columns and df["target"].notna().any():
             fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+            many = df["prompt_idx"].nunique() > 1
+            probs, ranks = {}, {}
+            x = sorted(df["hidden_state"].unique().tolist())
             for (pi, tgt), g in df.groupby(["prompt_idx", "target"]):
-                g = g.sort_values("layer")
-                lab = f"{tgt!r}" + (f" (prompt {pi})" if df["prompt_idx"].nunique() > 1 else "")
-                a1.plot(g["layer"], g["prob"], marker="o", ms=3, label=lab)
-                a2.plot(g["layer"], g["rank"], marker="o", ms=3, label=lab)
-            a1.set_xlabel(f"layer ({conv})"); a1.set_ylabel("target probability")
-            a1.set_title("Logit lens: target probability by layer"); a1.set_ylim(-0.02, 1.02)
-            a2.set_yscale("log"); a2.invert_yaxis(); a2.set_xlabel(f"layer ({conv})")
+                g = g.set_index("hidden_state").reindex(x)
+                lab = f"{tgt!r}" + (f" (prompt {pi})" if many else "")
+                probs[lab] = g["prob"].to_numpy()
+                ranks[lab] = g["rank"].to_numpy(dtype=float)
+            plotting.curves(a1, x, probs)
+            plotting.curves(a2, x, ranks)
+            a1.set_xlabel(_HS_LABEL, fontsize=8); a1.set_ylabel("target probability")
+            a1.set_title("Logit lens: target probability"); a1.set_ylim(-0.02, 1.02)
+            a2.set_yscale("log"); a2.invert_yaxis(); a2.set_xlabel(_HS_LABEL, fontsize=8)
             a2.set_ylabel("target rank (1 = top)"); a2.set_title("target rank (log scale)")
-            a1.legend(fontsize=7); a1.grid(alpha=.3); a2.grid(alpha=.3)
+            a1.grid(alpha=.3); a2.grid(alpha=.3)
             fig.tight_layout()
             figs["target_by_layer"] = fig
 
@@ -189,58 +169,66 @@ class LogitLensResult(Result):
         if "target" in m0.columns and m0["target"].notna().any():
             m0 = m0[m0["target"] == m0["target"].dropna().iloc[0]]
         pos = sorted(m0["position"].unique().tolist())
-        layers = sorted(m0["layer"].unique().tolist())
-        grid = np.zeros((len(layers), len(pos)))
-        labels = [["" for _ in pos] for _ in layers]
-        li = {L: i for i, L in enumerate(layers)}
+        hs = sorted(m0["hidden_state"].unique().tolist())
+        grid = np.full((len(hs), len(pos)), np.nan)
+        labels = [["" for _ in pos] for _ in hs]
+        hi = {h: i for i, h in enumerate(hs)}
         pj = {p: j for j, p in enumerate(pos)}
         for r in m0.itertuples():
-            grid[li[r.layer], pj[r.position]] = r.top1_prob
-            labels[li[r.layer]][pj[r.position]] = r.top1
+            grid[hi[r.hidden_state], pj[r.position]] = r.top1_prob
+            labels[hi[r.hidden_state]][pj[r.position]] = r.top1
         toks = self.tables["tokens"]
         toks0 = toks[toks["prompt_idx"] == 0].set_index("position")["token"]
-        fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(pos) + 2), max(3, 0.28 * len(layers) + 1.5)))
-        im = ax.imshow(grid, aspect="auto", origin="lower", cmap="Blues", vmin=0, vmax=1)
-        for i in range(len(layers)):
-            for j in range(len(pos)):
-                ax.text(j, i, labels[i][j][:10], ha="center", va="center", fontsize=6,
-                        color="white" if grid[i, j] > 0.6 else "black")
-        ax.set_xticks(range(len(pos)), [repr(toks0.get(p, "?"))[1:-1][:12] for p in pos], rotation=60, fontsize=7)
-        ax.set_yticks(range(len(layers)), layers, fontsize=6)
-        ax.set_xlabel("input token (position)"); ax.set_ylabel(f"layer ({conv})")
-        ax.set_title("Logit lens: top-1 next token (colour = its probability)")
-        fig.colorbar(im, ax=ax, fraction=0.03)
-        fig.tight_layout()
-        figs["top1_grid"] = fig
+        figs["top1_grid"] = plotting.heatmap(
+            grid, [repr(toks0.get(p, "?"))[1:-1][:12] for p in pos], hs, vmin=0, vmax=1, cell_text=labels,
+            title="Logit lens: top-1 next token (colour = its probability)",
+            xlabel="input token (position)", ylabel=_HS_LABEL)
         return figs
 
 
 @register
 class LogitLens(Experiment):
-    """Logit lens over prompts: per layer, target probability / log-prob / rank, entropy, top-k.
+    """Logit lens over prompts: per hidden state, target probability / log-prob / rank, entropy, top-k.
+
+    Method: nostalgebraist 2020; tuned-lens ``LogitLens``. Engine: :func:`tracekit.logit_lens.logit_lens`.
 
     Fields:
-        prompts: one string or a list (batched with padding; each prompt's last real token is read).
+        prompts: one string or a list (batched with padding; each prompt's own tokens are read).
         target: a token string or list of them (each exactly one token, leading space included),
             tracked at every read position; optional.
-        positions: ``last`` (each prompt's last real token) or ``all`` (the classic grid picture).
-        layers: layer convention, see the module docstring.
-        top_k: number of top tokens kept per row.
+        position: ``last`` (each prompt's last token), ``all`` (the classic grid picture) or a token
+            index (BOS counted; negative from the end).
+        layer_convention: which hidden states are read: ``hidden_states`` (0 = embeddings ..
+            n_layers = the output; default), ``resid_post`` (block outputs 1..n_layers) or
+            ``resid_pre`` (block inputs 0..n_layers-1). Tables always carry ``hidden_state``,
+            ``layer`` (block index) and ``hook``.
+        top_k: number of top tokens kept per read.
         batch_size: prompts per forward pass.
 
-    Raises (from :meth:`check`/:meth:`run`):
-        TokenizationError: a target is not exactly one token (the message shows its tokenization).
+    Raises (from :meth:`check`):
+        TokenizationError: a target is not exactly one token (the message shows its tokenization),
+            a position out of range, a prompt longer than the model's context.
     """
 
     kind: Literal["logit_lens"] = "logit_lens"
     prompts: Prompts
     target: Optional[Union[str, list[str]]] = None
-    positions: Literal["last", "all"] = "last"
-    layers: LayerConvention = "hidden_states"
+    position: Union[int, str] = "last"
+    layer_convention: LayerConvention = "hidden_states"
     top_k: int = Field(default=10, ge=1, le=1000)
     batch_size: int = Field(default=8, ge=1)
 
     result_class = LogitLensResult
+    retired = {"positions": "position", "layers": "layer_convention; layers now always means block indices"}
+
+    @field_validator("position")
+    @classmethod
+    def _position(cls, v):
+        try:
+            parse_position(v, LENS_POSITIONS)
+        except Exception as e:  # noqa: BLE001 - reported with the field's path by pydantic
+            raise ValueError(str(e).removeprefix("position: ")) from None
+        return v
 
     @property
     def targets(self) -> list[str]:
@@ -249,93 +237,110 @@ class LogitLens(Experiment):
         return [self.target] if isinstance(self.target, str) else list(self.target)
 
     def check(self, model) -> None:
+        pos = parse_position(self.position, LENS_POSITIONS)
         for i, p in enumerate(self.prompts):
-            if not encode(model, p):
-                raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt "
-                                        "(or set model.prepend_bos: true)")
+            ids = encode(model, p)
+            check_length(model, ids, f"prompts[{i}]", p)
+            if not ids:
+                from ..errors import TokenizationError
+
+                raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
+            pos.resolve(model, p, ids, field="position")
         for j, t in enumerate(self.targets):
             single_token_id(model, t, field="target" if isinstance(self.target, str) else f"target[{j}]")
+        lens_points(int(model.cfg.n_layers), self.layer_convention)
 
-    @torch.no_grad()
     def _run(self, model, progress: bool = True) -> LogitLensResult:
-        readout = Readout(model)
-        n_layers = model.cfg.n_layers
-        hooks = lens_hooks(n_layers, self.layers)
-        hook_names = [h for _, h in hooks]
-        tgt_ids = [single_token_id(model, t) for t in self.targets]
-        k = min(self.top_k, model.cfg.d_vocab)
+        from tqdm.auto import tqdm
 
-        main_rows, topk_rows, tok_rows, final_rows = [], [], [], []
         bar = tqdm(total=len(self.prompts), desc="logit lens", disable=not progress, leave=False)
-        for sl in chunks(len(self.prompts), self.batch_size):
-            prompts = self.prompts[sl]
-            batch = tokenize(model, prompts)
-            logits, cache = run_with_cache(model, batch, hook_names)
-            resid = torch.stack([cache[h] for h in hook_names])  # [L, b, pos, d]
-            for b, prompt in enumerate(prompts):
-                pi = sl.start + b
-                idx = batch.real_index(b)
-                toks = str_tokens(model, batch.ids[b])
-                for p, t in enumerate(toks):
-                    tok_rows.append({"prompt_idx": pi, "position": p, "token": t, "token_id": batch.ids[b][p]})
-                read = idx[-1:] if self.positions == "last" else idx
-                positions = [len(idx) - 1] if self.positions == "last" else list(range(len(idx)))
-                lp = readout.log_probs(resid[:, b, read])  # [L, P, vocab]
-                final_lp = torch.log_softmax(logits[b, read].float(), -1)  # [P, vocab]
-                self._rows(model, pi, prompt, positions, toks, hooks, lp, final_lp, tgt_ids, k,
-                           main_rows, topk_rows, final_rows, n_real=len(idx))
-            bar.update(len(prompts))
-            del cache, resid, logits
-        bar.close()
-        tables = {
-            "main": pd.DataFrame(main_rows),
-            "topk": pd.DataFrame(topk_rows),
-            "tokens": pd.DataFrame(tok_rows),
-            "final": pd.DataFrame(final_rows),
-        }
-        meta = {"n_layers": n_layers, "hooks": hook_names, "d_vocab": int(model.cfg.d_vocab)}
+        try:
+            lens = logit_lens(model, self.prompts, self.targets, self.position, self.layer_convention, self.top_k,
+                              self.batch_size, progress=bar.update)
+        finally:
+            bar.close()
+        decode = _Decoder(model)
+        main, topk, toks, final = [], [], [], []
+        for pi, pl in enumerate(lens):
+            main.append(self._main_rows(pi, pl, decode))
+            topk.append(self._topk_rows(pi, pl, decode))
+            toks.append(pd.DataFrame({"prompt_idx": pi, "position": np.arange(len(pl.ids)), "token": pl.tokens,
+                                      "token_id": pl.ids}))
+            final.append(self._final_rows(pi, pl, decode))
+        tables = {"main": pd.concat(main, ignore_index=True), "topk": pd.concat(topk, ignore_index=True),
+                  "tokens": pd.concat(toks, ignore_index=True), "final": pd.concat(final, ignore_index=True)}
+        points = lens[0].points
+        meta = {"n_layers": int(model.cfg.n_layers), "hooks": [p.hook for p in points],
+                "hidden_states": [p.hidden_state for p in points], "d_vocab": int(model.cfg.d_vocab)}
         return LogitLensResult(self, tables, meta)
 
-    def _rows(self, model, pi, prompt, positions, toks, hooks, lp, final_lp, tgt_ids, k,
-              main_rows, topk_rows, final_rows, n_real):
-        probs = lp.exp()
-        ent = -(probs * lp).sum(-1)  # [L, P]
-        top_p, top_i = probs.topk(k, dim=-1)  # [L, P, k]
-        tok = model.tokenizer
-        decode = {int(i): tok.decode([int(i)]) for i in top_i.unique().tolist()}
-        if tgt_ids:
-            t = torch.tensor(tgt_ids, device=lp.device)
-            t_lp = lp[..., t]  # [L, P, T]
-            t_rank = (lp.unsqueeze(-1) > t_lp.unsqueeze(-2)).sum(-2) + 1  # [L, P, T]
-        for li, (L, hook) in enumerate(hooks):
-            for pj, p in enumerate(positions):
-                base = {
-                    "prompt_idx": pi, "prompt": prompt, "position": p, "token": toks[p],
-                    "is_last": p == n_real - 1, "layer": L, "hook": hook,
-                    "entropy": float(ent[li, pj]), "top1": decode[int(top_i[li, pj, 0])],
-                    "top1_id": int(top_i[li, pj, 0]), "top1_prob": float(top_p[li, pj, 0]),
-                }
-                if tgt_ids:
-                    for ti, (tname, tid) in enumerate(zip(self.targets, tgt_ids)):
-                        main_rows.append({**base, "target": tname, "target_id": tid,
-                                          "prob": float(t_lp[li, pj, ti].exp()),
-                                          "log_prob": float(t_lp[li, pj, ti]),
-                                          "rank": int(t_rank[li, pj, ti])})
-                else:
-                    main_rows.append({**base, "target": None})
-                for r in range(k):
-                    topk_rows.append({"prompt_idx": pi, "position": p, "layer": L, "k": r + 1,
-                                      "token": decode[int(top_i[li, pj, r])], "token_id": int(top_i[li, pj, r]),
-                                      "prob": float(top_p[li, pj, r])})
-        fprobs = final_lp.exp()
-        f_p, f_i = fprobs.topk(min(k, fprobs.shape[-1]), -1)
-        for pj, p in enumerate(positions):
-            row = {"prompt_idx": pi, "position": p, "is_last": p == n_real - 1, "top1": tok.decode([int(f_i[pj, 0])]),
-                   "top1_prob": float(f_p[pj, 0]),
-                   "topk_tokens": [tok.decode([int(i)]) for i in f_i[pj].tolist()],
-                   "topk_probs": [float(x) for x in f_p[pj].tolist()]}
-            if tgt_ids:
-                for tname, tid in zip(self.targets, tgt_ids):
-                    final_rows.append({**row, "target": tname, "target_prob": float(fprobs[pj, tid])})
+    # ---- table shaping ------------------------------------------------------------------------
+    def _main_rows(self, pi: int, pl, decode) -> pd.DataFrame:
+        H, P = pl.entropy.shape
+        n_real = len(pl.ids)
+        hs = np.repeat([p.hidden_state for p in pl.points], P)
+        base = pd.DataFrame({
+            "prompt_idx": pi, "prompt": pl.prompt,
+            "position": np.tile(pl.positions, H),
+            "token": np.tile([pl.tokens[p] for p in pl.positions], H),
+            "is_last": np.tile([p == n_real - 1 for p in pl.positions], H),
+            "hidden_state": hs,
+            "layer": np.repeat([p.layer for p in pl.points], P),
+            "site": np.repeat([p.site for p in pl.points], P),
+            "hook": np.repeat([p.hook for p in pl.points], P),
+            "entropy": pl.entropy.reshape(-1).numpy(),
+            "top1": decode(pl.topk_ids[..., 0].reshape(-1)),
+            "top1_id": pl.topk_ids[..., 0].reshape(-1).numpy(),
+            "top1_prob": pl.topk_probs[..., 0].reshape(-1).numpy(),
+        })
+        if not pl.target_ids:
+            return base.assign(target=None)
+        frames = []
+        for ti, (tname, tid) in enumerate(zip(self.targets, pl.target_ids)):
+            lp = pl.target_log_prob[..., ti].reshape(-1).numpy()
+            frames.append(base.assign(target=tname, target_id=tid, prob=np.exp(lp), log_prob=lp,
+                                      rank=pl.target_rank[..., ti].reshape(-1).numpy().astype(np.int64)))
+        return pd.concat(frames, ignore_index=True)
+
+    def _topk_rows(self, pi: int, pl, decode) -> pd.DataFrame:
+        H, P, K = pl.topk_ids.shape
+        return pd.DataFrame({
+            "prompt_idx": pi,
+            "position": np.tile(np.repeat(pl.positions, K), H),
+            "hidden_state": np.repeat([p.hidden_state for p in pl.points], P * K),
+            "k": np.tile(np.arange(1, K + 1), H * P),
+            "token": decode(pl.topk_ids.reshape(-1)),
+            "token_id": pl.topk_ids.reshape(-1).numpy(),
+            "prob": pl.topk_probs.reshape(-1).numpy(),
+        })
+
+    def _final_rows(self, pi: int, pl, decode) -> pd.DataFrame:
+        n_real = len(pl.ids)
+        rows = []
+        for j, p in enumerate(pl.positions):
+            row = {"prompt_idx": pi, "position": p, "is_last": p == n_real - 1,
+                   "top1": decode(pl.final_topk_ids[j, :1])[0], "top1_prob": float(pl.final_topk_probs[j, 0]),
+                   "topk_tokens": decode(pl.final_topk_ids[j]), "topk_probs": pl.final_topk_probs[j].tolist()}
+            if pl.target_ids:
+                for ti, tname in enumerate(self.targets):
+                    rows.append({**row, "target": tname, "target_prob": float(pl.final_log_prob[j, ti].exp())})
             else:
-                final_rows.append({**row, "target": None, "target_prob": float("nan")})
+                rows.append({**row, "target": None, "target_prob": float("nan")})
+        return pd.DataFrame(rows)
+
+
+class _Decoder:
+    """Token id -> string, memoised (the same ids recur across hidden states)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.memo: dict[int, str] = {}
+
+    def __call__(self, ids) -> list[str]:
+        out = []
+        for i in (int(x) for x in ids.reshape(-1).tolist()):
+            s = self.memo.get(i)
+            if s is None:
+                s = self.memo[i] = str_tokens(self.model, [i])[0]
+            out.append(s)
+        return out

@@ -1,0 +1,221 @@
+"""Logit lens: the next-token distribution each hidden state of the residual stream would give.
+
+Method (nostalgebraist, "interpreting GPT: the logit lens", 2020; tuned-lens' ``LogitLens`` in
+``tuned_lens/nn/lenses.py``): take the residual stream before/after each block, apply the model's
+final norm -- *recomputed* for that vector (:class:`tracekit.readout.Readout`) -- and the
+unembedding, and read off a distribution over the vocabulary. It answers "at which layer does
+' Paris' appear?".
+
+Numbering (docs/glossary.md): a **hidden state** ``h`` is Hugging Face's ``output_hidden_states``
+index: ``h = 0`` is the embedding output (``blocks.0.hook_resid_pre``) and ``h >= 1`` the output of
+block ``h-1`` (``blocks.{h-1}.hook_resid_post``); the last one equals the model's own output
+distribution. A **layer** is a block index. The ``layer_convention`` picks which hidden states are
+read: ``hidden_states`` (all ``n_layers + 1``), ``resid_post`` (``1..n_layers``: block outputs) or
+``resid_pre`` (``0..n_layers-1``: block inputs).
+
+Landmarks (:func:`landmarks`): the **emergence** hidden state is the first from which the target stays
+top-1 through the last one read; the **jump** is the largest one-step gain of the target's
+probability between consecutive hidden states read; the block that produced it is the ``jump_layer``
+(block ``h-1`` for a gain into hidden state ``h``), and the block whose output first has the target
+on top for good is the ``emergence_layer``.
+
+Units: ``prob`` in [0, 1]; ``log_prob`` natural log; ``rank`` is 1 for the top token (1 + the number
+of tokens with a strictly larger probability); ``entropy`` in nats.
+
+Notebook use::
+
+    from tracekit.logit_lens import logit_lens
+    out = logit_lens(model, ["The capital of France is"], targets=[" Paris"])
+    out[0].target_prob[:, -1, 0]      # [hidden states] p(' Paris') at the last token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Float, Int
+
+from .readout import Readout
+from .tokens import Position, chunks, parse_position, run_with_cache, single_token_id, str_tokens, tokenize
+
+__all__ = ["LayerConvention", "LensPoint", "lens_points", "PromptLens", "logit_lens", "landmarks",
+           "emergence_hidden_state", "LENS_POSITIONS"]
+
+LayerConvention = Literal["hidden_states", "resid_post", "resid_pre"]
+#: Position forms the lens accepts.
+LENS_POSITIONS = ("int", "last", "all")
+
+
+@dataclass(frozen=True)
+class LensPoint:
+    """One residual-stream read: its hidden-state index, block index, site and hook name."""
+
+    hidden_state: int
+    layer: int
+    site: str
+    hook: str
+
+
+def lens_points(n_layers: int, convention: str) -> list[LensPoint]:
+    """The residual reads of a layer convention, in order of hidden state.
+
+    Raises:
+        ValueError: an unknown convention.
+    """
+    pre = [LensPoint(L, L, "resid_pre", f"blocks.{L}.hook_resid_pre") for L in range(n_layers)]
+    post = [LensPoint(L + 1, L, "resid_post", f"blocks.{L}.hook_resid_post") for L in range(n_layers)]
+    if convention == "hidden_states":
+        return pre[:1] + post
+    if convention == "resid_post":
+        return post
+    if convention == "resid_pre":
+        return pre
+    raise ValueError(f"layer_convention: unknown convention {convention!r}; use hidden_states, resid_post or "
+                     "resid_pre")
+
+
+@dataclass
+class PromptLens:
+    """The lens of one prompt at the read positions (all tensors on the CPU, float32).
+
+    Attributes:
+        prompt, ids, tokens: the prompt, its token ids (BOS included when prepended) and strings.
+        positions: the token indices read, ``[P]``.
+        points: the residual reads (hidden states), ``[H]``.
+        target_ids: ``[T]`` target token ids.
+        target_log_prob, target_rank: ``[H, P, T]`` natural-log probability and rank of each target.
+        entropy: ``[H, P]`` nats. topk_ids, topk_probs: ``[H, P, k]``.
+        final_log_prob: ``[P, T]`` the model's own output for each target; final_topk_ids/probs ``[P, k]``.
+    """
+
+    prompt: str
+    ids: list[int]
+    tokens: list[str]
+    positions: list[int]
+    points: list[LensPoint]
+    target_ids: list[int]
+    target_log_prob: Float[torch.Tensor, "hidden pos target"]
+    target_rank: Int[torch.Tensor, "hidden pos target"]
+    entropy: Float[torch.Tensor, "hidden pos"]
+    topk_ids: Int[torch.Tensor, "hidden pos k"]
+    topk_probs: Float[torch.Tensor, "hidden pos k"]
+    final_log_prob: Float[torch.Tensor, "pos target"]
+    final_topk_ids: Int[torch.Tensor, "pos k"]
+    final_topk_probs: Float[torch.Tensor, "pos k"]
+
+    @property
+    def target_prob(self) -> Float[torch.Tensor, "hidden pos target"]:
+        return self.target_log_prob.exp()
+
+
+def _read(lp: Float[torch.Tensor, "... d_vocab"], tgt: Optional[torch.Tensor], k: int):
+    """Per-row entropy, top-k and target log-probs/ranks of log-probabilities ``lp``."""
+    probs = lp.exp()
+    ent = -(probs * lp).sum(-1)
+    top_p, top_i = probs.topk(k, dim=-1)
+    if tgt is not None and len(tgt):
+        t_lp = lp[..., tgt]
+        t_rank = (lp.unsqueeze(-2) > t_lp.unsqueeze(-1)).sum(-1) + 1
+    else:
+        t_lp = lp.new_zeros(lp.shape[:-1] + (0,))
+        t_rank = torch.zeros(lp.shape[:-1] + (0,), dtype=torch.long, device=lp.device)
+    return ent, top_i, top_p, t_lp, t_rank
+
+
+@torch.no_grad()
+def logit_lens(
+    model,
+    prompts: Sequence[str],
+    targets: Sequence[str] = (),
+    position: Position | int | str = "last",
+    layer_convention: LayerConvention = "hidden_states",
+    top_k: int = 10,
+    batch_size: int = 8,
+    progress=None,
+) -> list[PromptLens]:
+    """Run the logit lens over prompts (batched with padding; each prompt read at its own tokens).
+
+    Args:
+        model: a hooked model (TransformerBridge in compatibility mode).
+        prompts: the texts.
+        targets: token strings tracked at every read (each exactly one token, leading space included).
+        position: ``last`` (default), ``all`` or a token index (negative from the end).
+        layer_convention: which hidden states are read (module docstring).
+        top_k: top tokens kept per read.
+        batch_size: prompts per forward pass.
+        progress: optional callable receiving the number of prompts finished.
+
+    Returns:
+        One :class:`PromptLens` per prompt.
+
+    Raises:
+        TokenizationError: a target is not one token, a position out of range, a prompt longer than
+            the context.
+    """
+    pos = position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS)
+    n_layers = int(model.cfg.n_layers)
+    points = lens_points(n_layers, layer_convention)
+    hooks = [p.hook for p in points]
+    tgt_ids = [single_token_id(model, t, field="target") for t in targets]
+    k = min(int(top_k), int(model.cfg.d_vocab))
+    readout = Readout(model)
+    out: list[PromptLens] = []
+    for sl in chunks(len(prompts), batch_size):
+        chunk = list(prompts[sl])
+        batch = tokenize(model, chunk)
+        logits, cache = run_with_cache(model, batch, hooks)
+        resid = torch.stack([cache[h] for h in hooks])  # [H, b, pos, d]
+        tgt = torch.tensor(tgt_ids, device=resid.device, dtype=torch.long) if tgt_ids else None
+        for b, prompt in enumerate(chunk):
+            idx = batch.real_index(b)
+            ids = batch.ids[b]
+            read = pos.resolve(model, prompt, ids, field="position", skip_bos=False)
+            lp = readout.log_probs(resid[:, b, idx[read]])  # [H, P, vocab]
+            ent, top_i, top_p, t_lp, t_rank = _read(lp, tgt, k)
+            final_lp = torch.log_softmax(logits[b, idx[read]].float(), -1)  # [P, vocab]
+            _, f_i, f_p, f_t, _ = _read(final_lp, tgt, k)
+            out.append(PromptLens(prompt, list(ids), str_tokens(model, ids), list(read), points, tgt_ids,
+                                  t_lp.cpu(), t_rank.cpu(), ent.cpu(), top_i.cpu(), top_p.cpu(), f_t.cpu(),
+                                  f_i.cpu(), f_p.cpu()))
+            del lp
+        if progress is not None:
+            progress(len(chunk))
+        del cache, resid, logits
+    return out
+
+
+def emergence_hidden_state(hidden_states: Sequence[int], ranks: Sequence[int]) -> Optional[int]:
+    """First hidden state from which the target stays top-1 through the last one read (None if never)."""
+    out = None
+    for h, r in zip(reversed(list(hidden_states)), reversed(list(ranks))):
+        if int(r) == 1:
+            out = int(h)
+        else:
+            break
+    return out
+
+
+def landmarks(hidden_states: Sequence[int], probs: Sequence[float], ranks: Sequence[int]) -> dict:
+    """The emergence and jump of a target's lens curve (module docstring).
+
+    Returns:
+        ``{"emergence_hidden_state", "emergence_layer", "jump": {"from_hidden_state",
+        "to_hidden_state", "layer", "from_prob", "to_prob", "gain"}, "jump_layer"}``; the layers are
+        block indices (None when the landmark is the embedding or does not exist).
+    """
+    hs = [int(h) for h in hidden_states]
+    em = emergence_hidden_state(hs, ranks)
+    out: dict = {"emergence_hidden_state": em, "emergence_layer": (em - 1) if em else None}
+    if len(hs) > 1:
+        gains = np.diff(np.asarray(probs, dtype=float))
+        j = int(np.argmax(gains))
+        out["jump"] = {"from_hidden_state": hs[j], "to_hidden_state": hs[j + 1], "layer": hs[j + 1] - 1,
+                       "from_prob": float(probs[j]), "to_prob": float(probs[j + 1]), "gain": float(gains[j])}
+        out["jump_layer"] = hs[j + 1] - 1
+    else:
+        out["jump"] = None
+        out["jump_layer"] = None
+    return out

@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 $(BIN)/tracekit: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ demo: install
 # The test command (CI runs exactly this).
 test: install
 	$(BIN)/python -m pytest -q -rs tests
+
+# Lint and type check (CI runs these too).
+lint: install
+	$(BIN)/ruff check tracekit tests benchmarks
+	$(BIN)/pyright
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

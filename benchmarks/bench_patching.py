@@ -3,10 +3,11 @@
 In one process, on the same model and inputs (the embedded SmolLM2-135M by default; clean
 "The capital of France is", corrupted "The capital of Italy is", metric logit(' Paris') - logit(' Rome')):
 
-1. residual stream, every layer x position: ``tracekit.patching.get_act_patch_resid_pre`` vs
+1. residual stream, every layer x position: ``tracekit.patching.batched_act_patch_resid_pre`` vs
    ``transformer_lens.patching.get_act_patch_resid_pre``;
-2. head outputs (hook_z), every layer x position x head: ``get_act_patch_attn_head_out_by_pos``
-   on both sides (``--head-layers`` restricts both to the same layers via ``index_df``).
+2. head outputs (hook_z), every layer x position x head: tracekit's
+   ``batched_act_patch_attn_head_out_by_pos`` vs TransformerLens' ``get_act_patch_attn_head_out_by_pos``
+   (``--head-layers`` restricts both to the same layers via ``index_df``).
 
 Prints each wall-time ratio and the max abs difference of the results; tracekit's time includes
 its own cached run. The last line is ``speedup <ratio>x max_abs_diff <value>`` for the residual
@@ -33,8 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads, same for both sides")
     ap.add_argument("--clean", default="The capital of France is")
     ap.add_argument("--corrupted", default="The capital of Italy is")
-    ap.add_argument("--answer", default=" Paris")
-    ap.add_argument("--wrong", default=" Rome")
+    ap.add_argument("--target", default=" Paris")
+    ap.add_argument("--foil", default=" Rome")
     ap.add_argument("--head-layers", type=int, default=None,
                     help="head sweep over the last N layers only (both sides); default: all layers")
     ap.add_argument("--skip-heads", action="store_true", help="only the residual sweep")
@@ -61,13 +62,13 @@ def main(argv=None) -> int:
     if clean.shape != corrupted.shape:
         print("clean and corrupted prompts tokenize to different lengths", file=sys.stderr)
         return 2
-    ans, wrong = single_token_id(model, a.answer), single_token_id(model, a.wrong)
+    target, foil = single_token_id(model, a.target), single_token_id(model, a.foil)
 
     def tl_metric(logits):  # TransformerLens: full logits [batch, pos, vocab] -> scalar
-        return (logits[:, -1, ans] - logits[:, -1, wrong]).mean()
+        return (logits[:, -1, target] - logits[:, -1, foil]).mean()
 
     def tk_metric(logits, prompt):  # tracekit: last-position logits [rows, vocab] -> [rows]
-        return logits[:, ans] - logits[:, wrong]
+        return logits[:, target] - logits[:, foil]
 
     with torch.no_grad():
         model(clean), model(corrupted)  # warm-up, both sides
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     ref = tlp.get_act_patch_resid_pre(model, corrupted, clean_cache, tl_metric).cpu()
     t_tl = time.perf_counter() - t
     t = time.perf_counter()
-    ours = tkp.get_act_patch_resid_pre(model, corrupted, clean, tk_metric, batch_size=bs).mean(0)
+    ours = tkp.batched_act_patch_resid_pre(model, corrupted, clean, tk_metric, batch_size=bs).mean(0)
     t_tk = time.perf_counter() - t
     diff = (ref - ours).abs().max().item()
     n_sites = ref.numel()
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
           f"ratio {t_tl / t_tk:.1f}x, max_abs_diff {diff:.2e}")
     if a.no_skip:
         t = time.perf_counter()
-        ours2 = tkp.get_act_patch_resid_pre(model, corrupted, clean, tk_metric, batch_size=bs,
-                                            skip_unchanged=False).mean(0)
+        ours2 = tkp.batched_act_patch_resid_pre(model, corrupted, clean, tk_metric, batch_size=bs,
+                                                skip_unchanged=False).mean(0)
         t2 = time.perf_counter() - t
         print(f"resid_pre without skipping no-op patches: tracekit {t2:.2f} s, ratio {t_tl / t2:.1f}x, "
               f"max_abs_diff {(ref - ours2).abs().max().item():.2e}")
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
                                                        index_axis_names=None, index_df=idf).cpu()
         th_tl = time.perf_counter() - t
         t = time.perf_counter()
-        ours_h = tkp.get_act_patch_attn_head_out_by_pos(
+        ours_h = tkp.batched_act_patch_attn_head_out_by_pos(
             model, corrupted, clean, tk_metric, index_df=idf.rename(columns={"head_index": "head"}),
             batch_size=bs).mean(0)
         th_tk = time.perf_counter() - t

@@ -82,3 +82,12 @@ def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, 
 #: (arch, tied) variants every numeric invariant runs on, with ids.
 PERTURBED_VARIANTS = [("gpt2", False), ("llama", False), ("llama", True)]
 PERTURBED_IDS = ["gpt2", "llama", "llama-tied"]
+
+
+#: A small, fast config of every registered kind for a tiny model (tests/integration/test_kinds.py
+#: runs each: validate, run, save, load, equal tables, JSON-able summary, figures render).
+KIND_EXAMPLES: dict[str, dict] = {
+    "logit_lens": {"prompts": ["The capital of France is", "Hello world"], "target": " Paris", "position": "all"},
+    "linear_probe": {"dataset": {"builtin": "countries", "templates": ["The capital city of {country} is"]},
+                     "layers": [0, 1], "bootstrap": 20, "test_size": 0.4},
+}

@@ -22,12 +22,13 @@ from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spe
 from .readout import Readout
 from .tokens import Position, parse_position
 from .experiments import (REGISTRY, AblationConfig, ActivationPatching, ActivationPatchingResult,
-                          AttentionPatternResult, AttentionPatterns, DirectLogitAttribution,
+                          AttentionPattern, AttentionPatternResult, DirectLogitAttribution,
                           DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
                           KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
                           NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
                           register)
 from .config import RunConfig, load_config, parse_config
+from .probing import load_probe_directions
 from .sweep import load_results, run_sweep
 
 __version__ = "0.2.0"
@@ -46,6 +47,6 @@ __all__ = [
     # kinds
     "LogitLens", "LogitLensResult", "ActivationPatching", "ActivationPatchingResult", "PromptPair",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
-    "KeyReadoutConfig", "AblationConfig", "AttentionPatterns", "AttentionPatternResult", "HeadScan",
-    "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
+    "KeyReadoutConfig", "AblationConfig", "AttentionPattern", "AttentionPatternResult", "HeadScan",
+    "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions",
 ]

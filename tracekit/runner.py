@@ -315,7 +315,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         RunInterrupted: Ctrl-C or SIGTERM; the status says where.
     """
     check_writable(out)
-    checked_on = check_config(config, model)
+    check_config(config, model)  # once, before anything is written (steps then run with check=False)
     run_dir = new_run_dir(out, stem)
     names = [s.step_name for s in config.experiments]
     status = _Status(run_dir, names)
@@ -347,9 +347,6 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
             env = environment(config, model)
             env["model_load_s"] = round(time.time() - t0, 2)
             _write_json(run_dir / "environment.json", env)
-            if checked_on is not model:
-                for step in config.experiments:  # cheap checks that may need the loaded model
-                    step.check(model)
             for step in config.experiments:
                 name = current = step.step_name
                 status.write(step=name)

@@ -191,9 +191,9 @@ def test_step_name_cannot_escape_the_run_directory():
         parse_config({"experiments": [{"kind": "logit_lens", "name": "../../evil", "prompts": ["a"]}]})
 
 
-def test_patching_answer_equal_to_wrong_is_a_config_error():
-    step = {"kind": "activation_patching", "pairs": [{"clean": "a b", "corrupted": "a c", "answer": " x", "wrong": " x"}]}
-    with pytest.raises(ConfigError, match="answer and wrong must differ"):
+def test_patching_target_equal_to_foil_is_a_config_error():
+    step = {"kind": "activation_patching", "pairs": [{"clean": "a b", "corrupted": "a c", "target": " x", "foil": " x"}]}
+    with pytest.raises(ConfigError, match="target and foil must differ"):
         parse_config({"experiments": [step]})
 
 
@@ -224,7 +224,7 @@ def test_bad_pairs_jsonl_names_file_and_line(tmp_path):
     from tracekit.experiments.patching import load_pairs
 
     p = tmp_path / "pairs.jsonl"
-    p.write_text('{"clean": "a", "corrupted": "b", "answer": " x", "wrong": " y"}\n{not json}\n')
+    p.write_text('{"clean": "a", "corrupted": "b", "target": " x", "foil": " y"}\n{not json}\n')
     with pytest.raises(ValueError, match=r"pairs\.jsonl line 2 is not valid JSON"):
         load_pairs(p)
 

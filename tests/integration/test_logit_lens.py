@@ -172,3 +172,27 @@ def test_retired_keys_name_the_new_ones():
     for old, new in (("positions", "position"), ("layers", "layer_convention")):
         with pytest.raises(Exception, match=new):
             tk.LogitLens(prompts=["x"], **{old: "all" if old == "positions" else "hidden_states"})
+
+
+def test_lens_invariants_on_perturbed_models(perturbed_model):
+    """On models whose norm weights/biases are far from 1/0 (GPT-2, GQA Llama, tied-embedding Llama,
+    weight processing on and off): the last hidden state's lens is the model's output (abs 1e-5),
+    and batched equals one by one (abs 1e-5). A final-norm or folding bug changes these numbers."""
+    m = perturbed_model
+    exp = tk.LogitLens(prompts=PROMPTS, target=TARGETS, position="all", batch_size=len(PROMPTS))
+    res = exp.run(m, progress=False)
+    df = res.to_frame()
+    last = df[df["hidden_state"] == df["hidden_state"].max()]
+    batch = tokenize(m, PROMPTS)
+    with torch.no_grad():
+        logits = m(batch.tokens, **tk.tokens.forward_kwargs(batch)).float()
+    lp = logits.log_softmax(-1)
+    err = max(abs(r.log_prob - lp[r.prompt_idx, batch.real_index(r.prompt_idx)[r.position], r.target_id].item())
+              for r in last.itertuples())
+    assert err < 1e-4  # natural-log probabilities, float32
+    assert logits.std(-1).min() > 0.3  # spread logits: the comparison is not between near-uniform vectors
+    single = pd.concat([exp.model_copy(update={"prompts": [p]}).run(m, progress=False).to_frame().assign(prompt_idx=i)
+                        for i, p in enumerate(PROMPTS)], ignore_index=True)
+    key = ["prompt_idx", "position", "hidden_state", "target"]
+    a, b = df.sort_values(key).reset_index(drop=True), single.sort_values(key).reset_index(drop=True)
+    assert (a["log_prob"] - b["log_prob"]).abs().max() < 1e-4

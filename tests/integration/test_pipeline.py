@@ -32,7 +32,7 @@ def dla(name="dla"):
 
 
 def attention(layer, head=None, name="att"):
-    step = {"kind": "attention_pattern", "name": name, "prompt": PROMPT, "layer": layer}
+    step = {"kind": "attention_pattern", "name": name, "prompts": [PROMPT], "layer": layer}
     if head is not None:
         step["head"] = head
     return step

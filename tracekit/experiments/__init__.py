@@ -7,9 +7,9 @@ here explicitly (a new kind: a module here plus one import line).
 from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
 from .logit_lens import LogitLens, LogitLensResult
 from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs
-from .neurons import (AblationConfig, DirectLogitAttribution, DirectLogitAttributionResult, KeyReadoutConfig,
-                      NeuronAttribution, NeuronAttributionResult)
-from .attention import AttentionPatternResult, AttentionPatterns, HeadScan, HeadScanResult
+from .dla import DirectLogitAttribution, DirectLogitAttributionResult
+from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
+from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
 from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
 
 __all__ = [
@@ -18,6 +18,6 @@ __all__ = [
     "ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
     "KeyReadoutConfig", "AblationConfig",
-    "AttentionPatterns", "AttentionPatternResult", "HeadScan", "HeadScanResult",
+    "AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult",
     "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
 ]

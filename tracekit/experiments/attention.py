@@ -1,7 +1,8 @@
 """Attention heads as experiment kinds.
 
-* ``kind: attention_pattern`` (:class:`AttentionPatterns`): for a prompt, a layer and a query
-  position (index or token string, e.g. ``" is"``), every head's raw scores and softmax weights
+* ``kind: attention_pattern`` (:class:`AttentionPattern`): for each prompt, a layer and a query
+  ``position`` (an index, ``last`` or ``token:<text>``, e.g. ``"token: is"``), every head's raw
+  scores and softmax weights
   over the key tokens (the seed article's "Layer 0 Head 6, query ' is'" view), the full pattern of
   the chosen head as a heatmap, all heads of the layer at once, and each head's label
   (self / first / previous / spread / content) at that query.
@@ -19,154 +20,194 @@ from typing import Literal, Optional, Union
 
 import numpy as np
 import pandas as pd
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from ..heads import attention_pattern, check_heads, classify_heads, head_scores, resolve_query, _check_layer
+from .. import plotting
+from ..attention import (POSITION_FORMS, attention_pattern, check_heads, check_layer, classify_heads, head_scores,
+                         resolve_position)
+from ..tokens import PositionSpec, parse_position
 from .base import Experiment, OptionalPrompts, Prompts, Result, register
 
-__all__ = ["AttentionPatterns", "AttentionPatternResult", "HeadScan", "HeadScanResult"]
+__all__ = ["AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult"]
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
+#: Retired config keys of ``attention_pattern`` and the key that replaced each.
+RETIRED = {"prompt": "prompts", "query": "position"}
 
 
 class AttentionPatternResult(Result):
-    """Tables: ``query`` (head x key <= query: score, weight), ``pattern`` (the shown heads' full
-    causal patterns), ``heads`` (label per head at the query: self/first/previous mass, entropy),
-    ``tokens``."""
+    """Tables (one block of rows per prompt, ``prompt_idx``): ``query`` (head x key <= query
+    position: score, weight), ``pattern`` (the shown head's full causal pattern), ``heads`` (label
+    per head at the query position: self/first/previous mass, entropy), ``tokens``. The summary,
+    report and figures show prompt 0."""
 
     main_table = "query"
 
+    def _p0(self, name: str) -> pd.DataFrame:
+        t = self.tables[name]
+        return t[t["prompt_idx"] == 0] if "prompt_idx" in t else t
+
     def summary(self) -> dict:
-        q = self.tables["query"]
+        q = self._p0("query")
         h = self.config.head if self.config.head is not None else int(q["head"].min())
         qh = q[q["head"] == h].sort_values("key_pos")
         by_tok: dict = {}
         for t, w in zip(qh["key_token"], qh["weight"]):
             by_tok[t] = round(by_tok.get(t, 0.0) + float(w), 6)
         top = qh.sort_values("weight", ascending=False).iloc[0]
-        lab = self.tables["heads"]
-        return {
+        lab = self._p0("heads")
+        out = {
             "layer": int(self.meta["layer"]), "head": int(h), "query_pos": int(qh["query_pos"].iloc[0]),
-            "query_token": qh["query_token"].iloc[0], "tokens": self.tables["tokens"]["token"].tolist(),
+            "query_token": qh["query_token"].iloc[0], "tokens": self._p0("tokens")["token"].tolist(),
             "weights": qh["weight"].round(6).tolist(), "scores": qh["score"].round(4).tolist(),
             "weight_by_token": by_tok, "top_key": top["key_token"], "top_key_weight": round(float(top["weight"]), 6),
             "row_sum": round(float(qh["weight"].sum()), 6),
             "head_labels": {int(r.head): r.label for r in lab.itertuples()},
+            "n_prompts": int(self.tables["tokens"]["prompt_idx"].nunique()) if "prompt_idx" in self.tables["tokens"] else 1,
         }
+        return out
 
     def report(self) -> str:
         s = self.summary()
-        q = self.tables["query"]
+        q = self._p0("query")
         qh = q[q["head"] == s["head"]].sort_values("key_pos")
         lines = [f"attention [{self.config.step_name}] layer {s['layer']} head {s['head']}, query {s['query_token']!r} "
-                 f"(position {s['query_pos']})", f"{'pos':>4} {'key token':>14} {'score':>9} {'weight':>8}"]
-        for r in qh.itertuples():
-            lines.append(f"{r.key_pos:>4} {r.key_token!r:>14} {r.score:9.3f} {r.weight:8.2%}")
-        lab = self.tables["heads"]
-        lines.append(f"all heads of layer {s['layer']} at this query (label: self / first / previous mass):")
-        for r in lab.itertuples():
-            lines.append(f"  head {r.head:>2}: {r.label:>8}  self {r.self:.2f} first {r.first:.2f} "
-                         f"previous {r.previous:.2f} entropy {r.entropy_norm:.2f}  top key {r.top_key!r} ({r.top_weight:.0%})")
+                 f"(position {s['query_pos']}) of prompt 0",
+                 plotting.text_table([(r.key_pos, repr(r.key_token), f"{r.score:.3f}", f"{r.weight:.2%}")
+                                      for r in qh.itertuples()], ["pos", "key token", "score", "weight"])]
+        lab = self._p0("heads")
+        lines.append(f"all heads of layer {s['layer']} at this query position (label: self / first / previous mass):")
+        lines.append(plotting.text_table(
+            [(r.head, r.label, f"{r.self:.2f}", f"{r.first:.2f}", f"{r.previous:.2f}", f"{r.entropy_norm:.2f}",
+              f"{r.top_key!r} ({r.top_weight:.0%})") for r in lab.itertuples()],
+            ["head", "label", "self", "first", "previous", "entropy", "top key"], ">><<<<<"))
         return "\n".join(lines)
 
     def figures(self) -> dict:
-        plt = _plt()
         s = self.summary()
         toks = [repr(t)[1:-1][:12] for t in s["tokens"]]
         figs = {}
-        q = self.tables["query"]
+        q = self._p0("query")
         qh = q[q["head"] == s["head"]].sort_values("key_pos")
-        fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(qh) + 2), 3.2))
+        fig, ax = plotting.plt().subplots(figsize=(max(4, 0.6 * len(qh) + 2), 3.2))
         ax.bar(range(len(qh)), qh["weight"], color="tab:blue")
         for i, (w, sc) in enumerate(zip(qh["weight"], qh["score"])):
             ax.text(i, w + 0.01, f"{w:.0%}\n({sc:.2f})", ha="center", fontsize=7)
         ax.set_xticks(range(len(qh)), toks[: len(qh)], rotation=45, fontsize=8)
-        ax.set_ylim(0, 1.1); ax.set_ylabel("attention weight (score in brackets)")
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("attention weight (score in brackets)")
         ax.set_title(f"L{s['layer']}H{s['head']}: query {s['query_token']!r} -> keys")
-        fig.tight_layout(); figs["query_row"] = fig
+        fig.tight_layout()
+        figs["query_row"] = fig
 
-        pat = self.tables["pattern"]
+        pat = self._p0("pattern")
         ph = pat[pat["head"] == s["head"]]
         n = len(s["tokens"])
         grid = np.full((n, n), np.nan)
         grid[ph["query_pos"].to_numpy(), ph["key_pos"].to_numpy()] = ph["weight"].to_numpy()
-        fig, ax = plt.subplots(figsize=(max(4, 0.45 * n + 2), max(3.5, 0.45 * n + 1.5)))
-        im = ax.imshow(grid, cmap="Blues", vmin=0, vmax=1)
-        ax.set_xticks(range(n), toks, rotation=60, fontsize=7); ax.set_yticks(range(n), toks, fontsize=7)
-        ax.set_xlabel("key"); ax.set_ylabel("query"); ax.set_title(f"L{s['layer']}H{s['head']} attention weights")
-        fig.colorbar(im, ax=ax, fraction=0.04); fig.tight_layout(); figs["pattern"] = fig
+        figs["pattern"] = plotting.heatmap(grid, toks, toks, vmin=0, vmax=1, xlabel="key", ylabel="query",
+                                           title=f"L{s['layer']}H{s['head']} attention weights",
+                                           colorbar_label="weight")
 
         heads = sorted(q["head"].unique().tolist())
         grid = q.pivot(index="head", columns="key_pos", values="weight").reindex(heads).to_numpy()
-        fig, ax = plt.subplots(figsize=(max(4, 0.5 * grid.shape[1] + 2), max(3, 0.35 * len(heads) + 1.5)))
-        im = ax.imshow(grid, cmap="Blues", vmin=0, vmax=1, aspect="auto")
-        lab = self.tables["heads"].set_index("head")["label"]
-        ax.set_yticks(range(len(heads)), [f"H{h} {lab.get(h, '')}" for h in heads], fontsize=7)
-        ax.set_xticks(range(grid.shape[1]), toks[: grid.shape[1]], rotation=60, fontsize=7)
-        ax.set_title(f"layer {s['layer']}, query {s['query_token']!r}: every head")
-        fig.colorbar(im, ax=ax, fraction=0.04); fig.tight_layout(); figs["all_heads"] = fig
+        lab = self._p0("heads").set_index("head")["label"]
+        figs["all_heads"] = plotting.heatmap(grid, toks[: grid.shape[1]], [f"H{h} {lab.get(h, '')}" for h in heads],
+                                             vmin=0, vmax=1, xlabel="key", ylabel="head",
+                                             title=f"layer {s['layer']}, query {s['query_token']!r}: every head",
+                                             colorbar_label="weight")
         return figs
 
 
+def _retired(v, names: dict):
+    """Refuse retired keys, naming every one found and its new key."""
+    if isinstance(v, dict):
+        found = [f"'{old}' is renamed to '{new}'" + (" (a token string is written 'token: is')" if old == "query" else "")
+                 for old, new in names.items() if old in v]
+        if found:
+            raise ValueError("; ".join(found))
+    return v
+
+
 @register
-class AttentionPatterns(Experiment):
-    """Attention scores and weights of a layer's heads for one query position.
+class AttentionPattern(Experiment):
+    """Attention scores and weights of a layer's heads at one query position.
 
     Fields:
-        prompt: the text (tokenized with the model's BOS setting).
-        layer: block index.
+        prompts: one text or a list (tokenized with the model's BOS setting; each gets its rows,
+            the summary shows prompt 0).
+        layer: block index (negative from the end).
         head: the head shown in the summary and the heatmap (default: the first of ``heads``).
         heads: heads tabulated (``all`` or a list of query-head indices).
-        query: position index (BOS counts; -1 = last) or a token string such as ``" is"``
-            (its last occurrence).
-        dominance / spread_entropy: thresholds of the head labels (see :func:`tracekit.heads.classify_heads`).
+        position: the query position (:class:`tracekit.tokens.Position`): an int (BOS counted when
+            prepended; negative from the end), ``last`` (default) or ``token:<text>`` (e.g.
+            ``"token: is"``: the token holding the last character of the last `` is``).
+        dominance / spread_entropy: thresholds of the head labels (see
+            :func:`tracekit.attention.classify_heads`).
+
+    Retired keys: ``prompt`` (now ``prompts``), ``query`` (now ``position``).
 
     Raises:
-        HeadError: unknown layer/head, or a query that is not in the prompt (message lists tokens).
+        AttentionError: unknown layer/head. TokenizationError: a position not in a prompt.
     """
 
     kind: Literal["attention_pattern"] = "attention_pattern"
-    prompt: str
+    prompts: Prompts
     layer: int
     head: Optional[int] = None
     heads: Union[Literal["all"], list[int]] = "all"
-    query: Union[int, str] = -1
+    position: PositionSpec = "last"
     dominance: float = Field(default=0.4, gt=0, le=1)
     spread_entropy: float = Field(default=0.9, gt=0, le=1)
 
     result_class = AttentionPatternResult
 
-    def check(self, model) -> None:
-        from ..tokens import encode, str_tokens
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, v):
+        return _retired(v, RETIRED)
 
-        _check_layer(model, self.layer)
+    @field_validator("position")
+    @classmethod
+    def _position(cls, v):
+        parse_position(v, POSITION_FORMS, "position")
+        return v
+
+    def check(self, model) -> None:
+        from ..tokens import check_length, encode
+
+        check_layer(model, self.layer)
         check_heads(model, self.heads)
         if self.head is not None:
             check_heads(model, [self.head], "head")
-        resolve_query(str_tokens(model, encode(model, self.prompt)), self.query)
+        for i, p in enumerate(self.prompts):
+            ids = encode(model, p)
+            check_length(model, ids, f"prompts[{i}]", p)
+            resolve_position(model, p, self.position, ids)
 
     def _run(self, model, progress: bool = True) -> AttentionPatternResult:
-        ap = attention_pattern(model, self.prompt, self.layer)
         heads = check_heads(model, self.heads)
         if self.head is not None and self.head not in heads:
             heads = [self.head] + heads
-        qpos = resolve_query(ap.tokens, self.query)
         show = [self.head if self.head is not None else heads[0]]
-        lab = classify_heads(ap.weights, [qpos], self.dominance, self.spread_entropy)
-        lab = lab[lab["head"].isin(heads)].copy()
-        row = ap.weights[:, qpos, : qpos + 1]
-        lab["top_key"] = [ap.tokens[int(row[h].argmax())] for h in lab["head"]]
-        lab["top_weight"] = [float(row[h].max()) for h in lab["head"]]
-        tables = {"query": ap.query_frame(qpos, heads), "pattern": ap.frame(show), "heads": lab.reset_index(drop=True),
-                  "tokens": pd.DataFrame({"position": range(len(ap.tokens)), "token": ap.tokens})}
-        return AttentionPatternResult(self, tables, {"layer": ap.layer, "query_pos": qpos})
+        parts: dict = {"query": [], "pattern": [], "heads": [], "tokens": []}
+        qpos0, layer = None, None
+        for pi, prompt in enumerate(self.prompts):
+            ap = attention_pattern(model, prompt, self.layer)
+            layer = ap.layer
+            qpos = resolve_position(model, prompt, self.position)
+            qpos0 = qpos if qpos0 is None else qpos0
+            lab = classify_heads(ap.weights, [qpos], self.dominance, self.spread_entropy)
+            lab = lab[lab["head"].isin(heads)].copy()
+            row = ap.weights[:, qpos, : qpos + 1]
+            lab["top_key"] = [ap.tokens[int(row[h].argmax())] for h in lab["head"]]
+            lab["top_weight"] = [float(row[h].max()) for h in lab["head"]]
+            parts["query"].append(ap.query_frame(qpos, heads).assign(prompt_idx=pi))
+            parts["pattern"].append(ap.frame(show).assign(prompt_idx=pi))
+            parts["heads"].append(lab.assign(prompt_idx=pi))
+            parts["tokens"].append(pd.DataFrame({"prompt_idx": pi, "position": range(len(ap.tokens)),
+                                                 "token": ap.tokens}))
+        tables = {k: pd.concat(v, ignore_index=True) for k, v in parts.items()}
+        return AttentionPatternResult(self, tables, {"layer": layer, "query_pos": qpos0})
 
 
 class HeadScanResult(Result):
@@ -202,9 +243,8 @@ class HeadScanResult(Result):
         return "\n".join(lines)
 
     def figures(self) -> dict:
-        plt = _plt()
         sc = self.tables["scores"]
-        fig, axes = plt.subplots(1, 2, figsize=(10, max(3, 0.22 * sc["layer"].nunique() + 1.5)))
+        fig, axes = plotting.plt().subplots(1, 2, figsize=(10, max(3, 0.22 * sc["layer"].nunique() + 1.5)))
         for ax, col, title in ((axes[0], "prev_token_score", "previous-token score"),
                                (axes[1], "induction_score", "induction score")):
             g = sc.pivot(index="layer", columns="head", values=col).sort_index()
@@ -227,7 +267,7 @@ class HeadScan(Experiment):
         top_k: heads listed in the summary. induction_threshold: score counted as an induction head.
 
     Raises:
-        HeadError: unknown layer, or sequences longer than the context.
+        AttentionError: unknown layer, or sequences longer than the context.
     """
 
     kind: Literal["head_scan"] = "head_scan"
@@ -237,17 +277,28 @@ class HeadScan(Experiment):
     layers: Union[Literal["all"], list[int]] = "all"
     prompts: OptionalPrompts = Field(default_factory=list)
     top_k: int = Field(default=5, ge=1)
-    induction_threshold: float = 0.3
+    induction_threshold: float = Field(default=0.3, ge=0, le=1)
     dominance: float = Field(default=0.4, gt=0, le=1)
     spread_entropy: float = Field(default=0.9, gt=0, le=1)
 
     result_class = HeadScanResult
 
     def _layers(self, model):
-        return list(range(int(model.cfg.n_layers))) if self.layers == "all" else [_check_layer(model, L, "layers") for L in self.layers]
+        if self.layers == "all":
+            return list(range(int(model.cfg.n_layers)))
+        return [check_layer(model, L, f"layers[{i}]") for i, L in enumerate(self.layers)]
 
     def check(self, model) -> None:
+        from ..attention import AttentionError
+        from ..tokens import check_length, context_length, encode
+
         self._layers(model)
+        n_ctx = context_length(model)
+        if n_ctx is not None and 2 * self.seq_len + 1 > n_ctx:
+            raise AttentionError(f"seq_len: 2 x {self.seq_len} + 1 tokens exceed the model's context of {n_ctx}; "
+                                 "lower seq_len")
+        for i, p in enumerate(self.prompts):
+            check_length(model, encode(model, p), f"prompts[{i}]", p)
 
     def _run(self, model, progress: bool = True) -> HeadScanResult:
         layers = self._layers(model)

@@ -1,17 +1,14 @@
-"""Direct logit attribution and FFN neuron attribution as experiment kinds.
+"""FFN neuron attribution as an experiment kind.
 
-* ``kind: direct_logit_attribution`` (:class:`DirectLogitAttribution`): the target logit (or
-  target - foil logit difference) split into embeddings, every attention head and every MLP
-  (Elhage et al. 2021), through the run's final-norm scale; parts + bias terms = the model's logit.
-* ``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of
-  chosen MLP layers, read as key-value memories (Geva et al. 2021; 2022): top-k neurons per layer
-  and overall, the tokens their value vectors promote/suppress, their top-activating corpus
-  contexts (key readout), and a check by intervention (zero/mean ablation and amplification of
-  the top-k against k random neurons of the same layers).
+``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of
+chosen MLP blocks, read as key-value memories (Geva et al. 2021; 2022): top-k neurons per layer
+and overall, the tokens their value vectors promote/suppress, their top-activating corpus contexts
+(key readout), and a check by intervention (zero/mean ablation and amplification of the top-k
+against k random neurons of the same layers).
 
-The computations are in :mod:`tracekit.attribution` (notebook-usable); this module shapes tables,
-summaries, reports and figures. Units: ``contribution``/``logit_diff`` in logits, ``*_prob`` in
-probabilities.
+The computations are in :mod:`tracekit.neurons` (notebook-usable); this module validates, calls
+them and shapes tables, summaries, reports and figures. Units: ``contribution``/``logit_diff`` in
+logits, ``*_prob`` in probabilities.
 """
 
 from __future__ import annotations
@@ -21,167 +18,18 @@ from typing import Literal, Optional, Union
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
-from ..attribution import (
-    check_layers,
-    direct_logit_attribution,
-    key_readout,
-    neuron_intervention,
-    random_neurons,
-    resolve_target,
-    value_readout,
-)
-from .base import Experiment, OptionalPrompts, Prompts, Result, register, StrictModel
+from .. import plotting
+from ..dla import POSITION_FORMS, check_layers, resolve_target
+from ..neurons import (key_readout, neuron_contributions, neuron_intervention, prompt_means, random_neurons,
+                       value_readout)
+from ..tokens import PositionSpec, parse_position
+from .base import Experiment, Prompts, Result, StrictModel, register
+from .dla import check_prompt_positions
 
-__all__ = ["DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution",
-           "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-# =============================================================================================
-# direct logit attribution
-
-
-class DirectLogitAttributionResult(Result):
-    """Tables: ``components`` (embed, pos_embed, attn.L, mlp.L, bias per prompt; they sum to
-    ``logit``), ``heads`` (per head plus ``b_O`` rows with head -1), ``prompts`` (per prompt: the
-    model's logit (difference), the sum of parts, the final-norm scale, tokens)."""
-
-    main_table = "components"
-
-    def summary(self) -> dict:
-        comp = self.tables["components"]
-        pr = self.tables["prompts"]
-        c0 = comp[comp["prompt_idx"] == 0]
-        h0 = self.tables["heads"]
-        h0 = h0[(h0["prompt_idx"] == 0) & (h0["head"] >= 0)]
-        k = self.config.top_k
-        top = c0.reindex(c0["contribution"].abs().sort_values(ascending=False).index).head(k)
-        toph = h0.reindex(h0["contribution"].abs().sort_values(ascending=False).index).head(k)
-        p0 = pr.iloc[0]
-        out = {
-            "target": self.config.target, "foil": self.config.foil, "metric": p0["metric"],
-            "logit": float(p0["logit"]), "sum_of_parts": float(p0["sum_of_parts"]),
-            "abs_error": float(abs(p0["logit"] - p0["sum_of_parts"])),
-            "final_scale": float(p0["final_scale"]),
-            "embed": float(c0[c0["kind"] == "embed"]["contribution"].sum()),
-            "attn_total": float(c0[c0["kind"] == "attn"]["contribution"].sum()),
-            "mlp_total": float(c0[c0["kind"] == "mlp"]["contribution"].sum()),
-            "bias": float(c0[c0["kind"] == "bias"]["contribution"].sum()),
-            "attn_by_layer": c0[c0["kind"] == "attn"].sort_values("layer")["contribution"].round(5).tolist(),
-            "mlp_by_layer": c0[c0["kind"] == "mlp"].sort_values("layer")["contribution"].round(5).tolist(),
-            "top_components": {r.component: round(float(r.contribution), 5) for r in top.itertuples()},
-            "top_heads": {r.component: round(float(r.contribution), 5) for r in toph.itertuples()},
-            "n_prompts": int(len(pr)),
-        }
-        if len(pr) > 1:
-            out["logit_by_prompt"] = pr["logit"].round(5).tolist()
-        return out
-
-    def report(self) -> str:
-        s = self.summary()
-        pr = self.tables["prompts"].iloc[0]
-        lines = [f"direct logit attribution [{self.config.step_name}] prompt 0: {pr['prompt']!r} at position "
-                 f"{pr['position']} ({pr['token']!r}); metric {s['metric']}",
-                 f"model: {s['logit']:.4f} logits; sum of parts {s['sum_of_parts']:.4f} (|error| {s['abs_error']:.2e}); "
-                 f"final-norm scale 1/sigma = {s['final_scale']:.4g} (the run's, frozen)",
-                 f"embeddings {s['embed']:+.4f}  attention {s['attn_total']:+.4f}  MLPs {s['mlp_total']:+.4f}  "
-                 f"bias {s['bias']:+.4f}", "top components (logits):"]
-        lines += [f"  {k:>12} {v:+.4f}" for k, v in s["top_components"].items()]
-        lines.append("top heads (logits):")
-        lines += [f"  {k:>12} {v:+.4f}" for k, v in s["top_heads"].items()]
-        return "\n".join(lines)
-
-    def figures(self) -> dict:
-        plt = _plt()
-        comp = self.tables["components"]
-        c0 = comp[comp["prompt_idx"] == 0]
-        figs = {}
-        att = c0[c0["kind"] == "attn"].sort_values("layer")
-        mlp = c0[c0["kind"] == "mlp"].sort_values("layer")
-        fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(att) + 3), 3.8))
-        x = att["layer"].to_numpy()
-        ax.bar(x - 0.2, att["contribution"], width=0.4, label="attention")
-        ax.bar(x + 0.2, mlp["contribution"], width=0.4, label="MLP")
-        emb = c0[c0["kind"] == "embed"]["contribution"].sum()
-        ax.bar([-1], [emb], width=0.4, color="gray", label="embeddings")
-        ax.axhline(0, color="k", lw=0.5)
-        ax.set_xlabel("layer (block index; -1 = embeddings)")
-        ax.set_ylabel(f"direct contribution (logits)")
-        ax.set_title(f"Direct logit attribution: {self.tables['prompts']['metric'].iloc[0]}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        figs["components"] = fig
-        h = self.tables["heads"]
-        h = h[(h["prompt_idx"] == 0) & (h["head"] >= 0)]
-        grid = h.pivot(index="layer", columns="head", values="contribution").sort_index()
-        v = float(np.abs(grid.to_numpy()).max()) or 1.0
-        fig, ax = plt.subplots(figsize=(max(4, 0.45 * grid.shape[1] + 2), max(3, 0.25 * grid.shape[0] + 1.5)))
-        im = ax.imshow(grid.to_numpy(), cmap="RdBu", vmin=-v, vmax=v, aspect="auto", origin="lower")
-        ax.set_xlabel("head"); ax.set_ylabel("layer"); ax.set_title("Per-head direct contribution (logits)")
-        ax.set_xticks(range(grid.shape[1])); ax.set_yticks(range(grid.shape[0]), grid.index.tolist(), fontsize=6)
-        fig.colorbar(im, ax=ax, fraction=0.04)
-        fig.tight_layout()
-        figs["heads"] = fig
-        return figs
-
-
-@register
-class DirectLogitAttribution(Experiment):
-    """Direct logit attribution (Elhage et al. 2021) of a target (minus a foil) at a position.
-
-    Fields:
-        prompts: one string or a list (each attributed separately; summary shows prompt 0).
-        target: one-token string, e.g. ``" Paris"``. foil: optional one-token string; the metric
-            becomes ``logit[target] - logit[foil]``.
-        position: token index read (BOS included; -1 = last).
-        top_k: components / heads listed in the summary.
-        batch_size: prompts per forward pass.
-
-    Raises:
-        TokenizationError: target/foil not one token. AttributionError: position out of range, or
-        an architecture whose residual stream is not the sum of the parts read.
-    """
-
-    kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
-    prompts: Prompts
-    target: str
-    foil: Optional[str] = None
-    position: int = -1
-    top_k: int = Field(default=10, ge=1)
-    batch_size: int = Field(default=8, ge=1)
-
-    result_class = DirectLogitAttributionResult
-
-    def check(self, model) -> None:
-        resolve_target(model, self.target, self.foil)
-
-    def _run(self, model, progress: bool = True) -> DirectLogitAttributionResult:
-        das = direct_logit_attribution(model, self.prompts, self.target, self.foil, self.position,
-                                       batch_size=self.batch_size)
-        comps, heads, prompts = [], [], []
-        for d in das:
-            comps.append(d.components_frame())
-            heads.append(d.heads_frame())
-            prompts.append({"prompt_idx": d.prompt_idx, "prompt": d.prompt, "position": d.position,
-                            "token": d.tokens[d.position], "metric": d.target.label, "logit": d.logit,
-                            "sum_of_parts": d.total(), "final_scale": d.final_scale, "tokens": d.tokens})
-        tables = {"components": pd.concat(comps, ignore_index=True), "heads": pd.concat(heads, ignore_index=True),
-                  "prompts": pd.DataFrame(prompts)}
-        meta = {"n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
-                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True)),
-                "scale": "final-norm scale of this run (ln_final.hook_scale), frozen"}
-        return DirectLogitAttributionResult(self, tables, meta)
+__all__ = ["NeuronAttribution", "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
 
 
 # =============================================================================================
@@ -203,8 +51,6 @@ class KeyReadoutConfig(StrictModel):
             (SwiGLU activations can be negative), ``positive`` / ``negative`` force it.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     corpus: Union[str, list[str]] = "stdlib"
     jsonl_field: str = "text"
     neurons: Optional[int] = Field(default=None, ge=1)
@@ -217,29 +63,37 @@ class KeyReadoutConfig(StrictModel):
 
 class AblationConfig(StrictModel):
     """Check by intervention: ablate / amplify the top-k neurons and k random neurons of the same
-    layers (the control), at the read position (``positions: last``) or everywhere (``all``).
+    layers (the control), at the step's read position (``intervene_at: position``) or at every
+    position (``all``).
 
     Fields:
         k: how many of the overall top neurons (default: the step's ``top_k``).
         modes: ``zero`` and/or ``mean`` (the corpus mean from the key readout when it runs,
             else the mean over the prompt's tokens).
-        amplify: factor(s) the activations are multiplied by (e.g. 2.0); empty list: none.
+        amplify: finite factor(s) the activations are multiplied by (e.g. 2.0); empty list: none.
         n_random: random control sets drawn. seed: their seed.
+        intervene_at: ``position`` (default) or ``all``. Retired: ``positions`` (``last`` is now
+            ``position``).
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     k: Optional[int] = Field(default=None, ge=1)
     modes: list[Literal["zero", "mean"]] = Field(default_factory=lambda: ["zero", "mean"])
     amplify: list[float] = Field(default_factory=lambda: [2.0])
     n_random: int = Field(default=5, ge=0)
-    positions: Literal["last", "all"] = "last"
+    intervene_at: Literal["position", "all"] = "position"
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, v):
+        if isinstance(v, dict) and "positions" in v:
+            raise ValueError("'positions' is renamed to 'intervene_at' (position | all; 'last' is now 'position')")
+        return v
 
     @field_validator("amplify", mode="before")
     @classmethod
     def _one(cls, v):
-        return [] if v is None else [v] if isinstance(v, (int, float)) else v
+        return [] if v is None else [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
 class NeuronAttributionResult(Result):
@@ -319,32 +173,32 @@ class NeuronAttributionResult(Result):
                 lines.append(f"           suppresses {t['suppresses'][:5]}")
             for c in t.get("top_contexts", [])[:3]:
                 lines.append(f"           context: {c!r}")
-        for key, v in s.get("interventions", {}).items():
-            rnd = ("" if v["random_delta_prob_mean"] is None else
-                   f"; random k: d_prob {v['random_delta_prob_mean']:+.4f} (std {v['random_delta_prob_std']:.4f}), "
-                   f"d_logit_diff {v['random_delta_logit_diff_mean']:+.3f}")
-            lines.append(f"{key:>12} top-{s['k_ablated']}: p {v['clean_prob']:.4f} -> {v['patched_prob']:.4f} "
-                         f"(d_prob {v['top_delta_prob']:+.4f}, d_logit_diff {v['top_delta_logit_diff']:+.3f}){rnd}")
+        iv = s.get("interventions", {})
+        if iv:
+            lines.append(f"interventions on the top-{s['k_ablated']} neurons vs random k of the same layers:")
+            rows = []
+            for key, v in iv.items():
+                rnd = v["random_delta_prob_mean"] is not None
+                rows.append((key, f"{v['clean_prob']:.4f}", f"{v['patched_prob']:.4f}", f"{v['top_delta_prob']:+.4f}",
+                             f"{v['top_delta_logit_diff']:+.3f}",
+                             f"{v['random_delta_prob_mean']:+.4f} ({v['random_delta_prob_std']:.4f})" if rnd else "-",
+                             f"{v['random_delta_logit_diff_mean']:+.3f}" if rnd else "-"))
+            lines.append(plotting.text_table(rows, ["intervention", "p clean", "p patched", "d_prob", "d_logit_diff",
+                                                    "random d_prob (std)", "random d_logit_diff"]))
         return "\n".join(lines)
 
     def figures(self) -> dict:
-        plt = _plt()
         figs = {}
         top = self._top()
         if len(top):
-            fig, ax = plt.subplots(figsize=(7, max(2.5, 0.3 * len(top) + 1)))
-            labels = [f"{int(r.layer)}.{int(r.neuron)}" for r in top.itertuples()]
-            ax.barh(range(len(top)), top["contribution"], color="tab:blue")
-            ax.set_yticks(range(len(top)), labels); ax.invert_yaxis()
-            ax.set_xlabel(f"direct contribution to {self.meta.get('metric')} (logits)")
-            ax.set_title("Top neurons (layer.neuron)")
-            fig.tight_layout()
-            figs["top_neurons"] = fig
+            values = {f"{int(r.layer)}.{int(r.neuron)}": float(r.contribution) for r in top.itertuples()}
+            figs["top_neurons"] = plotting.bars(values, title="Top neurons (layer.neuron)",
+                                                ylabel=f"direct contribution to {self.meta.get('metric')} (logits)")
         iv = self.tables.get("interventions", pd.DataFrame())
         if len(iv):
             g = iv.groupby(["mode", "factor", "set"], dropna=False)["delta_target_prob"].mean().reset_index()
             keys = sorted({(m, f) for m, f in zip(g["mode"], g["factor"])}, key=str)
-            fig, ax = plt.subplots(figsize=(6, 3.5))
+            fig, ax = plotting.plt().subplots(figsize=(6, 3.5))
             x = np.arange(len(keys))
             for j, (st, col) in enumerate((("top", "tab:red"), ("random", "tab:gray"))):
                 ys = [float(g[(g["mode"] == m) & (g["factor"] == f) & (g["set"] == st)]["delta_target_prob"].mean())
@@ -367,8 +221,9 @@ class NeuronAttribution(Experiment):
     Fields:
         prompts: one string or a list (neurons are ranked by mean contribution over prompts).
         target / foil: one-token strings; metric ``logit[target]`` (- ``logit[foil]``).
-        position: the read position (-1 = last).
-        layers: MLP layers (block indices) to attribute, or ``all``.
+        position: the read position (:class:`tracekit.tokens.Position`): an int (BOS counted when
+            prepended; negative from the end), ``last`` (default) or ``token:<text>``.
+        layers: MLP blocks (block indices; negative from the end) to attribute, or ``all``.
         top_k: neurons listed per layer and overall.
         rank_by: ``contribution`` (most positive first: neurons that push the target) or ``abs``.
         value_tokens: promoted/suppressed tokens per top neuron (0: skip the value readout).
@@ -384,7 +239,7 @@ class NeuronAttribution(Experiment):
     prompts: Prompts
     target: str
     foil: Optional[str] = None
-    position: int = -1
+    position: PositionSpec = "last"
     layers: Union[Literal["all"], list[int], int] = "all"
     top_k: int = Field(default=10, ge=1)
     rank_by: Literal["contribution", "abs"] = "contribution"
@@ -395,15 +250,22 @@ class NeuronAttribution(Experiment):
 
     result_class = NeuronAttributionResult
 
+    @field_validator("position")
+    @classmethod
+    def _position(cls, v):
+        parse_position(v, POSITION_FORMS, "position")
+        return v
+
     def check(self, model) -> None:
         resolve_target(model, self.target, self.foil)
         check_layers(model, self.layers, "layers")
+        check_prompt_positions(model, self.prompts, self.position)
 
     @torch.no_grad()
     def _run(self, model, progress: bool = True) -> NeuronAttributionResult:
         layers = check_layers(model, self.layers, "layers")
-        das = direct_logit_attribution(model, self.prompts, self.target, self.foil, self.position,
-                                       neuron_layers=layers, batch_size=self.batch_size)
+        das = neuron_contributions(model, self.prompts, self.target, self.foil, self.position, layers,
+                                   batch_size=self.batch_size)
         neurons = pd.concat([d.neurons_frame() for d in das], ignore_index=True)
         lay_rows = []
         for d in das:
@@ -466,7 +328,7 @@ class NeuronAttribution(Experiment):
 
         if abl is not None and top_set:
             if means is None and "mean" in abl.modes:
-                means = self._prompt_means(model, top_set + [x for s in rand_sets for x in s])
+                means = prompt_means(model, self.prompts, top_set + [x for s in rand_sets for x in s])
                 meta["mean_source"] = "prompt tokens (BOS excluded)"
             rows = []
             clean_by_prompt: dict = {}
@@ -479,7 +341,7 @@ class NeuronAttribution(Experiment):
                     for pi, prompt in enumerate(self.prompts):
                         r = neuron_intervention(model, prompt, self.target, nset, mode=mode, foil=self.foil,
                                                 means=means, factor=factor if mode == "scale" else 1.0,
-                                                positions=abl.positions, position=self.position,
+                                                intervene_at=abl.intervene_at, position=self.position,
                                                 clean_metrics=clean_by_prompt.get(pi))
                         clean_by_prompt[pi] = r["clean"]
                         rows.append({"mode": mode, "factor": factor, "set": set_name, "draw": draw, "k": len(nset),
@@ -495,19 +357,3 @@ class NeuronAttribution(Experiment):
             bar.close()
             tables["interventions"] = pd.DataFrame(rows)
         return NeuronAttributionResult(self, tables, meta)
-
-    def _prompt_means(self, model, specs) -> dict:
-        from ..tokens import run_with_cache, tokenize
-
-        layers = sorted({L for L, _ in specs})
-        batch = tokenize(model, self.prompts)
-        _, cache = run_with_cache(model, batch, [f"blocks.{L}.mlp.hook_post" for L in layers])
-        mask = batch.attention_mask.bool().clone()
-        start = 1 if getattr(getattr(model, "tracekit_spec", None), "prepend_bos", False) else 0
-        for b in range(batch.size):
-            mask[b, batch.offsets[b]: batch.offsets[b] + start] = False
-        out = {}
-        for L, n in specs:
-            a = cache[f"blocks.{L}.mlp.hook_post"][..., n].float()
-            out[(L, n)] = float(a[mask].mean())
-        return out

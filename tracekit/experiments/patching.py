@@ -6,7 +6,7 @@ their own); this module is the YAML/notebook experiment around it::
     from tracekit import ActivationPatching, load_model
     res = ActivationPatching(
         pairs=[{"clean": "The capital of France is", "corrupted": "The capital of Italy is",
-                "answer": " Paris", "wrong": " Rome"}],
+                "target": " Paris", "foil": " Rome"}],
         sites=["block_every"], directions=["denoising", "noising"],
     ).run(load_model())
     res.to_frame(); res.summary()["top_sites"]; res.figures()
@@ -21,7 +21,8 @@ Tables:
   raw metric of the patched run (``logit_diff`` in logits, ``prob`` in [0, 1], ``log_prob`` in
   nats, ``kl`` in nats); ``normalized`` = ``(value - corrupted) / (clean - corrupted)`` (clean run 1,
   corrupted run 0); NaN for a flagged pair. Mean rows average the raw values over unflagged pairs
-  and normalise the averages.
+  and normalise the averages. Ablation rows carry ``baseline_n`` (prompts averaged by ``mean``; 1
+  for ``resample``) and ``baseline_source`` (the resampled prompt's index in the population).
 * ``baselines``: per pair and metric the clean and corrupted scores, their gap and ``flagged``.
 * ``tokens``: every prompt's tokens (pair, prompt ``clean``/``corrupted``, position, token).
 """
@@ -31,24 +32,28 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from .. import patching as P
-from ..models import model_device
-from ..tokens import TokenizationError, single_token_id, str_tokens
-from .base import Experiment, Result, register, StrictModel
+from ..errors import ConfigError, PatchingError
+from ..metrics import normalize
+from ..tokens import check_length, encode, single_token_id, str_tokens
+from .base import Experiment, OptionalPrompts, Result, StrictModel, register
 
 __all__ = ["ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs"]
 
-METRICS = ("logit_diff", "prob", "log_prob", "kl")
 Direction = Literal["denoising", "noising"]
 Ablation = Literal["zero", "mean", "resample"]
+
+
+#: Retired pair keys and their new names (docs/glossary.md).
+RETIRED_PAIR_KEYS = {"answer": "target", "wrong": "foil", "incorrect": "foil"}
 
 
 class PromptPair(StrictModel):
@@ -57,37 +62,46 @@ class PromptPair(StrictModel):
     Fields:
         clean: the prompt with the answer (``"The capital of France is"``).
         corrupted: the same prompt with the key detail changed; must tokenize to the same length.
-        answer: the clean answer token (``" Paris"``), or a list of them (one per answer/wrong pair).
-        wrong: the corrupted answer (``" Rome"``), or a list as long as ``answer``; needed by
-            the ``logit_diff`` metric.
+        target: the clean answer token (``" Paris"``), or a list of them (one per target/foil pair).
+        foil: the contrasting token, usually the corrupted prompt's answer (``" Rome"``), or a list
+            as long as ``target``; needed by the ``logit_diff`` metric.
+
+    ``answer``/``wrong`` are retired names: they fail with an error naming ``target``/``foil``.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     clean: str
     corrupted: str
-    answer: Union[str, list[str]]
-    wrong: Optional[Union[str, list[str]]] = None
+    target: str | list[str]
+    foil: str | list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, v):
+        if isinstance(v, dict):
+            for old, new in RETIRED_PAIR_KEYS.items():
+                if old in v:
+                    raise ValueError(f"{old}: renamed to {new!r} (pairs are {{clean, corrupted, target, foil}})")
+        return v
 
     @model_validator(mode="after")
-    def _answer_differs_from_wrong(self):
-        a = [self.answer] if isinstance(self.answer, str) else list(self.answer)
-        w = [] if self.wrong is None else ([self.wrong] if isinstance(self.wrong, str) else list(self.wrong))
-        same = [x for x, y in zip(a, w) if x == y]
+    def _target_differs_from_foil(self):
+        same = [x for x, y in zip(self.targets, self.foils) if x == y]
         if same:
-            raise ValueError(f"answer and wrong must differ (both {same[0]!r}): the logit difference "
-                             "would be 0 for every run; set wrong to the corrupted prompt's answer")
+            raise ValueError(f"target and foil must differ (both {same[0]!r}): the logit difference "
+                             "would be 0 for every run; set foil to the corrupted prompt's answer")
         return self
 
     @property
-    def answers(self) -> list[str]:
-        return [self.answer] if isinstance(self.answer, str) else list(self.answer)
+    def targets(self) -> list[str]:
+        return [self.target] if isinstance(self.target, str) else list(self.target)
 
     @property
-    def wrongs(self) -> list[str]:
-        if self.wrong is None:
+    def foils(self) -> list[str]:
+        if self.foil is None:
             return []
-        return [self.wrong] if isinstance(self.wrong, str) else list(self.wrong)
+        return [self.foil] if isinstance(self.foil, str) else list(self.foil)
 
 
 def _maybe_list(v):
@@ -101,19 +115,20 @@ def _maybe_list(v):
     return v
 
 
-def load_pairs(path: Union[str, Path], field: str = "pairs_file") -> list[PromptPair]:
+def load_pairs(path: str | Path, field: str = "pairs_file") -> list[PromptPair]:
     """Read prompt pairs from JSONL (one object per line), JSON (a list) or CSV (header row).
 
-    Keys/columns: ``clean``, ``corrupted``, ``answer``, ``wrong`` (a JSON list string such as
-    ``["' Paris'"]`` for several answers in CSV).
+    Keys/columns: ``clean``, ``corrupted``, ``target``, ``foil`` (a JSON list string such as
+    ``["' Paris'"]`` for several targets in CSV). The retired keys ``answer``/``wrong`` are refused
+    with an error naming the new key.
 
     Raises:
-        ValueError: missing file, unknown extension, or a record without the needed keys; the
+        ConfigError: missing file, unknown extension, or a record without the needed keys; the
             message names ``field`` and the record.
     """
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"{field}: no such file {str(path)!r} (paths are relative to the working directory)")
+        raise ConfigError(f"{field}: no such file {str(path)!r} (paths are relative to the working directory)")
     ext = p.suffix.lower()
     if ext == ".jsonl":
         recs = []
@@ -123,29 +138,29 @@ def load_pairs(path: Union[str, Path], field: str = "pairs_file") -> list[Prompt
             try:
                 recs.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{field}: {p} line {lineno} is not valid JSON ({e.msg}); "
-                                 "each line must be one object with clean, corrupted, answer, wrong") from e
+                raise ConfigError(f"{field}: {p} line {lineno} is not valid JSON ({e.msg}); "
+                                 "each line must be one object with clean, corrupted, target, foil") from e
     elif ext == ".json":
         try:
             recs = json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{field}: {p} is not valid JSON ({e})") from e
+            raise ConfigError(f"{field}: {p} is not valid JSON ({e})") from e
         if not isinstance(recs, list):
-            raise ValueError(f"{field}: {p} must hold a JSON list of pair objects")
+            raise ConfigError(f"{field}: {p} must hold a JSON list of pair objects")
     elif ext == ".csv":
         with p.open(newline="") as f:
             recs = [{k: _maybe_list(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
     else:
-        raise ValueError(f"{field}: {p} must end in .jsonl, .json or .csv")
+        raise ConfigError(f"{field}: {p} must end in .jsonl, .json or .csv")
     out = []
     for i, r in enumerate(recs):
         try:
             out.append(PromptPair.model_validate(r))
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{field}: record {i} of {p} is not a pair with keys clean, corrupted, answer, "
-                             f"wrong: {e}") from e
+        except Exception as e:  # reported with the record
+            raise ConfigError(f"{field}: record {i} of {p} is not a pair with keys clean, corrupted, target, "
+                             f"foil: {e}") from e
     if not out:
-        raise ValueError(f"{field}: {p} holds no pairs")
+        raise ConfigError(f"{field}: {p} holds no pairs")
     return out
 
 
@@ -155,7 +170,7 @@ class ActivationPatchingResult(Result):
     main_table = "main"
 
     # ---- helpers -------------------------------------------------------------------------
-    def _mean_rows(self, metric: Optional[str] = None) -> pd.DataFrame:
+    def _mean_rows(self, metric: str | None = None) -> pd.DataFrame:
         df = self.tables["main"]
         df = df[df["scope"] == "mean"]
         return df[df["metric"] == (metric or self.config.main_metric)]
@@ -172,8 +187,8 @@ class ActivationPatchingResult(Result):
                          else f"pos {int(r['pos_from_end'])}")
         return " ".join(parts)
 
-    def top_sites(self, k: Optional[int] = None, direction: Optional[str] = None, site: Optional[str] = None,
-                  metric: Optional[str] = None) -> pd.DataFrame:
+    def top_sites(self, k: int | None = None, direction: str | None = None, site: str | None = None,
+                  metric: str | None = None) -> pd.DataFrame:
         """Mean-over-pairs rows with the largest |effect| (ties: lower layer first). ``effect`` is
         ``normalized`` for denoising and ``1 - normalized`` for noising and ablations (the damage)."""
         df = self._mean_rows(metric)
@@ -204,6 +219,8 @@ class ActivationPatchingResult(Result):
                                  "corrupted": float(r.corrupted)} for r in flagged.itertuples()]
         out["n_flagged"] = int(flagged[flagged["metric"] == cfg.main_metric]["pair"].nunique())
         out["n_unflagged_pairs"] = int(good[good["metric"] == cfg.main_metric]["pair"].nunique())
+        if "baseline_population" in self.meta:
+            out["baseline_population"] = self.meta["baseline_population"]
         mrows = self.tables["main"][self.tables["main"]["scope"] == "mean"]
         out["mean_flagged_metrics"] = sorted(mrows[mrows["flagged"].astype(bool)]["metric"].unique().tolist())
 
@@ -230,8 +247,8 @@ class ActivationPatchingResult(Result):
     def report(self) -> str:
         s = self.summary()
         cfg = self.config
-        lines = [f"activation patching [{cfg.step_name}]: {s['n_pairs']} pair(s), sites {s['sites']}, "
-                 f"directions {s['directions']}"]
+        lines = [(f"activation patching [{cfg.step_name}]: {s['n_pairs']} pair(s), sites {s['sites']}, "
+                  f"directions {s['directions']}")]
         base = self.tables["baselines"]
         for m in cfg.metrics:
             b = base[base["metric"] == m]
@@ -331,45 +348,52 @@ class ActivationPatching(Experiment):
     """Activation patching over prompt pairs, every site, both directions, with ablation baselines.
 
     Fields:
-        pairs: inline prompt pairs (:class:`PromptPair`: ``clean``, ``corrupted``, ``answer``, ``wrong``).
+        pairs: inline prompt pairs (:class:`PromptPair`: ``clean``, ``corrupted``, ``target``, ``foil``).
         pairs_file: or a ``.jsonl``/``.json``/``.csv`` file of pairs (relative to the working directory).
         sites: site names or groups (``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_out``,
             ``mlp_out``, ``head_out``, ``head_q|k|v``, ``head_pattern`` (each also ``_by_pos``),
             ``neuron``/``neuron_by_pos``, ``resid_pre_layer``, ...; groups ``block_every``,
             ``resid_every``, ``heads_every``, ``heads_every_by_pos``). See :mod:`tracekit.patching`.
         directions: ``denoising`` (clean activation into the corrupted run) and/or ``noising``.
-        ablations: baselines on the clean run: ``zero``, ``mean`` (over the dataset's clean prompts,
-            per position; pairs of one token length), ``resample`` (the site from another pair's
-            clean prompt of the same length, chosen with ``seed``).
-        metrics: any of ``logit_diff``, ``prob``, ``log_prob``, ``kl``; ``main_metric`` ranks sites
-            and colours the heatmaps.
-        layers: layers to patch (default all); ``neuron_layers``/``neurons`` for neuron sites.
+        ablations: baselines on the clean run: ``zero``, ``mean`` (the site's mean over the baseline
+            population, other than the pair's own clean prompt, aligned by position from the end;
+            at least 2 such prompts at least as long as the pair), ``resample`` (the site from one
+            other prompt of the population, drawn with ``seed``). Table columns ``baseline_n`` and
+            ``baseline_source`` record the population size and the resampled prompt.
+        baseline_prompts: the baseline population of ``mean``/``resample`` (default: every pair's
+            clean prompt; ``baseline_source`` indexes this list).
+        metrics: any of ``logit_diff``, ``prob``, ``log_prob``, ``kl`` (:mod:`tracekit.metrics`);
+            ``main_metric`` ranks sites and colours the heatmaps.
+        layers: block indices to patch (default all; negative from the end); ``neuron_layers``/``neurons``
+            for neuron sites.
         min_denominator: a pair whose |clean - corrupted| score is below this is flagged and gets
             NaN normalised values (never a division by ~0).
-        batch_size: variants per replay batch or ``auto`` (free memory); halves on CUDA OOM.
+        batch_size: variants per replay batch or ``auto`` (free memory); halves on out-of-memory.
         skip_unchanged: bit-exact no-op patches take the cached run's score (exact, faster).
         top_k: sites listed in the summary.
 
     Raises (from :meth:`check`, before any model work):
-        TokenizationError: an answer that is not one token, or a pair whose prompts tokenize to
+        TokenizationError: a target/foil that is not one token, or a pair whose prompts tokenize to
             different lengths (both tokenizations are shown side by side).
-        ValueError: missing/contradictory fields, unknown sites, bad layers; the field is named.
+        PatchingError: missing foils for ``logit_diff``, layers/neurons out of range, a baseline
+            population too small for ``mean``/``resample``; the field is named.
     """
 
     kind: Literal["activation_patching"] = "activation_patching"
     pairs: list[PromptPair] = Field(default_factory=list)
-    pairs_file: Optional[str] = None
+    pairs_file: str | None = None
     sites: list[str] = Field(default_factory=lambda: ["block_every"])
     directions: list[Direction] = Field(default_factory=lambda: ["denoising"])
     ablations: list[Ablation] = Field(default_factory=list)
+    baseline_prompts: OptionalPrompts = Field(default_factory=list)
     metrics: list[Literal["logit_diff", "prob", "log_prob", "kl"]] = Field(
         default_factory=lambda: ["logit_diff", "prob", "log_prob", "kl"], min_length=1)
     main_metric: Literal["logit_diff", "prob", "log_prob", "kl"] = "logit_diff"
-    layers: Optional[list[int]] = None
-    neuron_layers: Optional[list[int]] = None
-    neurons: Optional[list[int]] = None
+    layers: list[int] | None = None
+    neuron_layers: list[int] | None = None
+    neurons: list[int] | None = None
     min_denominator: float = Field(default=1e-3, gt=0)
-    batch_size: Union[int, Literal["auto"]] = "auto"
+    batch_size: int | Literal["auto"] = "auto"
     skip_unchanged: bool = True
     seed: int = 0
     top_k: int = Field(default=10, ge=1)
@@ -386,7 +410,7 @@ class ActivationPatching(Experiment):
     @model_validator(mode="after")
     def _consistent(self):
         if not self.pairs and not self.pairs_file:
-            raise ValueError("give prompt pairs: 'pairs' (a list of {clean, corrupted, answer, wrong}) or "
+            raise ValueError("give prompt pairs: 'pairs' (a list of {clean, corrupted, target, foil}) or "
                              "'pairs_file' (.jsonl/.json/.csv)")
         if self.pairs and self.pairs_file:
             raise ValueError("give either 'pairs' or 'pairs_file', not both")
@@ -394,6 +418,9 @@ class ActivationPatching(Experiment):
             raise ValueError(f"main_metric {self.main_metric!r} must be one of metrics {self.metrics}")
         if not self.directions and not self.ablations:
             raise ValueError("directions and ablations are both empty; add 'denoising' to directions")
+        if self.baseline_prompts and not {"mean", "resample"} & set(self.ablations):
+            raise ValueError("baseline_prompts: only the 'mean' and 'resample' ablations use a baseline population; "
+                             "add one to ablations or remove baseline_prompts")
         try:
             sites = P.expand_sites(self.sites)
         except P.PatchingError as e:
@@ -407,65 +434,84 @@ class ActivationPatching(Experiment):
     def all_pairs(self) -> list[PromptPair]:
         return list(self.pairs) if self.pairs else load_pairs(self.pairs_file)
 
-    def _pair_ids(self, model, pairs):
-        ans, wr = [], []
+    @property
+    def modes(self) -> list[str]:
+        return list(self.directions) + list(self.ablations)
+
+    def _token_ids(self, model, pairs) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Per pair the target ids and (when every pair has them) the foil ids."""
+        tids, fids = [], []
         for i, p in enumerate(pairs):
-            a = [single_token_id(model, t, field=f"pairs[{i}].answer" + (f"[{j}]" if len(p.answers) > 1 else ""))
-                 for j, t in enumerate(p.answers)]
-            w = [single_token_id(model, t, field=f"pairs[{i}].wrong" + (f"[{j}]" if len(p.wrongs) > 1 else ""))
-                 for j, t in enumerate(p.wrongs)]
-            if "logit_diff" in self.metrics:
-                if not w:
-                    raise ValueError(f"pairs[{i}].wrong: the logit_diff metric needs a wrong answer token "
-                                     "(e.g. ' Rome'); add it or drop logit_diff from metrics")
-                if len(w) != len(a):
-                    raise ValueError(f"pairs[{i}]: answer has {len(a)} tokens but wrong has {len(w)}; give "
-                                     "one wrong token per answer (logit_diff pairs them up)")
-            ans.append(a)
-            wr.append(w or a)
-        if len({len(a) for a in ans}) > 1:
-            raise ValueError("pairs[*].answer: every pair needs the same number of answer tokens")
-        return ans, wr
+            many_t, many_f = len(p.targets) > 1, len(p.foils) > 1
+            t = [single_token_id(model, x, field=f"pairs[{i}].target" + (f"[{j}]" if many_t else ""))
+                 for j, x in enumerate(p.targets)]
+            f = [single_token_id(model, x, field=f"pairs[{i}].foil" + (f"[{j}]" if many_f else ""))
+                 for j, x in enumerate(p.foils)]
+            if f and len(f) != len(t):
+                raise PatchingError(f"pairs[{i}]: target has {len(t)} tokens but foil has {len(f)}; give one foil "
+                                    "token per target (logit_diff pairs them up)")
+            if "logit_diff" in self.metrics and not f:
+                raise PatchingError(f"pairs[{i}].foil: the logit_diff metric needs a foil token (e.g. ' Rome'); "
+                                    "add it or drop logit_diff from metrics")
+            tids.append(t)
+            fids.append(f)
+        if len({len(t) for t in tids}) > 1:
+            raise PatchingError("pairs[*].target: every pair needs the same number of target tokens")
+        return tids, (fids if all(fids) else None)
+
+    def _population(self, model, clean_ids) -> tuple[list[list[int]] | None, str, str]:
+        """``(baseline ids or None, population name for errors, population name for meta)``."""
+        if not self.baseline_prompts:
+            return None, "the pairs' clean prompts", "pairs.clean"
+        ids = []
+        for i, text in enumerate(self.baseline_prompts):
+            seq = encode(model, text)
+            check_length(model, seq, f"baseline_prompts[{i}]", text)
+            ids.append(seq)
+        return ids, "baseline_prompts", "baseline_prompts"
 
     def check(self, model) -> None:
+        """Tokenizer/config checks (works on a :class:`tracekit.models.ModelInfo`)."""
         pairs = self.all_pairs()
         field = "pairs" if self.pairs else f"pairs_file ({self.pairs_file})"
-        self._pair_ids(model, pairs)
+        self._token_ids(model, pairs)
         ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs], field=field)
-        n = model.cfg.n_layers
-        for nm, ls in (("layers", self.layers), ("neuron_layers", self.neuron_layers)):
-            for L in ls or []:
-                if not -n <= L < n:
-                    raise ValueError(f"{nm}: layer {L} is out of range for a {n}-layer model (0..{n - 1})")
+        for i, (c, _) in enumerate(ids):
+            check_length(model, c, f"{field}[{i}]", pairs[i].clean)
+        n = int(model.cfg.n_layers)
+        P.resolve_layers(n, self.layers, "layers")
+        P.resolve_layers(n, self.neuron_layers or [], "neuron_layers")
         d_mlp = int(getattr(model.cfg, "d_mlp", 0) or 0)
-        for j in self.neurons or []:
+        for i, j in enumerate(self.neurons or []):
             if not 0 <= j < d_mlp:
-                raise ValueError(f"neurons: {j} is out of range (the MLP has {d_mlp} neurons)")
-        if "resample" in self.ablations:
-            lens = [len(c) for c, _ in ids]
-            lonely = [i for i, L in enumerate(lens) if lens.count(L) < 2]
-            if lonely:
-                raise ValueError(f"ablations: 'resample' takes each site from another pair's clean prompt of the "
-                                 f"same token length, but pairs {lonely} have no other pair of their length; "
-                                 "add pairs or drop 'resample'")
+                raise PatchingError(f"neurons[{i}]: {j} is out of range (the MLP has {d_mlp} neurons)")
+        clean_ids = [c for c, _ in ids]
+        pop, pop_name, _ = self._population(model, clean_ids)
+        for mode in ("mean", "resample"):
+            if mode in self.ablations:
+                P.baseline_members(clean_ids, pop if pop is not None else clean_ids, mode, pop_name)
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
     def _run(self, model, progress: bool = True) -> ActivationPatchingResult:
         pairs = self.all_pairs()
-        ans_ids, wrong_ids = self._pair_ids(model, pairs)
+        tids, fids = self._token_ids(model, pairs)
         ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs])
+        clean_ids, corr_ids = [c for c, _ in ids], [x for _, x in ids]
+        pop, _, pop_meta = self._population(model, clean_ids)
         sites = P.expand_sites(self.sites)
-        n_layers = model.cfg.n_layers
-        layers = sorted({L % n_layers for L in self.layers}) if self.layers else list(range(n_layers))
-        nlayers = sorted({L % n_layers for L in self.neuron_layers or []})
-        modes = list(self.directions) + list(self.ablations)
-        dev = model_device(model)
-        lengths = [len(c) for c, _ in ids]
-        groups: dict[int, list[int]] = {}
-        for i, L in enumerate(lengths):
-            groups.setdefault(L, []).append(i)
-        gen = torch.Generator().manual_seed(self.seed)
+        n_layers = int(model.cfg.n_layers)
+        modes = self.modes
+        lengths = [len(c) for c in clean_ids]
+        total = P.count_variants(model, lengths, sites, len(modes), self.layers, self.neuron_layers, self.neurons)
+        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
+        try:
+            out = P.run_patching(model, clean_ids, corr_ids, sites, modes, list(self.metrics), tids, fids,
+                                 layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
+                                 baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
+                                 skip_unchanged=self.skip_unchanged, progress=bar.update)
+        finally:
+            bar.close()
 
         tok_rows = []
         for i, (c, x) in enumerate(ids):
@@ -473,124 +519,58 @@ class ActivationPatching(Experiment):
                 for p, (t, tid) in enumerate(zip(str_tokens(model, seq), seq)):
                     tok_rows.append({"pair": i, "prompt": nm, "position": p, "token": t, "token_id": int(tid)})
         tokens_df = pd.DataFrame(tok_rows)
-
-        # the variants of one group: (mode, site) jobs over index rows x pairs
-        def index_df(site: P.Site, n_pos: int) -> pd.DataFrame:
-            lay = nlayers if site.name.startswith("neuron") else layers
-            return P._index_df(model, site, n_pos, layers=lay, neurons=self.neurons)
-
-        total = sum(len(index_df(P.SITES[s], L)) * len(g) * len(modes) for L, g in groups.items() for s in sites)
-        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
-        frames, base_rows_out = [], []
-        for L, members in sorted(groups.items()):
-            n = len(members)
-            toks = torch.tensor([ids[i][0] for i in members] + [ids[i][1] for i in members], device=dev)
-            hooks = sorted({P.SITES[s].hook_name(l) for s in sites
-                            for l in (nlayers if s.startswith("neuron") else layers)})
-            run = P.cache_run(model, toks, hooks)
-            A = torch.tensor([ans_ids[i] for i in members], device=dev)
-            W = torch.tensor([wrong_ids[i] for i in members], device=dev)
-            clean_lp = torch.log_softmax(run.logits[:n].float(), -1)
-            metric_names = list(self.metrics)
-
-            def row_metric(logits, br, A=A, W=W, clean_lp=clean_lp, n=n):
-                pi = br % n
-                lg = logits.float()
-                lp = torch.log_softmax(lg, -1)
-                out = []
-                for m in metric_names:
-                    if m == "logit_diff":
-                        out.append(P.logit_diff(lg, A[pi], W[pi]))
-                    elif m == "prob":
-                        out.append(lp.gather(-1, A[pi]).exp().mean(-1))
-                    elif m == "log_prob":
-                        out.append(lp.gather(-1, A[pi]).mean(-1))
-                    else:
-                        ref = clean_lp[pi]
-                        out.append((ref.exp() * (ref - lp)).sum(-1))
-                return torch.stack(out, -1)
-
-            base_vals = row_metric(run.logits, torch.arange(2 * n, device=dev)).cpu()
-            for k, i in enumerate(members):
-                for mi, m in enumerate(metric_names):
-                    c, x = float(base_vals[k, mi]), float(base_vals[n + k, mi])
-                    base_rows_out.append({"pair": i, "metric": m, "clean": c, "corrupted": x, "denominator": c - x,
-                                          "flagged": bool(abs(c - x) < self.min_denominator)})
-
-            jobs, meta_jobs = [], []
-            b = torch.arange(n)
-            shift = int(torch.randint(1, n, (1,), generator=gen)) if n > 1 else 0
-            for mode in modes:
-                for s in sites:
-                    site = P.SITES[s]
-                    idf = index_df(site, L)
-                    V = len(idf)
-                    lay_t = torch.tensor(idf["layer"].to_numpy(), dtype=torch.long)
-                    source, src_rows = {}, None
-                    if mode == "denoising":
-                        base, src_rows = b + n, b
-                    elif mode == "noising":
-                        base, src_rows = b, b + n
-                    elif mode == "resample":
-                        base, src_rows = b, (b + shift) % n
-                    else:
-                        base, src_rows = b, torch.zeros_like(b)
-                    for l in idf["layer"].unique().tolist():
-                        act = run.acts[site.hook_name(int(l))]
-                        if mode == "zero":
-                            source[int(l)] = torch.zeros_like(act[:1])
-                        elif mode == "mean":
-                            source[int(l)] = act[:n].mean(0, keepdim=True)
-                        else:
-                            source[int(l)] = act
-                    jobs.append(P.PatchJob(
-                        site=site, layer=lay_t.repeat_interleave(n),
-                        index={a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(n).to(dev)
-                               for a in site.axes},
-                        base_rows=base.repeat(V).to(dev), source=source, src_rows=src_rows.repeat(V).to(dev)))
-                    meta_jobs.append((mode, site, idf))
-            results = P.patch_rows(model, run, jobs, row_metric, self.batch_size, self.skip_unchanged,
-                                   progress=bar.update)
-            for (mode, site, idf), vals in zip(meta_jobs, results):
-                frames.append(self._frame(mode, site, idf, vals, members, L, tokens_df))
-        bar.close()
-
-        baselines = pd.DataFrame(base_rows_out).sort_values(["pair", "metric"]).reset_index(drop=True)
-        main = pd.concat(frames, ignore_index=True)
-        main = self._normalise(main, baselines, equal=len(groups) == 1)
+        base_rows = []
+        for i in range(len(pairs)):
+            for k, m in enumerate(out.metrics):
+                c, x = float(out.clean[i, k]), float(out.corrupted[i, k])
+                base_rows.append({"pair": i, "metric": m, "clean": c, "corrupted": x, "denominator": c - x,
+                                  "flagged": bool(abs(c - x) < self.min_denominator)})
+        baselines = pd.DataFrame(base_rows).sort_values(["pair", "metric"]).reset_index(drop=True)
+        frames = [self._frame(job, tokens_df) for job in out.jobs]
+        equal = len(set(lengths)) == 1
+        main = self._normalise(pd.concat(frames, ignore_index=True), baselines, equal=equal)
         meta = {"n_layers": n_layers, "sites": sites, "modes": modes, "lengths": lengths,
-                "equal_lengths": len(groups) == 1, "layers": layers, "neuron_layers": nlayers,
+                "equal_lengths": equal, "layers": P.resolve_layers(n_layers, self.layers),
+                "neuron_layers": P.resolve_layers(n_layers, self.neuron_layers or [], "neuron_layers"),
                 "hooks": {s: P.SITES[s].hook for s in sites}}
+        if {"mean", "resample"} & set(modes):
+            meta["baseline_population"] = {"source": pop_meta, "size": out.population_size,
+                                           "min_mean": P.MIN_MEAN_POPULATION,
+                                           "alignment": "position from the end; own clean prompt excluded"}
         return ActivationPatchingResult(self, {"main": main, "baselines": baselines, "tokens": tokens_df}, meta)
 
-    def _frame(self, mode, site, idf, vals, members, L, tokens_df) -> pd.DataFrame:
-        n = len(members)
-        V = len(idf)
-        M = len(self.metrics)
+    def _frame(self, job: P.JobResult, tokens_df: pd.DataFrame) -> pd.DataFrame:
+        members, site, idf = job.pairs, job.site, job.index
+        n, V, Mn = len(members), len(job.index), len(self.metrics)
         rep = idf.loc[idf.index.repeat(n)].reset_index(drop=True)
+
+        def col(name):
+            return rep[name].astype("Int64") if name in rep else pd.array([pd.NA] * len(rep), dtype="Int64")
+
+        def per_pair(vals):
+            return pd.array(np.tile(np.asarray(vals), V) if vals is not None else [pd.NA] * (V * n), dtype="Int64")
+
         df = pd.DataFrame({
-            "direction": mode, "site": site.name,
-            "hook": [site.hook_name(int(l)) for l in rep["layer"]],
+            "direction": job.mode, "site": site.name,
+            "hook": [site.hook_name(int(L)) for L in rep["layer"]],
             "layer": rep["layer"].astype("int64"),
-            "position": rep["pos"].astype("Int64") if "pos" in rep else pd.array([pd.NA] * len(rep), dtype="Int64"),
-            "head": rep["head"].astype("Int64") if "head" in rep else pd.array([pd.NA] * len(rep), dtype="Int64"),
-            "neuron": rep["neuron"].astype("Int64") if "neuron" in rep else pd.array([pd.NA] * len(rep), dtype="Int64"),
+            "position": col("pos"), "head": col("head"), "neuron": col("neuron"),
             "pair": pd.array(np.tile(np.asarray(members), V), dtype="Int64"),
+            "baseline_n": per_pair(job.baseline_n), "baseline_source": per_pair(job.baseline_source),
         })
-        df["pos_from_end"] = (df["position"] - L).astype("Int64")
+        df["pos_from_end"] = (df["position"] - job.n_pos).astype("Int64")
         tk = tokens_df[tokens_df["prompt"] == "clean"][["pair", "position", "token"]].astype(
             {"pair": "Int64", "position": "Int64"})
         df = df.merge(tk, on=["pair", "position"], how="left")
-        v = vals.numpy().reshape(V * n, M)
-        out = pd.concat([df.assign(metric=m, value=v[:, k]) for k, m in enumerate(self.metrics)], ignore_index=True)
-        return out
+        v = job.values.numpy().reshape(V * n, Mn)
+        return pd.concat([df.assign(metric=m, value=v[:, k]) for k, m in enumerate(self.metrics)], ignore_index=True)
 
     def _normalise(self, main: pd.DataFrame, baselines: pd.DataFrame, equal: bool) -> pd.DataFrame:
         b = baselines.set_index(["pair", "metric"])
         key = list(zip(main["pair"].astype(int), main["metric"]))
         clean = b["clean"].reindex(key).to_numpy()
         corr = b["corrupted"].reindex(key).to_numpy()
-        main["normalized"] = P.normalize(main["value"].to_numpy(), clean, corr, self.min_denominator)
+        main["normalized"] = normalize(main["value"].to_numpy(), clean, corr, self.min_denominator)
         main["flagged"] = b["flagged"].reindex(key).to_numpy()
         main["scope"] = "pair"
         # mean over unflagged pairs, normalising the averages
@@ -604,23 +584,25 @@ class ActivationPatching(Experiment):
             agg = good.groupby(keys, dropna=False, sort=False).agg(
                 value=("value", "mean"), _clean=("_clean", "mean"), _corr=("_corr", "mean"),
                 position=("position", "first"), token=("token", "first")).reset_index()
-            agg["normalized"] = P.normalize(agg["value"].to_numpy(), agg["_clean"].to_numpy(),
-                                            agg["_corr"].to_numpy(), self.min_denominator)
+            agg["normalized"] = normalize(agg["value"].to_numpy(), agg["_clean"].to_numpy(),
+                                          agg["_corr"].to_numpy(), self.min_denominator)
             mean_flag = np.abs(agg["_clean"].to_numpy() - agg["_corr"].to_numpy()) < self.min_denominator
             mean = agg.drop(columns=["_clean", "_corr"])
             if not equal:
                 mean["position"] = pd.array([pd.NA] * len(mean), dtype="Int64")
                 mean["token"] = None
             mean["pair"] = pd.array([pd.NA] * len(mean), dtype="Int64")
+            mean["baseline_n"] = pd.array([pd.NA] * len(mean), dtype="Int64")
+            mean["baseline_source"] = pd.array([pd.NA] * len(mean), dtype="Int64")
             # the averaged clean/corrupted gap can vanish even when no single pair's does
             mean["flagged"] = mean_flag
             mean["scope"] = "mean"
         cols = ["scope", "direction", "site", "hook", "layer", "position", "pos_from_end", "token", "head", "neuron",
-                "pair", "metric", "value", "normalized", "flagged"]
+                "pair", "metric", "value", "normalized", "flagged", "baseline_n", "baseline_source"]
         out = pd.concat([main[cols], mean[cols]], ignore_index=True)
         # effect: how far the patch moves the run it was applied to, towards the other run
         # (denoising: normalized; noising and ablations of the clean run: 1 - normalized)
         out["effect"] = np.where(out["direction"] == "denoising", out["normalized"], 1.0 - out["normalized"])
-        for c in ("position", "pos_from_end", "head", "neuron", "pair"):
+        for c in ("position", "pos_from_end", "head", "neuron", "pair", "baseline_n", "baseline_source"):
             out[c] = out[c].astype("Int64")
         return out

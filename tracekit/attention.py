@@ -1,6 +1,8 @@
 """Attention heads: who attends to what, and what kind of head it is.
 
-* :func:`attention_pattern`: for a prompt and a layer, every head's raw attention scores
+Engine of the ``attention_pattern`` and ``head_scan`` kinds (:mod:`tracekit.experiments.attention`).
+
+* :func:`attention_pattern`: for a prompt and a layer (block index), every head's raw attention scores
   (``blocks.L.attn.hook_attn_scores``: ``q.k / sqrt(d_head)`` after the causal mask, future keys
   ``-inf``) and softmax weights (``blocks.L.attn.hook_pattern``, each query row sums to 1, future
   keys get 0). This is the seed article's "Layer 0 Head 6, query ' is'" view (GPT-2:
@@ -29,22 +31,28 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
-from .tokens import encode, pad_ids, run_with_cache, str_tokens, tokenize
+from .errors import AttentionError
+from .tokens import Position, PositionSpec, encode, pad_ids, parse_position, run_with_cache, str_tokens, tokenize
 
-__all__ = ["HeadError", "AttentionPattern", "attention_pattern", "resolve_query", "classify_heads",
-           "repeated_random_tokens", "head_scores", "pattern_scores", "check_heads", "HEAD_LABELS"]
+__all__ = ["AttentionError", "LayerAttention", "attention_pattern", "resolve_position", "classify_heads",
+           "repeated_random_tokens", "head_scores", "pattern_scores", "check_heads", "check_layer", "HEAD_LABELS",
+           "POSITION_FORMS"]
 
 HEAD_LABELS = ("self", "first", "previous", "spread", "content")
+#: The position forms attention accepts for the query position.
+POSITION_FORMS = ("int", "last", "token:<text>")
 
 
-from .errors import AttentionError as HeadError  # noqa: E402
+def check_layer(model, layer: int, field: str = "layer") -> int:
+    """A block index (negative from the end) checked against ``model.cfg.n_layers``.
 
-
-
-def _check_layer(model, layer: int, field: str = "layer") -> int:
+    Raises:
+        AttentionError: a layer that does not exist, naming the field.
+    """
     n = int(model.cfg.n_layers)
-    if not isinstance(layer, (int, np.integer)) or not -n <= int(layer) < n:
-        raise HeadError(f"{field}: layer {layer!r} does not exist; this model has {n} layers (0..{n - 1})")
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not -n <= int(layer) < n:
+        raise AttentionError(f"{field}: layer {layer!r} does not exist; this model has {n} blocks (0..{n - 1}, "
+                             "or negative from the end)")
     return int(layer) % n
 
 
@@ -52,7 +60,7 @@ def check_heads(model, heads: Union[str, int, Sequence[int], None], field: str =
     """``"all"``/None -> every head; ints validated against ``n_heads`` (query heads).
 
     Raises:
-        HeadError: a head index outside ``[0, n_heads)``, naming the field.
+        AttentionError: a head index outside ``[0, n_heads)``, naming the field.
     """
     n = int(model.cfg.n_heads)
     if heads is None or heads == "all":
@@ -61,12 +69,12 @@ def check_heads(model, heads: Union[str, int, Sequence[int], None], field: str =
         heads = [int(heads)]
     for h in heads:
         if not isinstance(h, (int, np.integer)) or not 0 <= int(h) < n:
-            raise HeadError(f"{field}: head {h!r} does not exist; each layer has {n} (query) heads (0..{n - 1})")
+            raise AttentionError(f"{field}: head {h!r} does not exist; each layer has {n} (query) heads (0..{n - 1})")
     return [int(h) for h in heads]
 
 
 @dataclass
-class AttentionPattern:
+class LayerAttention:
     """Attention of every head of one layer on one prompt.
 
     Attributes:
@@ -106,42 +114,36 @@ class AttentionPattern:
         return pd.concat(frames, ignore_index=True)
 
 
-def resolve_query(tokens: Sequence[str], query: Union[int, str, None], field: str = "query") -> int:
-    """A query position from an index (negative from the end) or a token string (its last
-    occurrence, e.g. ``" is"``); None -> the last token.
+def resolve_position(model, prompt: str, position: Union[PositionSpec, Position] = "last",
+                     ids: Optional[Sequence[int]] = None, field: str = "position") -> int:
+    """The query position (index into the tokenized prompt, BOS included) of ``position``: an int
+    (negative from the end), ``last`` or ``token:<text>`` (the token holding the last character of
+    the last occurrence of ``<text>``). Needs only the tokenizer (works on a ``ModelInfo``).
 
     Raises:
-        HeadError: index out of range, or a token string that is not one of the prompt's tokens
-            (the message lists the tokens).
+        TokenizationError: another form (a bare token string such as ``" is"`` is refused with the
+            hint ``token: is``), an index out of range, or a text not in the prompt.
     """
-    n = len(tokens)
-    if query is None or query == "last":
-        return n - 1
-    if isinstance(query, (int, np.integer)):
-        if not -n <= int(query) < n:
-            raise HeadError(f"{field}: position {query} is out of range for a prompt of {n} tokens "
-                            f"{list(tokens)} (use 0..{n - 1}, -1 for the last, or a token string)")
-        return int(query) % n
-    hits = [i for i, t in enumerate(tokens) if t == query]
-    if not hits:
-        raise HeadError(f"{field}: {query!r} is not a token of the prompt; its tokens are {list(tokens)} "
-                        "(leading spaces count; or give a position index)")
-    return hits[-1]
+    pos = position if isinstance(position, Position) else parse_position(position, POSITION_FORMS, field)
+    if pos.kind not in ("index", "last", "token"):
+        parse_position(str(pos), POSITION_FORMS, field)  # raises, listing the accepted forms
+    ids = list(ids) if ids is not None else encode(model, prompt)
+    return pos.resolve(model, prompt, ids, field=field)[0]
 
 
 @torch.no_grad()
-def attention_pattern(model, prompt: str, layer: int) -> AttentionPattern:
+def attention_pattern(model, prompt: str, layer: int) -> LayerAttention:
     """Scores and weights of every head of ``layer`` on ``prompt`` (one forward pass; caches only
     ``hook_attn_scores`` and ``hook_pattern`` of that layer).
 
     Raises:
-        HeadError: unknown layer.
+        AttentionError: unknown layer.
     """
-    L = _check_layer(model, layer)
+    L = check_layer(model, layer)
     names = [f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern"]
     batch = tokenize(model, [prompt])
     _, cache = run_with_cache(model, batch, names)
-    return AttentionPattern(str_tokens(model, batch.ids[0]), L, cache[names[0]][0].float().cpu(),
+    return LayerAttention(str_tokens(model, batch.ids[0]), L, cache[names[0]][0].float().cpu(),
                             cache[names[1]][0].float().cpu())
 
 
@@ -258,12 +260,12 @@ def head_scores(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
         tl_induction_score`` (attention probabilities in [0, 1]).
 
     Raises:
-        HeadError: sequences longer than the model's context, or an unknown layer.
+        AttentionError: sequences longer than the model's context, or an unknown layer.
     """
     n_ctx = int(getattr(model.cfg, "n_ctx", 1 << 30) or (1 << 30))
     if 2 * seq_len + 1 > n_ctx:
-        raise HeadError(f"seq_len: 2 x {seq_len} + 1 tokens exceed the model's context of {n_ctx}; lower seq_len")
-    layers = list(range(int(model.cfg.n_layers))) if layers is None else [_check_layer(model, L, "layers") for L in layers]
+        raise AttentionError(f"seq_len: 2 x {seq_len} + 1 tokens exceed the model's context of {n_ctx}; lower seq_len")
+    layers = list(range(int(model.cfg.n_layers))) if layers is None else [check_layer(model, L, "layers") for L in layers]
     batch, half = repeated_random_tokens(model, seq_len, n_seqs, seed)
     names = [f"blocks.{L}.attn.hook_pattern" for L in layers]
     _, cache = run_with_cache(model, batch, names)

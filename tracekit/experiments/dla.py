@@ -1,0 +1,169 @@
+"""Direct logit attribution as an experiment kind.
+
+``kind: direct_logit_attribution`` (:class:`DirectLogitAttribution`): the target logit (or
+target - foil logit difference) at a position split into embeddings, every attention head and
+every MLP (Elhage et al. 2021), through the run's final-norm scale; parts + bias terms = the
+model's logit. The computation is :func:`tracekit.dla.logit_attribution` (notebook-usable); this
+module validates, calls it and shapes tables, summaries, reports and figures. Units:
+``contribution`` and ``logit`` in logits.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import pandas as pd
+from pydantic import Field, field_validator
+
+from .. import plotting
+from ..dla import POSITION_FORMS, as_position, logit_attribution, resolve_target
+from ..tokens import PositionSpec, encode, parse_position
+from .base import Experiment, Prompts, Result, register
+
+__all__ = ["DirectLogitAttribution", "DirectLogitAttributionResult", "check_prompt_positions"]
+
+
+def check_prompt_positions(model, prompts, position) -> None:
+    """Resolve ``position`` in every prompt with the tokenizer only (works on a ``ModelInfo``).
+
+    Raises:
+        TokenizationError: a prompt too long, or a position not in a prompt (naming the field).
+    """
+    from ..tokens import check_length
+
+    pos = as_position(position)
+    for i, p in enumerate(prompts):
+        ids = encode(model, p)
+        check_length(model, ids, f"prompts[{i}]", p)
+        pos.resolve(model, p, ids, field="position")
+
+
+class DirectLogitAttributionResult(Result):
+    """Tables: ``components`` (embed, pos_embed, attn.L, mlp.L, bias per prompt; they sum to
+    ``logit``), ``heads`` (per head plus ``b_O`` rows with head -1), ``prompts`` (per prompt: the
+    model's logit (difference), the sum of parts, the final-norm scale, tokens)."""
+
+    main_table = "components"
+
+    def summary(self) -> dict:
+        comp = self.tables["components"]
+        pr = self.tables["prompts"]
+        c0 = comp[comp["prompt_idx"] == 0]
+        h0 = self.tables["heads"]
+        h0 = h0[(h0["prompt_idx"] == 0) & (h0["head"] >= 0)]
+        k = self.config.top_k
+        top = c0.reindex(c0["contribution"].abs().sort_values(ascending=False).index).head(k)
+        toph = h0.reindex(h0["contribution"].abs().sort_values(ascending=False).index).head(k)
+        p0 = pr.iloc[0]
+        out = {
+            "target": self.config.target, "foil": self.config.foil, "metric": p0["metric"],
+            "logit": float(p0["logit"]), "sum_of_parts": float(p0["sum_of_parts"]),
+            "abs_error": float(abs(p0["logit"] - p0["sum_of_parts"])),
+            "final_scale": float(p0["final_scale"]),
+            "embed": float(c0[c0["kind"] == "embed"]["contribution"].sum()),
+            "attn_total": float(c0[c0["kind"] == "attn"]["contribution"].sum()),
+            "mlp_total": float(c0[c0["kind"] == "mlp"]["contribution"].sum()),
+            "bias": float(c0[c0["kind"] == "bias"]["contribution"].sum()),
+            "attn_by_layer": c0[c0["kind"] == "attn"].sort_values("layer")["contribution"].round(5).tolist(),
+            "mlp_by_layer": c0[c0["kind"] == "mlp"].sort_values("layer")["contribution"].round(5).tolist(),
+            "top_components": {r.component: round(float(r.contribution), 5) for r in top.itertuples()},
+            "top_heads": {r.component: round(float(r.contribution), 5) for r in toph.itertuples()},
+            "n_prompts": int(len(pr)),
+        }
+        if len(pr) > 1:
+            out["logit_by_prompt"] = pr["logit"].round(5).tolist()
+        return out
+
+    def report(self) -> str:
+        s = self.summary()
+        pr = self.tables["prompts"].iloc[0]
+        lines = [f"direct logit attribution [{self.config.step_name}] prompt 0: {pr['prompt']!r} at position "
+                 f"{pr['position']} ({pr['token']!r}); metric {s['metric']}",
+                 f"model: {s['logit']:.4f} logits; sum of parts {s['sum_of_parts']:.4f} (|error| {s['abs_error']:.2e}); "
+                 f"final-norm scale 1/sigma = {s['final_scale']:.4g} (the run's, frozen)",
+                 f"embeddings {s['embed']:+.4f}  attention {s['attn_total']:+.4f}  MLPs {s['mlp_total']:+.4f}  "
+                 f"bias {s['bias']:+.4f}", "top components (logits):"]
+        lines.append(plotting.text_table([(k, f"{v:+.4f}") for k, v in s["top_components"].items()],
+                                         ["component", "contribution"]))
+        lines.append("top heads (logits):")
+        lines.append(plotting.text_table([(k, f"{v:+.4f}") for k, v in s["top_heads"].items()],
+                                         ["head", "contribution"]))
+        return "\n".join(lines)
+
+    def figures(self) -> dict:
+        comp = self.tables["components"]
+        c0 = comp[comp["prompt_idx"] == 0]
+        metric = self.tables["prompts"]["metric"].iloc[0]
+        att = c0[c0["kind"] == "attn"].sort_values("layer")
+        mlp = c0[c0["kind"] == "mlp"].sort_values("layer")
+        values = {"embed": float(c0[c0["kind"] == "embed"]["contribution"].sum())}
+        colors = {"embed": "gray"}
+        for (L, a), m in zip(zip(att["layer"], att["contribution"]), mlp["contribution"]):
+            values[f"attn.{L}"], values[f"mlp.{L}"] = float(a), float(m)
+            colors[f"attn.{L}"], colors[f"mlp.{L}"] = "tab:blue", "tab:orange"
+        figs = {"components": plotting.bars(values, colors=colors, title=f"Direct logit attribution: {metric}",
+                                            ylabel="direct contribution (logits)",
+                                            xlabel="component (attn / mlp by block index)")}
+        h = self.tables["heads"]
+        h = h[(h["prompt_idx"] == 0) & (h["head"] >= 0)]
+        grid = h.pivot(index="layer", columns="head", values="contribution").sort_index()
+        figs["heads"] = plotting.heatmap(grid.to_numpy(), grid.columns.tolist(), grid.index.tolist(), diverging=True,
+                                         title="Per-head direct contribution (logits)", xlabel="head",
+                                         ylabel="layer", colorbar_label="logits")
+        return figs
+
+
+@register
+class DirectLogitAttribution(Experiment):
+    """Direct logit attribution (Elhage et al. 2021) of a target (minus a foil) at a position.
+
+    Fields:
+        prompts: one string or a list (each attributed separately; summary shows prompt 0).
+        target: one-token string, e.g. ``" Paris"``. foil: optional one-token string; the metric
+            becomes ``logit[target] - logit[foil]``.
+        position: the read position (:class:`tracekit.tokens.Position`): an int (BOS counted when
+            prepended; negative from the end), ``last`` (default) or ``token:<text>``.
+        top_k: components / heads listed in the summary.
+        batch_size: prompts per forward pass.
+
+    Raises:
+        TokenizationError: target/foil not one token, position not in a prompt. AttributionError:
+        an architecture whose residual stream is not the sum of the parts read.
+    """
+
+    kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
+    prompts: Prompts
+    target: str
+    foil: Optional[str] = None
+    position: PositionSpec = "last"
+    top_k: int = Field(default=10, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+
+    result_class = DirectLogitAttributionResult
+
+    @field_validator("position")
+    @classmethod
+    def _position(cls, v):
+        parse_position(v, POSITION_FORMS, "position")
+        return v
+
+    def check(self, model) -> None:
+        resolve_target(model, self.target, self.foil)
+        check_prompt_positions(model, self.prompts, self.position)
+
+    def _run(self, model, progress: bool = True) -> DirectLogitAttributionResult:
+        das = logit_attribution(model, self.prompts, self.target, self.foil, self.position,
+                                batch_size=self.batch_size)
+        comps, heads, prompts = [], [], []
+        for d in das:
+            comps.append(d.components_frame())
+            heads.append(d.heads_frame())
+            prompts.append({"prompt_idx": d.prompt_idx, "prompt": d.prompt, "position": d.position,
+                            "token": d.tokens[d.position], "metric": d.target.label, "logit": d.logit,
+                            "sum_of_parts": d.total(), "final_scale": d.final_scale, "tokens": d.tokens})
+        tables = {"components": pd.concat(comps, ignore_index=True), "heads": pd.concat(heads, ignore_index=True),
+                  "prompts": pd.DataFrame(prompts)}
+        meta = {"n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
+                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True)),
+                "scale": "final-norm scale of this run (ln_final.hook_scale), frozen"}
+        return DirectLogitAttributionResult(self, tables, meta)

@@ -451,7 +451,8 @@ def _sanitize(df):
                 if types <= {int, float}:
                     df[c] = pd.to_numeric(df[c])
                 else:
-                    df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+                    df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
+                                      else str(v))
     return df
 
 
@@ -712,9 +713,10 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
     lock = open(out / ".sweep.lock", "w")  # noqa: SIM115 - held for the whole sweep, closed in finally
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
         lock.close()
-        raise ConfigError(f"--out {out}: another sweep is running into this folder; wait for it or use another --out")
+        raise ConfigError(f"--out {out}: another sweep is running into this folder; wait for it or use another "
+                          "--out") from e
     try:
         import yaml
 
@@ -962,7 +964,8 @@ def main(args) -> int:
         return 2
     df = outcome.index
     n_ok = int((df["status"] == "complete").sum())
-    print(f"sweep: {n_ok}/{len(df)} point(s) complete ({len(outcome.skipped)} from before, {len(outcome.ran)} run now); "
+    print(f"sweep: {n_ok}/{len(df)} point(s) complete ({len(outcome.skipped)} from before, "
+          f"{len(outcome.ran)} run now); "
           f"index: {outcome.out / INDEX}")
     if outcome.failed:
         print(f"{len(outcome.failed)} point(s) failed:", file=sys.stderr)

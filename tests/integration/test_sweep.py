@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from helpers import GPT2_BPE, tiny_overrides
 
+from helpers import GPT2_BPE, tiny_overrides
 from tracekit.errors import ConfigError, ResultLoadError
 from tracekit.experiments.base import Result
 from tracekit.sweep import (

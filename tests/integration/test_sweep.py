@@ -193,7 +193,7 @@ def test_points_sharing_a_model_do_not_leak_state(tmp_path):
     lens = {"kind": "logit_lens", "prompts": [prompt], "target": " Paris", "position": "all"}
     patch = {"kind": "activation_patching", "pairs": [{"clean": prompt, "corrupted": "The capital of Italy is",
                                                        "target": " Paris", "foil": " Rome"}],
-             "sites": ["resid_pre", "head_out"], "directions": ["denoising", "noising"], "ablations": ["zero"]}
+             "sites": ["head_out"], "directions": ["denoising", "noising"]}
     dla = {"kind": "direct_logit_attribution", "prompts": [prompt], "target": " Paris"}
     cfg = {"model": tiny("gpt2"), "seed": 0, "experiments": [lens],
            "sweep": {"zip": {"experiments": {"first": [{**lens, "name": "first"}],

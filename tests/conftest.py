@@ -18,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Tests never write the user's weight cache (tracekit.cache): a temp folder shared by test sessions
+# (warm starts across runs); TRACEKIT_TEST_CACHE_DIR chooses another.
+os.environ["TRACEKIT_CACHE_DIR"] = os.environ.get(
+    "TRACEKIT_TEST_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(), "tracekit-test-cache"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,4 +1,4 @@
-"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``.
+"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``, ``cache [list|clear]``.
 
 Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was not met; 2 invalid
 config / input / model / output folder (every :class:`tracekit.TracekitError`; the message names the
@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("kinds", help="list experiment kinds and their fields")
     s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
     s.add_argument("run_dir")
+    # --- cache (tracekit.cache): on-disk dequantised GGUF weights --------------------------------
+    c = sub.add_parser("cache", help="list the weight cache (tracekit cache) or empty it (tracekit cache clear)")
+    c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
     add_commands(sub)
     return p
@@ -68,6 +71,29 @@ def _show(run_dir: str) -> int:
     return 0 if st.get("status") == "complete" else 1
 
 
+def _cache_cmd(action: str) -> int:
+    """``tracekit cache [list|clear]``: one line per entry (size, key, created, dtype, GGUF)."""
+    from . import cache
+
+    root = cache.cache_dir()
+    if action == "clear":
+        n, freed = cache.clear_cache_dir()
+        print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB) from {root}")
+        return 0
+    rows = cache.list_entries()
+    print(f"tracekit cache: {root}" + ("" if cache.cache_enabled() else " (disabled: TRACEKIT_CACHE=off)"))
+    if not rows:
+        print("  (empty)")
+        return 0
+    for r in rows:
+        flag = "" if r["valid"] else "  [invalid: rebuilt on next load]"
+        print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}  "
+              f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}{flag}")
+    total = sum(r["size_bytes"] for r in rows)
+    print(f"  {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {total / 2**20:.1f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -79,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import TracekitError
     from .experiments import REGISTRY
 
+    if args.cmd == "cache":
+        return _cache_cmd(args.action)
     if args.cmd in ("sweep", "results"):  # sweeps: tracekit.sweep
         from .sweep import main as sweep_main
         return sweep_main(args)

@@ -383,6 +383,9 @@ def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
     kw: dict[str, Any] = {"dtype": dtype}
     if spec.device_map is not None:
         kw["device_map"] = spec.device_map
+    if src.kind == "gguf":
+        hf, tok = _load_gguf(Path(src.path), kw, spec)
+        return hf, tok, src.bridge_name
     tok = _tokenizer_for(spec, src)
     if src.kind == "random":
         cfg = _random_config(spec)
@@ -391,8 +394,6 @@ def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
         if getattr(hf.config, "vocab_size", len(tok)) < len(tok):
             hf.resize_token_embeddings(len(tok))
         return hf, tok, src.bridge_name
-    if src.kind == "gguf":
-        return _load_gguf(Path(src.path), kw), tok, src.bridge_name
     try:
         hf = AutoModelForCausalLM.from_pretrained(src.path, **kw)
     except OSError as e:
@@ -402,16 +403,36 @@ def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
     return hf, tok, src.bridge_name
 
 
-def _load_gguf(path: Path, kw: dict):
-    """Dequantise a GGUF file into a Hugging Face model (``transformers`` + ``gguf``)."""
+def _load_gguf(path: Path, kw: dict, spec: ModelSpec | None = None):
+    """``(hf_model, tokenizer)`` of a GGUF file, dequantised by ``transformers`` + ``gguf``.
+
+    The first load writes the dequantised weights, config and converted tokenizer to the on-disk
+    cache (:mod:`tracekit.cache`, keyed by the file's sha256, the dtype and the conversion
+    packages' versions); later loads memory-map them. ``model.tokenizer`` (when set) replaces the
+    GGUF's tokenizer; a ``device_map`` bypasses the cache.
+    """
     from transformers import AutoModelForCausalLM
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
-        except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"cannot dequantise GGUF {path}: {type(e).__name__}: {e}") from e
+    from . import cache
+
+    own_tok = spec is None or spec.tokenizer is None
+
+    def convert():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+            except Exception as e:  # noqa: BLE001
+                raise ModelLoadError(f"cannot dequantise GGUF {path}: {type(e).__name__}: {e}") from e
+            return hf, _load_tokenizer(str(path.parent), gguf_file=path.name)
+
+    if "device_map" in kw:
+        hf, tok = convert()
+    else:
+        hf, tok = cache.load_or_convert_gguf(path, kw["dtype"], convert, with_tokenizer=own_tok)
+    if not own_tok:
+        tok = _load_tokenizer(spec.tokenizer)
+    return hf, tok
 
 
 def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_name: str | None = None):

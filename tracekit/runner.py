@@ -105,17 +105,9 @@ def _git_commit() -> Optional[str]:
 
 
 def _peak_memory() -> dict:
-    try:
-        from .resources import peak_memory  # type: ignore[attr-defined]
+    from .resources import peak_memory
 
-        return peak_memory()
-    except ImportError:
-        import resource
-
-        out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-        if torch.cuda.is_available():
-            out["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        return out
+    return peak_memory()
 
 
 def environment(config: RunConfig, model=None) -> dict:

@@ -51,3 +51,26 @@ def test_kind_roundtrip(kind, tmp_path):
         f.canvas.draw()
     plt.close("all")
     assert isinstance(res.report(), str) and res.report()
+
+
+def test_every_kind_in_one_config_leaves_no_state(tmp_path):
+    """A config that runs every kind and then the logit lens again: the second lens table is identical
+    to the first, the parameters' checksum is unchanged, no hook and no gated-hook setting remains."""
+    from tracekit.config import parse_config
+    from tracekit.runner import run_config
+
+    model = make_tiny("gpt2")
+    lens = {"kind": "logit_lens", **KIND_EXAMPLES["logit_lens"]}
+    steps = [{**lens, "name": "lens_first"}]
+    steps += [{"kind": k, "name": f"step_{k}", **v} for k, v in sorted(KIND_EXAMPLES.items()) if k != "logit_lens"]
+    steps += [{**lens, "name": "lens_again"}]
+    cfg = parse_config({"model": tk.model_spec_of(model).model_dump(mode="json"), "experiments": steps})
+    before = _param_checksum(model)
+    flags = {f: getattr(model.cfg, f) for f in ("use_attn_result", "use_hook_mlp_in", "use_split_qkv_input")}
+    run_dir, _ = run_config(cfg, tmp_path, stem="all", model=model, progress=False, log=lambda *_: None)
+    a = tk.Result.load(run_dir / "lens_first").tables["main"]
+    b = tk.Result.load(run_dir / "lens_again").tables["main"]
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert _param_checksum(model) == before
+    assert {f: getattr(model.cfg, f) for f in flags} == flags
+    assert all(not getattr(m, "fwd_hooks", []) for m in model.modules())

@@ -1,0 +1,469 @@
+"""On-disk cache of dequantised GGUF weights: a warm start in about a second instead of ~20 s.
+
+Loading a ``.gguf`` model (the embedded SmolLM2-135M included) makes ``transformers`` dequantise
+every tensor and convert the GGUF tokenizer, every time. The first load writes the result to the
+user's cache directory; later loads memory-map it (zero copy, copy-on-write: nothing a process does
+to the weights reaches the file).
+
+Location: ``$TRACEKIT_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tracekit``, else
+``~/.cache/tracekit``. Entries live in ``<cache>/gguf/<key>/``::
+
+    model.safetensors     every parameter and buffer once (tied tensors stored once, see manifest)
+    config.json           the Hugging Face config of the dequantised model
+    tokenizer/            the converted tokenizer (``save_pretrained``), loaded without the GGUF
+    manifest.json         written last: key, GGUF sha256, dtype, versions, created, size + sha256
+                          of every file, aliases of tied tensors
+
+The key is a hash of the GGUF file's sha256, the dtype, the cache format and the versions of the
+packages that do the conversion (``transformers``, ``gguf``, ``torch``). An entry is used only
+when its manifest matches the key and every file has its recorded size and sha256; anything else
+(truncated or edited file, missing manifest, other GGUF, version change) is removed and rebuilt,
+never used. Writes are atomic: an entry is built in a temporary folder next to its final place and
+renamed into it; of two processes writing the same entry, the first rename wins and the second
+process discards its copy (both get identical weights).
+
+``TRACEKIT_CACHE=off`` disables the cache (every load dequantises). CLI: ``tracekit cache`` lists
+entries, ``tracekit cache clear`` removes them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CACHE_FORMAT",
+    "cache_dir",
+    "cache_enabled",
+    "clear_cache_dir",
+    "conversion_versions",
+    "entry_path",
+    "file_sha256",
+    "gguf_cache_key",
+    "list_entries",
+    "load_gguf_entry",
+    "load_or_convert_gguf",
+    "store_gguf_entry",
+]
+
+#: Bump when the layout of an entry changes: old entries then miss and are rebuilt.
+CACHE_FORMAT = 1
+_WEIGHTS_FILE = "model.safetensors"
+_BUFFER_PREFIX = "__buffer__."
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def cache_dir() -> Path:
+    """The tracekit cache root: ``$TRACEKIT_CACHE_DIR``, ``$XDG_CACHE_HOME/tracekit`` or ``~/.cache/tracekit``."""
+    env = os.environ.get("TRACEKIT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tracekit"
+
+
+def cache_enabled() -> bool:
+    """False when ``TRACEKIT_CACHE`` is ``off``/``0``/``false``/``no``."""
+    return os.environ.get("TRACEKIT_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+_SHA_MEMO: dict[tuple, str] = {}
+
+
+def file_sha256(path: str | Path, memo: bool = True) -> str:
+    """Hex sha256 of a file's bytes (memoised in-process by path, size, mtime and inode)."""
+    p = Path(path)
+    st = p.stat()
+    k = (str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if memo and k in _SHA_MEMO:
+        return _SHA_MEMO[k]
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while True:
+            chunk = f.read(1 << 24)
+            if not chunk:
+                break
+            h.update(chunk)
+    out = h.hexdigest()
+    if memo:
+        _SHA_MEMO[k] = out
+    return out
+
+
+def conversion_versions() -> dict[str, str | None]:
+    """Versions of the packages whose code turns a GGUF into float tensors (part of the key)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for pkg in ("transformers", "gguf", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def gguf_cache_key(gguf_path: str | Path, dtype: torch.dtype) -> tuple[str, dict]:
+    """``(key, identity)`` of the cache entry of a GGUF file converted to ``dtype``.
+
+    ``identity`` holds what the key hashes: the GGUF file's sha256 and size, the dtype, the cache
+    format and :func:`conversion_versions`.
+    """
+    p = Path(gguf_path)
+    ident = {"format": CACHE_FORMAT, "gguf_sha256": file_sha256(p), "gguf_size": p.stat().st_size,
+             "dtype": _dtype_name(dtype), "versions": conversion_versions()}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+    return key, ident
+
+
+def _gguf_root() -> Path:
+    return cache_dir() / "gguf"
+
+
+def entry_path(key: str) -> Path:
+    """Folder of the entry with this key (it may not exist)."""
+    return _gguf_root() / key
+
+
+# ----------------------------------------------------------------------------------------------- read
+
+
+class _Invalid(Exception):
+    """An entry that must not be used (the message says why)."""
+
+
+def _read_manifest(d: Path) -> dict:
+    try:
+        return json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise _Invalid(f"manifest unreadable ({type(e).__name__})") from e
+
+
+def _verify(d: Path, key: str, ident: dict) -> dict:
+    """The manifest of a valid entry; raises _Invalid otherwise (sizes first, then sha256)."""
+    man = _read_manifest(d)
+    if man.get("key") != key:
+        raise _Invalid("manifest key differs")
+    for field in ("format", "gguf_sha256", "gguf_size", "dtype", "versions"):
+        if man.get("identity", {}).get(field) != ident[field]:
+            raise _Invalid(f"manifest {field} differs")
+    files = man.get("files")
+    if not isinstance(files, dict) or _WEIGHTS_FILE not in files or "config.json" not in files:
+        raise _Invalid("manifest lists no weights")
+    for name, rec in files.items():
+        f = d / name
+        try:
+            size = f.stat().st_size
+        except OSError as e:
+            raise _Invalid(f"{name} missing") from e
+        if size != rec.get("size"):
+            raise _Invalid(f"{name} has {size} bytes, manifest says {rec.get('size')}")
+    for name, rec in files.items():
+        if file_sha256(d / name, memo=False) != rec.get("sha256"):
+            raise _Invalid(f"{name} sha256 differs from the manifest")
+    return man
+
+
+def _mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, memory-mapped copy-on-write (no bytes copied).
+
+    Raises _Invalid on a malformed header or offsets outside the file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise _Invalid("weights file truncated")
+        (n,) = struct.unpack("<Q", raw)
+        if n <= 0 or 8 + n > size:
+            raise _Invalid("weights header length out of range")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise _Invalid("weights header is not JSON") from e
+    base = 8 + n
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dt is None:
+            raise _Invalid(f"unsupported dtype {info.get('dtype')!r} for {name}")
+        start, end = info["data_offsets"]
+        shape = tuple(int(s) for s in info["shape"])
+        itemsize = torch.empty((), dtype=dt).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not (0 <= start <= end and base + end <= size and end - start == numel * itemsize):
+            raise _Invalid(f"offsets of {name} out of range")
+        off = base + start
+        if off % itemsize:  # not aligned for a view: copy this tensor
+            t = torch.frombuffer(bytearray(storage[off:off + numel * itemsize]), dtype=dt).reshape(shape)
+        else:
+            t = torch.empty(0, dtype=dt).set_(storage, off // itemsize, shape)
+        out[name] = t
+    return out
+
+
+def load_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, with_tokenizer: bool = True):
+    """``(hf_model, tokenizer or None)`` from a valid cache entry, or ``None`` on a miss.
+
+    An entry that exists but is invalid (see module doc) is removed, so the caller rebuilds it.
+    """
+    if not cache_enabled():
+        return None
+    key, ident = gguf_cache_key(gguf_path, dtype)
+    d = entry_path(key)
+    if not d.is_dir():
+        return None
+    try:
+        man = _verify(d, key, ident)
+        hf = _build_model(d, man, dtype)
+        tok = _load_entry_tokenizer(d) if with_tokenizer else None
+    except _Invalid as e:
+        log.warning("tracekit cache entry %s is invalid (%s): rebuilding it", d, e)
+        warnings.warn(f"tracekit cache entry {d} is invalid ({e}); rebuilding it", stacklevel=2)
+        _remove_entry(d)
+        return None
+    return hf, tok
+
+
+def _load_entry_tokenizer(d: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(str(d / "tokenizer"))
+    except Exception as e:
+        raise _Invalid(f"tokenizer unreadable ({type(e).__name__}: {e})") from e
+
+
+def _build_model(d: Path, man: dict, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config = AutoConfig.from_pretrained(str(d))
+        except Exception as e:
+            raise _Invalid(f"config unreadable ({type(e).__name__})") from e
+        tensors = _mmap_safetensors(d / _WEIGHTS_FILE)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}
+    for alias, target in man.get("aliases", {}).items():
+        if target not in state:
+            raise _Invalid(f"alias {alias} -> {target}: target missing")
+        state[alias] = state[target]
+    expected = set(hf.state_dict())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise _Invalid(f"weights do not match the architecture (missing {missing[:3]}, extra {extra[:3]})")
+    hf.load_state_dict(state, assign=True, strict=True)
+    for name, buf in list(hf.named_buffers()):
+        if buf.is_meta:
+            saved = tensors.get(_BUFFER_PREFIX + name)
+            if saved is None:
+                raise _Invalid(f"buffer {name} missing")
+            mod_name, _, attr = name.rpartition(".")
+            mod = hf.get_submodule(mod_name) if mod_name else hf
+            mod._buffers[attr] = saved
+    # Non-tensor attributes some modules keep next to their buffers (rotary embeddings).
+    for name, value in man.get("attributes", {}).items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = hf.get_submodule(mod_name) if mod_name else hf
+        setattr(mod, attr, tensors[_BUFFER_PREFIX + value] if isinstance(value, str) else value)
+    if getattr(config, "tie_word_embeddings", False):
+        hf.tie_weights()
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if left:
+        raise _Invalid(f"tensors left unset: {left[:3]}")
+    hf.eval()
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------- write
+
+
+def _remove_entry(d: Path) -> None:
+    """Remove an entry: rename it aside first (atomic), then delete; tolerate a concurrent remover."""
+    trash = d.parent / f".trash-{d.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(d, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rotary_attributes(hf) -> dict:
+    """Tensor attributes (not buffers) that rotary modules read, e.g. ``original_inv_freq``."""
+    out = {}
+    buffers = dict(hf.named_buffers())
+    for mod_name, mod in hf.named_modules():
+        for attr in ("original_inv_freq",):
+            v = mod.__dict__.get(attr)
+            if isinstance(v, torch.Tensor) and f"{mod_name}.{attr}" not in buffers:
+                out[f"{mod_name}.{attr}" if mod_name else attr] = v
+    return out
+
+
+def store_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, hf_model, tokenizer) -> Path | None:
+    """Write the cache entry of ``gguf_path`` at ``dtype`` from a freshly dequantised model.
+
+    Atomic (temporary folder + rename). Returns the entry folder, or None when the cache is off or
+    cannot be written (a warning says why; loading goes on without the cache).
+    """
+    if not cache_enabled():
+        return None
+    from safetensors.torch import save_file
+
+    key, ident = gguf_cache_key(gguf_path, dtype)
+    final = entry_path(key)
+    root = final.parent
+    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        # Parameters and persistent buffers; tied tensors once (aliases recorded).
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        seen: dict[tuple, str] = {}
+        for name, t in hf_model.state_dict(keep_vars=False).items():
+            ident_t = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if ident_t in seen:
+                aliases[name] = seen[ident_t]
+                continue
+            seen[ident_t] = name
+            tensors[name] = t.detach().to("cpu").contiguous()
+        for name, b in hf_model.named_buffers():
+            if name not in tensors and name not in aliases:
+                tensors[_BUFFER_PREFIX + name] = b.detach().to("cpu").contiguous().clone()
+        attributes = {}
+        for name, v in _rotary_attributes(hf_model).items():
+            tensors[_BUFFER_PREFIX + name] = v.detach().to("cpu").contiguous().clone()
+            attributes[name] = name
+        save_file(tensors, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
+        cfg = hf_model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg.pop("_name_or_path", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = f.relative_to(tmp).as_posix()
+            files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}
+        manifest = {"key": key, "identity": ident, "gguf_path": str(Path(gguf_path).resolve()),
+                    "dtype": ident["dtype"], "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    "files": files, "aliases": aliases, "attributes": attributes,
+                    "model_class": type(hf_model).__name__}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if final.exists():  # an invalid entry that load_gguf_entry did not remove (race): replace it
+            try:
+                _verify(final, key, ident)
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            except _Invalid:
+                _remove_entry(final)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process renamed its (identical) entry first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.warn(f"tracekit could not write its weight cache under {root} ({e}); loading goes on "
+                      "without it (set TRACEKIT_CACHE_DIR to a writable folder)", stacklevel=2)
+        return None
+
+
+def load_or_convert_gguf(gguf_path: str | Path, dtype: torch.dtype, convert: Callable[[], tuple[Any, Any]],
+                         with_tokenizer: bool = True):
+    """``(hf_model, tokenizer)`` of a GGUF file: from the cache when a valid entry exists, else by
+    ``convert()`` (which returns the dequantised model and its tokenizer), then stored.
+
+    ``with_tokenizer=False``: the caller has its own tokenizer (``model.tokenizer``); the tokenizer
+    returned by ``convert`` is still stored so the entry is complete.
+    """
+    hit = load_gguf_entry(gguf_path, dtype, with_tokenizer=with_tokenizer)
+    if hit is not None:
+        return hit
+    hf, tok = convert()
+    store_gguf_entry(gguf_path, dtype, hf, tok)
+    return hf, tok
+
+
+# --------------------------------------------------------------------------------------------- manage
+
+
+def _dir_size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def list_entries() -> list[dict]:
+    """Every entry under the cache root: ``key, gguf_path, dtype, size_bytes, created, valid``.
+
+    ``valid`` compares sizes only (cheap); a load checks the sha256 too. Leftover temporary
+    folders of interrupted writes are listed with ``key`` starting with ``.tmp-``/``.trash-``.
+    """
+    root = _gguf_root()
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(root.iterdir()):
+        if not d.is_dir():
+            continue
+        row: dict[str, Any] = {"key": d.name, "path": str(d), "size_bytes": _dir_size(d)}
+        try:
+            man = _read_manifest(d)
+            row.update(gguf_path=man.get("gguf_path"), dtype=man.get("dtype"), created=man.get("created"),
+                       versions=man.get("identity", {}).get("versions"))
+            ok = all((d / n).is_file() and (d / n).stat().st_size == r.get("size")
+                     for n, r in man.get("files", {}).items())
+            row["valid"] = bool(ok and man.get("key") == d.name)
+        except _Invalid:
+            row.update(gguf_path=None, dtype=None, created=None, versions=None, valid=False)
+        out.append(row)
+    return out
+
+
+def clear_cache_dir() -> tuple[int, int]:
+    """Remove every entry (and leftover temporary folders); returns ``(entries removed, bytes freed)``."""
+    root = _gguf_root()
+    if not root.is_dir():
+        return 0, 0
+    n = freed = 0
+    for d in list(root.iterdir()):
+        if d.is_dir():
+            freed += _dir_size(d)
+            n += 0 if d.name.startswith(".") else 1
+            _remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)
+    return n, freed

@@ -128,8 +128,8 @@ def main(argv=None) -> int:
             t_ray = _cli(["sweep", str(cfg), "--out", str(work / "ray"), "--no-progress", "--executor", "ray",
                           "--workers", str(args.ray_workers)], env)
             ray_index = load_results(work / "ray")
-            rdiff = max(max_abs_diff(json.loads(a), json.loads(b))
-                        for a, b in zip(index.sort_values("point")["summary"], ray_index.sort_values("point")["summary"]))
+            pairs = zip(index.sort_values("point")["summary"], ray_index.sort_values("point")["summary"])
+            rdiff = max(max_abs_diff(json.loads(a), json.loads(b)) for a, b in pairs)
             print(f"tracekit sweep on Ray:   {t_ray:8.1f} s  ({args.ray_workers} CPU actors, Ray start-up included); "
                   f"ratio loop / ray {t_loop / t_ray:.2f}x; max abs diff vs the local sweep {rdiff:.3g}")
     print(f"speedup {t_loop / t_sweep:.2f}x max_abs_diff {diff:.3g}")

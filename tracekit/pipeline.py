@@ -202,7 +202,8 @@ def _ref_at(raw: Any, loc: tuple) -> tuple | None:
     for part in loc:
         if is_reference(obj):
             return walked
-        if isinstance(obj, dict) and part in obj or isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+        if (isinstance(obj, dict) and part in obj) or (isinstance(obj, list) and isinstance(part, int)
+                                                        and 0 <= part < len(obj)):
             obj, walked = obj[part], walked + (part,)
     return walked if is_reference(obj) else None
 
@@ -214,7 +215,8 @@ def _holds_ref(raw: Any, loc: tuple) -> bool:
     for part in loc:
         if is_reference(obj):
             return True
-        if isinstance(obj, dict) and part in obj or isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+        if (isinstance(obj, dict) and part in obj) or (isinstance(obj, list) and isinstance(part, int)
+                                                        and 0 <= part < len(obj)):
             obj = obj[part]
     return bool(find_references(obj))
 

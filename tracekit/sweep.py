@@ -15,7 +15,7 @@ A config with a ``sweep`` block::
           capitals: ["The capital of France is"]       # a mapping names its values (index shows the name)
           rivers: ["The river through Paris is the"]
         experiments[0].name: [lens_capitals, lens_rivers]
-      compare: [lens/target_prob_by_layer]    # figures overlaying a metric over points (optional)
+      compare: [lens/target_prob_by_hidden_state]    # figures overlaying a metric over points (optional)
 
 Any field path works (``model.name``, ``experiments[0].target``, ``seed``). Unless ``seed`` is swept,
 each point's ``seed`` is derived from the sweep seed and the point's parameters
@@ -38,7 +38,7 @@ interrupted, 2 for an invalid config). Killing the process loses at most the poi
 Index columns: ``point``, ``label``, ``config_hash``, ``seed``, ``status``, ``error``, ``run_dir``,
 ``started``, ``seconds``; one column per swept path (the value, or its name when values are named);
 ``<step>/<summary key>`` for every number (and string) of every step's summary, nested keys
-joined by ``.`` and lists by ``[i]`` (``lens/target_prob_by_layer[3]``); ``summary`` (all step
+joined by ``.`` and lists by ``[i]`` (``lens/target_prob_by_hidden_state[3]``); ``summary`` (all step
 summaries as JSON); ``env/...`` (device, package versions, git commit, load/step seconds).
 :func:`load_results` reads it; :func:`compare` draws one metric over points.
 
@@ -451,7 +451,8 @@ def _sanitize(df):
                 if types <= {int, float}:
                     df[c] = pd.to_numeric(df[c])
                 else:
-                    df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+                    df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
+                                      else str(v))
     return df
 
 
@@ -712,9 +713,10 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
     lock = open(out / ".sweep.lock", "w")  # noqa: SIM115 - held for the whole sweep, closed in finally
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
         lock.close()
-        raise ConfigError(f"--out {out}: another sweep is running into this folder; wait for it or use another --out")
+        raise ConfigError(f"--out {out}: another sweep is running into this folder; wait for it or use another "
+                          "--out") from e
     try:
         import yaml
 
@@ -798,7 +800,7 @@ def _safe(s: str) -> str:
 def compare(index, metric: str, by: str | list[str] | None = None, title: str | None = None):
     """One metric over the points of a sweep, in one figure.
 
-    A list-valued summary metric (``lens/target_prob_by_layer`` or just ``target_prob_by_layer``:
+    A list-valued summary metric (``lens/target_prob_by_hidden_state`` or just ``target_prob_by_hidden_state``:
     every step with that key) is drawn as one curve per point over the list index (e.g. the lens
     curve of ' Paris' per model); a scalar one as bars. ``by``: the swept path(s) naming the
     series (default: every swept parameter).
@@ -891,7 +893,7 @@ def add_commands(sub) -> None:
     r.add_argument("directory")
     r.add_argument("--columns", default=None, help="comma-separated index columns to show (default: a summary)")
     r.add_argument("--plot", default=None, metavar="METRIC", help="draw METRIC over points (e.g. "
-                   "lens/target_prob_by_layer)")
+                   "lens/target_prob_by_hidden_state)")
     r.add_argument("--by", default=None, help="swept path naming each series (default: all swept paths)")
     r.add_argument("--output", default=None, help="figure file (default: DIR/compare-METRIC.png)")
 
@@ -962,7 +964,8 @@ def main(args) -> int:
         return 2
     df = outcome.index
     n_ok = int((df["status"] == "complete").sum())
-    print(f"sweep: {n_ok}/{len(df)} point(s) complete ({len(outcome.skipped)} from before, {len(outcome.ran)} run now); "
+    print(f"sweep: {n_ok}/{len(df)} point(s) complete ({len(outcome.skipped)} from before, "
+          f"{len(outcome.ran)} run now); "
           f"index: {outcome.out / INDEX}")
     if outcome.failed:
         print(f"{len(outcome.failed)} point(s) failed:", file=sys.stderr)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from helpers import GPT2_BPE, tiny_overrides
 
+from helpers import GPT2_BPE, tiny_overrides
 from tracekit.config import parse_config
 from tracekit.errors import ConfigError
 from tracekit.pipeline import PendingStep, Reference, lookup_path, resolve_reference
@@ -48,7 +48,8 @@ def quiet(*a, **k):
 
 def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path):
     neurons = {"kind": "neuron_attribution", "name": "neurons", "prompts": [PROMPT], "target": " Paris",
-               "layers": [{"from": "lens", "key": "hidden_states[-1]", "offset": -1}], "contexts": None, "ablation": None,
+               "layers": [{"from": "lens", "key": "hidden_states[-1]", "offset": -1}], "contexts": None,
+               "ablation": None,
                "top_k": 3}
     cfg = parse_config(config(lens(), dla(), attention({**TOP_HEAD, "column": "layer"}, {**TOP_HEAD, "column": "head"}),
                               neurons))

@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from helpers import GPT2_BPE, tiny_overrides
 
+from helpers import GPT2_BPE, tiny_overrides
 from tracekit.errors import ConfigError, ResultLoadError
 from tracekit.experiments.base import Result
 from tracekit.sweep import (
@@ -51,7 +51,7 @@ SWEEP = {
                 "model.config_overrides": [tiny_overrides("gpt2", 2), tiny_overrides("llama", 2)]},
         "grid": {"experiments[0].kind": ["logit_lens", "direct_logit_attribution"],
                  "experiments[0].target": [" Paris", " Paris is"]},
-        "compare": ["step/target_prob_by_layer"],
+        "compare": ["step/target_prob_by_hidden_state"],
     },
 }
 N_POINTS, N_FAILING = 8, 4
@@ -150,22 +150,22 @@ def test_index_records_every_point_and_failures_do_not_stop_the_sweep(local_swee
         assert yaml.safe_load((run_dir / "config.resolved.yaml").read_text())["seed"] == r["seed"]
         if r["experiments[0].kind"] == "logit_lens":
             assert r["step/target_prob_final"] == summary["step"]["target_prob_final"]
-            assert r["step/target_prob_by_layer[2]"] == summary["step"]["target_prob_by_layer"][2]
+            assert r["step/target_prob_by_hidden_state[2]"] == summary["step"]["target_prob_by_hidden_state"][2]
         else:
             assert r["step/logit"] == summary["step"]["logit"]
         assert r["seconds"] > 0
     assert ok["env/torch"].notna().all() and (ok["env/device"] == "cpu").all()
-    assert (out / "compare-step_target_prob_by_layer.png").stat().st_size > 0
+    assert (out / "compare-step_target_prob_by_hidden_state.png").stat().st_size > 0
 
 
 def test_rerun_skips_complete_points_and_retries_failed_ones(local_sweep, tmp_path):
     out, first = local_sweep
-    before = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/p*")}
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/p[0-9]*")}
     with one_thread():
         again = run_sweep(SWEEP, out, progress=False, log=quiet)
     assert sorted(again.skipped) == sorted(set(range(N_POINTS)) - set(first.failed))
     assert sorted(again.ran) == sorted(first.failed) and again.exit_code == 1
-    after = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/p*")}
+    after = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/p[0-9]*")}
     done = {k: v for k, v in before.items() if k in after}
     assert len(done) >= N_POINTS - N_FAILING and all(after[k] == v for k, v in done.items())
     pd.testing.assert_frame_equal(stable_columns(first.index), stable_columns(again.index))
@@ -176,7 +176,7 @@ def test_results_cli_prints_index_and_draws_comparison(local_sweep, tmp_path, ca
 
     out, _ = local_sweep
     fig = tmp_path / "cmp.png"
-    assert main(["results", str(out), "--plot", "target_prob_by_layer", "--by", "model.name", "--output",
+    assert main(["results", str(out), "--plot", "target_prob_by_hidden_state", "--by", "model.name", "--output",
                  str(fig)]) == 0
     text = capsys.readouterr().out
     assert "failed" in text and "complete" in text and fig.stat().st_size > 0

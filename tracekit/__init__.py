@@ -26,7 +26,9 @@ from .experiments import (REGISTRY, AblationConfig, ActivationPatching, Activati
                           DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
                           KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
                           NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
+                          SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult,
                           register)
+from .sae import SAESpec
 from .config import RunConfig, load_config, parse_config
 
 __version__ = "0.2.0"
@@ -45,4 +47,5 @@ __all__ = [
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
     "KeyReadoutConfig", "AblationConfig", "AttentionPatterns", "AttentionPatternResult", "HeadScan",
     "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
+    "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult", "SAESpec",
 ]

@@ -103,10 +103,12 @@ class SAETrainSpec(_Strict):
         d_sae: number of features (default ``expansion_factor x d_in``).
         expansion_factor: used when ``d_sae`` is not given.
         k: active features per token (``topk``). l1_coefficient: sparsity penalty (``standard``).
-        training_tokens: tokens the SAE is trained on (one pass over the first ``training_tokens``
-            tokens of the corpus; SAELens' ``training_tokens``).
-        eval_tokens: held-out tokens (the corpus tokens right after the training ones), kept for
-            evaluation (``sae_eval`` reads them by default).
+        training_tokens: activations the SAE is trained on (SAELens' ``training_tokens``; more than
+            ``dataset_tokens`` means several passes over them).
+        dataset_tokens: distinct corpus tokens trained on: the first ``dataset_tokens`` of the
+            corpus, packed into windows (default: ``training_tokens``).
+        eval_tokens: held-out tokens (the corpus tokens right after the dataset tokens), kept for
+            evaluation (``sae_eval`` reads them by default). The stdlib corpus holds ~130k tokens.
         context_size: tokens per training window (BOS included when the model prepends one).
         train_batch_size_tokens / lr: SAELens' optimiser settings.
         corpus: ``stdlib`` (offline default), a text/JSONL file or a directory.
@@ -124,6 +126,7 @@ class SAETrainSpec(_Strict):
     k: int = Field(default=32, ge=1)
     l1_coefficient: float = Field(default=5.0, ge=0)
     training_tokens: int = Field(default=40_960, ge=64)
+    dataset_tokens: int | None = Field(default=None, ge=64)
     eval_tokens: int = Field(default=4096, ge=64)
     context_size: int = Field(default=64, ge=4)
     train_batch_size_tokens: int = Field(default=1024, ge=8)
@@ -530,23 +533,33 @@ def _train_key(model, t: SAETrainSpec) -> str:
 
 
 def _corpus_windows(model, corpus, seq_len: int, skip_tokens: int, n_tokens: int, field: str) -> list[list[int]]:
-    """Full windows of ``seq_len`` tokens from the corpus, after skipping ``skip_tokens`` text tokens."""
-    from .corpus import iter_documents, token_windows
+    """Windows of exactly ``seq_len`` tokens packed from the corpus, after skipping ``skip_tokens``
+    text tokens: documents are tokenized one by one and concatenated (separated by the tokens of a
+    blank line, which is text), then cut into windows of ``seq_len`` tokens, BOS first when the
+    model prepends one (as SAELens packs its training contexts). Deterministic; a window never
+    starts mid-skip. Stops once ``n_tokens`` text tokens are collected."""
+    from .corpus import iter_documents
+    from .models import model_spec_of
+    from .tokens import encode
 
+    bos = encode(model, "", prepend_bos=True) if model_spec_of(model).prepend_bos else []
+    width = seq_len - len(bos)
+    if width < 1:
+        raise SAEError(f"{field}: seq_len {seq_len} leaves no room for text after the BOS")
+    sep = encode(model, "\n\n", prepend_bos=False)
     out: list[list[int]] = []
+    buf: list[int] = []
     seen = 0
-    got = 0
-    for w in token_windows(model, iter_documents(corpus, field=field), seq_len=seq_len, min_tokens=4):
-        if len(w.ids) != seq_len:
-            continue
-        n = len(w.ids) - w.n_prefix
-        if seen < skip_tokens:
-            seen += n
-            continue
-        out.append(list(w.ids))
-        got += n
-        if got >= n_tokens:
-            break
+    for _, text in iter_documents(corpus, field=field):
+        buf.extend(encode(model, text, prepend_bos=False) + sep)
+        while len(buf) >= width:
+            chunk, buf = buf[:width], buf[width:]
+            if seen < skip_tokens:
+                seen += width
+                continue
+            out.append(bos + chunk)
+            if len(out) * width >= n_tokens:
+                return out
     return out
 
 
@@ -562,8 +575,8 @@ def eval_windows(model, handle: LoadedSAE, corpus: str | list[str] | None = None
     t = handle.spec.train if handle.spec is not None else None
     L = int(seq_len or (t.context_size if t else None) or handle.info.context_size or 64)
     if t is not None and corpus is None:
-        wins = _corpus_windows(model, t.corpus, t.context_size, t.training_tokens, min(max_tokens, t.eval_tokens)
-                               if max_tokens else t.eval_tokens, field)
+        wins = _corpus_windows(model, t.corpus, t.context_size, t.dataset_tokens or t.training_tokens,
+                               min(max_tokens, t.eval_tokens) if max_tokens else t.eval_tokens, field)
     else:
         wins = _corpus_windows(model, corpus or "stdlib", L, 0, max_tokens, field)
     if not wins:
@@ -610,11 +623,16 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
         raise SAEError(f"{field}.hook: cannot tell the width of hook {t.hook!r}; train on a residual, attn_out, "
                        "mlp_out or mlp.hook_post hook")
     d_sae = t.d_sae or width * t.expansion_factor
-    wins = _corpus_windows(model, t.corpus, t.context_size, 0, t.training_tokens, f"{field}.corpus")
+    n_data = t.dataset_tokens or t.training_tokens
+    wins = _corpus_windows(model, t.corpus, t.context_size, 0, n_data, f"{field}.corpus")
     n_tok = sum(len(w) for w in wins)
-    if n_tok < t.train_batch_size_tokens:
-        raise SAEError(f"{field}: the corpus gives {n_tok} training tokens, fewer than train_batch_size_tokens "
-                       f"({t.train_batch_size_tokens}); lower it or give a larger corpus")
+    held = _corpus_windows(model, t.corpus, t.context_size, n_data, t.eval_tokens, f"{field}.corpus")
+    n_held = sum(len(w) for w in held)
+    if n_tok < n_data or n_held < t.eval_tokens:
+        raise SAEError(f"{field}: the corpus gives {n_tok} dataset tokens and {n_held} held-out tokens, fewer than "
+                       f"dataset_tokens ({n_data}) and eval_tokens ({t.eval_tokens}); lower them (the stdlib corpus "
+                       "holds ~130k tokens; training_tokens above dataset_tokens repeats the dataset) or give a "
+                       "larger corpus")
     spec = model_spec_of(model)
     dev = str(model_device(model))
     if t.architecture == "topk":
@@ -625,7 +643,8 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
     n_buffer = max(4, math.ceil(2 * t.train_batch_size_tokens / t.context_size))
     cfg = LanguageModelSAERunnerConfig(
         sae=sae_cfg, model_name=spec.name, hook_name=t.hook, dataset_path="tracekit-corpus",
-        is_dataset_tokenized=True, streaming=False, context_size=t.context_size, training_tokens=n_tok,
+        is_dataset_tokenized=True, streaming=False, context_size=t.context_size, training_tokens=t.training_tokens,
+        exclude_special_tokens=special_token_ids(model),
         train_batch_size_tokens=t.train_batch_size_tokens, store_batch_size_prompts=8, n_batches_in_buffer=n_buffer,
         prepend_bos=False, device=dev, lr=t.lr, seed=t.seed, logger=LoggingConfig(log_to_wandb=False),
         output_path=str(tmp), checkpoint_path=None, n_checkpoints=0, verbose=bool(progress),
@@ -653,7 +672,8 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
                                "tracekit_model": spec.name, "prepend_bos": bool(spec.prepend_bos),
                                "model_from_pretrained_kwargs": {"center_writing_weights": bool(spec.process_weights)}})
         (tmp / "cfg.json").write_text(json.dumps(cj))
-        stats = {"train_seconds": round(time.time() - t0, 2), "train_tokens": n_tok, "train_windows": len(wins),
+        stats = {"train_seconds": round(time.time() - t0, 2), "train_tokens": t.training_tokens,
+                 "dataset_tokens": n_tok, "train_windows": len(wins), "held_out_tokens": n_held,
                  "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json")}
         (tmp / "tracekit_train.json").write_text(json.dumps(stats))
         if out.exists():

@@ -389,3 +389,23 @@ def test_quality_agrees_with_sae_lens_evals(tmp_path):
     assert abs(cs - ours["ce_loss_sae"]) < 1e-4 and abs(cc - ours["ce_loss_clean"]) < 1e-4
     assert abs(cz - ours["ce_loss_zero"]) < 1e-4
     assert abs((cz - cs) / (cz - cc) - ours["ce_loss_recovered"]) < 1e-3
+
+
+def test_hook_that_never_fires_is_refused(tmp_path, tiny_llama):
+    if "hook_pos_embed" not in tiny_llama.hook_dict:
+        pytest.skip("this bridge has no hook_pos_embed")
+    d = make_sae_dir(tmp_path, tiny_llama, "hook_pos_embed")
+    with pytest.raises(SAEError, match="never fires"):
+        load_sae(SAESpec(path=str(d)), tiny_llama)
+
+
+def test_training_windows_packed_and_held_out_disjoint(tiny_gpt2):
+    from tracekit.sae import _corpus_windows
+
+    bos = tiny_gpt2.tokenizer.bos_token_id
+    train = _corpus_windows(tiny_gpt2, "stdlib", 32, 0, 640, "c")
+    held = _corpus_windows(tiny_gpt2, "stdlib", 32, 640, 310, "c")
+    allw = _corpus_windows(tiny_gpt2, "stdlib", 32, 0, 640 + 310, "c")
+    assert all(len(w) == 32 and w[0] == bos for w in train + held)
+    assert len(train) == 21 and len(held) == 10  # ceil(640 / 31), ceil(310 / 31)
+    assert allw == train + held  # held-out = the windows right after the training ones

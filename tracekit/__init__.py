@@ -26,7 +26,9 @@ from .experiments import (REGISTRY, AblationConfig, ActivationPatching, Activati
                           DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
                           KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
                           NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
+                          SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult,
                           register)
+from .sae import SAESpec
 from .config import RunConfig, load_config, parse_config
 from .probing import load_probe_directions
 from .sweep import load_results, run_sweep
@@ -49,4 +51,5 @@ __all__ = [
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
     "KeyReadoutConfig", "AblationConfig", "AttentionPattern", "AttentionPatternResult", "HeadScan",
     "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions",
+    "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult", "SAESpec",
 ]

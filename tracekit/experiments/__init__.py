@@ -11,6 +11,7 @@ from .dla import DirectLogitAttribution, DirectLogitAttributionResult
 from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
 from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
 from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
+from .sae import SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult
 
 __all__ = [
     "REGISTRY", "RESULTS", "Expectation", "Experiment", "Result", "StrictModel", "register",
@@ -20,4 +21,5 @@ __all__ = [
     "KeyReadoutConfig", "AblationConfig",
     "AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult",
     "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
+    "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult",
 ]

@@ -1,0 +1,411 @@
+"""SAE engine (tracekit.sae) on tiny random models with tiny random SAEs in SAELens' format.
+
+Numeric invariants run on ``perturbed_model`` (GPT-2 / Llama / tied Llama x processed / raw):
+splice with the error term == clean logits; a feature edit moves the activation by exactly
+(new - old) x its decoder row; features + error + bias (+ special tokens) == the activation's
+attribution; the direct contribution at the last block == the exact effect of zeroing the feature
+with the final-norm scale frozen.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tracekit.errors import SAEError
+from tracekit.models import model_fingerprint, model_spec_of
+from tracekit.sae import (
+    SAESpec,
+    feature_decomposition,
+    feature_intervention,
+    load_sae,
+    sae_quality,
+    sae_terms,
+    splice_hook,
+)
+
+PROMPT = "The capital of France is the city of"
+
+
+def make_sae_dir(tmp_path, model, hook, d_sae=48, arch="standard", seed=0, normalize="none", fingerprint=True,
+                 **meta):
+    """A random SAELens SAE on ``hook`` saved with SAELens' own ``save_model`` (cfg.json + safetensors)."""
+    from sae_lens import StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
+    from sae_lens.saes.sae import SAEMetadata
+
+    d_in = int(model.cfg.d_model)
+    spec = model_spec_of(model)
+    md = {"hook_name": hook, "model_name": spec.name, "prepend_bos": bool(spec.prepend_bos), "context_size": 128,
+          "tracekit_process_weights": bool(spec.process_weights)}
+    if fingerprint:
+        md["tracekit_fingerprint"] = model_fingerprint(model)
+    md.update(meta)
+    if arch == "topk":
+        cfg = TopKSAEConfig(d_in=d_in, d_sae=d_sae, k=6, normalize_activations=normalize, metadata=SAEMetadata(**md))
+        sae = TopKSAE(cfg)
+    else:
+        cfg = StandardSAEConfig(d_in=d_in, d_sae=d_sae, normalize_activations=normalize, metadata=SAEMetadata(**md))
+        sae = StandardSAE(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # scale the encoder to the activation's size so a fair share of features fire
+        sae.W_enc.copy_(torch.randn(d_in, d_sae, generator=g) / d_in ** 0.5)
+        sae.W_dec.copy_(torch.randn(d_sae, d_in, generator=g) / d_in ** 0.5)
+        sae.b_dec.copy_(0.1 * torch.randn(d_in, generator=g))
+        sae.b_enc.copy_(0.2 * torch.randn(d_sae, generator=g))
+    d = tmp_path / f"sae-{arch}-{normalize}-{seed}"
+    sae.save_model(d)
+    return d
+
+
+def last_resid(model):
+    return f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def test_load_from_directory_device_dtype_and_state(tmp_path, tiny_gpt2):
+    from safetensors.torch import load_file
+
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre")
+    cfg = json.loads((d / "cfg.json").read_text())
+    cfg["dtype"] = "float16"  # whatever cfg.json says, the SAE follows the model
+    (d / "cfg.json").write_text(json.dumps(cfg))
+    h = load_sae(SAESpec(path=str(d)), tiny_gpt2)
+    assert h.sae.W_dec.dtype == torch.float32 and h.sae.W_dec.device.type == "cpu"
+    state = load_file(str(d / "sae_weights.safetensors"))
+    for k, v in state.items():
+        assert torch.equal(h.sae.state_dict()[k], v), k  # bit-identical after save -> load
+    assert h.hook == "blocks.1.hook_resid_pre"
+
+
+def test_old_field_names_load(tmp_path, tiny_gpt2):
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre")
+    cfg = json.loads((d / "cfg.json").read_text())
+    meta = cfg.pop("metadata")
+    old = {k: v for k, v in cfg.items() if k != "architecture"}
+    old.update({"hook_point": meta["hook_name"], "model_name": meta["model_name"], "prepend_bos": True,
+                "context_size": 128, "sae_lens_version": "3.0.0", "hook_point_head_index": None})
+    (d / "cfg.json").write_text(json.dumps(old))
+    h = load_sae(SAESpec(path=str(d)), tiny_gpt2)
+    assert h.hook == "blocks.1.hook_resid_pre"
+
+
+def test_missing_hook_name_is_an_error_naming_the_key(tmp_path, tiny_gpt2):
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre")
+    cfg = json.loads((d / "cfg.json").read_text())
+    cfg["metadata"].pop("hook_name")
+    (d / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(SAEError, match="hook_name"):
+        load_sae(SAESpec(path=str(d)), tiny_gpt2)
+
+
+def test_release_offline_is_a_clear_error_without_waiting(tiny_gpt2, monkeypatch):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = time.time()
+    with pytest.raises(SAEError, match="offline"):
+        load_sae(SAESpec(release="gpt2-small-res-jb", id="blocks.8.hook_resid_pre"), tiny_gpt2)
+    assert time.time() - t < 10
+    with pytest.raises(SAEError, match="not in release"):
+        load_sae(SAESpec(release="gpt2-small-res-jb", id="blocks.99.hook_resid_pre"), tiny_gpt2)
+    with pytest.raises(SAEError, match="not a SAELens pretrained release"):
+        load_sae(SAESpec(release="gpt2-small-res-jbb", id="x"), tiny_gpt2)
+
+
+def test_spec_needs_one_source():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="exactly one"):
+        SAESpec()
+    with pytest.raises(ValidationError, match="exactly one"):
+        SAESpec(path="x", release="r", id="i")
+    with pytest.raises(ValidationError, match="go together"):
+        SAESpec(release="gpt2-small-res-jb")
+    with pytest.raises(ValidationError, match="renamed to 'id'"):
+        SAESpec.model_validate({"release": "r", "sae_id": "i"})
+
+
+# ---------------------------------------------------------------------------------------------
+# checks, each its own error before any forward pass
+
+
+def _no_forward(model, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a forward pass ran before the check")
+    monkeypatch.setattr(model, "forward", boom)
+
+
+def test_check_errors(tmp_path, tiny_gpt2, tiny_llama, monkeypatch):
+    def edit(**upd):
+        d = make_sae_dir(tmp_path / str(len(list(tmp_path.iterdir()))), tiny_gpt2, "blocks.1.hook_resid_pre")
+        cfg = json.loads((d / "cfg.json").read_text())
+        for k, v in upd.items():
+            if k in ("d_in", "normalize_activations"):
+                cfg[k] = v
+            else:
+                cfg["metadata"][k] = v
+        (d / "cfg.json").write_text(json.dumps(cfg))
+        return SAESpec(path=str(d))
+
+    (tmp_path / "0").mkdir()
+    cases = [
+        (edit(hook_name="blocks.9.hook_resid_pre"), "does not have"),
+        (edit(d_in=32), "width d_in=32"),
+        (edit(tracekit_fingerprint="0123456789abcdef"), "another model"),
+        (edit(tracekit_fingerprint=None, model_name="pythia-70m"), "trained on model 'pythia-70m'"),
+        (edit(tracekit_process_weights=False), "unprocessed activations"),
+        (edit(normalize_activations="covariance_whitening"), "normalisation"),
+        (edit(hook_head_index=2), "head"),
+    ]
+    for spec, msg in cases:
+        with pytest.raises(SAEError, match=msg):
+            load_sae(spec, tiny_gpt2)
+
+
+def test_checks_run_before_any_forward_pass(tmp_path, tiny_gpt2, monkeypatch):
+    from tracekit.experiments.sae import SAEFeatures
+
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre")
+    cfg = json.loads((d / "cfg.json").read_text())
+    cfg["d_in"] = 32
+    (d / "cfg.json").write_text(json.dumps(cfg))
+    calls = []
+    monkeypatch.setattr(type(tiny_gpt2), "run_with_hooks", lambda *a, **k: calls.append(1))
+    with pytest.raises(SAEError, match="width"):
+        SAEFeatures(sae={"path": str(d)}, prompts=PROMPT, target=" Paris").run(tiny_gpt2, progress=False)
+    assert not calls
+
+
+# ---------------------------------------------------------------------------------------------
+# numeric invariants
+
+
+@pytest.mark.parametrize("arch,normalize", [("standard", "none"), ("topk", "none"), ("standard", "layer_norm")])
+def test_terms_match_saelens_decode(tmp_path, tiny_gpt2, arch, normalize):
+    from tracekit.tokens import run_with_cache, tokenize
+
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre", arch=arch, normalize=normalize)
+    h = load_sae(SAESpec(path=str(d)), tiny_gpt2)
+    _, cache = run_with_cache(tiny_gpt2, tokenize(tiny_gpt2, [PROMPT]), [h.hook])
+    x = cache[h.hook]
+    t = sae_terms(h, x)
+    ref = h.sae.decode(h.sae.encode(x))
+    assert (t.recon - ref).abs().max() < 1e-5
+    parts = (t.scale * t.acts)[..., None] * t.W_eff  # [b, pos, d_sae, d_in]
+    assert (parts.sum(-2) + t.bias_term + t.error - x).abs().max() < 1e-5
+
+
+def test_splice_with_error_equals_clean_logits(tmp_path, perturbed_model):
+    m = perturbed_model
+    d = make_sae_dir(tmp_path, m, "blocks.1.hook_resid_mid")
+    h = load_sae(SAESpec(path=str(d)), m)
+    from tracekit.tokens import tokenize
+
+    b = tokenize(m, [PROMPT, "One two"])
+    clean = m(b.tokens, attention_mask=b.attention_mask)
+    spliced = m.run_with_hooks(b.tokens, attention_mask=b.attention_mask,
+                               fwd_hooks=[(h.hook, splice_hook(h, use_error=True))])
+    assert (clean - spliced).abs().max() < 1e-5
+    no_err = m.run_with_hooks(b.tokens, attention_mask=b.attention_mask,
+                              fwd_hooks=[(h.hook, splice_hook(h, use_error=False))])
+    assert (clean - no_err).abs().max() > 1e-3  # the reconstruction is not exact: the test can fail
+
+
+def test_feature_edit_moves_activation_by_its_decoder_row(tmp_path, perturbed_model):
+    m = perturbed_model
+    hook = "blocks.1.hook_resid_pre"
+    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, hook))), m)
+    from tracekit.tokens import tokenize
+
+    b = tokenize(m, [PROMPT])
+    t0 = sae_terms(h, _cache(m, b, hook))
+    f = int(t0.acts[0, -1].argmax())
+    old = float(t0.acts[0, -1, f])
+    new = old + 2.5
+
+    def edit(a):
+        a[0, -1, f] = new
+        return a
+
+    out = splice_hook(h, edit=edit)(t0.x.clone())
+    delta = out - t0.x
+    assert (delta[0, -1] - (new - old) * h.sae.W_dec[f]).abs().max() < 1e-5
+    assert delta[0, :-1].abs().max() == 0
+
+
+def _cache(m, b, hook):
+    from tracekit.tokens import run_with_cache
+
+    _, c = run_with_cache(m, b, [hook])
+    return c[hook]
+
+
+def test_attributions_sum_to_total(tmp_path, perturbed_model):
+    m = perturbed_model
+    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre"))), m)
+    dec = feature_decomposition(m, h, PROMPT, " Paris", " London")
+    tot = float(dec.total.sum()) + dec.total_error + dec.total_bias + dec.total_special
+    assert abs(tot - dec.total_activation) < 1e-4 * max(1.0, abs(dec.total_activation))
+    direct = float(dec.direct.sum()) + dec.direct_error + dec.direct_bias
+    assert abs(direct - dec.direct_total) < 1e-4 * max(1.0, abs(dec.direct_total))
+    assert dec.special[0] and not any(dec.special[1:])  # BOS masked by id
+    assert dec.acts.shape == (len(dec.ids), h.d_sae)
+
+
+def test_direct_equals_zeroing_effect_at_last_block(tmp_path, perturbed_model):
+    """At the last block's output, the direct contribution of a feature is exactly the change of
+    the logit difference when it is zeroed (error term kept) with the final-norm scale frozen."""
+    m = perturbed_model
+    hook = last_resid(m)
+    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, hook))), m)
+    dec = feature_decomposition(m, h, PROMPT, " Paris", " London")
+    from tracekit.attribution import resolve_target
+    from tracekit.tokens import encode, pad_ids
+
+    tgt = resolve_target(m, " Paris", " London")
+    b = pad_ids(m, [encode(m, PROMPT)])
+    st = {}
+    m.run_with_hooks(b.tokens, fwd_hooks=[("ln_final.hook_scale", lambda a, hook: st.__setitem__("s", a.detach()))])
+    active = torch.nonzero(dec.acts[-1]).flatten().tolist()
+    assert active
+    for f in active[:4]:
+        def edit(a, f=f):
+            a[0, -1, f] = 0.0
+            return a
+        lg = m.run_with_hooks(b.tokens, fwd_hooks=[(hook, splice_hook(h, edit=edit)),
+                                                   ("ln_final.hook_scale", lambda a, hook: st["s"])])
+        ld = float(lg[0, -1, tgt.target_id] - lg[0, -1, tgt.foil_id])
+        assert abs((dec.metric - ld) - float(dec.direct[f])) < 1e-4, f
+
+
+def test_intervention_ablate_steer(tmp_path, tiny_gpt2):
+    m = tiny_gpt2
+    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre"))), m)
+    r0 = feature_intervention(m, h, PROMPT, " Paris", None, [0], "steer", 0.0)
+    assert abs(r0["delta_logit"]) < 1e-5 and abs(r0["delta_prob"]) < 1e-7
+    r1 = feature_intervention(m, h, PROMPT, " Paris", None, [0, 1], "steer", 5.0, positions=[-1])
+    assert abs(r1["delta_logit"]) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# quality
+
+
+def test_quality_hand_worked(tmp_path, tiny_gpt2):
+    """An SAE whose decoder reproduces x exactly (identity dictionary, ReLU on +x and -x) has
+    explained variance 1, mse 0, CE recovered 1, KL 0; L0 = number of non-zero coordinates."""
+    from sae_lens import StandardSAE, StandardSAEConfig
+    from sae_lens.saes.sae import SAEMetadata
+
+    m = tiny_gpt2
+    d = int(m.cfg.d_model)
+    hook = "blocks.1.hook_resid_pre"
+    spec = model_spec_of(m)
+    cfg = StandardSAEConfig(d_in=d, d_sae=2 * d + 1, metadata=SAEMetadata(
+        hook_name=hook, model_name=spec.name, prepend_bos=True, tracekit_fingerprint=model_fingerprint(m),
+        tracekit_process_weights=bool(spec.process_weights)))
+    sae = StandardSAE(cfg)
+    eye = torch.eye(d)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.cat([eye, -eye, torch.zeros(d, 1)], 1))
+        sae.W_dec.copy_(torch.cat([eye, -eye, torch.zeros(1, d)], 0))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    sae.save_model(tmp_path / "id")
+    h = load_sae(SAESpec(path=str(tmp_path / "id")), m)
+    from tracekit.tokens import encode, pad_ids
+
+    wins = [encode(m, "The quick brown fox jumps over the lazy dog")]
+    q = sae_quality(m, h, wins)
+    assert q.metrics["mse"] < 1e-8
+    assert abs(q.metrics["explained_variance"] - 1) < 1e-6
+    assert abs(q.metrics["ce_loss_recovered"] - 1) < 1e-6
+    assert q.metrics["kl"] < 1e-6
+    assert abs(q.metrics["l0"] - d) < 1e-9  # each coordinate is active on exactly one side
+    x = _cache(m, pad_ids(m, wins), hook)[0, 1:]  # BOS excluded
+    never = [i for i in range(d) if not (x[:, i] > 0).any()] + [d + i for i in range(d) if not (x[:, i] < 0).any()]
+    assert q.dead() == never + [2 * d]  # a coordinate's +/- feature never fires when it never has that sign
+
+
+def test_dead_features_same_at_any_batch_size(tmp_path, tiny_gpt2):
+    m = tiny_gpt2
+    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre", arch="topk", d_sae=96))), m)
+    from tracekit.tokens import encode
+
+    texts = ["The cat sat.", "A much longer sentence about the capital of France and Paris.", "Hi", "x y z w"]
+    wins = [encode(m, t) for t in texts] * 2
+    q1 = sae_quality(m, h, wins, batch_size=1)
+    q8 = sae_quality(m, h, wins, batch_size=8)
+    assert q1.dead() == q8.dead() and 0 < len(q1.dead()) < h.d_sae
+    for k in ("mse", "explained_variance", "l0", "ce_loss_recovered", "kl"):
+        assert abs(q1.metrics[k] - q8.metrics[k]) < 1e-4, k
+
+
+def test_quality_agrees_with_sae_lens_evals(tmp_path):
+    """Same SAE, same tokens (no BOS, no padding: nothing masked) -> sae_lens.evals' numbers."""
+    from helpers import make_tiny
+    from sae_lens.evals import get_recons_loss, get_sparsity_and_variance_metrics
+    from sae_lens.training.activation_scaler import ActivationScaler
+
+    m = make_tiny("gpt2", prepend_bos=False)
+    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre"))), m)
+    from tracekit.corpus import iter_documents, token_windows
+
+    wins = [list(w.ids) for w in token_windows(m, iter_documents("stdlib"), seq_len=16, max_tokens=2000)
+            if len(w.ids) == 16][:12]
+    toks = torch.tensor(wins)
+    ours = sae_quality(m, h, wins, batch_size=4).metrics
+
+    class Store:
+        def __init__(self):
+            self.i = 0
+
+        def get_batch_tokens(self, n):
+            b = toks[self.i:self.i + 4]
+            self.i += 4
+            return b
+
+    sv, _ = get_sparsity_and_variance_metrics(h.sae, m, Store(), ActivationScaler(), n_batches=3,
+                                              compute_l2_norms=False, compute_sparsity_metrics=True,
+                                              compute_variance_metrics=True,
+                                              compute_featurewise_density_statistics=True,
+                                              eval_batch_size_prompts=4, model_kwargs={})
+    assert abs(sv["mse"] - ours["mse"]) < 1e-4 * max(1, sv["mse"])
+    assert abs(sv["explained_variance"] - ours["explained_variance"]) < 1e-5
+    assert abs(sv["l0"] - ours["l0"]) < 1e-6
+    ce_sae, ce_clean, ce_zero = [], [], []
+    for i in range(0, 12, 4):
+        r = get_recons_loss(h.sae, m, ActivationScaler(), toks[i:i + 4], compute_kl=False, compute_ce_loss=True)
+        ce_sae.append(r["ce_loss_with_sae"])
+        ce_clean.append(r["ce_loss_without_sae"])
+        ce_zero.append(r["ce_loss_with_ablation"])
+    cs, cc, cz = (float(torch.cat(v).mean()) for v in (ce_sae, ce_clean, ce_zero))
+    assert abs(cs - ours["ce_loss_sae"]) < 1e-4 and abs(cc - ours["ce_loss_clean"]) < 1e-4
+    assert abs(cz - ours["ce_loss_zero"]) < 1e-4
+    assert abs((cz - cs) / (cz - cc) - ours["ce_loss_recovered"]) < 1e-3
+
+
+def test_hook_that_never_fires_is_refused(tmp_path, tiny_llama):
+    if "hook_pos_embed" not in tiny_llama.hook_dict:
+        pytest.skip("this bridge has no hook_pos_embed")
+    d = make_sae_dir(tmp_path, tiny_llama, "hook_pos_embed")
+    with pytest.raises(SAEError, match="never fires"):
+        load_sae(SAESpec(path=str(d)), tiny_llama)
+
+
+def test_training_windows_packed_and_held_out_disjoint(tiny_gpt2):
+    from tracekit.sae import _corpus_windows
+
+    bos = tiny_gpt2.tokenizer.bos_token_id
+    train = _corpus_windows(tiny_gpt2, "stdlib", 32, 0, 640, "c")
+    held = _corpus_windows(tiny_gpt2, "stdlib", 32, 640, 310, "c")
+    allw = _corpus_windows(tiny_gpt2, "stdlib", 32, 0, 640 + 310, "c")
+    assert all(len(w) == 32 and w[0] == bos for w in train + held)
+    assert len(train) == 21 and len(held) == 10  # ceil(640 / 31), ceil(310 / 31)
+    assert allw == train + held  # held-out = the windows right after the training ones

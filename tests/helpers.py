@@ -104,3 +104,29 @@ KIND_EXAMPLES: dict[str, dict] = {
     "attention_pattern": {"prompts": ["The capital of France is"], "layer": 0, "position": "token: is"},
     "head_scan": {"seq_len": 8, "n_seqs": 2, "prompts": ["The capital of France is"]},
 }
+#: A tiny SAE trained by SAELens' runner on the tiny GPT-2 (cached by its config hash after the first test).
+TINY_SAE_TRAIN = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "training_tokens": 1024,
+                  "eval_tokens": 128, "context_size": 32, "train_batch_size_tokens": 128}
+KIND_EXAMPLES.update({
+    "sae_train": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 128},
+    "sae_eval": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 200, "seq_len": 32},
+    "sae_features": {"sae": {"train": TINY_SAE_TRAIN}, "prompts": ["The capital of France is"], "target": " Paris",
+                     "top_k": 3, "interventions": {"k": 1, "n_random": 1, "modes": ["ablate"]},
+                     "dashboards": {"features": 1, "max_tokens": 200, "seq_len": 32, "top_n": 2}},
+})
+
+
+def hook_keys(model) -> dict:
+    """Every torch hook registered on every module (for before/after comparisons)."""
+    from tracekit.hooks import _library_internal  # the libraries' own lazily wired hooks are not ours
+
+    out = {}
+    for name, mod in model.named_modules():
+        keys = set()
+        for d in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
+            keys |= {(d, k) for k, fn in (getattr(mod, d, {}) or {}).items() if not _library_internal(fn)}
+        tl = getattr(mod, "fwd_hooks", None)
+        if tl:
+            keys |= {("tl", id(h)) for h in tl}
+        out[name] = keys
+    return out

@@ -883,7 +883,7 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
         TokenizationError: target/foil not one token, prompt too long, position out of range.
         SAEError: the prompt is longer than the SAE's training context.
     """
-    from .attribution import resolve_target
+    from .dla import resolve_target
     from .errors import TokenizationError
     from .hooks import enabled_hooks
     from .readout import Readout
@@ -1117,7 +1117,7 @@ def feature_intervention(model, handle: LoadedSAE, prompt: str, target: str, foi
         ``{clean_prob, prob, delta_prob, clean_logit, logit, delta_logit}`` (logit = logit
         difference with a foil).
     """
-    from .attribution import resolve_target
+    from .dla import resolve_target
     from .hooks import enabled_hooks
     from .metrics import target_prob
     from .tokens import encode, pad_ids
@@ -1277,7 +1277,7 @@ def top_activating_contexts(model, handle: LoadedSAE, features: Sequence[int], w
 # dashboards (self-contained HTML, no network)
 
 
-def _esc(s: str) -> str:
+def _esc(s) -> str:
     import html
 
     return html.escape(str(s)).replace("\n", "&#10;")

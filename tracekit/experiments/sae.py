@@ -308,7 +308,7 @@ class SAEFeatures(Experiment):
         return v
 
     def check(self, model) -> None:
-        from ..attribution import resolve_target
+        from ..dla import resolve_target
         from ..tokens import check_length, encode
 
         resolve_target(model, self.target, self.foil)

@@ -74,7 +74,7 @@ def test_lens_readout_matches_readout_and_the_lens(perturbed_model):
     assert torch.equal(r["top_prob"], tp) and torch.equal(r["top_id"], ti)
     # the logit lens' own table (last position, hidden_states): same numbers
     res = tk.LogitLens(prompts=PROMPTS, target=TARGETS, top_k=5).run(model, progress=False)
-    m = res.tables["main"].sort_values(["prompt_idx", "layer", "target"], key=lambda s: s.map(
+    m = res.tables["main"].sort_values(["prompt_idx", "hidden_state", "target"], key=lambda s: s.map(
         {t: i for i, t in enumerate(TARGETS)}) if s.name == "target" else s)
     lens_lp = torch.tensor(m["log_prob"].to_numpy(), dtype=torch.float32).reshape(len(PROMPTS), len(names), 2)
     torch.testing.assert_close(lens_lp, r["target_log_prob"].permute(1, 0, 2), atol=1e-5, rtol=0)

@@ -57,7 +57,7 @@ def _trace(args) -> int:
     from .models import load_model
 
     try:
-        exp = TokenTrace(prompt=args.prompt, target=args.target, foil=args.foil, head=args.head,
+        exp = TokenTrace(prompts=args.prompt, target=args.target, foil=args.foil, head=args.head,
                          key_max_tokens=args.key_max_tokens)
     except ValueError as e:
         _err(str(e))

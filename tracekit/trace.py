@@ -402,11 +402,13 @@ def token_trace(
             else ``"L0H0"``).
         top_neurons: neurons shown at the jump block (largest |direct contribution|).
         value_tokens: promoted tokens per neuron (value readout).
-        key_contexts, key_max_tokens, corpus: top-activating contexts per neuron, text tokens read
-            (0 skips the key readout) and the corpus (default: the offline stdlib corpus).
+        key_contexts: top-activating corpus contexts per neuron.
+        key_max_tokens: corpus text tokens read for them (0 skips the key readout).
+        corpus: the corpus (default: the offline stdlib corpus; see :mod:`tracekit.corpus`).
         n_nearest: nearest tokens (cosine, embedding matrix) of the last token.
         top_k: final tokens listed.
-        seed, n_samples: the sampling draws (``torch.Generator`` seed).
+        seed: seed of the sampling draws (``torch.Generator``).
+        n_samples: draws per sampling setting.
 
     Units: probabilities in [0, 1], logits, ranks (1 = top), bytes.
 
@@ -414,6 +416,16 @@ def token_trace(
         TokenizationError: target/foil not one token, prompt too long. TracekitError: bad head.
         AttributionError: an architecture whose residual stream is not embed + attention + MLP.
     """
+    import time
+
+    clock = [time.perf_counter()]
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        timings[name] = round(now - clock[0], 3)
+        clock[0] = now
+
     L_head = parse_head(head, model)
     batch = tokenize(model, [prompt])
     ids = [int(i) for i in batch.ids[0]]
@@ -427,10 +439,13 @@ def token_trace(
                   "n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
                   "head": f"L{L_head[0]}H{L_head[1]}"}
 
+    lap("forward")
     # 1. tokenization
     tables["tokens"] = _tokenization(model, batch)
+    lap("tokenization")
     # 2. embedding
     tables["embedding_norms"], tables["nearest"], tables["analogies"] = _embedding(model, ids, n_nearest)
+    lap("embedding")
     # 6. logit lens (first: the jump picks the FFN block)
     pl = logit_lens(model, [prompt], [target], position="all", top_k=top_k)[0]
     hs = [p.hidden_state for p in pl.points]
@@ -451,8 +466,10 @@ def token_trace(
     meta.update({"jump_layer": lm["jump_layer"], "jump": lm["jump"],
                  "emergence_hidden_state": lm["emergence_hidden_state"], "emergence_layer": lm["emergence_layer"],
                  "target_prob": float(pl.final_log_prob[last, 0].exp())})
+    lap("lens")
     # 3. attention
     tables["attention"], tables["head_types"], tables["head_scores"] = _attention_section(model, prompt, L_head)
+    lap("attention")
     # 5. direct logit attribution (with the neurons of the jump block)
     jl = lm["jump_layer"]
     ffn_layer = jl if jl is not None and jl >= 0 else int(model.cfg.n_layers) - 1
@@ -463,10 +480,12 @@ def token_trace(
                  "ffn_layer": ffn_layer})
     hf = dla.heads_frame()
     tables["heads_dla"] = hf[hf["head"] >= 0].drop(columns=["prompt_idx"]).reset_index(drop=True)
+    lap("residual")
     # 4. FFN neurons
     tables["neurons"], tables["neuron_values"], tables["neuron_contexts"] = _ffn_section(
         model, dla, ffn_layer, top_neurons, value_tokens, key_contexts, key_max_tokens, corpus)
     meta["key_max_tokens"] = key_max_tokens
+    lap("ffn")
     # 8. output and sampling
     p_all = logits.softmax(-1)
     lp_all = logits.log_softmax(-1)
@@ -477,8 +496,11 @@ def token_trace(
     meta["final_topk_mass"] = float(tv.sum())
     meta["final_target_rank"] = int((p_all > p_all[target_id]).sum()) + 1
     tables["sampling"] = _sampling(model, logits, target_id, seed, n_samples)
+    lap("output")
     # 9. cost
     tables["params"], tables["kv_cache"], meta["cost"] = _cost(model, len(ids), _device_name(model))
+    lap("cost")
+    meta["timings_s"] = timings
     return TokenTrace(tables, meta)
 
 
@@ -498,14 +520,16 @@ def fig_to_data_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _fmt(v) -> str:
+def _fmt(v, col: str = "") -> str:
+    """A cell: floats to 4 significant digits; counts (parameters, bytes) with thousands separators;
+    ids, positions and ranks as plain integers."""
     if v is None or (isinstance(v, float) and np.isnan(v)):
         return ""
+    big = "bytes" in col or "parameters" in col or "tokens" in col
     if isinstance(v, (float, np.floating)):
-        a = abs(float(v))
-        return f"{float(v):.4g}" if a < 1e4 else f"{float(v):,.0f}"
+        return f"{float(v):,.0f}" if big and abs(float(v)) >= 1e4 else f"{float(v):.4g}"
     if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-        return f"{int(v):,}" if abs(int(v)) >= 10000 else str(int(v))
+        return f"{int(v):,}" if big else str(int(v))
     return str(v)
 
 
@@ -514,7 +538,7 @@ def table_rows(df: pd.DataFrame, max_rows: int = 60) -> tuple[list[str], list[li
     cols = list(df.columns)
     rows = []
     for rec in df.head(max_rows).itertuples(index=False):
-        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected") else _fmt(v)
+        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected") else _fmt(v, c)
                      for c, v in zip(cols, rec)])
     return cols, rows
 

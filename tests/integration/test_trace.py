@@ -25,7 +25,7 @@ def traced(request, tmp_path_factory):
     from helpers import make_tiny
 
     model = make_tiny(request.param)
-    res = tk.TokenTrace(prompt=PROMPT, target=" Paris", key_max_tokens=256, top_neurons=3).run(model, progress=False)
+    res = tk.TokenTrace(prompts=PROMPT, target=" Paris", key_max_tokens=256, top_neurons=3).run(model, progress=False)
     d = res.save(tmp_path_factory.mktemp(f"trace-{request.param}") / "trace")
     return model, res, d
 
@@ -191,11 +191,15 @@ def test_loaded_result_renders_the_same_report(traced):
 
 def test_bad_inputs_name_the_field(tiny_gpt2):
     with pytest.raises(tk.TokenizationError, match="target"):
-        tk.TokenTrace(prompt=PROMPT, target=" Parisian metropolis").run(tiny_gpt2, progress=False)
+        tk.TokenTrace(prompts=PROMPT, target=" Parisian metropolis").run(tiny_gpt2, progress=False)
     with pytest.raises(tk.TracekitError, match="head"):
         parse_head("L9H0", tiny_gpt2)
     with pytest.raises(ValueError, match="renamed to 'target'"):
-        tk.TokenTrace(prompt=PROMPT, answer=" Paris")
+        tk.TokenTrace(prompts=PROMPT, answer=" Paris")
+    with pytest.raises(ValueError, match="renamed to 'prompts'"):
+        tk.TokenTrace(prompt=PROMPT)
+    with pytest.raises(ValueError, match="one prompt"):
+        tk.TokenTrace(prompts=[PROMPT, "Hello"])
 
 
 def test_config_step_and_cli(tmp_path, tiny_gpt2, monkeypatch):
@@ -204,7 +208,7 @@ def test_config_step_and_cli(tmp_path, tiny_gpt2, monkeypatch):
     from tracekit.config import parse_config
 
     cfg = parse_config({"model": {"name": "gpt2"}, "experiments": [
-        {"kind": "token_trace", "prompt": PROMPT, "target": " Paris", "key_max_tokens": 0}]})
+        {"kind": "token_trace", "prompts": PROMPT, "target": " Paris", "key_max_tokens": 0}]})
     assert cfg.experiments[0].kind == "token_trace"
     monkeypatch.setattr("tracekit.models.load_model", lambda *a, **k: tiny_gpt2)
     rc = cli.main(["trace", PROMPT, "--target", " Paris", "--key-max-tokens", "0", "--out", str(tmp_path / "t")])

@@ -33,7 +33,7 @@ from ..trace import (
     table_rows,
     token_trace,
 )
-from .base import Experiment, Result, jsonable, register
+from .base import Experiment, Prompts, Result, jsonable, register
 
 __all__ = ["TokenTrace", "TokenTraceResult"]
 
@@ -320,7 +320,7 @@ class TokenTrace(Experiment):
     Engine: :func:`tracekit.trace.token_trace`.
 
     Fields:
-        prompt: the text traced.
+        prompts: the text traced (one prompt; a string or a list of one).
         target: the next token followed (exactly one token, leading space included); default: the
             model's top-1 prediction.
         foil: optional second token; the attribution splits ``logit[target] - logit[foil]``.
@@ -331,7 +331,8 @@ class TokenTrace(Experiment):
     """
 
     kind: Literal["token_trace"] = "token_trace"
-    prompt: str = Field(min_length=1, description="The text traced through the model.")
+    prompts: Prompts = Field(description="The text traced through the model: one prompt (a string, or a list "
+                             "of one; sweep it to trace several).")
     target: Optional[str] = Field(default=None, description="Next token followed (one token, leading space "
                                   "included); default: the model's top-1 prediction.")
     foil: Optional[str] = Field(default=None, description="Optional second token: attribution of "
@@ -348,7 +349,18 @@ class TokenTrace(Experiment):
     n_samples: int = Field(default=5, ge=1, le=100, description="Draws per sampling setting.")
 
     result_class = TokenTraceResult
-    retired = {"answer": "target", "wrong": "foil"}
+    retired = {"answer": "target", "wrong": "foil", "prompt": "prompts"}
+
+    @field_validator("prompts")
+    @classmethod
+    def _one_prompt(cls, v):
+        if len(v) != 1:
+            raise ValueError(f"a token trace follows one prompt, got {len(v)}; use one step per prompt (or a sweep)")
+        return v
+
+    @property
+    def prompt(self) -> str:
+        return self.prompts[0]
 
     @field_validator("head")
     @classmethod
@@ -359,7 +371,7 @@ class TokenTrace(Experiment):
 
     def check(self, model) -> None:
         ids = encode(model, self.prompt)
-        check_length(model, ids, "prompt", self.prompt)
+        check_length(model, ids, "prompts[0]", self.prompt)
         if self.target is not None:
             single_token_id(model, self.target, field="target")
         if self.foil is not None:

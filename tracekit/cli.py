@@ -45,7 +45,7 @@ def _trace_parser(sub) -> None:
     t.add_argument("--head", default=None, help="head whose raw scores are shown, e.g. L0H6")
     t.add_argument("--model", default=None, help="model spec (name or path; default: the embedded model)")
     t.add_argument("--device", default=None, help="device for the model (default: the spec's)")
-    t.add_argument("--key-max-tokens", type=int, default=2048, help="corpus tokens for the key readout (0: skip)")
+    t.add_argument("--key-max-tokens", type=int, default=1024, help="corpus tokens for the key readout (0: skip)")
     t.add_argument("--out", default="results/trace", help="output folder (default: results/trace)")
 
 

@@ -39,7 +39,7 @@ import torch
 
 from .errors import TokenizationError, TracekitError
 from .logit_lens import landmarks, logit_lens
-from .tokens import single_token_id, str_tokens, tokenize
+from .tokens import run_with_cache, single_token_id, str_tokens, tokenize
 
 __all__ = ["TokenTrace", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
            "render_html", "render_markdown", "SECTIONS", "parse_head"]
@@ -49,7 +49,8 @@ __all__ = ["TokenTrace", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTIC
 # ADAPTER: every call into an engine that is being restructured. Repoint these at merge time.
 #   attribution.direct_logit_attribution -> dla.logit_attribution
 #   attribution.value_readout / key_readout -> neurons.value_readout / key_readout
-#   heads.attention_pattern / classify_heads -> attention.attention_pattern / classify_heads
+#   heads.AttentionPattern (dataclass; _attention reads its hooks for all layers in one pass) /
+#   heads.classify_heads -> attention.AttentionPattern / attention.classify_heads
 
 
 def _dla(model, prompt: str, target: str, foil: Optional[str], neuron_layers: Sequence[int]):
@@ -72,11 +73,24 @@ def _key_readout(model, neurons, signs, top_n: int, max_tokens: int, corpus=None
     return key_readout(model, neurons, corpus, top_n=top_n, max_tokens=max_tokens, signs=signs, progress=False)
 
 
-def _attention(model, prompt: str, layer: int):
-    """``.tokens``, ``.scores`` and ``.weights`` ``[head, q, k]`` of one layer."""
-    from .heads import attention_pattern
+def _attention(model, prompt: str, layers: Sequence[int]) -> list:
+    """One attention-pattern record per layer (``.tokens``, ``.layer``, ``.scores`` and ``.weights``
+    ``[head, q, k]``), from ONE forward pass.
 
-    return attention_pattern(model, prompt, layer)
+    The engine's ``attention_pattern(model, prompt, layer)`` runs the whole model for each layer
+    (30 passes on SmolLM2-135M, most of the trace's time); this reads the same two hooks it reads
+    (``hook_attn_scores``, ``hook_pattern``) for every layer in a single cached pass and builds the
+    engine's own dataclass. ``tests/integration/test_trace.py`` checks it equals the engine layer by
+    layer. Repoint at merge time: the attention engine's pattern function (multi-layer if it has one).
+    """
+    from .heads import AttentionPattern
+
+    names = [n for L in layers for n in (f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern")]
+    batch = tokenize(model, [prompt])
+    _, cache = run_with_cache(model, batch, names)
+    toks = str_tokens(model, batch.ids[0])
+    return [AttentionPattern(toks, L, cache[f"blocks.{L}.attn.hook_attn_scores"][0].float().cpu(),
+                             cache[f"blocks.{L}.attn.hook_pattern"][0].float().cpu()) for L in layers]
 
 
 def _classify(weights, queries) -> pd.DataFrame:
@@ -238,8 +252,8 @@ def _embedding(model, ids: list[int], n_nearest: int):
 
 def _attention_section(model, prompt: str, head: tuple[int, int]):
     rows, labels, picked = [], [], None
-    for L in range(int(model.cfg.n_layers)):
-        ap = _attention(model, prompt, L)
+    for ap in _attention(model, prompt, range(int(model.cfg.n_layers))):
+        L = ap.layer
         q = len(ap.tokens) - 1
         w = ap.weights[:, q, : q + 1]
         for h in range(w.shape[0]):
@@ -261,7 +275,7 @@ def _attention_section(model, prompt: str, head: tuple[int, int]):
 def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus):
     contrib = dla.neuron_contrib[layer]
     act = dla.neuron_act[layer]
-    order = contrib.abs().argsort(descending=True)[:n_neurons].tolist()
+    order = contrib.argsort(descending=True)[:n_neurons].tolist()  # the neurons that write the target most
     rows, values = [], []
     for r, n in enumerate(order):
         sign = 1.0 if float(act[n]) >= 0 else -1.0
@@ -383,7 +397,7 @@ def token_trace(
     top_neurons: int = 5,
     value_tokens: int = 5,
     key_contexts: int = 3,
-    key_max_tokens: int = 2048,
+    key_max_tokens: int = 1024,
     corpus=None,
     n_nearest: int = 10,
     top_k: int = 10,
@@ -400,7 +414,7 @@ def token_trace(
         foil: optional second token; attribution then splits ``logit[target] - logit[foil]``.
         head: the head whose raw (pre-softmax) scores are shown: ``"L0H6"`` (default when it exists,
             else ``"L0H0"``).
-        top_neurons: neurons shown at the jump block (largest |direct contribution|).
+        top_neurons: neurons shown at the jump block (largest positive direct contribution).
         value_tokens: promoted tokens per neuron (value readout).
         key_contexts: top-activating corpus contexts per neuron.
         key_max_tokens: corpus text tokens read for them (0 skips the key readout).

@@ -180,6 +180,20 @@ def test_attention_rows_are_distributions_and_scores_match(traced):
     assert set(res.tables["head_types"]["type"]) <= {"self", "first-token", "previous-token", "content", "diffuse"}
 
 
+def test_attention_adapter_equals_the_engine_per_layer(tiny_model):
+    """The trace reads every layer's pattern in one pass; it must equal the engine's per-layer call."""
+    from tracekit.heads import attention_pattern
+    from tracekit.trace import _attention
+
+    n = int(tiny_model.cfg.n_layers)
+    for ap in _attention(tiny_model, PROMPT, range(n)):
+        ref = attention_pattern(tiny_model, PROMPT, ap.layer)
+        assert ap.tokens == ref.tokens
+        assert torch.equal(ap.weights, ref.weights)
+        fin = torch.isfinite(ref.scores)
+        assert torch.equal(fin, torch.isfinite(ap.scores)) and torch.equal(ap.scores[fin], ref.scores[fin])
+
+
 def test_loaded_result_renders_the_same_report(traced):
     _, res, d = traced
     loaded = tk.Result.load(d)

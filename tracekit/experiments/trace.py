@@ -224,8 +224,8 @@ class TokenTraceResult(Result):
         sf["text"].append(f"The MLP of block {m['ffn_layer']} (the lens jump block) read as key-value memory "
                           "(Geva et al. 2021): each neuron's key fires on some contexts (top-activating corpus "
                           f"contexts, first {m.get('key_max_tokens')} tokens of the offline corpus) and its value "
-                          "vector promotes tokens (value readout, Geva et al. 2022). Neurons are ranked by |direct "
-                          "contribution| to the target logit.")
+                          "vector promotes tokens (value readout, Geva et al. 2022). Neurons are ranked by direct "
+                          "contribution to the target logit (largest positive first: the neurons that write it).")
         sf["figures"].append(fig("neurons", "Top neurons"))
         sf["tables"] += [tab("Top neurons", "neurons"), tab("Top-activating contexts", "neuron_contexts")]
 
@@ -277,8 +277,9 @@ class TokenTraceResult(Result):
                                  "ridge ~156")
         for v in sec.values():
             v["figures"] = [f for f in v["figures"] if f]
+        timings = ", ".join(f"{k} {v:.1f} s" for k, v in (m.get("timings_s") or {}).items())
         return {"title": "Life of a Token", "prompt": m["prompt"], "target": m["target"], "model": model,
-                "summary": s, "sections": [sec[k] for k, _ in SECTIONS]}
+                "summary": s, "sections": [sec[k] for k, _ in SECTIONS], "timings": timings}
 
     def _inline_figures(self) -> dict:
         return {k: fig_to_data_uri(f) for k, f in self.figures().items()}
@@ -342,7 +343,7 @@ class TokenTrace(Experiment):
     top_neurons: int = Field(default=5, ge=1, le=100, description="Neurons shown at the lens jump block.")
     value_tokens: int = Field(default=5, ge=1, le=100, description="Promoted tokens listed per neuron.")
     key_contexts: int = Field(default=3, ge=1, le=50, description="Top-activating corpus contexts per neuron.")
-    key_max_tokens: int = Field(default=2048, ge=0, description="Corpus text tokens read for the key readout "
+    key_max_tokens: int = Field(default=1024, ge=0, description="Corpus text tokens read for the key readout "
                                 "(0 skips it).")
     top_k: int = Field(default=10, ge=1, le=1000, description="Final tokens listed.")
     seed: int = Field(default=0, description="Seed of the sampling draws.")

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .errors import TokenizationError, TracekitError
+from .errors import AttentionError, TokenizationError
 from .logit_lens import landmarks, logit_lens
 from .tokens import run_with_cache, single_token_id, str_tokens, tokenize
 
@@ -173,7 +173,7 @@ def parse_head(spec, model, field_name: str = "head") -> tuple[int, int]:
     """``"L0H6"`` / ``[0, 6]`` / None (-> L0H6 when layer 0 has a head 6, else L0H0) to (layer, head).
 
     Raises:
-        TracekitError: malformed or out of range (naming ``field_name``).
+        AttentionError: malformed or out of range (naming ``field_name``).
     """
     n_layers, n_heads = int(model.cfg.n_layers), int(model.cfg.n_heads)
     if spec is None:
@@ -181,12 +181,12 @@ def parse_head(spec, model, field_name: str = "head") -> tuple[int, int]:
     if isinstance(spec, str):
         m = re.fullmatch(r"\s*L(\d+)\s*H(\d+)\s*", spec, re.I)
         if not m:
-            raise TracekitError(f"{field_name}: {spec!r} is not a head; write it as 'L<layer>H<head>', e.g. 'L0H6'")
+            raise AttentionError(f"{field_name}: {spec!r} is not a head; write it as 'L<layer>H<head>', e.g. 'L0H6'")
         L, H = int(m.group(1)), int(m.group(2))
     else:
         L, H = (int(x) for x in spec)
     if not (0 <= L < n_layers and 0 <= H < n_heads):
-        raise TracekitError(f"{field_name}: L{L}H{H} does not exist; the model has {n_layers} layers of "
+        raise AttentionError(f"{field_name}: L{L}H{H} does not exist; the model has {n_layers} layers of "
                             f"{n_heads} heads (L0H0..L{n_layers - 1}H{n_heads - 1})")
     return L, H
 
@@ -218,7 +218,7 @@ def _tokenization(model, batch) -> pd.DataFrame:
 
 @torch.no_grad()
 def _embedding(model, ids: list[int], n_nearest: int):
-    W_E = model.W_E.detach().float()
+    W_E = model.W_E.detach().float().cpu()
     norms = W_E[ids].norm(dim=-1)
     W_pos = getattr(model, "W_pos", None) if "hook_pos_embed" in model.hook_dict else None
     pos_norm = [float(W_pos[i].float().norm()) for i in range(len(ids))] if W_pos is not None else [None] * len(ids)
@@ -340,15 +340,28 @@ def _param_part(name: str) -> str:
     return "other"
 
 
+def _tied(model) -> bool:
+    cfg = getattr(getattr(model, "original_model", None), "config", None)
+    v = getattr(model.cfg, "tie_word_embeddings", None)
+    return bool(v if v is not None else getattr(cfg, "tie_word_embeddings", False))
+
+
 def _cost(model, n_tokens: int, device_name: Optional[str]):
+    """Parameters of the model as published: shared tensors once; with tied embeddings the
+    unembedding is the embedding (weight processing folds the final norm into a separate copy, which
+    is not counted); all-zero tensors that weight processing adds (e.g. an unembedding bias) are
+    not counted either."""
     seen, parts = set(), {}
     dtype = None
+    tied = _tied(model)
     for name, p in model.named_parameters():
         if p.data_ptr() in seen:  # tied weights counted once
             continue
         seen.add(p.data_ptr())
         dtype = dtype or p.dtype
         part = _param_part(name)
+        if (part == "unembed" and tied and p.ndim == 2) or not bool(p.detach().ne(0).any()):
+            continue
         parts[part] = parts.get(part, 0) + p.numel()
     total = sum(parts.values())
     params = pd.DataFrame([{"part": k, "parameters": int(v), "share": v / total} for k, v in parts.items()])
@@ -367,7 +380,8 @@ def _cost(model, n_tokens: int, device_name: Optional[str]):
             if k.lower() in device_name.lower():
                 ridge = v
                 break
-    meta = {"parameters": int(total), "dtype": str(dtype).replace("torch.", ""), "bytes_per_value": bytes_per,
+    meta = {"parameters": int(total), "tied_embeddings": tied,
+            "dtype": str(dtype).replace("torch.", ""), "bytes_per_value": bytes_per,
             "kv_heads": kv_heads, "kv_bytes_per_token": per_tok, "decode_flops_per_token": flops,
             "decode_bytes_per_token": moved, "decode_intensity": flops / moved, "device": device_name,
             "ridge_point": ridge}
@@ -427,7 +441,7 @@ def token_trace(
     Units: probabilities in [0, 1], logits, ranks (1 = top), bytes.
 
     Raises:
-        TokenizationError: target/foil not one token, prompt too long. TracekitError: bad head.
+        TokenizationError: target/foil not one token, prompt too long. AttentionError: bad head.
         AttributionError: an architecture whose residual stream is not embed + attention + MLP.
     """
     import time
@@ -443,7 +457,7 @@ def token_trace(
     L_head = parse_head(head, model)
     batch = tokenize(model, [prompt])
     ids = [int(i) for i in batch.ids[0]]
-    logits = model(batch.tokens).float()[0, -1]
+    logits = model(batch.tokens).float()[0, -1].cpu()
     if target is None:
         target = model.tokenizer.decode([int(logits.argmax())])
     target_id = single_token_id(model, target, field="target")

@@ -165,8 +165,25 @@ def test_tokenization_and_cost(traced):
     cfg = model.cfg
     kv = int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
     assert c["kv_bytes_per_token"] == 2 * cfg.n_layers * kv * cfg.d_head * 4
-    n_params = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
-    assert res.tables["params"]["parameters"].sum() == c["parameters"] == n_params
+    assert res.tables["params"]["parameters"].sum() == c["parameters"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_is_the_published_one(tied):
+    """Llama without biases: embed + layers x (q, k, v, o, gate, up, down, 2 norms) + final norm
+    (+ unembedding when untied); the copy and the zero bias that weight processing adds are not
+    counted."""
+    from helpers import make_tiny
+    from tracekit.trace import _cost
+
+    m = make_tiny("llama", tied=tied)
+    c = m.cfg
+    d, V, kv = c.d_model, c.d_vocab, c.n_key_value_heads * c.d_head
+    layer = d * d * 2 + 2 * d * kv + 3 * d * c.d_mlp + 2 * d
+    expect = V * d + c.n_layers * layer + d + (0 if tied else V * d)
+    params, _, meta = _cost(m, 5, None)
+    assert meta["parameters"] == expect and meta["tied_embeddings"] == tied
+    assert ("unembed" in set(params["part"])) == (not tied)
 
 
 def test_attention_rows_are_distributions_and_scores_match(traced):
@@ -206,7 +223,7 @@ def test_loaded_result_renders_the_same_report(traced):
 def test_bad_inputs_name_the_field(tiny_gpt2):
     with pytest.raises(tk.TokenizationError, match="target"):
         tk.TokenTrace(prompts=PROMPT, target=" Parisian metropolis").run(tiny_gpt2, progress=False)
-    with pytest.raises(tk.TracekitError, match="head"):
+    with pytest.raises(tk.AttentionError, match="head"):
         parse_head("L9H0", tiny_gpt2)
     with pytest.raises(ValueError, match="renamed to 'target'"):
         tk.TokenTrace(prompts=PROMPT, answer=" Paris")

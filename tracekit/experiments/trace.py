@@ -265,10 +265,11 @@ class TokenTraceResult(Result):
         ridge = (f"the device's ridge point is {c['ridge_point']:.0f} FLOP/byte, so decoding is memory-bound"
                  if c.get("ridge_point") else "the device's ridge point is not known (CPU or unlisted GPU; an A100's "
                  "is ~156 FLOP/byte)")
-        sc["text"].append(f"{c['parameters']:,} parameters at {c['dtype']} ({c['bytes_per_value']} bytes). KV cache "
-                          f"= 2 x layers x kv_heads ({c['kv_heads']}) x d_head x bytes = {c['kv_bytes_per_token']:,} "
-                          "bytes "
-                          f"per token. A batch-1 decode step does ~2 FLOPs per parameter and reads every weight once: "
+        tied = " (embedding and unembedding tied: counted once)" if c.get("tied_embeddings") else ""
+        sc["text"].append(f"{c['parameters']:,} parameters{tied} at {c['dtype']} ({c['bytes_per_value']} bytes). "
+                          f"KV cache = 2 x layers x kv_heads ({c['kv_heads']}) x d_head x bytes = "
+                          f"{c['kv_bytes_per_token']:,} bytes per token. A batch-1 decode step does ~2 FLOPs per "
+                          "parameter and reads every weight once: "
                           f"arithmetic intensity {c['decode_intensity']:.2f} FLOP/byte; {ridge}.")
         sc["figures"].append(fig("params", "Parameters"))
         sc["tables"] += [tab("Parameters by part", "params"), tab("KV cache", "kv_cache")]

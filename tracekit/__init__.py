@@ -15,51 +15,20 @@ one engine module per method, ``experiments`` (the kinds over the engines), ``co
 ``runner``/``cli`` (``tracekit run``), ``errors`` (one error root).
 """
 
-from .config import RunConfig, load_config, parse_config
-from .errors import (
-                     AttentionError,
-                     AttributionError,
-                     ConfigError,
-                     CorpusError,
-                     HookError,
-                     ModelLoadError,
-                     OutputError,
-                     PatchingError,
-                     ProbingError,
-                     ResultLoadError,
-                     SAEError,
-                     TokenizationError,
-                     TracekitError,
-)
-from .experiments import (
-                     REGISTRY,
-                     AblationConfig,
-                     ActivationPatching,
-                     ActivationPatchingResult,
-                     AttentionPatternResult,
-                     AttentionPatterns,
-                     DirectLogitAttribution,
-                     DirectLogitAttributionResult,
-                     Expectation,
-                     Experiment,
-                     HeadScan,
-                     HeadScanResult,
-                     KeyReadoutConfig,
-                     LinearProbe,
-                     LinearProbeResult,
-                     LogitLens,
-                     LogitLensResult,
-                     NeuronAttribution,
-                     NeuronAttributionResult,
-                     ProbeDatasetSpec,
-                     PromptPair,
-                     Result,
-                     register,
-)
-from .experiments.trace import TokenTrace, TokenTraceResult
+from .errors import (AttentionError, AttributionError, ConfigError, CorpusError, HookError, ModelLoadError,
+                     OutputError, PatchingError, ProbingError, ResultLoadError, SAEError, TokenizationError,
+                     TracekitError)
 from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spec_of, wrap_hf_model
 from .readout import Readout
 from .tokens import Position, parse_position
+from .experiments import (REGISTRY, AblationConfig, ActivationPatching, ActivationPatchingResult,
+                          AttentionPatternResult, AttentionPatterns, DirectLogitAttribution,
+                          DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
+                          KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
+                          NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
+                          register)
+from .experiments.trace import TokenTrace, TokenTraceResult
+from .config import RunConfig, load_config, parse_config
 
 __version__ = "0.2.0"
 __all__ = [

@@ -4,18 +4,12 @@ Each module defines one family of kinds and registers them with ``@register``; t
 here explicitly (a new kind: a module here plus one import line).
 """
 
-from .attention import AttentionPatternResult, AttentionPatterns, HeadScan, HeadScanResult
 from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
 from .logit_lens import LogitLens, LogitLensResult
-from .neurons import (
-                      AblationConfig,
-                      DirectLogitAttribution,
-                      DirectLogitAttributionResult,
-                      KeyReadoutConfig,
-                      NeuronAttribution,
-                      NeuronAttributionResult,
-)
 from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs
+from .neurons import (AblationConfig, DirectLogitAttribution, DirectLogitAttributionResult, KeyReadoutConfig,
+                      NeuronAttribution, NeuronAttributionResult)
+from .attention import AttentionPatternResult, AttentionPatterns, HeadScan, HeadScanResult
 from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
 from .trace import TokenTrace, TokenTraceResult
 

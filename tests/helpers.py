@@ -108,6 +108,8 @@ KIND_EXAMPLES: dict[str, dict] = {
 TINY_SAE_TRAIN = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "training_tokens": 1024,
                   "eval_tokens": 128, "context_size": 32, "train_batch_size_tokens": 128}
 KIND_EXAMPLES.update({
+    "token_trace": {"prompts": ["The capital of France is"], "target": " Paris", "key_max_tokens": 128,
+                    "top_neurons": 2, "key_contexts": 1},
     "sae_train": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 128},
     "sae_eval": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 200, "seq_len": 32},
     "sae_features": {"sae": {"train": TINY_SAE_TRAIN}, "prompts": ["The capital of France is"], "target": " Paris",

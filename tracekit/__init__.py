@@ -29,6 +29,7 @@ from .experiments import (REGISTRY, AblationConfig, ActivationPatching, Activati
                           SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult,
                           register)
 from .sae import SAESpec
+from .experiments.trace import TokenTrace, TokenTraceResult
 from .config import RunConfig, load_config, parse_config
 from .probing import load_probe_directions
 from .sweep import load_results, run_sweep
@@ -53,3 +54,4 @@ __all__ = [
     "HeadScanResult", "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions",
     "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult", "SAESpec",
 ]
+__all__ += ["TokenTrace", "TokenTraceResult"]

@@ -1,4 +1,4 @@
-"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``, ``cache [list|clear]``.
+"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``, ``trace``, ``sweep``, ``results``, ``cache``.
 
 Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was not met; 2 invalid
 config / input / model / output folder (every :class:`tracekit.TracekitError`; the message names the
@@ -37,7 +37,48 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
     add_commands(sub)
+    _trace_parser(sub)
     return p
+
+
+# ---- tracekit trace (the "Life of a Token" report; kind token_trace) ------------------------------
+def _trace_parser(sub) -> None:
+    t = sub.add_parser("trace", help="trace one prompt through every stage; writes report.html/report.md")
+    t.add_argument("prompt")
+    t.add_argument("--target", default=None, help="next token followed, e.g. ' Paris' (default: the model's top-1)")
+    t.add_argument("--foil", default=None, help="second token: attribute logit[target] - logit[foil]")
+    t.add_argument("--head", default=None, help="head whose raw scores are shown, e.g. L0H6")
+    t.add_argument("--model", default=None, help="model spec (name or path; default: the embedded model)")
+    t.add_argument("--device", default=None, help="device for the model (default: the spec's)")
+    t.add_argument("--key-max-tokens", type=int, default=1024, help="corpus tokens for the key readout (0: skip)")
+    t.add_argument("--out", default="results/trace", help="output folder (default: results/trace)")
+
+
+def _trace(args) -> int:
+    import time
+
+    from .errors import TracekitError
+    from .experiments.trace import TokenTrace
+    from .models import load_model
+
+    try:
+        exp = TokenTrace(prompts=args.prompt, target=args.target, foil=args.foil, head=args.head,
+                         key_max_tokens=args.key_max_tokens)
+    except ValueError as e:
+        _err(str(e))
+        return 2
+    try:
+        kw = {"device": args.device} if args.device else {}
+        model = load_model(args.model, **kw)
+        t0 = time.perf_counter()
+        res = exp.run(model, progress=False)
+        d = res.save(args.out)
+    except TracekitError as e:
+        _err(f"{type(e).__name__}: {e}")
+        return 2
+    print(res.report())
+    print(f"report: {d / 'report.html'} ({time.perf_counter() - t0:.1f} s after the model loaded)")
+    return 0
 
 
 def _err(msg: str) -> None:
@@ -118,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "show":
         return _show(args.run_dir)
+    if args.cmd == "trace":
+        return _trace(args)
 
     import logging
 

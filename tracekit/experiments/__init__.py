@@ -12,6 +12,7 @@ from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, Neuron
 from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
 from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
 from .sae import SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult
+from .trace import TokenTrace, TokenTraceResult
 
 __all__ = [
     "REGISTRY", "RESULTS", "Expectation", "Experiment", "Result", "StrictModel", "register",
@@ -22,4 +23,5 @@ __all__ = [
     "AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult",
     "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
     "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult",
+    "TokenTrace", "TokenTraceResult",
 ]

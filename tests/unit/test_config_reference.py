@@ -1,0 +1,76 @@
+"""The config reference generator (docs/gen_config_reference.py): every field of every kind with type,
+default, constraints and description; an undocumented field fails the generation."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from pydantic import Field
+
+from tracekit.experiments import REGISTRY
+from tracekit.experiments.base import Experiment, Result
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gen():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", ROOT / "docs" / "gen_config_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_docstring_fields_parser():
+    class K(Experiment):
+        """A kind.
+
+        Fields:
+            alpha: first line
+                continued.
+            beta, gamma: shared text.
+        """
+
+        kind: Literal["k_test"] = "k_test"
+        alpha: int = 1
+        beta: int = 2
+        gamma: int = Field(default=3, ge=0)
+
+    d = _gen().docstring_fields(K)
+    assert d["alpha"] == "first line continued."
+    assert d["beta"] == d["gamma"] == "shared text."
+
+
+def test_undocumented_field_fails(monkeypatch):
+    class Bad(Experiment):
+        """A kind whose field has no description."""
+
+        kind: Literal["bad_test"] = "bad_test"
+        mystery: int = Field(default=0, ge=0)
+        result_class = Result
+
+    gen = _gen()
+    monkeypatch.setitem(REGISTRY, "bad_test", Bad)
+    text, missing = gen.generate()
+    assert "Bad.mystery" in missing
+    assert gen.main(["--check"]) == 1
+
+
+def test_token_trace_fully_documented():
+    gen = _gen()
+    text, missing = gen.generate()
+    assert not [m for m in missing if m.startswith("TokenTrace.")]
+    sec = text.split("`kind: token_trace`")[1].split("\n## ")[0]
+    for name in REGISTRY["token_trace"].model_fields:
+        assert f"| `{name}` |" in sec
+    assert "| `top_neurons` | `int` | `5` | >= 1, <= 100 |" in sec
+    assert "**required**" in sec  # prompts
+
+
+@pytest.mark.xfail(strict=False, reason="kinds and shared config models owned by other branches still lack field "
+                   "descriptions (see the generator's --check output); remove this mark once they have them")
+def test_every_config_field_is_documented():
+    _, missing = _gen().generate()
+    assert missing == []

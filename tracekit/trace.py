@@ -1,0 +1,593 @@
+"""The "Life of a Token" trace: one prompt through every stage of the model, one report.
+
+Like the article "Life of a Token" (after Chrome's "Life of a Pixel"), :func:`token_trace` follows
+one prompt through a model and collects, per stage, the numbers tracekit's engines compute:
+
+1. tokenization (ids, leading-space marker, BOS), 2. embedding (norms, nearest tokens, vector
+analogies), 3. attention at the last position (every head, labelled; raw scores of one head),
+4. FFN neurons as key-value memories at the block where the target jumps (Geva et al. 2021/2022),
+5. direct logit attribution per component (Elhage et al. 2021), 6. logit lens (nostalgebraist
+2020), 7. SAE features (not configured: placeholder), 8. output distribution and sampling
+(temperature / top-k / top-p as Hugging Face's logits warpers apply them), 9. cost arithmetic
+(parameters by part, KV-cache bytes, decode arithmetic intensity).
+
+Every section is computed by an existing engine (:mod:`tracekit.logit_lens`, the attribution,
+neuron and attention engines); the calls into engines that are being moved live in the adapter
+block below (``_dla``, ``_value_readout``, ``_key_readout``, ``_attention``, ``_classify``), the only
+place to repoint when those modules are renamed. This module shapes tidy tables only; the report
+(HTML + Markdown) is rendered from the tables by :func:`render_html` / :func:`render_markdown`.
+
+Notebook use::
+
+    from tracekit.trace import token_trace
+    tr = token_trace(model, "The capital of China is Beijing. The capital of France is", target=" Paris")
+    tr.tables["lens"]; tr.meta["jump_layer"]
+"""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import io
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .errors import AttentionError, TokenizationError
+from .logit_lens import landmarks, logit_lens
+from .tokens import run_with_cache, single_token_id, str_tokens, tokenize
+
+__all__ = ["TokenTrace", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
+           "render_html", "render_markdown", "SECTIONS", "parse_head"]
+
+
+# ---------------------------------------------------------------------------------------------
+# ADAPTER: every call into an engine that is being restructured. Repoint these at merge time.
+#   attribution.direct_logit_attribution -> dla.logit_attribution
+#   attribution.value_readout / key_readout -> neurons.value_readout / key_readout
+#   heads.AttentionPattern (dataclass; _attention reads its hooks for all layers in one pass) /
+#   heads.classify_heads -> attention.AttentionPattern / attention.classify_heads
+
+
+def _dla(model, prompt: str, target: str, foil: Optional[str], neuron_layers: Sequence[int]):
+    """Direct logit attribution of the last position (one record with embed/pos_embed/attn/mlp/
+    heads/bias parts summing to the logit (difference); neuron parts for ``neuron_layers``)."""
+    from .attribution import direct_logit_attribution
+
+    return direct_logit_attribution(model, [prompt], target, foil, position=-1, neuron_layers=list(neuron_layers))[0]
+
+
+def _value_readout(model, layer: int, neuron: int, k: int, sign: float) -> pd.DataFrame:
+    from .attribution import value_readout
+
+    return value_readout(model, layer, neuron, k=k, sign=sign)
+
+
+def _key_readout(model, neurons, signs, top_n: int, max_tokens: int, corpus=None):
+    from .attribution import key_readout
+
+    return key_readout(model, neurons, corpus, top_n=top_n, max_tokens=max_tokens, signs=signs, progress=False)
+
+
+def _attention(model, prompt: str, layers: Sequence[int]) -> list:
+    """One attention-pattern record per layer (``.tokens``, ``.layer``, ``.scores`` and ``.weights``
+    ``[head, q, k]``), from ONE forward pass.
+
+    The engine's ``attention_pattern(model, prompt, layer)`` runs the whole model for each layer
+    (30 passes on SmolLM2-135M, most of the trace's time); this reads the same two hooks it reads
+    (``hook_attn_scores``, ``hook_pattern``) for every layer in a single cached pass and builds the
+    engine's own dataclass. ``tests/integration/test_trace.py`` checks it equals the engine layer by
+    layer. Repoint at merge time: the attention engine's pattern function (multi-layer if it has one).
+    """
+    from .heads import AttentionPattern
+
+    names = [n for L in layers for n in (f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern")]
+    batch = tokenize(model, [prompt])
+    _, cache = run_with_cache(model, batch, names)
+    toks = str_tokens(model, batch.ids[0])
+    return [AttentionPattern(toks, L, cache[f"blocks.{L}.attn.hook_attn_scores"][0].float().cpu(),
+                             cache[f"blocks.{L}.attn.hook_pattern"][0].float().cpu()) for L in layers]
+
+
+def _classify(weights, queries) -> pd.DataFrame:
+    """``head, self, first, previous, entropy_norm, max_key_weight, label`` per head."""
+    from .heads import classify_heads
+
+    return classify_heads(weights, queries=queries)
+
+# END ADAPTER
+# ---------------------------------------------------------------------------------------------
+
+#: Section ids and titles, in report order.
+SECTIONS = [
+    ("tokenization", "1. Tokenization"),
+    ("embedding", "2. Embedding"),
+    ("attention", "3. Attention"),
+    ("ffn", "4. FFN as key-value memory"),
+    ("residual", "5. Residual stream: direct logit attribution"),
+    ("lens", "6. Logit lens"),
+    ("sae", "7. SAE features"),
+    ("output", "8. Output and sampling"),
+    ("cost", "9. Cost arithmetic"),
+]
+
+#: Vector-arithmetic checks: (name, a, b, c, expected) means a - b + c ~ expected.
+ANALOGIES = [
+    ("king - man + woman", " king", " man", " woman", " queen"),
+    ("France + Tokyo - Japan", " Tokyo", " Japan", " France", " Paris"),
+]
+
+#: Sampling settings shown in section 8 (temperature, top_k, top_p; None = off).
+SAMPLING_SETTINGS = [
+    ("greedy", 0.0, None, None),
+    ("T=1", 1.0, None, None),
+    ("T=0.7", 0.7, None, None),
+    ("T=1.5", 1.5, None, None),
+    ("top-k=10", 1.0, 10, None),
+    ("top-p=0.9", 1.0, None, 0.9),
+]
+
+#: The seed article's numbers on GPT-2 Small (shown beside tracekit's when the model is gpt2).
+ARTICLE = {
+    "model": "gpt2",
+    "prompt_ids": {"The capital of France is": [464, 3139, 286, 4881, 318]},
+    "prompt": "The capital of China is Beijing. The capital of France is",
+    "target": " Paris",
+    "target_id": 6342,
+    "final_prob": 0.7467,
+    "jump_layer": 8,
+    "jump_from_prob": 0.0055,
+    "jump_to_prob": 0.8835,
+    "L0H6_weights": {" France": 0.35, " capital": 0.35, "The": 0.22},
+    "L0H6_scores": {" France": -5.20, " capital": -5.34, " of": -24.02},
+    "kv_bytes_per_token_llama31_8b_fp16": 131072,
+    "decode_intensity": 1.0,
+    "a100_ridge": 156.0,
+}
+
+#: Peak dense bf16/fp16 FLOP/s over memory bandwidth (bytes/s) -> ridge point (FLOP/byte).
+DEVICE_RIDGE = {
+    "A100": 312e12 / 2.039e12,
+    "H100": 989e12 / 3.35e12,
+    "H200": 989e12 / 4.8e12,
+    "L4": 121e12 / 0.3e12,
+    "A10": 125e12 / 0.6e12,
+    "T4": 65e12 / 0.32e12,
+}
+
+
+@dataclass
+class TokenTrace:
+    """The trace of one prompt: ``tables`` (section name -> tidy DataFrame) and ``meta`` (headline
+    numbers: target, jump/emergence, logit, sums; JSON-able)."""
+
+    tables: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+def parse_head(spec, model, field_name: str = "head") -> tuple[int, int]:
+    """``"L0H6"`` / ``[0, 6]`` / None (-> L0H6 when layer 0 has a head 6, else L0H0) to (layer, head).
+
+    Raises:
+        AttentionError: malformed or out of range (naming ``field_name``).
+    """
+    n_layers, n_heads = int(model.cfg.n_layers), int(model.cfg.n_heads)
+    if spec is None:
+        return (0, 6) if n_heads > 6 else (0, 0)
+    if isinstance(spec, str):
+        m = re.fullmatch(r"\s*L(\d+)\s*H(\d+)\s*", spec, re.I)
+        if not m:
+            raise AttentionError(f"{field_name}: {spec!r} is not a head; write it as 'L<layer>H<head>', e.g. 'L0H6'")
+        L, H = int(m.group(1)), int(m.group(2))
+    else:
+        L, H = (int(x) for x in spec)
+    if not (0 <= L < n_layers and 0 <= H < n_heads):
+        raise AttentionError(f"{field_name}: L{L}H{H} does not exist; the model has {n_layers} layers of "
+                            f"{n_heads} heads (L0H0..L{n_layers - 1}H{n_heads - 1})")
+    return L, H
+
+
+def _tok_id(model, text: str) -> Optional[int]:
+    try:
+        return single_token_id(model, text, field="analogy")
+    except TokenizationError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+
+def _tokenization(model, batch) -> pd.DataFrame:
+    from .models import bos_info
+
+    ids = list(batch.ids[0])
+    toks = str_tokens(model, ids)
+    bos = bos_info(model)
+    rows = []
+    for i, (t, tid) in enumerate(zip(toks, ids)):
+        is_bos = bool(bos["prepend_bos"] and i == 0 and tid == bos["bos_token_id"])
+        rows.append({"position": i, "token": t, "token_id": int(tid), "is_bos": is_bos,
+                     "leading_space": (not is_bos) and t[:1] in (" ", "\u0120", "\u2581")})
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def _embedding(model, ids: list[int], n_nearest: int):
+    W_E = model.W_E.detach().float().cpu()
+    norms = W_E[ids].norm(dim=-1)
+    W_pos = getattr(model, "W_pos", None) if "hook_pos_embed" in model.hook_dict else None
+    pos_norm = [float(W_pos[i].float().norm()) for i in range(len(ids))] if W_pos is not None else [None] * len(ids)
+    norms_df = pd.DataFrame({"position": range(len(ids)), "token": str_tokens(model, ids), "token_id": ids,
+                             "embed_norm": norms.numpy(), "pos_embed_norm": pos_norm})
+    unit = W_E / W_E.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    last = ids[-1]
+    cos = unit @ unit[last]
+    cos[last] = -2.0
+    v, i = cos.topk(min(n_nearest, len(cos) - 1))
+    nearest = pd.DataFrame({"rank": range(1, len(v) + 1), "token": str_tokens(model, i.tolist()),
+                            "token_id": i.tolist(), "cosine": v.numpy()})
+    rows = []
+    for name, a, b, c, exp in ANALOGIES:
+        words = [a, b, c, exp]
+        wid = [_tok_id(model, w) for w in words]
+        row = {"analogy": name, "expected": exp, "status": "ok", "rank": None, "top5": None}
+        if any(x is None for x in wid):
+            bad = [w for w, x in zip(words, wid) if x is None]
+            row["status"] = f"skipped: {', '.join(repr(w) for w in bad)} not a single token"
+            rows.append(row)
+            continue
+        q = unit[wid[0]] - unit[wid[1]] + unit[wid[2]]
+        sims = unit @ (q / q.norm())
+        sims[wid[:3]] = -2.0  # the inputs are excluded, as in word2vec's analogy evaluation
+        row["rank"] = int((sims > sims[wid[3]]).sum()) + 1
+        row["top5"] = ", ".join(repr(t) for t in str_tokens(model, sims.topk(5).indices.tolist()))
+        rows.append(row)
+    return norms_df, nearest, pd.DataFrame(rows)
+
+
+def _attention_section(model, prompt: str, head: tuple[int, int]):
+    rows, labels, picked = [], [], None
+    for ap in _attention(model, prompt, range(int(model.cfg.n_layers))):
+        L = ap.layer
+        q = len(ap.tokens) - 1
+        w = ap.weights[:, q, : q + 1]
+        for h in range(w.shape[0]):
+            for k in range(q + 1):
+                rows.append({"layer": L, "head": h, "key_pos": k, "key_token": ap.tokens[k], "weight": float(w[h, k])})
+        cl = _classify(ap.weights, [q] if q >= 1 else [0])
+        cl.insert(0, "layer", L)
+        labels.append(cl)
+        if L == head[0]:
+            picked = pd.DataFrame({"layer": L, "head": head[1], "key_pos": range(q + 1), "key_token": ap.tokens[:q + 1],
+                                   "score": ap.scores[head[1], q, : q + 1].numpy(),
+                                   "weight": ap.weights[head[1], q, : q + 1].numpy()})
+    lab = pd.concat(labels, ignore_index=True)
+    lab["type"] = lab["label"].map({"self": "self", "first": "first-token", "previous": "previous-token",
+                                    "spread": "diffuse", "content": "content"})
+    return pd.DataFrame(rows), lab, picked
+
+
+def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus):
+    contrib = dla.neuron_contrib[layer]
+    act = dla.neuron_act[layer]
+    order = contrib.argsort(descending=True)[:n_neurons].tolist()  # the neurons that write the target most
+    rows, values = [], []
+    for r, n in enumerate(order):
+        sign = 1.0 if float(act[n]) >= 0 else -1.0
+        vr = _value_readout(model, layer, n, n_values, sign)
+        prom = vr[vr["side"] == "promoted"]
+        rows.append({"rank": r + 1, "layer": layer, "neuron": n, "activation": float(act[n]),
+                     "logit_per_activation": float(dla.neuron_value[layer][n]), "contribution": float(contrib[n]),
+                     "promotes": ", ".join(repr(t) for t in prom["token"])})
+        values.append(vr)
+    neurons = pd.DataFrame(rows)
+    contexts = pd.DataFrame(columns=["layer", "neuron", "rank", "activation", "token", "context"])
+    if max_tokens > 0 and order:
+        signs = [1.0 if float(act[n]) >= 0 else -1.0 for n in order]
+        kr = _key_readout(model, [(layer, n) for n in order], signs, key_top_n, max_tokens, corpus)
+        contexts = kr.contexts[["layer", "neuron", "rank", "activation", "token", "context"]]
+    return neurons, pd.concat(values, ignore_index=True) if values else pd.DataFrame(), contexts
+
+
+def _sampling(model, logits: torch.Tensor, target_id: int, seed: int, n_samples: int):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    rows = []
+    base = logits.float().reshape(1, -1)
+    for name, temp, k, p in SAMPLING_SETTINGS:
+        x = base.clone()
+        if temp == 0.0:
+            probs = torch.zeros_like(x)
+            probs[0, int(x.argmax())] = 1.0
+        else:
+            x = TemperatureLogitsWarper(temp)(None, x)
+            if k is not None:
+                x = TopKLogitsWarper(k)(None, x)
+            if p is not None:
+                x = TopPLogitsWarper(p)(None, x)
+            probs = x.softmax(-1)
+        kept = int((probs > 0).sum())
+        g = torch.Generator().manual_seed(seed)
+        draws = torch.multinomial(probs[0], n_samples, replacement=True, generator=g).tolist()
+        top = probs[0].topk(3)
+        rows.append({"setting": name, "temperature": temp, "top_k": k, "top_p": p, "kept_tokens": kept,
+                     "target_prob": float(probs[0, target_id]),
+                     "top3": ", ".join(f"{t!r} {v:.1%}" for t, v in zip(str_tokens(model, top.indices.tolist()),
+                                                                       top.values.tolist())),
+                     "seed": seed, "samples": " | ".join(repr(t) for t in str_tokens(model, draws))})
+    return pd.DataFrame(rows)
+
+
+def _param_part(name: str) -> str:
+    n = name.lower()
+    if re.search(r"wpe|pos_embed|position_embed", n):
+        return "pos_embed"
+    if re.search(r"wte|embed_tokens|embed\.|w_e\b|word_embed", n):
+        return "embed"
+    if re.search(r"lm_head|unembed|w_u\b", n):
+        return "unembed"
+    if re.search(r"norm|ln_|\bln|layernorm", n):
+        return "norms"
+    if re.search(r"attn|attention|self_attn|q_proj|k_proj|v_proj|o_proj", n):
+        return "attention"
+    if re.search(r"mlp|ffn|fc|gate_proj|up_proj|down_proj", n):
+        return "mlp"
+    return "other"
+
+
+def _tied(model) -> bool:
+    cfg = getattr(getattr(model, "original_model", None), "config", None)
+    v = getattr(model.cfg, "tie_word_embeddings", None)
+    return bool(v if v is not None else getattr(cfg, "tie_word_embeddings", False))
+
+
+def _cost(model, n_tokens: int, device_name: Optional[str]):
+    """Parameters of the model as published: shared tensors once; with tied embeddings the
+    unembedding is the embedding (weight processing folds the final norm into a separate copy, which
+    is not counted); all-zero tensors that weight processing adds (e.g. an unembedding bias) are
+    not counted either."""
+    seen, parts = set(), {}
+    dtype = None
+    tied = _tied(model)
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:  # tied weights counted once
+            continue
+        seen.add(p.data_ptr())
+        dtype = dtype or p.dtype
+        part = _param_part(name)
+        if (part == "unembed" and tied and p.ndim == 2) or not bool(p.detach().ne(0).any()):
+            continue
+        parts[part] = parts.get(part, 0) + p.numel()
+    total = sum(parts.values())
+    params = pd.DataFrame([{"part": k, "parameters": int(v), "share": v / total} for k, v in parts.items()])
+    cfg = model.cfg
+    bytes_per = torch.finfo(dtype).bits // 8 if dtype is not None and dtype.is_floating_point else 4
+    kv_heads = int(getattr(cfg, "n_key_value_heads", None) or cfg.n_heads)
+    per_tok = 2 * int(cfg.n_layers) * kv_heads * int(cfg.d_head) * bytes_per
+    kv = pd.DataFrame([{"context_tokens": c, "kv_cache_bytes": per_tok * c, "dtype": str(dtype).replace("torch.", "")}
+                       for c in (1, n_tokens, 1024, 128 * 1024)])
+    # batch-1 decode: ~2 FLOPs per parameter per token; bytes = weights read once + KV cache read
+    flops = 2 * total
+    moved = total * bytes_per + per_tok * n_tokens
+    ridge = None
+    if device_name:
+        for k, v in DEVICE_RIDGE.items():
+            if k.lower() in device_name.lower():
+                ridge = v
+                break
+    meta = {"parameters": int(total), "tied_embeddings": tied,
+            "dtype": str(dtype).replace("torch.", ""), "bytes_per_value": bytes_per,
+            "kv_heads": kv_heads, "kv_bytes_per_token": per_tok, "decode_flops_per_token": flops,
+            "decode_bytes_per_token": moved, "decode_intensity": flops / moved, "device": device_name,
+            "ridge_point": ridge}
+    return params, kv, meta
+
+
+def _device_name(model) -> Optional[str]:
+    from .models import model_device
+
+    dev = model_device(model)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine
+
+
+@torch.no_grad()
+def token_trace(
+    model,
+    prompt: str,
+    target: Optional[str] = None,
+    foil: Optional[str] = None,
+    head=None,
+    top_neurons: int = 5,
+    value_tokens: int = 5,
+    key_contexts: int = 3,
+    key_max_tokens: int = 1024,
+    corpus=None,
+    n_nearest: int = 10,
+    top_k: int = 10,
+    seed: int = 0,
+    n_samples: int = 5,
+) -> TokenTrace:
+    """Trace ``prompt`` through every stage (module docstring) and return its tables.
+
+    Args:
+        model: a hooked model (TransformerBridge in compatibility mode).
+        prompt: the text.
+        target: the next token followed (exactly one token, leading space included); default: the
+            model's own top-1 prediction.
+        foil: optional second token; attribution then splits ``logit[target] - logit[foil]``.
+        head: the head whose raw (pre-softmax) scores are shown: ``"L0H6"`` (default when it exists,
+            else ``"L0H0"``).
+        top_neurons: neurons shown at the jump block (largest positive direct contribution).
+        value_tokens: promoted tokens per neuron (value readout).
+        key_contexts: top-activating corpus contexts per neuron.
+        key_max_tokens: corpus text tokens read for them (0 skips the key readout).
+        corpus: the corpus (default: the offline stdlib corpus; see :mod:`tracekit.corpus`).
+        n_nearest: nearest tokens (cosine, embedding matrix) of the last token.
+        top_k: final tokens listed.
+        seed: seed of the sampling draws (``torch.Generator``).
+        n_samples: draws per sampling setting.
+
+    Units: probabilities in [0, 1], logits, ranks (1 = top), bytes.
+
+    Raises:
+        TokenizationError: target/foil not one token, prompt too long. AttentionError: bad head.
+        AttributionError: an architecture whose residual stream is not embed + attention + MLP.
+    """
+    import time
+
+    clock = [time.perf_counter()]
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        timings[name] = round(now - clock[0], 3)
+        clock[0] = now
+
+    L_head = parse_head(head, model)
+    batch = tokenize(model, [prompt])
+    ids = [int(i) for i in batch.ids[0]]
+    logits = model(batch.tokens).float()[0, -1].cpu()
+    if target is None:
+        target = model.tokenizer.decode([int(logits.argmax())])
+    target_id = single_token_id(model, target, field="target")
+    foil_id = single_token_id(model, foil, field="foil") if foil is not None else None
+    tables: dict[str, pd.DataFrame] = {}
+    meta: dict = {"prompt": prompt, "target": target, "target_id": target_id, "foil": foil, "foil_id": foil_id,
+                  "n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
+                  "head": f"L{L_head[0]}H{L_head[1]}"}
+
+    lap("forward")
+    # 1. tokenization
+    tables["tokens"] = _tokenization(model, batch)
+    lap("tokenization")
+    # 2. embedding
+    tables["embedding_norms"], tables["nearest"], tables["analogies"] = _embedding(model, ids, n_nearest)
+    lap("embedding")
+    # 6. logit lens (first: the jump picks the FFN block)
+    pl = logit_lens(model, [prompt], [target], position="all", top_k=top_k)[0]
+    hs = [p.hidden_state for p in pl.points]
+    last = len(pl.positions) - 1
+    probs = pl.target_prob[:, last, 0].tolist()
+    ranks = pl.target_rank[:, last, 0].tolist()
+    lm = landmarks(hs, probs, ranks)
+    tables["lens"] = pd.DataFrame({
+        "hidden_state": hs, "layer": [p.layer for p in pl.points], "hook": [p.hook for p in pl.points],
+        "prob": probs, "rank": [int(r) for r in ranks],
+        "top1": str_tokens(model, pl.topk_ids[:, last, 0].tolist()), "top1_prob": pl.topk_probs[:, last, 0].numpy()})
+    H, P = pl.topk_ids.shape[:2]
+    tables["lens_grid"] = pd.DataFrame({
+        "hidden_state": np.repeat(hs, P), "position": np.tile(pl.positions, H),
+        "token": np.tile([pl.tokens[p] for p in pl.positions], H),
+        "top1": str_tokens(model, pl.topk_ids[:, :, 0].reshape(-1).tolist()),
+        "top1_prob": pl.topk_probs[:, :, 0].reshape(-1).numpy()})
+    meta.update({"jump_layer": lm["jump_layer"], "jump": lm["jump"],
+                 "emergence_hidden_state": lm["emergence_hidden_state"], "emergence_layer": lm["emergence_layer"],
+                 "target_prob": float(pl.final_log_prob[last, 0].exp())})
+    lap("lens")
+    # 3. attention
+    tables["attention"], tables["head_types"], tables["head_scores"] = _attention_section(model, prompt, L_head)
+    lap("attention")
+    # 5. direct logit attribution (with the neurons of the jump block)
+    jl = lm["jump_layer"]
+    ffn_layer = jl if jl is not None and jl >= 0 else int(model.cfg.n_layers) - 1
+    dla = _dla(model, prompt, target, foil, [ffn_layer])
+    comp = dla.components_frame().drop(columns=["prompt_idx", "position"])
+    tables["components"] = comp
+    meta.update({"logit": float(dla.logit), "components_sum": float(comp["contribution"].sum()),
+                 "ffn_layer": ffn_layer})
+    hf = dla.heads_frame()
+    tables["heads_dla"] = hf[hf["head"] >= 0].drop(columns=["prompt_idx"]).reset_index(drop=True)
+    lap("residual")
+    # 4. FFN neurons
+    tables["neurons"], tables["neuron_values"], tables["neuron_contexts"] = _ffn_section(
+        model, dla, ffn_layer, top_neurons, value_tokens, key_contexts, key_max_tokens, corpus)
+    meta["key_max_tokens"] = key_max_tokens
+    lap("ffn")
+    # 8. output and sampling
+    p_all = logits.softmax(-1)
+    lp_all = logits.log_softmax(-1)
+    tv, ti = p_all.topk(min(top_k, p_all.numel()))
+    tables["final_topk"] = pd.DataFrame({"rank": range(1, len(tv) + 1), "token": str_tokens(model, ti.tolist()),
+                                         "token_id": ti.tolist(), "prob": tv.numpy(), "log_prob": lp_all[ti].numpy(),
+                                         "logit": logits[ti].numpy()})
+    meta["final_topk_mass"] = float(tv.sum())
+    meta["final_target_rank"] = int((p_all > p_all[target_id]).sum()) + 1
+    tables["sampling"] = _sampling(model, logits, target_id, seed, n_samples)
+    lap("output")
+    # 9. cost
+    tables["params"], tables["kv_cache"], meta["cost"] = _cost(model, len(ids), _device_name(model))
+    lap("cost")
+    meta["timings_s"] = timings
+    return TokenTrace(tables, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# report rendering (from tables + meta only, so a loaded result renders the same report)
+
+
+def fig_to_data_uri(fig) -> str:
+    """A matplotlib figure as an inline ``data:image/png;base64,...`` URI (closes the figure)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _fmt(v, col: str = "") -> str:
+    """A cell: floats to 4 significant digits; counts (parameters, bytes) with thousands separators;
+    ids, positions and ranks as plain integers."""
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return ""
+    big = "bytes" in col or "parameters" in col or "tokens" in col
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):,.0f}" if big and abs(float(v)) >= 1e4 else f"{float(v):.4g}"
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        return f"{int(v):,}" if big else str(int(v))
+    return str(v)
+
+
+def table_rows(df: pd.DataFrame, max_rows: int = 60) -> tuple[list[str], list[list[str]]]:
+    """Column names and formatted cells (strings shown with ``repr`` so spaces are visible)."""
+    cols = list(df.columns)
+    rows = []
+    for rec in df.head(max_rows).itertuples(index=False):
+        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected") else _fmt(v, c)
+                     for c, v in zip(cols, rec)])
+    return cols, rows
+
+
+def _env():
+    import jinja2
+
+    return jinja2.Environment(loader=jinja2.PackageLoader("tracekit", "templates"),
+                              autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True,
+                              lstrip_blocks=True)
+
+
+def render_html(context: dict) -> str:
+    """The self-contained HTML report (figures inline, no external resource)."""
+    return _env().get_template("trace.html.j2").render(**context)
+
+
+def render_markdown(context: dict) -> str:
+    """The Markdown version of the report (figures referenced as the PNG files saved beside it)."""
+    return _env().get_template("trace.md.j2").render(**context)
+
+
+def escape(s: str) -> str:
+    return _html.escape(s)

@@ -56,19 +56,19 @@ __all__ = ["TokenTrace", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTIC
 def _dla(model, prompt: str, target: str, foil: Optional[str], neuron_layers: Sequence[int]):
     """Direct logit attribution of the last position (one record with embed/pos_embed/attn/mlp/
     heads/bias parts summing to the logit (difference); neuron parts for ``neuron_layers``)."""
-    from .attribution import direct_logit_attribution
+    from .dla import logit_attribution
 
-    return direct_logit_attribution(model, [prompt], target, foil, position=-1, neuron_layers=list(neuron_layers))[0]
+    return logit_attribution(model, [prompt], target, foil, position="last", neuron_layers=list(neuron_layers))[0]
 
 
 def _value_readout(model, layer: int, neuron: int, k: int, sign: float) -> pd.DataFrame:
-    from .attribution import value_readout
+    from .neurons import value_readout
 
     return value_readout(model, layer, neuron, k=k, sign=sign)
 
 
 def _key_readout(model, neurons, signs, top_n: int, max_tokens: int, corpus=None):
-    from .attribution import key_readout
+    from .neurons import key_readout
 
     return key_readout(model, neurons, corpus, top_n=top_n, max_tokens=max_tokens, signs=signs, progress=False)
 
@@ -83,7 +83,7 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
     engine's own dataclass. ``tests/integration/test_trace.py`` checks it equals the engine layer by
     layer. Repoint at merge time: the attention engine's pattern function (multi-layer if it has one).
     """
-    from .heads import AttentionPattern
+    from .attention import LayerAttention as AttentionPattern
 
     names = [n for L in layers for n in (f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern")]
     batch = tokenize(model, [prompt])
@@ -95,7 +95,7 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
 
 def _classify(weights, queries) -> pd.DataFrame:
     """``head, self, first, previous, entropy_norm, max_key_weight, label`` per head."""
-    from .heads import classify_heads
+    from .attention import classify_heads
 
     return classify_heads(weights, queries=queries)
 

@@ -265,7 +265,7 @@ def test_direct_equals_zeroing_effect_at_last_block(tmp_path, perturbed_model):
     hook = last_resid(m)
     h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, hook))), m)
     dec = feature_decomposition(m, h, PROMPT, " Paris", " London")
-    from tracekit.attribution import resolve_target
+    from tracekit.dla import resolve_target
     from tracekit.tokens import encode, pad_ids
 
     tgt = resolve_target(m, " Paris", " London")

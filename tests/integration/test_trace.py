@@ -199,7 +199,7 @@ def test_attention_rows_are_distributions_and_scores_match(traced):
 
 def test_attention_adapter_equals_the_engine_per_layer(tiny_model):
     """The trace reads every layer's pattern in one pass; it must equal the engine's per-layer call."""
-    from tracekit.heads import attention_pattern
+    from tracekit.attention import attention_pattern
     from tracekit.trace import _attention
 
     n = int(tiny_model.cfg.n_layers)

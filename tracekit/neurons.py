@@ -379,11 +379,11 @@ def neuron_intervention(
     prompt: str,
     target: str,
     neurons: Sequence,
-    mode: Literal["zero", "mean", "scale"] = "zero",
+    mode: str = "zero",  # zero | mean | scale (checked below, with the field named)
     foil: Optional[str] = None,
     means: Optional[dict] = None,
     factor: float = 2.0,
-    intervene_at: Literal["position", "all"] = "position",
+    intervene_at: str = "position",  # position | all (checked below, with the field named)
     position: Union[PositionSpec, Position] = "last",
     freeze_downstream: bool = False,
     clean_metrics: Optional[dict] = None,

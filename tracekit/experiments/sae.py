@@ -75,11 +75,16 @@ class SAEInterventionConfig(StrictModel):
     Fields:
         features: ``top`` (the step's top ``k`` features of each prompt by |contribution|) or a list
             of feature indices.
-        k: how many top features. modes: ``ablate`` (activation -> 0), ``clamp`` (-> ``clamp_value``),
-            ``steer`` (add ``steer_values`` x the decoder row).
-        positions: ``all`` (every non-special token), ``last``, or token indices.
+        k: how many top features.
+        modes: ``ablate`` (activation -> 0), ``clamp`` (-> ``clamp_value``), ``steer`` (add
+            ``steer_values`` x the decoder row).
+        clamp_value: the activation ``clamp`` sets.
+        steer_values: the multiples of the decoder row ``steer`` adds.
+        intervene_at: where the edit applies: ``all`` (every non-special token), ``position`` (the
+            step's read position), or a list of token indices.
         n_random: random control sets of the same size (features active on the prompt for
-            ablate/clamp; any feature for steer). seed: their seed.
+            ablate/clamp; any feature for steer).
+        seed: the random control sets' seed.
     """
 
     features: Literal["top"] | list[int] = "top"
@@ -87,9 +92,16 @@ class SAEInterventionConfig(StrictModel):
     modes: list[Literal["ablate", "clamp", "steer"]] = Field(default_factory=lambda: ["ablate", "steer"])
     clamp_value: float = 0.0
     steer_values: list[float] = Field(default_factory=lambda: [10.0])
-    positions: Literal["all", "last"] | list[int] = "all"
+    intervene_at: Literal["all", "position"] | list[int] = "all"
     n_random: int = Field(default=3, ge=0)
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data):
+        if isinstance(data, dict) and "positions" in data:
+            raise ValueError("'positions' was renamed to 'intervene_at' (all | position | token indices)")
+        return data
 
 
 class SAEDashboardConfig(StrictModel):
@@ -391,7 +403,8 @@ class SAEFeatures(Experiment):
             if not chosen:
                 continue
             d = decs[i]
-            pos = ("all" if cfg.positions == "all" else [d.position] if cfg.positions == "last" else cfg.positions)
+            pos = ("all" if cfg.intervene_at == "all" else [d.position] if cfg.intervene_at == "position"
+                   else cfg.intervene_at)
             pool = (d.acts != 0).any(0).nonzero().flatten().tolist()
             sets = [("top", 0, chosen)]
             for r in range(cfg.n_random):

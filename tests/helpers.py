@@ -47,8 +47,9 @@ def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, 
     key = (arch, process_weights, tied, prepend_bos, padding_side, n_layers)
     if key in _PERTURBED:
         return _PERTURBED[key]
-    from tracekit.models import ModelSpec, _load_tokenizer, _random_config, wrap_hf_model
     from transformers import AutoModelForCausalLM
+
+    from tracekit.models import ModelSpec, _load_tokenizer, _random_config, wrap_hf_model
 
     spec = ModelSpec(name=arch, random_init=True, tokenizer=GPT2_BPE,
                      config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,

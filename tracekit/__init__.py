@@ -15,24 +15,60 @@ one engine module per method, ``experiments`` (the kinds over the engines), ``co
 ``runner``/``cli`` (``tracekit run``), ``errors`` (one error root).
 """
 
-from .errors import (AttentionError, AttributionError, ConfigError, CorpusError, HookError, ModelLoadError,
-                     OutputError, PatchingError, ProbingError, ResultLoadError, SAEError, TokenizationError,
-                     TracekitError)
-from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spec_of, wrap_hf_model
-from .readout import Readout
-from .tokens import Position, parse_position
-from .experiments import (REGISTRY, AblationConfig, ActivationPatching, ActivationPatchingResult,
-                          AttentionPattern, AttentionPatternResult, DirectLogitAttribution,
-                          DirectLogitAttributionResult, Expectation, Experiment, HeadScan, HeadScanResult,
-                          KeyReadoutConfig, LinearProbe, LinearProbeResult, LogitLens, LogitLensResult,
-                          NeuronAttribution, NeuronAttributionResult, ProbeDatasetSpec, PromptPair, Result,
-                          SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult,
-                          register)
-from .sae import SAESpec
-from .experiments.trace import TokenTrace, TokenTraceResult
 from .config import RunConfig, load_config, parse_config
+from .errors import (
+                     AttentionError,
+                     AttributionError,
+                     ConfigError,
+                     CorpusError,
+                     HookError,
+                     ModelLoadError,
+                     OutputError,
+                     PatchingError,
+                     ProbingError,
+                     ResultLoadError,
+                     SAEError,
+                     TokenizationError,
+                     TracekitError,
+)
+from .experiments import (
+                     REGISTRY,
+                     AblationConfig,
+                     ActivationPatching,
+                     ActivationPatchingResult,
+                     AttentionPattern,
+                     AttentionPatternResult,
+                     DirectLogitAttribution,
+                     DirectLogitAttributionResult,
+                     Expectation,
+                     Experiment,
+                     HeadScan,
+                     HeadScanResult,
+                     KeyReadoutConfig,
+                     LinearProbe,
+                     LinearProbeResult,
+                     LogitLens,
+                     LogitLensResult,
+                     NeuronAttribution,
+                     NeuronAttributionResult,
+                     ProbeDatasetSpec,
+                     PromptPair,
+                     Result,
+                     SAEEval,
+                     SAEEvalResult,
+                     SAEFeatures,
+                     SAEFeaturesResult,
+                     SAETrain,
+                     SAETrainResult,
+                     register,
+)
+from .experiments.trace import TokenTrace, TokenTraceResult
+from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spec_of, wrap_hf_model
 from .probing import load_probe_directions
+from .readout import Readout
+from .sae import SAESpec
 from .sweep import load_results, run_sweep
+from .tokens import Position, parse_position
 
 __version__ = "0.2.0"
 __all__ = [

@@ -297,7 +297,7 @@ def logit_attribution(
             sigma = float(cache["ln_final.hook_scale"][b, p].float().reshape(-1)[0])
             inv = 1.0 / sigma
 
-            def dot(x):
+            def dot(x, b=b, p=p, inv=inv):
                 return float(x[b, p].float() @ ue.to(x.device)) * inv
 
             embed = dot(cache["hook_embed"])

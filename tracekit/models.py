@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 import os
 import socket
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -631,8 +631,8 @@ def _info_from_config(spec: ModelSpec, config, tok, bridge_name: str) -> ModelIn
     import copy
     import re
 
-    from transformers import AutoModelForCausalLM
     from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM
 
     n_layers = None
     small = copy.deepcopy(config)

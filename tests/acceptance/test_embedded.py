@@ -33,7 +33,6 @@ def test_main_job_through_the_cli(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_lens_last_layer_equals_output(embedded_model):
-    import torch
 
     res = tk.LogitLens(prompts=[PROMPT, "The capital of Italy is"], target=[" Paris", " Rome"]).run(
         embedded_model, progress=False)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GPT2_BPE
 
+from helpers import GPT2_BPE
 from tracekit import cache
 
 ROOT = Path(__file__).resolve().parents[2]

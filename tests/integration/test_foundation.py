@@ -15,7 +15,6 @@ from tracekit.errors import ResultLoadError, TokenizationError
 from tracekit.hooks import state_guard
 from tracekit.tokens import encode, parse_position, single_token_id, tokenize
 
-
 # ---- positions -------------------------------------------------------------------------------
 
 def test_position_forms_and_errors(tiny_gpt2):
@@ -53,8 +52,9 @@ def test_bos_default_follows_the_tokenizer():
 
 
 def test_bos_default_when_the_tokenizer_adds_one():
-    from tracekit.models import tokenizer_adds_bos
     from transformers import GPT2TokenizerFast
+
+    from tracekit.models import tokenizer_adds_bos
 
     tok = GPT2TokenizerFast.from_pretrained(GPT2_BPE)
     assert tokenizer_adds_bos(tok) is False

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import tracekit as tk
+from helpers import make_tiny
 from tracekit.logit_lens import emergence_hidden_state, landmarks, lens_points
 from tracekit.tokens import encode, tokenize
-
-from helpers import make_tiny
 
 PROMPTS = [
     "The capital of China is Beijing. The capital of France is",

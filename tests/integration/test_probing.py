@@ -11,15 +11,33 @@ import pytest
 import torch
 
 import tracekit as tk
+from helpers import make_tiny
 from tracekit.probing import (
-    EMBEDDING_HOOK, Activations, ProbingWarning, SplitLeakError, Split, bootstrap_metrics, bootstrap_weights,
-    check_no_overlap, control_labels, country_dataset, extract_activations, fit_probe, group_kfold, group_split,
-    held_out_units, inner_splits, load_countries, load_probe_dataset, load_probe_directions, probe_hooks,
-    probe_layers, probe_metrics, split_bootstrap_weights,
+    EMBEDDING_HOOK,
+    Activations,
+    ProbingWarning,
+    Split,
+    SplitLeakError,
+    bootstrap_metrics,
+    bootstrap_weights,
+    check_no_overlap,
+    control_labels,
+    country_dataset,
+    extract_activations,
+    fit_probe,
+    group_kfold,
+    group_split,
+    held_out_units,
+    inner_splits,
+    load_countries,
+    load_probe_dataset,
+    load_probe_directions,
+    probe_hooks,
+    probe_layers,
+    probe_metrics,
+    split_bootstrap_weights,
 )
 from tracekit.tokens import parse_position
-
-from helpers import make_tiny
 
 # float32 activations: padded vs unpadded forward passes differ by reduction order only (~1e-6);
 # 1e-4 absolute leaves two orders of magnitude of margin on O(1) activations.

@@ -349,9 +349,10 @@ def test_dead_features_same_at_any_batch_size(tmp_path, tiny_gpt2):
 
 def test_quality_agrees_with_sae_lens_evals(tmp_path):
     """Same SAE, same tokens (no BOS, no padding: nothing masked) -> sae_lens.evals' numbers."""
-    from helpers import make_tiny
     from sae_lens.evals import get_recons_loss, get_sparsity_and_variance_metrics
     from sae_lens.training.activation_scaler import ActivationScaler
+
+    from helpers import make_tiny
 
     m = make_tiny("gpt2", prepend_bos=False)
     h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre"))), m)

@@ -81,7 +81,6 @@ def test_trained_sae_refused_on_raw_model(tmp_path, monkeypatch):
     """An SAE trained on a processed model is refused on the same weights loaded without
     processing (another residual basis), before any forward pass."""
     from helpers import make_tiny
-
     from tracekit.errors import SAEError
 
     m = make_tiny("gpt2")

@@ -4,12 +4,12 @@ Each module defines one family of kinds and registers them with ``@register``; t
 here explicitly (a new kind: a module here plus one import line).
 """
 
-from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
-from .logit_lens import LogitLens, LogitLensResult
-from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs
-from .dla import DirectLogitAttribution, DirectLogitAttributionResult
-from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
 from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
+from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
+from .dla import DirectLogitAttribution, DirectLogitAttributionResult
+from .logit_lens import LogitLens, LogitLensResult
+from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
+from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs
 from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
 from .sae import SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult
 from .trace import TokenTrace, TokenTraceResult

@@ -23,8 +23,15 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
-from ..attention import (POSITION_FORMS, attention_pattern, check_heads, check_layer, classify_heads, head_scores,
-                         resolve_position)
+from ..attention import (
+    POSITION_FORMS,
+    attention_pattern,
+    check_heads,
+    check_layer,
+    classify_heads,
+    head_scores,
+    resolve_position,
+)
 from ..tokens import PositionSpec, parse_position
 from .base import Experiment, OptionalPrompts, Prompts, Result, register
 

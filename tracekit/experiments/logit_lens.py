@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 
 from .. import plotting
 from ..logit_lens import LENS_POSITIONS, LayerConvention, landmarks, lens_points, logit_lens
-from ..tokens import encode, parse_position, single_token_id, str_tokens, check_length
+from ..tokens import check_length, encode, parse_position, single_token_id, str_tokens
 from .base import Experiment, Prompts, Result, register
 
 __all__ = ["LogitLens", "LogitLensResult"]

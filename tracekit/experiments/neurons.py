@@ -23,8 +23,14 @@ from tqdm.auto import tqdm
 
 from .. import plotting
 from ..dla import POSITION_FORMS, check_layers, resolve_target
-from ..neurons import (key_readout, neuron_contributions, neuron_intervention, prompt_means, random_neurons,
-                       value_readout)
+from ..neurons import (
+    key_readout,
+    neuron_contributions,
+    neuron_intervention,
+    prompt_means,
+    random_neurons,
+    value_readout,
+)
 from ..tokens import PositionSpec, parse_position
 from .base import Experiment, Prompts, Result, StrictModel, register
 from .dla import check_prompt_positions
@@ -161,7 +167,7 @@ class NeuronAttributionResult(Result):
         s = self.summary()
         lines = [f"neuron attribution [{self.config.step_name}] metric {s['metric']} = {s['logit']:.4f} logits; "
                  f"layers {s['layers'] if len(s['layers']) <= 8 else str(len(s['layers'])) + ' layers'}",
-                 f"MLP direct attribution by layer: " + ", ".join(
+                 "MLP direct attribution by layer: " + ", ".join(
                      f"{L}: {v:+.3f}" for L, v in zip(s["layers"], s["mlp_attribution_by_layer"])
                      if len(s["layers"]) <= 8 or abs(v) > 0.2),
                  f"neurons + b_out = MLP attribution, max |error| {s['max_additivity_error']:.2e}",

@@ -48,8 +48,18 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from ..errors import ProbingError
 from ..hooks import check_hooks
 from ..probing import (
-    EMBEDDING_HOOK, SITES, ProbeDataset, country_dataset, extract_activations, group_kfold, group_split,
-    load_probe_dataset, load_probe_directions, probe_hooks, probe_layers, row_positions,
+    EMBEDDING_HOOK,
+    SITES,
+    ProbeDataset,
+    country_dataset,
+    extract_activations,
+    group_kfold,
+    group_split,
+    load_probe_dataset,
+    load_probe_directions,
+    probe_hooks,
+    probe_layers,
+    row_positions,
 )
 from ..probing.extract import POSITION_FORMS_PROBING
 from ..tokens import PositionSpec, encode, parse_position

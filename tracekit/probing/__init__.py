@@ -35,8 +35,16 @@ from .directions import load_probe_directions
 from .extract import EMBEDDING_HOOK, SITES, Activations, extract_activations, probe_hooks, row_positions
 from .fit import FittedProbe, LayerProbes, ProbingWarning, fit_probe, probe_layers
 from .metrics import bootstrap_metrics, bootstrap_weights, percentile_ci, probe_metrics, split_bootstrap_weights
-from .splits import (Split, SplitLeakError, check_no_overlap, control_labels, group_kfold, group_split,
-                     held_out_units, inner_splits)
+from .splits import (
+                     Split,
+                     SplitLeakError,
+                     check_no_overlap,
+                     control_labels,
+                     group_kfold,
+                     group_split,
+                     held_out_units,
+                     inner_splits,
+)
 
 __all__ = [
     "ProbeDataset", "load_probe_dataset", "read_table", "country_dataset", "load_countries", "COUNTRY_TEMPLATES",

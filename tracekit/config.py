@@ -132,7 +132,16 @@ def yaml_load(text: str, source: str = "<string>") -> Any:
 
 
 class RunConfig(StrictModel):
-    """A whole config file: the model, a seed and a list of experiment steps."""
+    """A whole config file: the model, a seed and a list of experiment steps.
+
+    Fields:
+        model: the model spec (``model:`` mapping, see the model spec section); default: the
+            :class:`ModelSpec` defaults.
+        seed: the run seed; Python, NumPy and torch RNGs are re-seeded with it before every step
+            (default 0). Recorded in the run's manifest.
+        description: free text recorded in the run's manifest (default none); no effect on results.
+        experiments: the steps to run, in order (a list of mappings, each with a ``kind``; required).
+    """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
 

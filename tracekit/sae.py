@@ -102,7 +102,9 @@ class SAETrainSpec(_Strict):
         architecture: ``topk`` (Gao et al. 2024; default) or ``standard`` (ReLU + L1).
         d_sae: number of features (default ``expansion_factor x d_in``).
         expansion_factor: used when ``d_sae`` is not given.
-        k: active features per token (``topk``). l1_coefficient: sparsity penalty (``standard``).
+        k: active features per token (``topk``).
+        l1_coefficient: L1 sparsity penalty coefficient of the ``standard`` architecture (default
+            5.0; ignored by ``topk``).
         training_tokens: activations the SAE is trained on (SAELens' ``training_tokens``; more than
             ``dataset_tokens`` means several passes over them).
         dataset_tokens: distinct corpus tokens trained on: the first ``dataset_tokens`` of the
@@ -145,6 +147,12 @@ class SAESpec(_Strict):
     * ``train``: an :class:`SAETrainSpec` (trained once, then loaded from the cache).
 
     The SAE is always put on the model's device and dtype, whatever its ``cfg.json`` says.
+
+    Fields:
+        release: a SAELens pretrained release name (``gpt2-small-res-jb``); needs ``id``.
+        id: the SAE's id within ``release`` (``blocks.8.hook_resid_pre``); needs ``release``.
+        path: a local directory in SAELens' format (``cfg.json`` + ``sae_weights.safetensors``).
+        train: an :class:`SAETrainSpec`: train the SAE on this model once, then load it from the cache.
     """
 
     release: str | None = None

@@ -69,8 +69,6 @@ def test_token_trace_fully_documented():
     assert "**required**" in sec  # prompts
 
 
-@pytest.mark.xfail(strict=False, reason="kinds and shared config models owned by other branches still lack field "
-                   "descriptions (see the generator's --check output); remove this mark once they have them")
 def test_every_config_field_is_documented():
     _, missing = _gen().generate()
     assert missing == []

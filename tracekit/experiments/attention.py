@@ -267,11 +267,20 @@ class HeadScan(Experiment):
     """Previous-token / induction scores of every head (Olsson et al. 2022) and head labels.
 
     Fields:
-        seq_len: random tokens per half of the repeated sequence. n_seqs: sequences. seed.
+        seq_len: random tokens per half of the repeated sequence.
+        n_seqs: repeated random-token sequences the previous-token / induction scores are averaged
+            over (default 4).
+        seed: seed of the random tokens of the repeated sequences (default 0).
         layers: ``all`` or a list.
         prompts: optional prompts on which each head is labelled (self/first/previous/spread/content),
             averaged over query positions >= 1.
-        top_k: heads listed in the summary. induction_threshold: score counted as an induction head.
+        top_k: heads listed in the summary.
+        induction_threshold: induction score (attention probability, in [0, 1]; default 0.3) at or
+            above which a head is counted in the summary's ``n_induction_heads``.
+        dominance: head labelling on ``prompts``: a head is labelled ``self``/``first``/``previous``
+            when its mean attention mass on that key is >= this (in (0, 1]; default 0.4).
+        spread_entropy: head labelling: otherwise a head is ``spread`` when its normalised attention
+            entropy ``H / log(q+1)`` is >= this (in (0, 1]; default 0.9), else ``content``.
 
     Raises:
         AttentionError: unknown layer, or sequences longer than the context.

@@ -121,6 +121,15 @@ class Expectation(StrictModel):
     Met when ``|observed - value| <= atol`` (if ``value`` is a number), ``observed == value`` (if
     ``value`` is a string or bool), and within ``[min, max]``. ``atol``, ``min`` and ``max`` must be
     finite numbers; ``atol`` needs a numeric ``value``.
+
+    Fields:
+        metric: the ``summary()`` key to check, optionally indexed (``target_prob_by_layer[8]``); required.
+        value: the expected value: a number (compared with ``atol``), a string or a bool (compared
+            exactly); default none (then ``min`` and/or ``max`` must be given).
+        atol: absolute tolerance for a numeric ``value``, in the metric's units (>= 0; default 0 = exact).
+        min: inclusive lower bound on the observed value (default none: no lower bound).
+        max: inclusive upper bound on the observed value (default none: no upper bound).
+        note: free text shown with the check's report row (e.g. the source of the reference value).
     """
 
     metric: str

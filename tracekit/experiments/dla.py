@@ -119,8 +119,9 @@ class DirectLogitAttribution(Experiment):
 
     Fields:
         prompts: one string or a list (each attributed separately; summary shows prompt 0).
-        target: one-token string, e.g. ``" Paris"``. foil: optional one-token string; the metric
-            becomes ``logit[target] - logit[foil]``.
+        target: one-token string, e.g. ``" Paris"``.
+        foil: optional one-token string; with it the metric becomes the logit difference
+            ``logit[target] - logit[foil]`` (default none: the target's logit alone).
         position: the read position (:class:`tracekit.tokens.Position`): an int (BOS counted when
             prepended; negative from the end), ``last`` (default) or ``token:<text>``.
         top_k: components / heads listed in the summary.

@@ -77,7 +77,8 @@ class AblationConfig(StrictModel):
         modes: ``zero`` and/or ``mean`` (the corpus mean from the key readout when it runs,
             else the mean over the prompt's tokens).
         amplify: finite factor(s) the activations are multiplied by (e.g. 2.0); empty list: none.
-        n_random: random control sets drawn. seed: their seed.
+        n_random: random control sets drawn.
+        seed: seed of the random control sets (set ``i`` is drawn with ``seed + i``; default 0).
         intervene_at: ``position`` (default) or ``all``. Retired: ``positions`` (``last`` is now
             ``position``).
     """
@@ -235,6 +236,8 @@ class NeuronAttribution(Experiment):
         value_tokens: promoted/suppressed tokens per top neuron (0: skip the value readout).
         contexts: key readout settings, or null to skip (see :class:`KeyReadoutConfig`).
         ablation: intervention settings, or null to skip (see :class:`AblationConfig`).
+        batch_size: prompts per forward pass of the neuron attribution (default 8; lower it on
+            out-of-memory).
 
     Raises:
         TokenizationError: target/foil not one token. AttributionError: unknown layer, position

@@ -364,8 +364,14 @@ class ActivationPatching(Experiment):
             clean prompt; ``baseline_source`` indexes this list).
         metrics: any of ``logit_diff``, ``prob``, ``log_prob``, ``kl`` (:mod:`tracekit.metrics`);
             ``main_metric`` ranks sites and colours the heatmaps.
+        main_metric: the metric (one of ``metrics``) that ranks sites in the summary and colours the
+            heatmaps (default ``logit_diff``).
         layers: block indices to patch (default all; negative from the end); ``neuron_layers``/``neurons``
             for neuron sites.
+        neuron_layers: block indices whose MLP neurons (``blocks.{L}.mlp.hook_post``) are patched by
+            ``neuron``/``neuron_by_pos`` sites (negative from the end); required when a neuron site is listed.
+        neurons: neuron indices ``0 .. d_mlp-1`` patched in each of ``neuron_layers`` (default: all).
+        seed: seed of the ``resample`` ablation's draw of the other prompt (default 0).
         min_denominator: a pair whose |clean - corrupted| score is below this is flagged and gets
             NaN normalised values (never a division by ~0).
         batch_size: variants per replay batch or ``auto`` (free memory); halves on out-of-memory.

@@ -82,6 +82,23 @@ class ProbeDatasetSpec(StrictModel):
     read as text: ``NA`` is a label, not a missing value; an empty cell in those columns is an error).
     ``drop_small_classes: true`` drops classes with fewer than two groups (otherwise such a class is
     an error, since it cannot be on both sides of a group split).
+
+    Fields:
+        builtin: ``countries``: the built-in 50 countries x templates dataset (group = country,
+            template = template index); default none. Give exactly one of ``builtin`` and ``path``.
+        target: (builtin only) the label column: ``continent`` (default) or ``language``.
+        templates: (builtin only) format strings with ``{country}`` (never the target's own
+            placeholder); default: the built-in templates.
+        path: a ``.jsonl``/``.json``/``.csv``/``.tsv`` file of labelled rows (relative to the working
+            directory); default none. Give exactly one of ``builtin`` and ``path``.
+        text: (file) the column holding each row's prompt text (default ``text``).
+        label: (file) the column holding the label: a class for ``task: classification``, a number
+            for ``task: regression`` (default ``label``).
+        group: (file) the column naming each row's entity, held out together by the group split
+            (default ``group``); null makes every row its own group (only for truly independent rows).
+        template: (file) optional column naming each row's template, used by ``group_by: template``
+            / ``both`` (default none).
+        drop_small_classes: drop classes with fewer than two groups instead of failing (default false).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -319,7 +336,7 @@ class LinearProbeResult(Result):
 class LinearProbe(Experiment):
     """Linear probes on every layer, with the controls reported next to them.
 
-    Fields (YAML keys):
+    Fields:
         dataset: :class:`ProbeDatasetSpec` (``builtin: countries`` or ``path:``).
         task: ``classification`` (logistic regression) | ``regression`` (ridge).
         sites: activation sites (one hook per block), any of ``resid_pre``, ``resid_mid``,

@@ -108,8 +108,11 @@ class SAEDashboardConfig(StrictModel):
     """Per-feature dashboards of the top features (self-contained HTML pages, saved with the result).
 
     Fields:
-        features: how many of prompt 0's top features. corpus: ``stdlib``, a file or directory.
-        max_tokens / seq_len / batch_size: the corpus scan. top_n: contexts per feature.
+        features: how many of prompt 0's top features.
+        corpus: the text scanned for each feature's top-activating contexts: ``stdlib`` (default,
+            offline), a text/JSONL file or directory path, or a list of such paths.
+        max_tokens / seq_len / batch_size: the corpus scan.
+        top_n: top-activating corpus contexts shown per feature (default 8).
         vocab_k: promoted / suppressed tokens listed.
     """
 
@@ -286,12 +289,15 @@ class SAEFeatures(Experiment):
 
     Fields:
         sae: the SAE (:class:`tracekit.sae.SAESpec`: ``release``+``id``, ``path`` or ``train``).
-        prompts: one string or a list. target / foil: one-token strings; with a foil the metric is
-            the logit difference.
+        prompts: one string or a list.
+        target: the one-token string whose logit is attributed to the features (e.g. ``" Paris"``).
+        foil: optional one-token string; with it the metric is the logit difference
+            ``logit[target] - logit[foil]`` (default none: the target's logit alone).
         position: the read position (token index, BOS counted; -1 = last).
         top_k: features listed / ranked per prompt.
-        interventions: optional :class:`SAEInterventionConfig`. dashboards: optional
-            :class:`SAEDashboardConfig`.
+        interventions: optional :class:`SAEInterventionConfig`.
+        dashboards: optional :class:`SAEDashboardConfig`: per-feature HTML dashboards of prompt 0's
+            top features (default none: no dashboards, no corpus scan).
 
     Raises:
         SAEError (from :meth:`check`, before any forward pass): SAE source, hook, width, model,
@@ -497,9 +503,13 @@ class SAEEval(Experiment):
     """Splice the SAE in and measure its quality on corpus windows (SAELens' metrics).
 
     Fields:
-        sae: the SAE. corpus: text to evaluate on (default: an SAE trained here is evaluated on its
-            held-out tokens, any other on ``stdlib``). max_tokens: tokens evaluated.
-        seq_len: window length (default: the SAE's context size, else 64). batch_size: windows per pass.
+        sae: the SAE.
+        corpus: text to evaluate on: ``stdlib``, a text/JSONL file or directory path, or a list of
+            paths (default: an SAE trained here is evaluated on its held-out tokens, any other on ``stdlib``).
+        max_tokens: corpus tokens evaluated (the first ``max_tokens``; default 4096; for an SAE trained
+            here, at most its ``eval_tokens``).
+        seq_len: window length (default: the SAE's context size, else 64).
+        batch_size: token windows per forward pass (default 8).
         dense_threshold: a feature active on more than this fraction of tokens is ``dense``.
     """
 
@@ -562,8 +572,12 @@ class SAETrain(Experiment):
     on held-out corpus tokens.
 
     Fields:
-        sae: must be a ``train:`` block. max_tokens / batch_size / dense_threshold: the evaluation
-            (held-out tokens, at most ``sae.train.eval_tokens``).
+        sae: must be a ``train:`` block.
+        max_tokens: held-out corpus tokens the trained SAE is evaluated on (default 4096; at most
+            ``sae.train.eval_tokens``).
+        batch_size: evaluation token windows per forward pass (default 8).
+        dense_threshold: a feature active on more than this fraction of evaluation tokens is
+            ``dense`` (in (0, 1]; default 0.1).
     """
 
     kind: Literal["sae_train"] = "sae_train"

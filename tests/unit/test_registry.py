@@ -1,0 +1,49 @@
+"""The experiment registry: explicit imports, duplicates refused, template-method run."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+
+import tracekit as tk
+from tracekit.experiments.base import REGISTRY, Experiment, Result, register
+
+
+def test_duplicate_kind_is_refused():
+    class Again(Experiment):
+        kind: Literal["logit_lens"] = "logit_lens"
+        result_class = Result
+
+    with pytest.raises(ValueError, match="already registered"):
+        register(Again)
+    assert REGISTRY["logit_lens"] is tk.LogitLens
+
+
+def test_kinds_cannot_override_run():
+    class Custom(Experiment):
+        kind: Literal["custom_kind_for_test"] = "custom_kind_for_test"
+        result_class = Result
+
+        def run(self, model=None, progress=True, *, check=True):  # noqa: D401
+            return None
+
+    with pytest.raises(TypeError, match="_run"):
+        register(Custom)
+    assert "custom_kind_for_test" not in REGISTRY
+
+
+def test_every_kind_is_exported_explicitly():
+    for kind, cls in REGISTRY.items():
+        assert getattr(tk, cls.__name__) is cls, kind
+        assert cls.__name__ in tk.__all__
+
+
+def test_one_error_root():
+    import tracekit.errors as E
+
+    for name in E.__all__:
+        cls = getattr(E, name)
+        assert issubclass(cls, E.TracekitError)
+        if cls is not E.TracekitError:
+            assert len(cls.__mro__) > 3  # also a built-in type (ValueError, OSError, RuntimeError)

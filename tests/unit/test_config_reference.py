@@ -7,7 +7,6 @@ import importlib.util
 from pathlib import Path
 from typing import Literal
 
-import pytest
 from pydantic import Field
 
 from tracekit.experiments import REGISTRY

@@ -25,7 +25,8 @@ def test_main_job_through_the_cli(tmp_path):
     run_dir = next(tmp_path.iterdir())
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["final_top1"] == " Paris"
-    assert s["target_rank_by_layer"][-1] == 1
+    assert s["target_rank_by_hidden_state"][-1] == 1
+    assert s["emergence_layer"] == 28 and s["jump_layer"] == 29  # README: top-1 from block 28's output on
     assert s["target_prob_final"] > 0.5
     assert s["expectations_met"] == s["expectations_total"]
     assert (run_dir / "paris" / "top1_grid.png").exists()
@@ -37,10 +38,13 @@ def test_embedded_lens_last_layer_equals_output(embedded_model):
     res = tk.LogitLens(prompts=[PROMPT, "The capital of Italy is"], target=[" Paris", " Rome"]).run(
         embedded_model, progress=False)
     df = res.to_frame()
-    last = df[df["layer"] == df["layer"].max()].merge(res.tables["final"], on=["prompt_idx", "position", "target"])
+    last = df[df["hidden_state"] == df["hidden_state"].max()].merge(res.tables["final"],
+                                                                    on=["prompt_idx", "position", "target"])
     assert (last["prob"] - last["target_prob"]).abs().max() < 1e-5
     s = res.summary()
     assert s["per_prompt"][0]["emergence_layer"] is not None
+    # BOS default follows the tokenizer: SmolLM2's adds none, so no <|im_start|> is prepended
     bos = embedded_model.tokenizer.bos_token_id
     toks = res.tables["tokens"]
-    assert (toks.groupby("prompt_idx")["token_id"].apply(lambda x: (x == bos).sum()) == 1).all()
+    assert (toks["token_id"] == bos).sum() == 0
+    assert res.meta["tokenization"] == {"prepend_bos": False, "bos_token": None, "bos_token_id": None}

@@ -748,13 +748,28 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
         outcome = SweepOutcome(out, None, skipped=skipped)
         write_index(out, build_index(out, points, records))
 
+        stop = {"asked": False}
+
         def on_record(p: Point, rec: dict) -> None:
             records[p.index] = rec
             outcome.ran.append(p.index)
             write_index(out, build_index(out, points, records))
             if rec["status"] != "complete":
                 log(f"point {p.index} ({p.label}) {rec['status']}: {str(rec.get('error')).splitlines()[0]}")
+            if stop["asked"]:  # the signal's KeyboardInterrupt was swallowed (e.g. inside a weakref callback)
+                raise KeyboardInterrupt
 
+        def on_signal(signum, frame):
+            stop["asked"] = True
+            raise KeyboardInterrupt
+
+        import signal as _signal
+        import threading
+
+        old_handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (_signal.SIGINT, _signal.SIGTERM):
+                old_handlers[sig] = _signal.signal(sig, on_signal)
         try:
             if not todo:
                 pass
@@ -767,6 +782,9 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
             for p in todo:
                 if p.index not in records and _runs_of(out, p.hash):
                     records[p.index] = {"status": "interrupted", "error": "interrupted (KeyboardInterrupt)"}
+        finally:
+            for sig, h in old_handlers.items():
+                _signal.signal(sig, h)
         df = build_index(out, points, records)
         write_index(out, df)
         outcome.index = df

@@ -356,6 +356,10 @@ def _load_config_and_tokenizer(spec: ModelSpec):
     from transformers import AutoConfig
 
     src = _source(spec)
+    if src.kind == "gguf":
+        cached = _cached_gguf_config(Path(src.path), spec)
+        if cached is not None:
+            return cached + (src.bridge_name,)
     tok = _tokenizer_for(spec, src)
     if src.kind == "random":
         cfg = _random_config(spec)
@@ -373,6 +377,30 @@ def _load_config_and_tokenizer(spec: ModelSpec):
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot read the config of model {spec.name!r}: {type(e).__name__}: {e}") from e
     return cfg, tok, src.bridge_name
+
+
+def _cached_gguf_config(path: Path, spec: ModelSpec):
+    """``(config, tokenizer)`` of a GGUF model from its weight-cache entry (a warm start reads them in
+    well under a second instead of parsing the GGUF again); None when there is no entry yet. The
+    entry itself is verified when the weights are loaded."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from . import cache
+
+    if not cache.cache_enabled():
+        return None
+    key, _ = cache.gguf_cache_key(path, DTYPES[spec.dtype])
+    d = cache.entry_path(key)
+    if not (d / "config.json").is_file() or not (d / "tokenizer").is_dir():
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = AutoConfig.from_pretrained(str(d))
+            tok = _load_tokenizer(spec.tokenizer) if spec.tokenizer else AutoTokenizer.from_pretrained(str(d / "tokenizer"))
+    except Exception:  # noqa: BLE001 - an unreadable entry: parse the GGUF as on a cold start
+        return None
+    return cfg, tok
 
 
 def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):

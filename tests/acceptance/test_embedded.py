@@ -48,3 +48,23 @@ def test_embedded_lens_last_layer_equals_output(embedded_model):
     toks = res.tables["tokens"]
     assert (toks["token_id"] == bos).sum() == 0
     assert res.meta["tokenization"] == {"prepend_bos": False, "bos_token": None, "bos_token_id": None}
+
+
+@pytest.mark.slow
+def test_model_info_reads_the_warm_weight_cache(embedded_model, monkeypatch):
+    """Once the weights are cached, checking a config reads the tokenizer and config from the cache
+    entry (no GGUF parse), and they are the loaded model's."""
+    import tracekit.models as M
+
+    def no_parse(*a, **k):
+        raise AssertionError("the GGUF was parsed although the cache has the entry")
+
+    monkeypatch.setattr(M, "_tokenizer_for", no_parse)
+    monkeypatch.setattr(M, "_INFO", {})
+    info = M.load_model_info(M.ModelSpec(device="cpu", padding_side="left"))  # not the loaded spec: no shortcut
+    assert info.cfg.n_layers == embedded_model.cfg.n_layers and info.cfg.d_mlp == embedded_model.cfg.d_mlp
+    text = "The capital of China is Beijing. The capital of France is"
+    from tracekit.tokens import encode
+
+    assert encode(info, text, prepend_bos=False) == encode(embedded_model, text, prepend_bos=False)
+    assert tk.model_spec_of(embedded_model).prepend_bos == info.tracekit_spec.prepend_bos

@@ -113,6 +113,9 @@ class SAETrainSpec(_Strict):
             evaluation (``sae_eval`` reads them by default). The stdlib corpus holds ~130k tokens.
         context_size: tokens per training window (BOS included when the model prepends one).
         train_batch_size_tokens / lr: SAELens' optimiser settings.
+        dead_feature_window: training steps without firing after which SAELens counts a feature
+            as dead (the TopK auxiliary loss then trains dead features on the residual error,
+            Gao et al. 2024); keep it well below the number of steps or the auxiliary loss never acts.
         corpus: ``stdlib`` (offline default), a text/JSONL file or a directory.
         seed: SAELens' seed.
 
@@ -133,6 +136,7 @@ class SAETrainSpec(_Strict):
     context_size: int = Field(default=64, ge=4)
     train_batch_size_tokens: int = Field(default=1024, ge=8)
     lr: float = Field(default=4e-4, gt=0)
+    dead_feature_window: int = Field(default=1000, ge=1)
     corpus: str | list[str] = "stdlib"
     seed: int = 0
 
@@ -592,6 +596,48 @@ def eval_windows(model, handle: LoadedSAE, corpus: str | list[str] | None = None
     return wins
 
 
+@torch.no_grad()
+def _cache_activations(model, hook: str, windows: list[list[int]], out: Path, batch_size: int = 16,
+                       progress: bool = False) -> None:
+    """Run the model once over ``windows`` and save the activations at ``hook`` (and the token ids)
+    as a ``datasets`` dataset in SAELens' cached-activations format (one row per window: a
+    ``[context_size, d_in]`` array named after the hook, plus ``token_ids``), so SAELens' trainer
+    can take several passes over them without re-running the model. The forward pass stops at the
+    hook. Windows must all have the same length and no padding."""
+    import numpy as np
+    from datasets import Array2D, Dataset, Features, Sequence, Value
+
+    from .fastpath import residual_stream
+    from .tokens import pad_ids
+
+    chunks: list[np.ndarray] = []
+    it = range(0, len(windows), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc=f"activations at {hook}", unit="batch")
+    for i in it:
+        batch = pad_ids(model, windows[i:i + batch_size])
+        act = residual_stream(model, batch, [hook])[0]
+        chunks.append(act.reshape(act.shape[0], act.shape[1], -1).float().cpu().numpy())
+    acts = np.concatenate(chunks)
+    del chunks
+    feats = Features({hook: Array2D(shape=tuple(acts.shape[1:]), dtype="float32"),
+                      "token_ids": Sequence(Value("int32"), length=acts.shape[1])})
+    ds = Dataset.from_dict({hook: acts, "token_ids": np.asarray(windows, dtype=np.int32)}, features=feats)
+    del acts
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(out))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.train",
               cache_dir: Path | None = None) -> tuple[Path, bool, dict]:
     """Train an SAE with SAELens' ``LanguageModelSAETrainingRunner`` (``override_model``: this
@@ -649,12 +695,15 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
         sae_cfg = StandardTrainingSAEConfig(d_in=width, d_sae=d_sae, l1_coefficient=t.l1_coefficient, device=dev)
     tmp = root / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
     n_buffer = max(4, math.ceil(2 * t.train_batch_size_tokens / t.context_size))
+    acts_dir = tmp / "activations"
     cfg = LanguageModelSAERunnerConfig(
         sae=sae_cfg, model_name=spec.name, hook_name=t.hook, dataset_path="tracekit-corpus",
         is_dataset_tokenized=True, streaming=False, context_size=t.context_size, training_tokens=t.training_tokens,
+        use_cached_activations=True, cached_activations_path=str(acts_dir),
         exclude_special_tokens=special_token_ids(model),
         train_batch_size_tokens=t.train_batch_size_tokens, store_batch_size_prompts=8, n_batches_in_buffer=n_buffer,
         prepend_bos=False, device=dev, lr=t.lr, seed=t.seed, logger=LoggingConfig(log_to_wandb=False),
+        dead_feature_window=t.dead_feature_window,
         output_path=str(tmp), checkpoint_path=None, n_checkpoints=0, verbose=bool(progress),
         n_batches_for_norm_estimate=4, n_eval_batches=1, dtype="float32",
         model_from_pretrained_kwargs={"center_writing_weights": bool(spec.process_weights)})
@@ -668,6 +717,8 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
     try:
         with state_guard(model), enabled_hooks(model, [t.hook]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            _cache_activations(model, t.hook, wins, acts_dir, progress=progress)
+            t_acts = time.time() - t0
             runner = LanguageModelSAETrainingRunner(cfg, override_dataset=ds, override_model=model)
             runner.run()
             # sae-lens' runner may leave the trainer's grad settings on: the model stays frozen.
@@ -680,7 +731,9 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
                                "tracekit_model": spec.name, "prepend_bos": bool(spec.prepend_bos),
                                "model_from_pretrained_kwargs": {"center_writing_weights": bool(spec.process_weights)}})
         (tmp / "cfg.json").write_text(json.dumps(cj))
-        stats = {"train_seconds": round(time.time() - t0, 2), "train_tokens": t.training_tokens,
+        shutil.rmtree(acts_dir, ignore_errors=True)
+        stats = {"train_seconds": round(time.time() - t0, 2), "activation_seconds": round(t_acts, 2),
+                 "train_tokens": t.training_tokens,
                  "dataset_tokens": n_tok, "train_windows": len(wins), "held_out_tokens": n_held,
                  "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json")}
         (tmp / "tracekit_train.json").write_text(json.dumps(stats))

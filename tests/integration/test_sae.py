@@ -410,3 +410,35 @@ def test_training_windows_packed_and_held_out_disjoint(tiny_gpt2):
     assert all(len(w) == 32 and w[0] == bos for w in train + held)
     assert len(train) == 21 and len(held) == 10  # ceil(640 / 31), ceil(310 / 31)
     assert allw == train + held  # held-out = the windows right after the training ones
+
+
+def test_cached_training_activations_are_the_hooks(tmp_path, perturbed_model):
+    """The activations SAELens trains on are exactly the model's at the hook, window by window,
+    with their token ids (so SAELens' special-token mask applies), in SAELens' cached format."""
+    import datasets
+    from sae_lens.training.activations_store import ActivationsStore
+
+    from tracekit.sae import _cache_activations, _corpus_windows, special_token_ids
+
+    model = perturbed_model
+    hook = "blocks.1.hook_resid_pre"
+    wins = _corpus_windows(model, "stdlib", 16, 0, 200, "c")
+    _cache_activations(model, hook, wins, tmp_path / "acts", batch_size=3)
+    ds = datasets.load_from_disk(str(tmp_path / "acts"))
+    ds.set_format("torch")
+    rows = ds[:]
+    _, cache = model.run_with_cache(torch.tensor(wins), names_filter=[hook])
+    assert rows[hook].shape == (len(wins), 16, model.cfg.d_model)
+    assert torch.allclose(rows[hook], cache[hook].float(), atol=1e-5, rtol=0)
+    assert rows["token_ids"].tolist() == wins
+    # SAELens' store reads them back and drops the special tokens by id, without running the model
+    store = ActivationsStore(model=None, dataset=None, cached_activations_path=str(tmp_path / "acts"),  # type: ignore[arg-type]
+                             streaming=False, hook_name=hook, hook_head_index=None, context_size=16,
+                             d_in=model.cfg.d_model, n_batches_in_buffer=2, total_training_tokens=100,
+                             store_batch_size_prompts=2, train_batch_size_tokens=8, prepend_bos=False,
+                             normalize_activations="none", device=torch.device("cpu"), dtype="float32",
+                             exclude_special_tokens=torch.tensor(special_token_ids(model)))
+    got = store.get_filtered_llm_batch()
+    flat_tok = torch.tensor(wins[:2]).flatten()
+    keep = ~torch.isin(flat_tok, torch.tensor(special_token_ids(model)))
+    assert torch.allclose(got, cache[hook][:2].reshape(-1, model.cfg.d_model)[keep].float(), atol=1e-5, rtol=0)

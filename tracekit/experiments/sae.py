@@ -462,8 +462,10 @@ class SAEEvalResult(Result):
     main_table = "metrics"
 
     def summary(self) -> dict:
-        m = self.tables["metrics"].iloc[0].to_dict()
-        out = {k: (_r(v, 6) if isinstance(v, (float, np.floating)) else (int(v) if isinstance(v, (np.integer,)) else v))
+        m = self.tables["metrics"].to_dict("records")[0]  # per-column types (counts stay ints)
+        counts = {"n_dead", "n_dense", "n_tokens", "n_ce_tokens", "n_windows"}
+        out = {k: (int(v) if k in counts and v == v else _r(v, 6) if isinstance(v, (float, np.floating))
+                   else (int(v) if isinstance(v, (np.integer,)) else v))
                for k, v in m.items()}
         f = self.tables["features"]
         out["dead_features"] = f[f["dead"]]["feature"].head(50).tolist()

@@ -63,7 +63,7 @@ def residual_stream(
     the read positions (the hook stores ``act[rows, positions]`` instead of ``act``).
     """
     from .errors import HookError
-    from .hooks import check_hooks, enabled_hooks
+    from .hooks import check_hooks, enabled_hooks, fwd_hooks
 
     wanted = list(dict.fromkeys(hook_names))
     check_hooks(model, wanted, "hooks")
@@ -83,7 +83,7 @@ def residual_stream(
 
         return hook
 
-    with enabled_hooks(model, wanted), model.hooks(fwd_hooks=[(n, make_hook(n)) for n in wanted]):
+    with enabled_hooks(model, wanted), fwd_hooks(model, [(n, make_hook(n)) for n in wanted]):
         try:
             model(batch.tokens, **forward_kwargs(batch))
         except _AllHooksRead:
@@ -137,6 +137,8 @@ def lens_readout(
         if len(t):
             t_lp = lp[:, t]  # [r, T]
             out["target_log_prob"][s:s + len(lp)] = t_lp.cpu()
-            out["target_rank"][s:s + len(lp)] = ((lp.unsqueeze(-1) > t_lp.unsqueeze(-2)).sum(-2) + 1).cpu()
+            for j in range(len(t)):  # int32 counts: half the time of a bool -> int64 sum over the vocabulary
+                above = (lp > t_lp[:, j:j + 1]).sum(-1, dtype=torch.int32)
+                out["target_rank"][s:s + len(lp), j] = (above + 1).cpu()
         del lp, probs
     return {key: v.reshape(*lead, *v.shape[1:]) for key, v in out.items()}

@@ -532,7 +532,13 @@ def test_too_small_baseline_population_is_refused(tiny_gpt2, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def _hook_count(model) -> int:
-    return sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks) + len(getattr(mod, "fwd_hooks", []) or [])
+    """Hooks on the model, not counting the libraries' own lazy capture hooks (TransformerLens wires
+    those on the first forward pass that needs them and keeps them for good: tracekit.hooks)."""
+    from tracekit.hooks import _library_internal
+
+    def own(d):
+        return sum(1 for fn in d.values() if not _library_internal(fn))
+    return sum(own(mod._forward_hooks) + own(mod._forward_pre_hooks) + len(getattr(mod, "fwd_hooks", []) or [])
                for mod in model.modules())
 
 

@@ -565,6 +565,7 @@ def _replay(model, run: CachedRun, jobs: list[PatchJob], rows: list[tuple[int, i
     base_order = torch.empty(0, dtype=torch.long, device=dev)
     k = 0
     handles: list = []
+    hook_dict: dict = {}  # resolved once per replay: the bridge rebuilds model.hook_dict on every access
     try:
         for L in range(first, n_layers + 1):
             new = []
@@ -590,7 +591,9 @@ def _replay(model, run: CachedRun, jobs: list[PatchJob], rows: list[tuple[int, i
                         rws = torch.tensor(grp, device=dev) + off
                         fn = partial(_patch_hook, setter=job.site.setter, rows=rws, index=index,
                                      source=src, src_rows=src_rows)
-                        hp = model.hook_dict[job.site.hook_name(lay)]
+                        if not hook_dict:
+                            hook_dict = model.hook_dict
+                        hp = hook_dict[job.site.hook_name(lay)]
                         handles.append(hp.register_forward_hook(fn))
                 x = xn if x is None else torch.cat([x, xn], 0)
                 base_order = torch.cat([base_order, nb])

@@ -13,12 +13,15 @@ Location: ``$TRACEKIT_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tracekit``, els
     tokenizer/            the converted tokenizer (``save_pretrained``), loaded without the GGUF
     manifest.json         written last: key, GGUF sha256, dtype, versions, created, size + sha256
                           of every file, aliases of tied tensors
+    processed-<key>/      TransformerLens' processed weights for this entry (see
+                          :class:`processed_weights_cache`), with their own manifest
 
 The key is a hash of the GGUF file's sha256, the dtype, the cache format and the versions of the
 packages that do the conversion (``transformers``, ``gguf``, ``torch``). An entry is used only
 when its manifest matches the key and every file has its recorded size and sha256; anything else
 (truncated or edited file, missing manifest, other GGUF, version change) is removed and rebuilt,
-never used. Writes are atomic: an entry is built in a temporary folder next to its final place and
+never used (``tracekit.load_model`` checks the sha256 of the weights in a background thread while
+it builds the model, :class:`deferred_checks`, and returns the model only once it matches). Writes are atomic: an entry is built in a temporary folder next to its final place and
 renamed into it; of two processes writing the same entry, the first rename wins and the second
 process discards its copy (both get identical weights).
 
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_FORMAT",
+    "deferred_checks",
+    "processed_weights_cache",
     "cache_dir",
     "cache_enabled",
     "clear_cache_dir",
@@ -107,6 +112,70 @@ def file_sha256(path: str | Path, memo: bool = True) -> str:
     return out
 
 
+class _HashCheck:
+    """sha256 of a file computed in a background thread (hashlib releases the GIL), compared with
+    the recorded one when :meth:`ok` is called; ``on_fail`` removes what the file belongs to."""
+
+    def __init__(self, path: Path, sha256: str, on_fail: Callable[[], None]):
+        import threading
+
+        self.path, self.sha256, self.on_fail = path, sha256, on_fail
+        self._got: list[str | BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="tracekit-cache-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._got.append(file_sha256(self.path, memo=False))
+        except BaseException as e:  # noqa: BLE001 (a vanished file is a failed check)
+            self._got.append(e)
+
+    def ok(self) -> bool:
+        self._thread.join()
+        return bool(self._got) and self._got[0] == self.sha256
+
+
+#: Active collectors of deferred hash checks (see :func:`deferred_checks`).
+_DEFERRED: list[list[_HashCheck]] = []
+
+
+class deferred_checks:
+    """Context manager: inside it, the cache checks the sha256 of the files it memory-maps in
+    background threads instead of before returning, so hashing overlaps with building the model
+    (about 0.7 s of a warm load of the embedded model). The caller **must** call :meth:`all_ok`
+    before using what was loaded; a failed check has already removed the bad entry, so loading
+    again rebuilds it. Outside the context every check is synchronous."""
+
+    def __init__(self):
+        self.checks: list[_HashCheck] = []
+
+    def __enter__(self):
+        _DEFERRED.append(self.checks)
+        return self
+
+    def __exit__(self, *exc):
+        _DEFERRED.remove(self.checks)
+        return False
+
+    def all_ok(self) -> bool:
+        bad = [c for c in self.checks if not c.ok()]
+        for c in bad:
+            log.warning("tracekit cache file %s does not match its recorded sha256: removing it", c.path)
+            warnings.warn(f"tracekit cache file {c.path} does not match its recorded sha256; rebuilding it",
+                          stacklevel=2)
+            c.on_fail()
+        return not bad
+
+
+def _check_sha(path: Path, sha256: str, on_fail: Callable[[], None]) -> None:
+    """Raise _Invalid when ``path``'s sha256 differs (now, or deferred to the active collector)."""
+    if _DEFERRED:
+        _DEFERRED[-1].append(_HashCheck(path, sha256, on_fail))
+        return
+    if file_sha256(path, memo=False) != sha256:
+        raise _Invalid(f"{path.name} sha256 differs from the manifest")
+
+
 def conversion_versions() -> dict[str, str | None]:
     """Versions of the packages whose code turns a GGUF into float tensors (part of the key)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -160,8 +229,10 @@ def _read_manifest(d: Path) -> dict:
         raise _Invalid(f"manifest unreadable ({type(e).__name__})") from e
 
 
-def _verify(d: Path, key: str, ident: dict) -> dict:
-    """The manifest of a valid entry; raises _Invalid otherwise (sizes first, then sha256)."""
+def _verify(d: Path, key: str, ident: dict, deferrable: bool = False) -> dict:
+    """The manifest of a valid entry; raises _Invalid otherwise (sizes first, then sha256; with
+    ``deferrable`` the sha256 of the weights may be checked in the background, see
+    :class:`deferred_checks`)."""
     man = _read_manifest(d)
     if man.get("key") != key:
         raise _Invalid("manifest key differs")
@@ -180,7 +251,9 @@ def _verify(d: Path, key: str, ident: dict) -> dict:
         if size != rec.get("size"):
             raise _Invalid(f"{name} has {size} bytes, manifest says {rec.get('size')}")
     for name, rec in files.items():
-        if file_sha256(d / name, memo=False) != rec.get("sha256"):
+        if deferrable and name == _WEIGHTS_FILE:
+            _check_sha(d / name, str(rec.get("sha256")), lambda d=d: _remove_entry(d))
+        elif file_sha256(d / name, memo=False) != rec.get("sha256"):
             raise _Invalid(f"{name} sha256 differs from the manifest")
     return man
 
@@ -240,7 +313,7 @@ def load_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, with_tokenizer: b
     if not d.is_dir():
         return None
     try:
-        man = _verify(d, key, ident)
+        man = _verify(d, key, ident, deferrable=True)
         hf = _build_model(d, man, dtype)
         tok = _load_entry_tokenizer(d) if with_tokenizer else None
     except _Invalid as e:
@@ -415,9 +488,12 @@ def load_or_convert_gguf(gguf_path: str | Path, dtype: torch.dtype, convert: Cal
     """
     hit = load_gguf_entry(gguf_path, dtype, with_tokenizer=with_tokenizer)
     if hit is not None:
+        hit[0].__dict__["_tracekit_cache_entry"] = str(entry_path(gguf_cache_key(gguf_path, dtype)[0]))
         return hit
     hf, tok = convert()
-    store_gguf_entry(gguf_path, dtype, hf, tok)
+    entry = store_gguf_entry(gguf_path, dtype, hf, tok)
+    if entry is not None:
+        hf.__dict__["_tracekit_cache_entry"] = str(entry)
     return hf, tok
 
 
@@ -467,3 +543,160 @@ def clear_cache_dir() -> tuple[int, int]:
             n += 0 if d.name.startswith(".") else 1
             _remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)
     return n, freed
+
+
+# ------------------------------------------------------------------------------ processed weights
+#
+# TransformerLens' weight processing (``enable_compatibility_mode``: fold the norms' weights into
+# the next linear maps, centre the writing weights and the unembedding) takes a full copy of the
+# state dict plus temporaries: on the embedded model ~0.5 s and ~2 GiB of peak memory on every
+# load. Its output is a pure function of the input state dict (fixed by the entry's weights), the
+# options and the TransformerLens / torch versions, so it is cached next to the entry, in
+# ``processed-<key>/`` (``weights.safetensors`` + ``manifest.json``), and memory-mapped on later
+# loads: copy-on-write, so processing never reaches the file. A processed cache whose manifest,
+# sizes or sha256 do not match is removed and recomputed, never used.
+
+
+def _processed_key(sig: str, options: dict) -> str:
+    import transformer_lens
+
+    blob = {"sig": sig, "options": options, "transformer_lens": getattr(transformer_lens, "__version__", "?"),
+            "torch": torch.__version__, "format": CACHE_FORMAT}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _state_signature(state_dict: dict) -> str:
+    """Names, shapes and dtypes of the state dict processed (the values are fixed by the entry)."""
+    items = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in state_dict.items() if isinstance(v, torch.Tensor))
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def _load_processed(d: Path) -> dict[str, torch.Tensor] | None:
+    if not d.is_dir():
+        return None
+    try:
+        man = _read_manifest(d)
+        rec = man["files"]["weights.safetensors"]
+        f = d / "weights.safetensors"
+        if f.stat().st_size != rec["size"]:
+            raise _Invalid("weights.safetensors differs from its manifest")
+        _check_sha(f, rec["sha256"], lambda d=d: _remove_entry(d))
+        tensors = _mmap_safetensors(f)
+        out: dict[str, torch.Tensor] = {}
+        for name in man["order"]:
+            target = man["aliases"].get(name, name)
+            if target not in tensors:
+                raise _Invalid(f"processed tensor {target} missing")
+            t = tensors[target]
+            perm = man.get("permutations", {}).get(target)
+            if perm is not None:
+                if sorted(perm) != list(range(t.ndim)):
+                    raise _Invalid(f"bad permutation for {target}")
+                inv = [perm.index(i) for i in range(t.ndim)]
+                t = t.permute(inv)
+            out[name] = t
+        return out
+    except (_Invalid, OSError, KeyError, TypeError) as e:
+        log.warning("tracekit processed-weights cache %s is invalid (%s): recomputing it", d, e)
+        _remove_entry(d)
+        return None
+
+
+def _store_processed(d: Path, out: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    if not all(isinstance(v, torch.Tensor) for v in out.values()):
+        return  # something we do not know how to store: leave the cache alone
+    tmp = d.parent / f".tmp-{d.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        seen: dict[tuple, str] = {}
+        perms: dict[str, list[int]] = {}
+        for name, t in out.items():
+            ident_t = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if ident_t in seen:
+                aliases[name] = seen[ident_t]
+                continue
+            seen[ident_t] = name
+            # keep the memory layout (a transposed view stays transposed on load): forward passes
+            # then run the same kernels on the same strides, so the bridge is bit-identical
+            perm = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))
+            stored = t.detach().to("cpu").permute(perm)
+            if not stored.is_contiguous():
+                raise _Unstorable(name)
+            if perm != list(range(t.ndim)):
+                perms[name] = perm
+            tensors[name] = stored
+        save_file(tensors, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
+        f = tmp / "weights.safetensors"
+        man = {"files": {"weights.safetensors": {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}},
+               "order": list(out), "aliases": aliases, "permutations": perms,
+               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        (tmp / "manifest.json").write_text(json.dumps(man))
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        try:
+            os.rename(tmp, d)
+        except OSError:  # another process stored it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except _Unstorable as e:  # a layout we cannot restore exactly: no cache rather than other bits
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info("processed weights not cached: %s has a memory layout that is not a permutation", e)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("could not store processed weights under %s (%s)", d, e)
+
+
+class _Unstorable(Exception):
+    pass
+
+
+class processed_weights_cache:
+    """Context manager: while it is active, TransformerLens' ``ProcessWeights.process_weights``
+    reads its result from ``<entry>/processed-<key>/`` when present (memory-mapped), else computes
+    it and stores it there. ``entry`` None (no cache entry behind the model) or the cache off:
+    nothing changes.
+
+    The key covers the names, shapes and dtypes of the input state dict, the processing options,
+    the adapter class and the TransformerLens and torch versions; the values are those of the entry
+    (whose weights are verified on load). ``hits`` / ``stores`` count what happened (for tests)."""
+
+    def __init__(self, entry: "str | Path | None"):
+        self.entry = Path(entry) if entry is not None else None
+        self.hits = 0
+        self.stores = 0
+        self._saved = None
+
+    def __enter__(self):
+        if self.entry is None or not cache_enabled():
+            return self
+        from transformer_lens.weight_processing import ProcessWeights
+
+        self._saved = ProcessWeights.__dict__["process_weights"]
+        real = self._saved.__func__
+        ctx = self
+
+        def cached(state_dict, cfg, **kw):
+            options = {k: (type(v).__name__ if k == "adapter" else v) for k, v in sorted(kw.items())}
+            d = ctx.entry / f"processed-{_processed_key(_state_signature(state_dict), options)}"  # type: ignore[operator]
+            hit = _load_processed(d)
+            if hit is not None:
+                ctx.hits += 1
+                return hit
+            out = real(state_dict, cfg, **kw)
+            _store_processed(d, out)
+            ctx.stores += 1
+            return out
+
+        ProcessWeights.process_weights = staticmethod(cached)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            from transformer_lens.weight_processing import ProcessWeights
+
+            ProcessWeights.process_weights = self._saved  # type: ignore[method-assign]
+            self._saved = None
+        return False

@@ -463,7 +463,8 @@ def _load_gguf(path: Path, kw: dict, spec: ModelSpec | None = None):
     return hf, tok
 
 
-def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_name: str | None = None):
+def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_name: str | None = None,
+                  cache_entry: str | Path | None = None):
     """Wrap an already-built Hugging Face causal LM in a TransformerBridge (compatibility mode).
 
     The HF model object becomes part of the bridge: never wrap one HF model twice (TransformerLens
@@ -474,6 +475,9 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
         tokenizer: its tokenizer (loaded with ``from_pretrained`` so TransformerLens can reload it).
         spec: settings (device, dtype, prepend_bos, process_weights); defaults to ``ModelSpec()``.
         bridge_name: architecture name handed to ``boot_transformers`` (default: the HF config's).
+        cache_entry: the weight-cache entry the HF model's weights come from (:mod:`tracekit.cache`);
+            TransformerLens' processed weights are then cached next to it and memory-mapped on later
+            loads (default: the entry ``tracekit.load_model`` recorded on the model, if any).
 
     Returns:
         A ``TransformerBridge`` with TransformerLens hook names; ``model_spec_of(model)`` gives the
@@ -504,7 +508,11 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
             raise ModelLoadError(
                 f"TransformerLens' bridge does not support this model ({type(hf_model).__name__}): {e}"
             ) from e
-        bridge.enable_compatibility_mode(disable_warnings=True, no_processing=not spec.process_weights)
+        from .cache import processed_weights_cache
+
+        entry = cache_entry if cache_entry is not None else hf_model.__dict__.get("_tracekit_cache_entry")
+        with processed_weights_cache(entry if spec.process_weights else None):
+            bridge.enable_compatibility_mode(disable_warnings=True, no_processing=not spec.process_weights)
     hf_model.__dict__["_tracekit_wrapped"] = True
     resolved = spec.model_copy(update={"prepend_bos": spec.resolved_prepend_bos(tokenizer)})
     bridge.cfg.default_prepend_bos = resolved.prepend_bos
@@ -522,10 +530,15 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
 _WEIGHTS: dict[str, tuple[Any, dict, dict, Any, str]] = {}
 
 
+#: weights_key -> the on-disk cache entry those weights were read from (tracekit.cache).
+_ENTRIES: dict[str, str] = {}
+
+
 def clear_cache() -> None:
     """Forget every loaded model and cached weights of this process (frees their memory)."""
     _CACHE.clear()
     _WEIGHTS.clear()
+    _ENTRIES.clear()
 
 
 def _hf_from_weights(entry, dtype: torch.dtype):
@@ -565,10 +578,26 @@ def load_model(spec: ModelSpec | str | dict | None = None, **overrides):
         ModelLoadError: the model cannot be had (not cached and offline, bad path, missing
             package, unsupported architecture, CUDA asked for but absent); the message says what to do.
     """
+    from . import cache
+
     spec = as_spec(spec, **overrides)
     key = spec.key()
     if key in _CACHE:
         return _CACHE[key]
+    # The weight cache's sha256 checks run in background threads while the model is built; the
+    # model is returned only once they pass. A failed check has removed the bad files: forget this
+    # model and load again (which rebuilds them).
+    with cache.deferred_checks() as checks:
+        bridge = _load_model(spec, key)
+    if not checks.all_ok():
+        _CACHE.pop(key, None)
+        _WEIGHTS.pop(spec.weights_key(), None)
+        _ENTRIES.pop(spec.weights_key(), None)
+        bridge = _load_model(spec, key)
+    return bridge
+
+
+def _load_model(spec: ModelSpec, key: str):
     _check_devices(spec)
     dtype = DTYPES[spec.dtype]
     device = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
@@ -576,10 +605,14 @@ def load_model(spec: ModelSpec | str | dict | None = None, **overrides):
     if wkey in _WEIGHTS and spec.device_map is None:
         entry = _WEIGHTS[wkey]
         hf, tok, bridge_name = _hf_from_weights(entry, dtype), entry[3], entry[4]
+        if wkey in _ENTRIES:
+            hf.__dict__["_tracekit_cache_entry"] = _ENTRIES[wkey]
     else:
         hf, tok, bridge_name = _load_hf(spec, dtype, device)
         if spec.device_map is None:
             _WEIGHTS[wkey] = (hf.config, dict(hf.state_dict()), dict(hf.named_buffers()), tok, bridge_name)
+            if "_tracekit_cache_entry" in hf.__dict__:
+                _ENTRIES[wkey] = hf.__dict__["_tracekit_cache_entry"]
     bridge = wrap_hf_model(hf, tok, spec, bridge_name=bridge_name)
     _CACHE[key] = bridge
     return bridge

@@ -355,3 +355,84 @@ def test_runner_records_peak_memory(tmp_path, tiny_gpt2):
     env = json.loads((run_dir / "environment.json").read_text())
     assert env["peak_memory"]["peak_rss_mib"] > 0
     assert env["peak_memory"]["peak_rss_mib"] + 1 >= env["peak_memory"]["rss_mib"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_processed_weights_cache_gives_the_same_bridge(cache_root, fake_gguf, arch):
+    """TransformerLens' processed weights, stored next to the entry on the first bridge and
+    memory-mapped on the next, give a bridge with bit-identical parameters and logits; the original
+    weights' file is never written; a damaged processed cache is recomputed, never used."""
+    from tracekit.models import ModelSpec, wrap_hf_model
+
+    spec = ModelSpec(name="tiny-cached", process_weights=True)
+    conv = _Convert(arch)
+    cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)  # writes the entry
+    entry = _entry(fake_gguf)
+    before = cache.file_sha256(entry / "model.safetensors", memo=False)
+
+    def bridge(expect_hit: bool):
+        hf, tok = cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)
+        assert hf.__dict__["_tracekit_cache_entry"] == str(entry)
+        from tracekit import cache as c
+
+        seen = {}
+        real = c.processed_weights_cache
+
+        class Spy(real):
+            def __exit__(self, *exc):
+                seen["hits"], seen["stores"] = self.hits, self.stores
+                return super().__exit__(*exc)
+        c.processed_weights_cache = Spy
+        try:
+            b = wrap_hf_model(hf, tok, spec)
+        finally:
+            c.processed_weights_cache = real
+        assert seen == ({"hits": 1, "stores": 0} if expect_hit else {"hits": 0, "stores": 1}), seen
+        return b
+
+    b1 = bridge(expect_hit=False)
+    (proc,) = list(entry.glob("processed-*"))
+    b2 = bridge(expect_hit=True)
+    hf_ref, tok = _tiny(arch)  # processed without any cache
+    ref = wrap_hf_model(hf_ref, tok, spec, cache_entry=None)
+    from tracekit.models import ModelSpec as _S  # noqa: F401
+    ids = torch.tensor([tok("The capital of France is Paris, of Italy Rome")["input_ids"]])
+    with torch.no_grad():
+        want = ref(ids)
+        for b in (b1, b2):
+            sd, sr = b.state_dict(), ref.state_dict()
+            assert sorted(sd) == sorted(sr)
+            for k in sr:
+                assert torch.equal(sd[k], sr[k]), k
+            assert torch.equal(b(ids), want)
+    assert cache.file_sha256(entry / "model.safetensors", memo=False) == before
+    # damage the processed weights: detected, recomputed (a store, not a hit), same result
+    with open(proc / "weights.safetensors", "r+b") as f:
+        f.seek(-16, os.SEEK_END)
+        f.write(b"\xff" * 16)
+    b3 = bridge(expect_hit=False)
+    with torch.no_grad():
+        assert torch.equal(b3(ids), want)
+
+
+def test_deferred_checks_catch_a_damaged_entry(cache_root, fake_gguf):
+    """Under ``deferred_checks`` (what load_model uses) the weights' sha256 is checked in the
+    background; an intact entry passes, a damaged one fails all_ok(), is removed, and the next
+    load converts again."""
+    conv = _Convert("llama")
+    cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)
+    entry = _entry(fake_gguf)
+    with cache.deferred_checks() as checks:
+        cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)
+    assert len(checks.checks) == 1 and checks.all_ok() and conv.calls == 1
+    with open(entry / "model.safetensors", "r+b") as f:  # same size, other bytes
+        f.seek(-16, os.SEEK_END)
+        f.write(b"\xff" * 16)
+    with cache.deferred_checks() as checks:
+        cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)
+    assert conv.calls == 1  # returned before the check finished
+    with pytest.warns(UserWarning, match="sha256"):
+        assert not checks.all_ok()
+    assert not entry.exists()
+    cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)
+    assert conv.calls == 2

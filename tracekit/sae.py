@@ -1166,13 +1166,14 @@ def sae_quality(model, handle: LoadedSAE, windows: Sequence[Sequence[int]], batc
 @torch.no_grad()
 def feature_intervention(model, handle: LoadedSAE, prompt: str, target: str, foil: str | None,
                          features: Sequence[int], mode: Literal["ablate", "clamp", "steer"], value: float = 0.0,
-                         positions: str | Sequence[int] = "all") -> dict:
+                         intervene_at: str | Sequence[int] = "all") -> dict:
     """Edit SAE features (error term kept, so only the edit moves the activation) and measure the
     effect on the target's probability and logit (difference) at the last position.
 
     Modes: ``ablate`` (activation -> 0), ``clamp`` (activation -> ``value``), ``steer`` (add
-    ``value x`` the feature's decoder row, in the activation's units, at ``positions``).
-    ``positions``: ``all`` (every non-special token) or token indices (BOS counted).
+    ``value x`` the feature's decoder row, in the activation's units, at ``intervene_at``).
+    ``intervene_at``: ``all`` (every non-special token) or token indices (BOS counted); ablate and
+    clamp edit the same positions.
 
     Returns:
         ``{clean_prob, prob, delta_prob, clean_logit, logit, delta_logit}`` (logit = logit
@@ -1189,12 +1190,12 @@ def feature_intervention(model, handle: LoadedSAE, prompt: str, target: str, foi
     n = len(ids)
     special_ids = set(special_token_ids(model))
     sel = torch.zeros(n, dtype=torch.bool)
-    if positions == "all":
+    if intervene_at == "all":
         sel[:] = True
     else:
-        for q in positions:  # type: ignore[union-attr]
+        for q in intervene_at:  # type: ignore[union-attr]
             if not -n <= int(q) < n:
-                raise SAEError(f"positions: {q} is out of range for a prompt of {n} tokens")
+                raise SAEError(f"intervene_at: {q} is out of range for a prompt of {n} tokens")
             sel[int(q) % n] = True
     sel &= torch.tensor([int(i) not in special_ids for i in ids])
     sel = sel.to(batch.tokens.device)

@@ -289,7 +289,7 @@ def test_intervention_ablate_steer(tmp_path, tiny_gpt2):
     h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre"))), m)
     r0 = feature_intervention(m, h, PROMPT, " Paris", None, [0], "steer", 0.0)
     assert abs(r0["delta_logit"]) < 1e-5 and abs(r0["delta_prob"]) < 1e-7
-    r1 = feature_intervention(m, h, PROMPT, " Paris", None, [0, 1], "steer", 5.0, positions=[-1])
+    r1 = feature_intervention(m, h, PROMPT, " Paris", None, [0, 1], "steer", 5.0, intervene_at=[-1])
     assert abs(r1["delta_logit"]) > 1e-4
 
 

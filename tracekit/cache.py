@@ -656,8 +656,8 @@ class _Unstorable(Exception):
 class processed_weights_cache:
     """Context manager: while it is active, TransformerLens' ``ProcessWeights.process_weights``
     reads its result from ``<entry>/processed-<key>/`` when present (memory-mapped), else computes
-    it and stores it there. ``entry`` None (no cache entry behind the model) or the cache off:
-    nothing changes.
+    it and stores it there. ``entry`` None (no cache entry behind the model), the cache off, or
+    weights already on a GPU (the bridge moves them before processing): nothing changes.
 
     The key covers the names, shapes and dtypes of the input state dict, the processing options,
     the adapter class and the TransformerLens and torch versions; the values are those of the entry
@@ -679,6 +679,8 @@ class processed_weights_cache:
         ctx = self
 
         def cached(state_dict, cfg, **kw):
+            if any(v.device.type != "cpu" for v in state_dict.values() if isinstance(v, torch.Tensor)):
+                return real(state_dict, cfg, **kw)  # GPU / multi-device: processed in place, not cached
             options = {k: (type(v).__name__ if k == "adapter" else v) for k, v in sorted(kw.items())}
             d = ctx.entry / f"processed-{_processed_key(_state_signature(state_dict), options)}"  # type: ignore[operator]
             hit = _load_processed(d)

@@ -395,7 +395,6 @@ def test_processed_weights_cache_gives_the_same_bridge(cache_root, fake_gguf, ar
     b2 = bridge(expect_hit=True)
     hf_ref, tok = _tiny(arch)  # processed without any cache
     ref = wrap_hf_model(hf_ref, tok, spec, cache_entry=None)
-    from tracekit.models import ModelSpec as _S  # noqa: F401
     ids = torch.tensor([tok("The capital of France is Paris, of Italy Rome")["input_ids"]])
     with torch.no_grad():
         want = ref(ids)

@@ -22,6 +22,7 @@ from .errors import (
                      ConfigError,
                      CorpusError,
                      HookError,
+                     MethodRefused,
                      ModelLoadError,
                      OutputError,
                      PatchingError,
@@ -69,15 +70,17 @@ from .readout import Readout
 from .sae import SAESpec
 from .sweep import load_results, run_sweep
 from .tokens import Position, parse_position
+from .verify import VerifyReport, verify_model
 
 __version__ = "0.2.0"
 __all__ = [
     # errors
     "TracekitError", "ConfigError", "ModelLoadError", "TokenizationError", "HookError", "PatchingError",
     "AttributionError", "AttentionError", "CorpusError", "ProbingError", "SAEError", "ResultLoadError",
-    "OutputError",
+    "OutputError", "MethodRefused",
     # models, tokens, readout
     "ModelSpec", "ModelInfo", "load_model", "load_model_info", "model_spec_of", "wrap_hf_model", "Readout",
+    "verify_model", "VerifyReport",
     "Position", "parse_position",
     # protocol and config
     "REGISTRY", "Experiment", "Result", "Expectation", "register", "RunConfig", "load_config", "parse_config",

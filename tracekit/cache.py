@@ -346,7 +346,7 @@ def _build_model(d: Path, man: dict, dtype: torch.dtype):
             raise _Invalid(f"config unreadable ({type(e).__name__})") from e
         tensors = _mmap_safetensors(d / _WEIGHTS_FILE)
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}
     for alias, target in man.get("aliases", {}).items():
         if target not in state:

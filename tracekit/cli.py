@@ -1,4 +1,5 @@
-"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``, ``trace``, ``sweep``, ``results``, ``cache``.
+"""Command line: ``tracekit run``, ``validate``, ``kinds``, ``show``, ``trace``, ``sweep``, ``results``, ``cache``,
+``verify``.
 
 Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was not met; 2 invalid
 config / input / model / output folder (every :class:`tracekit.TracekitError`; the message names the
@@ -30,6 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
     v.add_argument("--schema-only", action="store_true", help="check only the YAML schema (no tokenizer)")
     sub.add_parser("kinds", help="list experiment kinds and their fields")
+    vf = sub.add_parser("verify", help="check tracekit's invariants on a model against plain transformers "
+                                       "(a table, and verify.json)")
+    vf.add_argument("model", nargs="?", default="smollm2-135m",
+                    help="hub id, local directory, .gguf file or smollm2-135m (default)")
+    vf.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    vf.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    vf.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's own)")
+    vf.add_argument("--no-process-weights", action="store_true",
+                    help="verify the model without TransformerLens' weight processing")
+    vf.add_argument("--out", default=None, help="folder for verify.json (default: results/verify-<model>)")
     s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
     s.add_argument("run_dir")
     # --- cache (tracekit.cache): on-disk dequantised GGUF weights --------------------------------
@@ -79,6 +90,37 @@ def _trace(args) -> int:
     print(res.report())
     print(f"report: {d / 'report.html'} ({time.perf_counter() - t0:.1f} s after the model loaded)")
     return 0
+
+
+def _verify(args) -> int:
+    """``tracekit verify MODEL``: every check of :mod:`tracekit.verify` against an independent
+    transformers copy of the same weights; prints the table, writes verify.json; exit 0 when no
+    check failed, 1 when one did, 2 when the model cannot be had."""
+    import re
+
+    from .errors import TracekitError
+    from .models import DTYPES, ModelSpec, _load_hf, load_model, resolve_device
+    from .verify import HFReference, verify_model
+
+    try:
+        spec = ModelSpec(name=args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                         process_weights=not args.no_process_weights, verify=False)
+        model = load_model(spec)
+        dev = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
+        hf, _, _ = _load_hf(spec, DTYPES[spec.dtype], dev)
+        hf.to(next(model.parameters()).device)
+        ref = HFReference(hf, model.adapter.component_mapping["blocks"].name)
+    except (TracekitError, ValueError) as e:
+        _err(f"{type(e).__name__}: {e}")
+        return 2
+    other = spec.model_copy(update={"process_weights": not spec.process_weights,
+                                    "padding_side": "left" if spec.padding_side == "right" else "right"})
+    rep = verify_model(model, ref, second_load=lambda: load_model(other))
+    print(rep.table())
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).name or args.model).strip("_") or "model"
+    out = rep.save(Path(args.out) if args.out else Path("results") / f"verify-{slug}")
+    print(f"written: {out}")
+    return 0 if rep.passed else 1
 
 
 def _err(msg: str) -> None:
@@ -159,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "show":
         return _show(args.run_dir)
+    if args.cmd == "verify":
+        return _verify(args)
     if args.cmd == "trace":
         return _trace(args)
 

@@ -42,12 +42,15 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
+from .architectures import MethodRefused, architecture_name, require
 from .errors import AttributionError
+from .norms import run_sigma
 from .readout import Readout
 from .tokens import Position, PositionSpec, parse_position, run_with_cache, single_token_id, str_tokens, tokenize
+from .writepath import write_paths
 
 __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", "POSITION_FORMS",
-           "as_position", "DirectAttribution", "logit_attribution"]
+           "as_position", "DirectAttribution", "logit_attribution", "identity_tolerance"]
 
 #: The position forms direct logit attribution and neuron attribution accept.
 POSITION_FORMS = ("int", "last", "token:<text>")
@@ -136,19 +139,28 @@ class DirectAttribution:
     """Direct logit attribution of one prompt at one position (all values in logits).
 
     Attributes:
-        logit: the model's own logit (difference) at the position, from its output.
+        logit: the model's own logit (difference) at the position, from its output (after the
+            family's output transform, e.g. Gemma 2's soft-cap).
+        attributed: the logit (difference) the parts add up to: equal to ``logit`` unless the
+            output transform is nonlinear, where it is the **pre-transform** logit (difference)
+            (``transform`` says which).
+        transform: the model's output transform (``none``, ``logits x m``, ``final logit soft-cap c``).
         final_scale: ``1/sigma`` of the final norm in this run (the scale every part goes through).
-        embed, pos_embed: contributions of the token and position embeddings (pos_embed None when
-            the model has no learned position embedding).
-        heads: ``[n_layers, n_heads]`` per attention head (``z_h W_O^h``).
-        attn_bias: ``[n_layers]`` the ``b_O`` term of each attention layer.
+        embed, pos_embed: contributions of the token and position embeddings: together the
+            stream's start ``blocks.0.hook_resid_pre`` (after any embedding scale or norm).
+            ``pos_embed`` is None when the model has no learned position embedding, or when
+            ``hook_embed + hook_pos_embed`` is not exactly the start (then ``embed`` is all of it).
+        heads: ``[n_layers, n_heads]`` per attention head (``z_h W_O^h``, through the block's
+            post-attention norm at this run's scale where the block has one).
+        attn_bias: ``[n_layers]`` the ``b_O`` term of each attention layer (and the post-norm's bias).
         attn: ``[n_layers]`` each attention layer's total (``hook_attn_out``) = heads + attn_bias.
         mlp: ``[n_layers]`` each MLP's total (``hook_mlp_out``) = neurons + mlp_bias.
-        mlp_bias: ``[n_layers]`` the ``b_out`` term.
+        mlp_bias: ``[n_layers]`` the ``b_out`` term (and the post-MLP norm's bias).
         final_bias: final-norm bias and unembedding bias terms.
         neuron_act / neuron_contrib: ``{layer: [d_mlp]}`` activation (``hook_post``) and
             contribution of each neuron, for the requested layers.
-        neuron_value: ``{layer: [d_mlp]}`` logits per unit activation at this run's scale.
+        neuron_value: ``{layer: [d_mlp]}`` logits per unit activation at this run's scales.
+        max_error: the largest violation of the sum identities checked in this run (logits).
     """
 
     prompt: str
@@ -169,13 +181,21 @@ class DirectAttribution:
     neuron_act: dict = field(default_factory=dict)
     neuron_contrib: dict = field(default_factory=dict)
     neuron_value: dict = field(default_factory=dict)
+    attributed: Optional[float] = None
+    transform: str = "none"
+    max_error: float = 0.0
+
+    def __post_init__(self):
+        if self.attributed is None:
+            self.attributed = self.logit
 
     def total(self) -> float:
-        """Sum of the components plus bias terms (equals :attr:`logit` up to float rounding)."""
+        """Sum of the components plus bias terms (equals :attr:`attributed` up to float rounding)."""
         return float(self.embed + (self.pos_embed or 0.0) + self.attn.sum() + self.mlp.sum() + self.final_bias)
 
     def components_frame(self) -> pd.DataFrame:
-        """One row per component: embed, pos_embed, attn L, mlp L, bias; contributions sum to logit."""
+        """One row per component: embed, pos_embed, attn L, mlp L, bias; contributions sum to
+        :attr:`attributed` (the logit, or the pre-transform logit under a soft-cap)."""
         base = {"prompt_idx": self.prompt_idx, "position": self.position}
         rows = [{**base, "component": "embed", "kind": "embed", "layer": -1, "contribution": self.embed}]
         if self.pos_embed is not None:
@@ -220,6 +240,34 @@ def _vec(obj, name) -> Optional[torch.Tensor]:
     return x.detach().float() if isinstance(x, torch.Tensor) else None
 
 
+#: Unit roundoff of each dtype (the relative error of one rounding).
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
+                 torch.float64: 2.0 ** -53}
+
+
+def identity_tolerance(dtype: torch.dtype, magnitude: float, n_terms: int, atol32: float = 1e-3) -> float:
+    """Tolerance of a sum identity checked in float32 on activations of ``dtype``.
+
+    float32 (and float64): ``atol32 * max(1, magnitude)``: the model's own additions in float32
+    differ from tracekit's float32 sum by far less. float16/bfloat16: the model adds ``n_terms``
+    activations, each rounded to the dtype, so the worst-case floating-sum bound
+    ``n_terms * u * magnitude`` applies (``u`` = 2^-11 for float16, 2^-8 for bfloat16), with
+    ``magnitude`` the sum of the terms' absolute values; ``atol32 * max(1, magnitude)`` is added.
+    """
+    base = atol32 * max(1.0, float(magnitude))
+    u = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    if u <= 2.0 ** -24:
+        return base
+    return base + float(n_terms) * u * float(magnitude)
+
+
+def _dtype_of(model) -> torch.dtype:
+    try:
+        return next(model.parameters()).dtype
+    except StopIteration:  # pragma: no cover
+        return torch.float32
+
+
 @torch.no_grad()
 def logit_attribution(
     model,
@@ -235,8 +283,19 @@ def logit_attribution(
 
     Not TransformerLens' ``direct_logit_attribution`` (which returns one stacked tensor and needs
     the final norm folded into ``W_U``): this returns one :class:`DirectAttribution` per prompt,
-    with the bias terms, so the parts add up to the model's logit (difference). Caches only the
-    hooks it reads.
+    with the bias terms, so the parts add up to the model's logit (difference). Every norm between
+    a component's write and the logits is applied at this run's frozen scale: the final norm
+    (:meth:`tracekit.readout.Readout.direction`) and, on sandwich/post-norm blocks (Gemma 2/3,
+    OLMo 2, GLM-4), the block's post-attention / post-MLP norm (:mod:`tracekit.writepath`); a linear
+    output transform (Granite, Cohere) is folded into the direction. Under a nonlinear one
+    (Gemma 2's final soft-cap) the parts add up to the **pre-cap** logit (difference), reported as
+    ``attributed`` next to the model's ``logit``. Caches only the hooks it reads.
+
+    Three identities are checked on every prompt, in float32, with the tolerance of
+    :func:`identity_tolerance` for the model's dtype; a violation raises instead of returning a
+    wrong number: the final residual is embed + attention + MLP writes; the parts plus bias terms
+    equal ``attributed``; per layer, heads + ``b_O`` equal the attention total and neurons +
+    ``b_out`` the MLP total.
 
     Args:
         model: hooked model (TransformerBridge in compatibility mode, or HookedTransformer).
@@ -247,42 +306,74 @@ def logit_attribution(
             counted when prepended; negative from the end), ``"last"``, or ``"token:<text>"``.
         neuron_layers: blocks whose per-neuron contributions to compute (``"all"``, a list, or ()).
         batch_size: prompts per forward pass.
-        check_atol: the final residual stream must equal the sum of the parts read to this absolute
-            tolerance (relative to its largest entry when that exceeds 1), else the architecture
-            writes something this decomposition does not see.
+        check_atol: float32 tolerance of the identities, relative to their magnitude when above 1.
 
     Returns:
         One :class:`DirectAttribution` per prompt (logits).
 
     Raises:
         TokenizationError: target/foil not one token, or a position that is not in a prompt.
-        AttributionError: bad layer, or an architecture whose residual stream is not embed +
-        attention + MLP outputs (e.g. post-norms).
+        AttributionError: bad layer, or an identity that does not hold (naming the architecture
+            and which identity).
+        MethodRefused: a block without attention heads / MLP writes (SSM layers), or MLP neurons
+            asked for on a mixture-of-experts MLP.
     """
     tgt = resolve_target(model, target, foil)
     pos = as_position(position)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     n_layers = int(model.cfg.n_layers)
     nl = check_layers(model, neuron_layers, "neuron_layers") if neuron_layers not in ((), [], None) else []
-    ue, bias = Readout(model).direction(tgt.target_id, tgt.foil_id)
+    require(model, "direct logit attribution", need=("attn", "mlp", "heads"))
+    if nl:
+        require(model, "neuron attribution", layers=nl, need=("neurons",))
+    readout = Readout(model)
+    ue, bias = readout.direction(tgt.target_id, tgt.foil_id)
+    fnorm = readout.final_norm
+    transform = readout.transform
+    arch = architecture_name(model)
+    dtype = _dtype_of(model)
+    if not fnorm.exact:
+        raise AttributionError(f"direct logit attribution is refused on {arch}: its final norm is not an "
+                               f"elementwise affine norm (max deviation {fnorm.max_error:.3g}), so a frozen scale "
+                               "does not make it linear")
+    apaths, mpaths = write_paths(model, "attn"), write_paths(model, "mlp")
+    for wp in [*apaths, *mpaths]:
+        if wp is not None and wp.norm is not None and not wp.norm.exact:
+            raise AttributionError(f"direct logit attribution is refused on {arch}: blocks.{wp.layer}.{wp.norm_name} "
+                                   "is not an elementwise affine norm")
     has_pos = "hook_pos_embed" in model.hook_dict
-    names = ["hook_embed", "ln_final.hook_scale", "ln_final.hook_in"] + (["hook_pos_embed"] if has_pos else [])
+    names = ["hook_embed", "blocks.0.hook_resid_pre", "ln_final.hook_in", "ln_final.hook_out"] + (
+        ["hook_pos_embed"] if has_pos else [])
     for L in range(n_layers):
-        names += [f"blocks.{L}.attn.hook_z", f"blocks.{L}.hook_attn_out", f"blocks.{L}.hook_mlp_out"]
+        names += [f"blocks.{L}.attn.hook_z", *apaths[L].hooks(), *mpaths[L].hooks()]
     names += [f"blocks.{L}.mlp.hook_post" for L in nl]
-    # per-layer weight products with the direction, computed once
-    WO_u, bO_u, Wout_u, bout_u = [], [], {}, []
+    names = list(dict.fromkeys(names))
+    # per-layer weight products with each block's direction (per unit 1/sigma_post), computed once
+    WO_u, bO_u, Wout_u, bout_u, apost_b, mpost_b = [], [], {}, [], [], []
     for L in range(n_layers):
         blk = model.blocks[L]
+        da = apaths[L].direction(ue)
+        dm = mpaths[L].direction(ue)
         W_O = blk.attn.W_O.float()  # [n_heads, d_head, d_model]
-        WO_u.append(W_O @ ue.to(W_O.device))
+        WO_u.append(W_O @ da.to(W_O.device))
         b_O = _vec(blk.attn, "b_O")
-        bO_u.append(float(b_O @ ue.to(b_O.device)) if b_O is not None else 0.0)
+        bO_u.append(float(b_O @ da.to(b_O.device)) if b_O is not None else 0.0)
         b_out = _vec(blk.mlp, "b_out")
-        bout_u.append(float(b_out @ ue.to(b_out.device)) if b_out is not None else 0.0)
+        bout_u.append(float(b_out @ dm.to(b_out.device)) if b_out is not None else 0.0)
+        apost_b.append(apaths[L].bias_logit(ue))
+        mpost_b.append(mpaths[L].bias_logit(ue))
         if L in nl:
             W_out = blk.mlp.W_out.float()  # [d_mlp, d_model]
-            Wout_u[L] = W_out @ ue.to(W_out.device)
+            Wout_u[L] = W_out @ dm.to(W_out.device)
+
+    n_heads = max([int(model.cfg.n_heads)] + [int(w.shape[0]) for w in WO_u])
+
+    def fail(what: str, err: float, tol: float) -> AttributionError:
+        cause = (f"this is more than {dtype} rounding can explain (bound {tol:.3g})"
+                 if dtype in (torch.float16, torch.bfloat16) else f"tolerance {tol:.3g}")
+        return AttributionError(f"direct logit attribution is refused on {arch}: {what} (max error {err:.3g}; "
+                                f"{cause}). The architecture writes to the residual stream or the logits through "
+                                "something these parts do not see; no numbers are returned.")
 
     out: list[DirectAttribution] = []
     size = max(1, int(batch_size))
@@ -292,46 +383,102 @@ def logit_attribution(
         ps = _resolve_positions(model, chunk, batch, pos)
         logits, cache = run_with_cache(model, batch, names, strict=False)
         has_pos_b = has_pos and "hook_pos_embed" in cache
+        missing = [n for n in names if n not in cache and n != "hook_pos_embed"]
+        if missing:
+            raise AttributionError(f"direct logit attribution is refused on {arch}: the hooks {missing[:3]} never "
+                                   "fired in the forward pass")
         for b, prompt in enumerate(chunk):
             p = ps[b]
-            sigma = float(cache["ln_final.hook_scale"][b, p].float().reshape(-1)[0])
+            resid = cache["ln_final.hook_in"][b, p].float()
+            sigma = float(run_sigma(fnorm, resid, cache["ln_final.hook_out"][b, p]))
             inv = 1.0 / sigma
 
             def dot(x, b=b, p=p, inv=inv):
                 return float(x[b, p].float() @ ue.to(x.device)) * inv
 
-            embed = dot(cache["hook_embed"])
-            pe = dot(cache["hook_pos_embed"]) if has_pos_b else None
-            heads = torch.zeros(n_layers, int(model.cfg.n_heads))
-            attn = torch.zeros(n_layers)
-            mlp = torch.zeros(n_layers)
-            recon = cache["hook_embed"][b, p].float() + (cache["hook_pos_embed"][b, p].float() if has_pos_b else 0)
+            # The stream starts as blocks.0.hook_resid_pre: token (+ position) embeddings after any
+            # embedding scale or norm (Gemma's sqrt(d_model), Granite's multiplier, Bloom's LayerNorm).
+            # It is split into token and position terms when hook_embed + hook_pos_embed is exactly it.
+            start = cache["blocks.0.hook_resid_pre"][b, p].float()
+            embed = dot(cache["blocks.0.hook_resid_pre"])
+            pe = None
+            if has_pos_b:
+                e_pe = cache["hook_embed"][b, p].float() + cache["hook_pos_embed"][b, p].float()
+                if float((e_pe - start).abs().max()) <= identity_tolerance(dtype, float(start.abs().max()), 2, 1e-5):
+                    pe = dot(cache["hook_pos_embed"])
+                    embed = embed - pe
+            heads = torch.zeros(n_layers, n_heads)
+            attn, mlp = torch.zeros(n_layers), torch.zeros(n_layers)
+            a_bias, m_bias = torch.zeros(n_layers), torch.zeros(n_layers)
+            recon = start.clone()
+            terms = [recon.abs().max()]
             na, nc, nv = {}, {}, {}
+            worst = 0.0
             for L in range(n_layers):
+                ap, mp = apaths[L], mpaths[L]
+                a_write = cache[ap.write_hook][b, p]
+                m_write = cache[mp.write_hook][b, p]
+                a_inv = inv / float(ap.sigma(cache[ap.raw_hook][b, p], a_write))
+                m_inv = inv / float(mp.sigma(cache[mp.raw_hook][b, p], m_write))
                 z = cache[f"blocks.{L}.attn.hook_z"][b, p].float()  # [n_heads, d_head]
-                heads[L] = (z * WO_u[L].to(z.device)).sum(-1).cpu() * inv
-                attn[L] = dot(cache[f"blocks.{L}.hook_attn_out"])
-                mlp[L] = dot(cache[f"blocks.{L}.hook_mlp_out"])
-                recon = recon + cache[f"blocks.{L}.hook_attn_out"][b, p].float() + cache[f"blocks.{L}.hook_mlp_out"][b, p].float()
+                if z.shape != WO_u[L].shape:
+                    raise MethodRefused(f"direct logit attribution is refused on {arch}: block {L}'s per-head "
+                                        f"outputs (attn.hook_z, {tuple(z.shape)} per position) do not match its W_O "
+                                        f"({tuple(WO_u[L].shape)}), so heads cannot be attributed")
+                hl = (z * WO_u[L].to(z.device)).sum(-1).cpu() * a_inv
+                heads[L, :hl.shape[0]] = hl
+                a_bias[L] = bO_u[L] * a_inv + apost_b[L] * inv
+                m_bias[L] = bout_u[L] * m_inv + mpost_b[L] * inv
+                attn[L] = dot(cache[ap.write_hook])
+                mlp[L] = dot(cache[mp.write_hook])
+                e = abs(float(hl.sum()) + float(a_bias[L]) - float(attn[L]))
+                tol = identity_tolerance(dtype, float(hl.abs().sum()) + abs(float(attn[L])), int(hl.numel()) + 1,
+                                         check_atol)
+                if e > tol:
+                    raise fail(f"the heads of block {L} plus b_O do not add up to its attention output "
+                               f"(through {ap.describe()})", e, tol)
+                worst = max(worst, e)
+                recon = recon + a_write.float() + m_write.float()
+                terms += [a_write.float().abs().max(), m_write.float().abs().max()]
                 if L in nl:
                     a = cache[f"blocks.{L}.mlp.hook_post"][b, p].float()
                     na[L] = a.cpu()
-                    nv[L] = (Wout_u[L] * inv).cpu()
-                    nc[L] = (a * Wout_u[L].to(a.device) * inv).cpu()
-            resid = cache["ln_final.hook_in"][b, p].float()
+                    nv[L] = (Wout_u[L] * m_inv).cpu()
+                    nc[L] = (a * Wout_u[L].to(a.device) * m_inv).cpu()
+                    e = abs(float(nc[L].sum()) + float(m_bias[L]) - float(mlp[L]))
+                    tol = identity_tolerance(dtype, float(nc[L].abs().sum()) + abs(float(mlp[L])), a.numel() + 1,
+                                             check_atol)
+                    if e > tol:
+                        raise fail(f"the neurons of block {L} plus b_out do not add up to its MLP output "
+                                   f"(through {mp.describe()})", e, tol)
+                    worst = max(worst, e)
             err = float((recon - resid).abs().max())
-            if err > check_atol * max(1.0, float(resid.abs().max())):
-                raise AttributionError(
-                    f"the final residual stream is not embed + attention + MLP outputs (max error {err:.3g}); "
-                    "this architecture writes to the residual stream elsewhere (e.g. post-norms), so a "
-                    "direct logit attribution by these parts would not add up")
+            mag = float(sum(float(t) for t in terms))
+            tol = identity_tolerance(dtype, max(mag, float(resid.abs().max())), 2 * n_layers + 2, check_atol)
+            if err > tol:
+                raise fail("the final residual stream is not embed + attention + MLP outputs", err, tol)
             lg = logits[b, p].float()
             logit = float(lg[tgt.target_id] - (lg[tgt.foil_id] if tgt.foil_id is not None else 0.0))
-            out.append(DirectAttribution(
+            if transform.linear:
+                attributed = logit
+            else:
+                pl = readout.pre_transform_logits(cache["ln_final.hook_in"][b, p:p + 1])[0].float()
+                attributed = float(pl[tgt.target_id] - (pl[tgt.foil_id] if tgt.foil_id is not None else 0.0))
+            d = DirectAttribution(
                 prompt=prompt, prompt_idx=s + b, tokens=str_tokens(model, batch.ids[b]),
                 position=int(p - batch.offsets[b]), target=tgt, logit=logit, final_scale=inv,
-                embed=embed, pos_embed=pe, heads=heads, attn_bias=torch.tensor(bO_u) * inv, attn=attn,
-                mlp=mlp, mlp_bias=torch.tensor(bout_u) * inv, final_bias=bias,
-                neuron_act=na, neuron_contrib=nc, neuron_value=nv))
+                embed=embed, pos_embed=pe, heads=heads, attn_bias=a_bias, attn=attn,
+                mlp=mlp, mlp_bias=m_bias, final_bias=bias,
+                neuron_act=na, neuron_contrib=nc, neuron_value=nv, attributed=attributed,
+                transform=transform.description)
+            parts = [embed, pe or 0.0, *attn.tolist(), *mlp.tolist(), bias]
+            e = abs(d.total() - attributed)
+            tol = identity_tolerance(dtype, sum(abs(x) for x in parts) + abs(attributed), len(parts), check_atol)
+            if e > tol:
+                what = "the parts plus bias terms do not add up to the " + (
+                    "logit (difference)" if transform.linear else f"pre-transform logit ({transform.description})")
+                raise fail(what, e, tol)
+            d.max_error = max(worst, e)
+            out.append(d)
         del cache, logits
     return out

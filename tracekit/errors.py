@@ -16,7 +16,7 @@ from __future__ import annotations
 __all__ = [
     "TracekitError", "ConfigError", "ModelLoadError", "TokenizationError", "HookError", "PatchingError",
     "AttributionError", "AttentionError", "CorpusError", "ProbingError", "SAEError", "ResultLoadError",
-    "OutputError",
+    "OutputError", "MethodRefused",
 ]
 
 
@@ -77,3 +77,10 @@ class ResultLoadError(TracekitError, FileNotFoundError):
 class OutputError(TracekitError, OSError):
     """The output folder cannot be written; the message names the path."""
 
+
+
+class MethodRefused(TracekitError, ValueError):
+    """A method cannot give exact numbers on this model's architecture (a mixture-of-experts MLP
+    has no dense neurons, a block has no per-head output, an SSM layer has no attention, a block
+    reads token inputs that bypass the residual stream); the message names the architecture, the
+    reason and, where there is one, what can be done instead (docs/architectures.md)."""

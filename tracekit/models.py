@@ -75,6 +75,10 @@ class ModelSpec(BaseModel):
         random_init: build the architecture with random weights (tests, offline smoke runs).
         config_overrides: Hugging Face config fields to override (e.g. ``{n_layer: 2}``).
         seed: seed for ``random_init``.
+        verify: run the load-time verification (:mod:`tracekit.verify`): the bridge's log-probs
+            against the Hugging Face model it wraps and the readout against the model's output,
+            on a short probe; a model that fails is refused, naming its architecture. ``false``
+            skips it (the run's ``environment.json`` then says the model was not verified).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -91,6 +95,7 @@ class ModelSpec(BaseModel):
     random_init: bool = False
     config_overrides: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
+    verify: bool = True
 
     @field_validator("device")
     @classmethod
@@ -101,13 +106,14 @@ class ModelSpec(BaseModel):
         return v
 
     def key(self) -> str:
-        """Identity of the loaded model (every field)."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """Identity of the loaded model (every field but ``verify``, which changes no number)."""
+        return json.dumps(self.model_dump(mode="json", exclude={"verify"}), sort_keys=True)
 
     def weights_key(self) -> str:
         """Identity of the weights alone: specs that differ only in ``device``, ``prepend_bos``,
         ``padding_side`` or ``process_weights`` share one read of the weights."""
-        d = self.model_dump(mode="json", exclude={"device", "prepend_bos", "padding_side", "process_weights"})
+        d = self.model_dump(mode="json", exclude={"device", "prepend_bos", "padding_side", "process_weights",
+                                                  "verify"})
         return json.dumps(d, sort_keys=True)
 
     def resolved_prepend_bos(self, tokenizer) -> bool:
@@ -376,6 +382,9 @@ def _load_config_and_tokenizer(spec: ModelSpec):
                 cfg = AutoConfig.from_pretrained(src.path)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot read the config of model {spec.name!r}: {type(e).__name__}: {e}") from e
+    from .architectures import architecture_name, check_loadable
+
+    check_loadable(architecture_name(cfg))
     return cfg, tok, src.bridge_name
 
 
@@ -408,7 +417,7 @@ def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
     src = _source(spec)
-    kw: dict[str, Any] = {"dtype": dtype}
+    kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": "eager"}
     if spec.device_map is not None:
         kw["device_map"] = spec.device_map
     if src.kind == "gguf":
@@ -418,16 +427,29 @@ def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
     if src.kind == "random":
         cfg = _random_config(spec)
         torch.manual_seed(spec.seed)
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
         if getattr(hf.config, "vocab_size", len(tok)) < len(tok):
             hf.resize_token_embeddings(len(tok))
         return hf, tok, src.bridge_name
+    from transformers import AutoConfig
+
+    from .architectures import architecture_name, check_loadable
+
     try:
-        hf = AutoModelForCausalLM.from_pretrained(src.path, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = AutoConfig.from_pretrained(src.path)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read the config of model {spec.name!r}: {type(e).__name__}: {e}") from e
+    arch = architecture_name(cfg)
+    check_loadable(arch)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(src.path, config=cfg, **kw)
     except OSError as e:
-        raise ModelLoadError(f"cannot load model {spec.name!r}: {e}") from e
-    except (ValueError, KeyError) as e:
-        raise ModelLoadError(f"model {spec.name!r} is not a supported causal LM: {e}") from e
+        raise ModelLoadError(f"cannot load model {spec.name!r} ({arch}): {e}") from e
+    except Exception as e:  # noqa: BLE001 - transformers' own errors, named with the architecture
+        raise ModelLoadError(f"model {spec.name!r} ({arch}) cannot be built by transformers as a causal LM: "
+                             f"{type(e).__name__}: {e}") from e
     return hf, tok, src.bridge_name
 
 
@@ -488,11 +510,17 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     """
     from transformer_lens.model_bridge import TransformerBridge
 
+    from .architectures import architecture_name, check_loadable
+
     spec = spec or ModelSpec(name=getattr(hf_model.config, "_name_or_path", "custom") or "custom")
     if getattr(hf_model, "_tracekit_wrapped", False):
         raise ModelLoadError("this Hugging Face model is already wrapped in a bridge; load a fresh copy "
                              "(tracekit.load_model shares the weights without re-reading them)")
+    arch = architecture_name(hf_model.config)
+    check_loadable(arch)
     hf_model.eval()
+    _ensure_eager(hf_model)
+    _bridge_spelling(hf_model)
     name = bridge_name or getattr(hf_model.config, "_name_or_path", None) or hf_model.config.model_type
     boot_kw: dict[str, Any] = {"hf_model": hf_model, "tokenizer": tokenizer, "dtype": DTYPES[spec.dtype]}
     _check_devices(spec)
@@ -500,20 +528,30 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
         boot_kw["n_devices"] = spec.n_devices
     elif spec.device_map is None:
         boot_kw["device"] = resolve_device(spec.device)
+    probe, ref_logits = _reference_logits(hf_model, tokenizer, spec, boot_kw.get("device"))
+    stage = "boot"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             bridge = TransformerBridge.boot_transformers(name, **boot_kw)
-        except (ValueError, NotImplementedError, KeyError) as e:
-            raise ModelLoadError(
-                f"TransformerLens' bridge does not support this model ({type(hf_model).__name__}): {e}"
-            ) from e
-        from .cache import processed_weights_cache
+            stage = "weight processing" if spec.process_weights else "compatibility mode"
+            from .cache import processed_weights_cache
 
-        entry = cache_entry if cache_entry is not None else hf_model.__dict__.get("_tracekit_cache_entry")
-        with processed_weights_cache(entry if spec.process_weights else None):
-            bridge.enable_compatibility_mode(disable_warnings=True, no_processing=not spec.process_weights)
+            entry = cache_entry if cache_entry is not None else hf_model.__dict__.get("_tracekit_cache_entry")
+            with processed_weights_cache(entry if spec.process_weights else None):
+                bridge.enable_compatibility_mode(disable_warnings=True, no_processing=not spec.process_weights)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every bridge failure is named with the architecture
+            hint = (" Loading with model.process_weights: false may work." if stage == "weight processing" else "")
+            raise ModelLoadError(
+                f"TransformerLens' bridge cannot load {arch} ({type(hf_model).__name__}) at {stage}: "
+                f"{type(e).__name__}: {e}.{hint} docs/architectures.md lists what runs on each architecture."
+            ) from e
     hf_model.__dict__["_tracekit_wrapped"] = True
+    if "blocks" not in getattr(getattr(bridge, "adapter", None), "component_mapping", {"blocks": None}):
+        raise ModelLoadError(f"{arch}: TransformerLens' bridge exposes no blocks for it (no residual stream "
+                             "tracekit can read); docs/architectures.md lists what runs on each architecture.")
     resolved = spec.model_copy(update={"prepend_bos": spec.resolved_prepend_bos(tokenizer)})
     bridge.cfg.default_prepend_bos = resolved.prepend_bos
     bridge.eval()
@@ -521,7 +559,88 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
         p.requires_grad_(False)
     bridge.__dict__["tracekit_spec"] = resolved
     bridge.__dict__["tracekit_requested_spec"] = spec
+    if spec.verify:
+        _load_verification(bridge, arch, probe, ref_logits)
     return bridge
+
+
+def _ensure_eager(hf_model) -> None:
+    """Eager attention: SDPA and flash attention compute no attention pattern, so the bridge's
+    ``hook_pattern`` would never fire on families whose attention it delegates to transformers
+    (OPT, GPT-J, ...). tracekit builds its models eager; a model handed to :func:`wrap_hf_model`
+    in another implementation is switched before the verification probe, so the probe checks the
+    model as it will run."""
+    impl = getattr(hf_model.config, "_attn_implementation", None)
+    if impl not in (None, "eager") and hasattr(hf_model, "set_attn_implementation"):
+        try:
+            hf_model.set_attn_implementation("eager")
+        except Exception:  # noqa: BLE001 - kept as is: pattern hooks then report that they never fire
+            log.debug("could not switch %s to eager attention", type(hf_model).__name__)
+
+
+def _bridge_spelling(hf_model) -> None:
+    """Route a ``transformers`` class the bridge lists under another spelling (its remote-code
+    name, e.g. ``PhimoeForCausalLM`` -> ``PhiMoEForCausalLM``) to that adapter."""
+    from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
+
+    from .architectures import ALIASES
+
+    archs = list(getattr(hf_model.config, "architectures", None) or [])
+    if archs and archs[0] not in SUPPORTED_ARCHITECTURES:
+        for tl_name, hf_name in ALIASES.items():
+            if hf_name == archs[0] and tl_name in SUPPORTED_ARCHITECTURES:
+                hf_model.config.architectures = [tl_name] + archs[1:]
+                return
+
+
+def _reference_logits(hf_model, tokenizer, spec: ModelSpec, device: Optional[str]):
+    """``(probe ids, logits)`` of the Hugging Face model on the verification probe, computed before
+    the bridge wraps (and rewires) it; ``(None, None)`` when verification is off."""
+    if not spec.verify:
+        return None, None
+    from .verify import probe_ids
+
+    vocab = int(getattr(hf_model.config, "vocab_size", 0) or len(tokenizer))
+    ids = probe_ids(tokenizer, vocab)
+    try:
+        if device is not None:
+            hf_model.to(device)
+        dev = next(hf_model.parameters()).device
+        with torch.no_grad():
+            out = hf_model(ids.to(dev), use_cache=False)
+        return ids, out.logits.detach().float()
+    except Exception as e:  # noqa: BLE001 - a model transformers itself cannot run
+        from .architectures import architecture_name
+
+        raise ModelLoadError(f"{architecture_name(hf_model.config)}: transformers cannot run this model on a "
+                             f"short probe ({type(e).__name__}: {e})") from e
+
+
+def _load_verification(bridge, arch: str, probe, ref_logits) -> None:
+    """The load-time subset of :mod:`tracekit.verify`; refuses the model when a check fails."""
+    from .state import state_of
+    from .verify import load_checks
+
+    try:
+        checks = load_checks(bridge, probe, ref_logits)
+    except Exception as e:  # noqa: BLE001 - a forward the bridge cannot run is a refusal
+        raise ModelLoadError(f"TransformerLens' bridge cannot run {arch}: {type(e).__name__}: {e}. "
+                             "docs/architectures.md lists what runs on each architecture.") from e
+    bad = [c for c in checks if c.status == "fail"]
+    state_of(bridge).verification = {"level": "load", "passed": not bad,
+                                     "checks": [{"name": c.name, "value": c.value, "tolerance": c.tolerance,
+                                                 "status": c.status} for c in checks]}
+    if bad:
+        c = bad[0]
+        what = {"forward": "TransformerLens' bridge gives different log-probabilities from transformers",
+                "lens_final": "the readout (final norm + unembedding + output transform) does not reproduce "
+                              "the model's output"}.get(c.name, c.name)
+        spec = bridge.__dict__.get("tracekit_spec")
+        hint = " Loading with model.process_weights: false may be exact." if getattr(spec, "process_weights", False) else ""
+        size = (f" (max |difference| {c.value:.3g} > {c.tolerance:.1g} on the verification probe)"
+                if c.value is not None else f" ({c.detail})")
+        raise ModelLoadError(f"{arch}: {what}{size}; tracekit refuses it rather than return wrong numbers.{hint} "
+                             "docs/architectures.md lists what runs on each architecture.")
 
 
 # Weights read once per process: weights_key -> (hf config, state dict sharing the first model's
@@ -539,6 +658,7 @@ def clear_cache() -> None:
     _CACHE.clear()
     _WEIGHTS.clear()
     _ENTRIES.clear()
+    _PROCESSING_WRITES.clear()
 
 
 def _hf_from_weights(entry, dtype: torch.dtype):
@@ -546,7 +666,7 @@ def _hf_from_weights(entry, dtype: torch.dtype):
 
     config, state, buffers, _, _ = entry
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     hf.load_state_dict(state, assign=True, strict=True)
     if getattr(config, "tie_word_embeddings", False):
         hf.tie_weights()
@@ -602,20 +722,72 @@ def _load_model(spec: ModelSpec, key: str):
     dtype = DTYPES[spec.dtype]
     device = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
     wkey = spec.weights_key()
-    if wkey in _WEIGHTS and spec.device_map is None:
+    shared = wkey in _WEIGHTS and spec.device_map is None
+    if shared:
         entry = _WEIGHTS[wkey]
         hf, tok, bridge_name = _hf_from_weights(entry, dtype), entry[3], entry[4]
         if wkey in _ENTRIES:
             hf.__dict__["_tracekit_cache_entry"] = _ENTRIES[wkey]
+        if spec.process_weights and _PROCESSING_WRITES.get(wkey) is not False:
+            _privatise_expert_weights(hf)
     else:
         hf, tok, bridge_name = _load_hf(spec, dtype, device)
-        if spec.device_map is None:
-            _WEIGHTS[wkey] = (hf.config, dict(hf.state_dict()), dict(hf.named_buffers()), tok, bridge_name)
+    own = dict(hf.state_dict())  # this model's tensors (shared ones, and private copies), before the bridge
+    buffers = dict(hf.named_buffers())  # rewires the modules
+    state = _WEIGHTS[wkey][1] if shared else own
+    before_own = _fingerprints(own)
+    before = before_own if not shared else _fingerprints(state)
+    bridge = wrap_hf_model(hf, tok, spec, bridge_name=bridge_name)
+    if spec.process_weights:
+        _PROCESSING_WRITES[wkey] = any(fp != before_own.get(n) for n, fp in _fingerprints(own).items())
+    changed = [n for n, fp in _fingerprints(state).items() if fp != before.get(n)]
+    if shared and changed:  # a model built earlier from these tensors has been changed: never silent
+        _WEIGHTS.pop(wkey, None)
+        for k in [k for k, v in _CACHE.items() if json.loads(k).get("name") == spec.name]:
+            _CACHE.pop(k, None)
+        raise ModelLoadError(f"weight processing wrote into weights shared with a model loaded earlier "
+                             f"({changed[:3]}); that model is no longer valid. Call tracekit.models.clear_cache() "
+                             "and load each spec again.")
+    if not shared and spec.device_map is None:
+        if changed:
+            log.debug("weight processing wrote into %d tensors of %s in place; not sharing them", len(changed), spec.name)
+        else:
+            _WEIGHTS[wkey] = (hf.config, state, buffers, tok, bridge_name)
             if "_tracekit_cache_entry" in hf.__dict__:
                 _ENTRIES[wkey] = hf.__dict__["_tracekit_cache_entry"]
-    bridge = wrap_hf_model(hf, tok, spec, bridge_name=bridge_name)
     _CACHE[key] = bridge
     return bridge
+
+
+#: weights_key -> whether TransformerLens' weight processing wrote into the Hugging Face tensors in
+#: place (mixture-of-experts layers fold the norm into ``experts.gate_up_proj`` in place). Learned on
+#: the first processed load; a model whose processing writes in place never shares its weights.
+_PROCESSING_WRITES: dict[str, bool] = {}
+
+
+def _fingerprints(state: dict) -> dict[str, bytes]:
+    """A cheap identity of every tensor's values (shape, dtype and a strided sample of <= 4096
+    elements), to detect in-place writes into weights shared between specs."""
+    import hashlib
+
+    out = {}
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        sample = flat[::step].float().cpu().numpy().tobytes()
+        out[name] = hashlib.blake2b(f"{tuple(t.shape)}{t.dtype}".encode() + sample, digest_size=16).digest()
+    return out
+
+
+def _privatise_expert_weights(hf) -> None:
+    """Give a model built from shared weights private copies of its 3-D parameters (fused expert
+    weights), which weight processing may fold the norm into in place."""
+    for mod in hf.modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if p.ndim >= 3:
+                setattr(mod, pname, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
 
 
 def as_spec(spec: ModelSpec | str | dict | None = None, **overrides) -> ModelSpec:

@@ -36,12 +36,14 @@ import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
 
+from .architectures import mlp_width, require
 from .dla import DirectAttribution, LogitTarget, as_position, check_layers, logit_attribution, resolve_target
 from .errors import AttributionError
 from .hooks import check_hooks
 from .metrics import logit_diff, target_log_prob, target_prob
 from .readout import Readout
 from .tokens import Position, PositionSpec, forward_kwargs, tokenize
+from .writepath import write_path
 
 if TYPE_CHECKING:
     from .corpus import Window
@@ -71,7 +73,8 @@ def parse_neuron(model, spec, field: str = "neurons") -> tuple[int, int]:
         raise AttributionError(f"{field}: {spec!r} is not a neuron; write 'layer.neuron' like '8.1234' "
                                "or a pair [8, 1234]") from e
     L = check_layers(model, [L], field)[0]
-    d_mlp = int(model.cfg.d_mlp)
+    require(model, "neuron attribution", layers=[L], need=("neurons",))
+    d_mlp = mlp_width(model, L)
     if not 0 <= N < d_mlp:
         raise AttributionError(f"{field}: neuron {N} does not exist in layer {L}; MLPs have {d_mlp} neurons (0..{d_mlp - 1})")
     return L, N
@@ -109,6 +112,9 @@ def neuron_contributions(
 def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_vocab"]:
     """A neuron's value vector read in vocabulary space: ``(centre(W_out[L, n]) * w) @ W_U``,
     centred over the vocabulary (logits per unit activation at final-norm scale 1; Geva et al. 2022).
+    On blocks with a post-MLP norm (Gemma 2/3, OLMo 2, GLM-4) the vector goes through that norm's
+    weight first, at its scale 1, as the write does (:mod:`tracekit.writepath`); a residual
+    multiplier (Granite) scales it.
 
     ``value_logits[t] - value_logits[f]`` times ``final_scale`` equals the neuron's
     ``logit_per_activation`` in :func:`tracekit.dla.logit_attribution` for target t and foil f (tested).
@@ -117,7 +123,13 @@ def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_voca
         AttributionError: unknown layer or neuron.
     """
     L, N = parse_neuron(model, (layer, neuron), "neuron")
-    return Readout(model).vocab_projection(model.blocks[L].mlp.W_out[N]).cpu()
+    v = model.blocks[L].mlp.W_out[N].float()
+    wp = write_path(model, L, "mlp")
+    if wp is not None and wp.norm is not None:  # through the post-MLP norm at its scale 1
+        v = wp.norm.weight.to(v.device) * wp.norm.centre(v)
+    if wp is not None:
+        v = v * wp.multiplier
+    return Readout(model).vocab_projection(v).cpu()
 
 
 @torch.no_grad()
@@ -331,10 +343,10 @@ def prompt_means(model, prompts: Sequence[str], neurons: Sequence) -> dict:
 def random_neurons(model, like: Sequence[tuple[int, int]], seed: int = 0, exclude: Iterable = ()) -> list[tuple[int, int]]:
     """As many random neurons per layer as ``like`` has, avoiding ``exclude`` (a control set)."""
     g = np.random.default_rng(seed)
-    d_mlp = int(model.cfg.d_mlp)
     ex = set(map(tuple, exclude)) | set(map(tuple, like))
     out = []
     for L in sorted({L for L, _ in like}):
+        d_mlp = mlp_width(model, L)
         k = sum(1 for l2, _ in like if l2 == L)
         pool = np.array([n for n in range(d_mlp) if (L, n) not in ex])
         out += [(L, int(n)) for n in g.choice(pool, size=min(k, len(pool)), replace=False)]
@@ -441,13 +453,19 @@ def neuron_intervention(
             mean_vals[L] = mv
     n_layers = int(model.cfg.n_layers)
     lmin = min(by_layer) if by_layer else n_layers
+    # the post-MLP norm of an edited block (Gemma 2/3, OLMo 2, GLM-4) is frozen at its clean scale too
+    post_scales = []
+    for L in by_layer:
+        wp = write_path(model, L, "mlp")
+        if wp is not None and wp.norm is not None and f"blocks.{L}.{wp.norm_name}.hook_scale" in model.hook_dict:
+            post_scales.append(f"blocks.{L}.{wp.norm_name}.hook_scale")
     clean: dict = {}
     if freeze_downstream:
         from .tokens import run_with_cache
 
         clean_names = (["ln_final.hook_scale"] + [f"blocks.{L}.hook_attn_out" for L in range(lmin + 1, n_layers)]
                        + [f"blocks.{L}.hook_mlp_out" for L in range(lmin + 1, n_layers)]
-                       + [f"blocks.{L}.mlp.hook_post" for L in by_layer])
+                       + [f"blocks.{L}.mlp.hook_post" for L in by_layer] + post_scales)
         logits, clean = run_with_cache(model, batch, clean_names)
         clean_m = output_metrics(logits[0, p], tgt)
     elif clean_metrics is not None:
@@ -477,6 +495,7 @@ def neuron_intervention(
     hooks = [(f"blocks.{L}.mlp.hook_post", make_post_hook(L)) for L in by_layer]
     if freeze_downstream:
         hooks.append(("ln_final.hook_scale", freeze))
+        hooks += [(n, freeze) for n in post_scales]
         for L in range(lmin + 1, n_layers):
             hooks.append((f"blocks.{L}.hook_attn_out", freeze))
             if L not in by_layer:

@@ -105,7 +105,9 @@ import torch
 from jaxtyping import Float, Int
 
 from . import metrics as M
+from .architectures import head_count, mlp_width, require
 from .errors import PatchingError, TokenizationError
+from .hooks import enabled_hooks
 from .models import model_device
 from .readout import Readout
 from .tokens import Batch, encode, str_tokens
@@ -379,6 +381,7 @@ class CachedRun:
     kwargs: list[dict]
     acts: dict[str, torch.Tensor]
     logits: Float[torch.Tensor, "n d_vocab"]
+    heads: int = 0
 
     @property
     def n(self) -> int:
@@ -388,9 +391,16 @@ class CachedRun:
         """Block ``i``'s extra args/kwargs with batch-dimension tensors indexed by ``rows``."""
         n = self.n
 
+        heads = self.heads
+
         def sel(v):
             if torch.is_tensor(v):
-                return v[rows] if v.ndim >= 2 and v.shape[0] == n else v
+                if v.ndim >= 2 and v.shape[0] == n:
+                    return v[rows]
+                if heads > 1 and v.ndim >= 2 and v.shape[0] == n * heads:
+                    # batch x heads folded into one axis (Bloom's ALiBi bias [n * heads, 1, pos])
+                    return v.reshape(n, heads, *v.shape[1:])[rows].reshape(-1, *v.shape[1:])
+                return v
             if isinstance(v, tuple):
                 return tuple(sel(u) for u in v)
             if isinstance(v, list):
@@ -398,6 +408,23 @@ class CachedRun:
             return v
 
         return tuple(sel(a) for a in self.args[i]), {k: sel(v) for k, v in self.kwargs[i].items()}
+
+    def varying_inputs(self, rows_a: torch.Tensor, rows_b: torch.Tensor) -> list[str]:
+        """Block call arguments other than the residual stream that differ between two row sets
+        (e.g. Gemma 4's per-layer token embeddings, Zamba 2's original embeddings): token-dependent
+        inputs that bypass the residual stream, which residual patching cannot carry."""
+        n = self.n
+        out = []
+        for i in range(len(self.args)):
+            items = [(f"args[{j}]", a) for j, a in enumerate(self.args[i])] + list(self.kwargs[i].items())
+            for name, v in items:
+                vs = v if isinstance(v, (tuple, list)) else (v,)
+                for t in vs:
+                    if torch.is_tensor(t) and t.ndim >= 1 and t.shape[0] == n:
+                        if not torch.equal(t[rows_a.to(t.device)], t[rows_b.to(t.device)]):
+                            out.append(f"block {i} {name}")
+                            break
+        return out
 
 
 @torch.no_grad()
@@ -434,7 +461,8 @@ def cache_run(model, tokens: Int[torch.Tensor, "n pos"], hook_names: Sequence[st
         raise PatchingError(f"patching: block inputs {missing} were not recorded; this model's blocks "
                             "are not called as model.blocks[i] (unsupported architecture)")
     acts = {nm: cache[nm] for nm in names}
-    return CachedRun(tokens, resid, args, kwargs, acts, logits[:, -1].detach().float())
+    return CachedRun(tokens, resid, args, kwargs, acts, logits[:, -1].detach().float(),
+                     int(getattr(model.cfg, "n_heads", 0) or 0))
 
 
 def _pre_adapter(mod, a, k, fn, i):
@@ -684,16 +712,21 @@ def patch_rows(
 def _index_df(model, site: Site, n_pos: int, layers=None, index_df=None, neurons=None) -> pd.DataFrame:
     if index_df is not None:
         return index_df.reset_index(drop=True)
-    n_heads = int(model.cfg.n_key_value_heads or model.cfg.n_heads) if site.kv_heads else int(model.cfg.n_heads)
-    rng = {
-        "layer": list(layers) if layers is not None else list(range(model.cfg.n_layers)),
-        "pos": list(range(n_pos)),
-        "head": list(range(n_heads)),
-        "neuron": list(neurons) if neurons is not None else list(range(int(model.cfg.d_mlp))),
-    }
+    layers = list(layers) if layers is not None else list(range(model.cfg.n_layers))
     axes = ("layer",) + site.axes
-    return pd.DataFrame(list(itertools.product(*[rng[a] for a in axes])), columns=list(axes))
-
+    rows: list = []
+    for L in layers:
+        rng = {"layer": [L], "pos": list(range(n_pos)), "head": list(range(head_count(model, L, site.kv_heads)))}
+        if "neuron" in site.axes:
+            width = mlp_width(model, L)
+            if neurons is not None:
+                bad = [int(j) for j in neurons if not 0 <= int(j) < width]
+                if bad:
+                    raise PatchingError(f"neurons: {bad[:5]} out of range (the MLP of block {L} has {width} "
+                                        f"neurons, 0..{width - 1})")
+            rng["neuron"] = list(neurons) if neurons is not None else list(range(width))
+        rows += list(itertools.product(*[rng[a] for a in axes]))
+    return pd.DataFrame(rows, columns=list(axes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -906,6 +939,40 @@ class PatchingRun:
     population_size: int = 0
 
 
+def _refuse_side_inputs(model, run: "CachedRun", rows_a: torch.Tensor, rows_b: torch.Tensor) -> None:
+    """Refuse patching between runs whose blocks also read token-dependent inputs besides the
+    residual stream: patching a site could never restore (or break) the other run, so every
+    number would understate the site's effect."""
+    varying = run.varying_inputs(rows_a, rows_b)
+    if varying:
+        from .architectures import MethodRefused, architecture_name
+
+        raise MethodRefused(
+            f"activation patching is refused on {architecture_name(model)}: its blocks read token-dependent "
+            f"inputs that bypass the residual stream ({', '.join(varying[:3])}), so patching the clean "
+            "run's activations into the corrupted run cannot restore the clean run.")
+
+
+def _require_sites(model, sites: Sequence[str], layers: Sequence[int], neuron_layers: Sequence[int],
+                   neurons: Sequence[int] | None) -> None:
+    """Refuse sites this model's blocks do not have (heads on blocks without per-head outputs,
+    neurons on mixture-of-experts MLPs), naming the architecture."""
+    from .hooks import check_hooks
+
+    if not hasattr(model, "blocks"):
+        return
+    for s in sites:
+        site = SITES[s]
+        lay = neuron_layers if s.startswith("neuron") else layers
+        check_hooks(model, [site.hook_name(int(L)) for L in lay], f"sites ({s})")
+        if site.hook.startswith("attn."):
+            require(model, f"patching site {s}", layers=lay, need=("heads",))
+        elif s.startswith("neuron"):
+            require(model, f"patching site {s}", layers=lay, need=("neurons",))
+        elif s.startswith(("attn_out", "mlp_out")):
+            require(model, f"patching site {s}", layers=lay, need=(s.split("_")[0],))
+
+
 def _ids_tensor(ids, field: str) -> torch.Tensor | None:
     if ids is None:
         return None
@@ -989,10 +1056,14 @@ def run_patching(
     nlay = resolve_layers(n_layers, neuron_layers or [], "neuron_layers")
     if any(s.startswith("neuron") for s in sites) and not nlay:
         raise PatchingError("neuron_layers: neuron sites need the layers whose MLP neurons are patched")
-    d_mlp = int(getattr(model.cfg, "d_mlp", 0) or 0)
-    for i, j in enumerate(neurons or []):
-        if not 0 <= int(j) < d_mlp:
-            raise PatchingError(f"neurons[{i}]: {j} is out of range (the MLP has {d_mlp} neurons)")
+    if any(s.startswith("neuron") for s in sites):
+        require(model, "neuron patching", layers=nlay, need=("neurons",))
+        for L in nlay:
+            d_mlp = mlp_width(model, L)
+            for i, j in enumerate(neurons or []):
+                if not 0 <= int(j) < d_mlp:
+                    raise PatchingError(f"neurons[{i}]: {j} is out of range (the MLP of block {L} has {d_mlp} "
+                                        f"neurons, 0..{d_mlp - 1})")
     target = _ids_tensor(target_ids, "target")
     foil = _ids_tensor(foil_ids, "foil")
     if target is None or target.shape[0] != n or (foil is not None and foil.shape != target.shape):
@@ -1013,68 +1084,72 @@ def run_patching(
 
     dev = model_device(model)
     hooks = sorted({SITES[s].hook_name(L) for s in sites for L in (nlay if s.startswith("neuron") else lay)})
-    pop_acts = _population_acts(model, pop, hooks) if chosen else {}
-    lengths = [len(c) for c in clean_ids]
-    groups: dict[int, list[int]] = {}
-    for i, L in enumerate(lengths):
-        groups.setdefault(L, []).append(i)
-    Mn = len(metric_names)
-    clean_vals = torch.full((n, Mn), float("nan"))
-    corr_vals = torch.full((n, Mn), float("nan"))
-    out_jobs: list[JobResult] = []
-    for P_len, members in sorted(groups.items()):
-        g = len(members)
-        toks = torch.tensor([clean_ids[i] for i in members] + [corrupted_ids[i] for i in members], device=dev)
-        run = cache_run(model, toks, hooks)
-        midx = torch.tensor(members)
-        inputs = M.MetricInputs(target[midx].to(dev), None if foil is None else foil[midx].to(dev),
-                                torch.log_softmax(run.logits[:g].float(), -1))
+    _require_sites(model, sites, lay, nlay, neurons)
+    with enabled_hooks(model, hooks):
+        pop_acts = _population_acts(model, pop, hooks) if chosen else {}
+        lengths = [len(c) for c in clean_ids]
+        groups: dict[int, list[int]] = {}
+        for i, L in enumerate(lengths):
+            groups.setdefault(L, []).append(i)
+        Mn = len(metric_names)
+        clean_vals = torch.full((n, Mn), float("nan"))
+        corr_vals = torch.full((n, Mn), float("nan"))
+        out_jobs: list[JobResult] = []
+        for P_len, members in sorted(groups.items()):
+            g = len(members)
+            toks = torch.tensor([clean_ids[i] for i in members] + [corrupted_ids[i] for i in members], device=dev)
+            run = cache_run(model, toks, hooks)
+            if any(m in DIRECTIONS for m in modes):
+                _refuse_side_inputs(model, run, torch.arange(g), torch.arange(g) + g)
+            midx = torch.tensor(members)
+            inputs = M.MetricInputs(target[midx].to(dev), None if foil is None else foil[midx].to(dev),
+                                    torch.log_softmax(run.logits[:g].float(), -1))
 
-        def row_metric(logits, br, inputs=inputs, g=g):
-            return M.compute_metrics(metric_names, logits, inputs.rows(br % g))
+            def row_metric(logits, br, inputs=inputs, g=g):
+                return M.compute_metrics(metric_names, logits, inputs.rows(br % g))
 
-        base = row_metric(run.logits, torch.arange(2 * g, device=run.logits.device)).float().cpu()
-        clean_vals[midx], corr_vals[midx] = base[:g], base[g:]
+            base = row_metric(run.logits, torch.arange(2 * g, device=run.logits.device)).float().cpu()
+            clean_vals[midx], corr_vals[midx] = base[:g], base[g:]
 
-        jobs, meta = [], []
-        b = torch.arange(g)
-        for mode in modes:
-            for s in sites:
-                site = SITES[s]
-                idf = _index_df(model, site, P_len, nlay if s.startswith("neuron") else lay, neurons=neurons)
-                V = len(idf)
-                source: dict[int, torch.Tensor] = {}
-                if mode == "denoising":
-                    base_rows, src_rows = b + g, b
-                elif mode == "noising":
-                    base_rows, src_rows = b, b + g
-                elif mode == "zero":
-                    base_rows, src_rows = b, torch.zeros_like(b)
-                else:
-                    base_rows, src_rows = b, b
-                for L in idf["layer"].unique().tolist():
-                    act = run.acts[site.hook_name(int(L))]
-                    if mode == "zero":
-                        source[int(L)] = torch.zeros_like(act[:1])
-                    elif mode in chosen:
-                        source[int(L)] = _ablation_source(pop_acts, site.hook_name(int(L)), site, P_len,
-                                                          [chosen[mode][i] for i in members])
+            jobs, meta = [], []
+            b = torch.arange(g)
+            for mode in modes:
+                for s in sites:
+                    site = SITES[s]
+                    idf = _index_df(model, site, P_len, nlay if s.startswith("neuron") else lay, neurons=neurons)
+                    V = len(idf)
+                    source: dict[int, torch.Tensor] = {}
+                    if mode == "denoising":
+                        base_rows, src_rows = b + g, b
+                    elif mode == "noising":
+                        base_rows, src_rows = b, b + g
+                    elif mode == "zero":
+                        base_rows, src_rows = b, torch.zeros_like(b)
                     else:
-                        source[int(L)] = act
-                jobs.append(PatchJob(
-                    site=site, layer=torch.tensor(idf["layer"].to_numpy(), dtype=torch.long).repeat_interleave(g),
-                    index={a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(g).to(dev)
-                           for a in site.axes},
-                    base_rows=base_rows.repeat(V).to(dev), source=source, src_rows=src_rows.repeat(V).to(dev)))
-                bn = bs = None
-                if mode in chosen:
-                    bn = [len(chosen[mode][i]) for i in members]
-                    if mode == "resample":
-                        bs = [chosen[mode][i][0] for i in members]
-                meta.append((mode, site, idf, bn, bs))
-        results = patch_rows(model, run, jobs, row_metric, batch_size, skip_unchanged, progress=progress)
-        for (mode, site, idf, bn, bs), vals in zip(meta, results):
-            out_jobs.append(JobResult(mode, site, idf, list(members), P_len, vals, bn, bs))
+                        base_rows, src_rows = b, b
+                    for L in idf["layer"].unique().tolist():
+                        act = run.acts[site.hook_name(int(L))]
+                        if mode == "zero":
+                            source[int(L)] = torch.zeros_like(act[:1])
+                        elif mode in chosen:
+                            source[int(L)] = _ablation_source(pop_acts, site.hook_name(int(L)), site, P_len,
+                                                              [chosen[mode][i] for i in members])
+                        else:
+                            source[int(L)] = act
+                    jobs.append(PatchJob(
+                        site=site, layer=torch.tensor(idf["layer"].to_numpy(), dtype=torch.long).repeat_interleave(g),
+                        index={a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(g).to(dev)
+                               for a in site.axes},
+                        base_rows=base_rows.repeat(V).to(dev), source=source, src_rows=src_rows.repeat(V).to(dev)))
+                    bn = bs = None
+                    if mode in chosen:
+                        bn = [len(chosen[mode][i]) for i in members]
+                        if mode == "resample":
+                            bs = [chosen[mode][i][0] for i in members]
+                    meta.append((mode, site, idf, bn, bs))
+            results = patch_rows(model, run, jobs, row_metric, batch_size, skip_unchanged, progress=progress)
+            for (mode, site, idf, bn, bs), vals in zip(meta, results):
+                out_jobs.append(JobResult(mode, site, idf, list(members), P_len, vals, bn, bs))
     return PatchingRun(metric_names, clean_vals, corr_vals, out_jobs, lengths, len(pop) if chosen else 0)
 
 
@@ -1145,44 +1220,47 @@ def batched_activation_patch(
         layers = resolve_layers(int(model.cfg.n_layers), layers, "layers")
     idf = _index_df(model, site, P_len, layers, index_df, neurons)
     hooks = sorted({site.hook_name(int(L)) for L in idf["layer"].unique()})
-    dev = model_device(model)
-    if source_tokens is not None:
-        source_tokens = check_unpadded(model, source_tokens, "source_tokens")
-        if source_tokens.shape != base_tokens.shape:
-            raise PatchingError(f"source_tokens {tuple(source_tokens.shape)} and base_tokens "
-                                f"{tuple(base_tokens.shape)} must have the same shape")
-        run = cache_run(model, torch.cat([base_tokens, source_tokens]).to(dev), hooks)
-        src = {int(L): run.acts[site.hook_name(int(L))] for L in idf["layer"].unique()}
-        src_rows = torch.arange(B) + B
-    else:
-        if source not in ("zero", "mean"):
-            raise PatchingError("source: without source_tokens, use source='zero' or 'mean'")
-        ids = base_tokens.tolist()
-        chosen = baseline_members(ids, ids, "mean", "the other prompts of base_tokens", "source") \
-            if source == "mean" else None
-        run = cache_run(model, base_tokens.to(dev), hooks)
-        src = {}
-        for L in idf["layer"].unique():
-            h = site.hook_name(int(L))
-            a = run.acts[h]
-            if chosen is None:
-                src[int(L)] = torch.zeros_like(a[:1])
-            else:
-                src[int(L)] = _ablation_source({P_len: (list(range(B)), run.acts)}, h, site, P_len, chosen)
-        src_rows = torch.zeros(B, dtype=torch.long) if chosen is None else torch.arange(B)
-    V = len(idf)
-    lay = torch.tensor(idf["layer"].to_numpy(), dtype=torch.long)
-    b = torch.arange(B)
-    job = PatchJob(
-        site=site,
-        layer=lay.repeat_interleave(B),
-        index={a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(B).to(dev) for a in site.axes},
-        base_rows=b.repeat(V).to(dev),
-        source=src,
-        src_rows=src_rows.repeat(V).to(dev),
-    )
-    (vals,) = patch_rows(model, run, [job], lambda lg, br: patching_metric(lg, br % B)[:, None],
-                         batch_size, skip_unchanged)
+    _require_sites(model, [activation_name], sorted({int(x) for x in idf['layer']}), sorted({int(x) for x in idf['layer']}), None)
+    with enabled_hooks(model, hooks):
+        dev = model_device(model)
+        if source_tokens is not None:
+            source_tokens = check_unpadded(model, source_tokens, "source_tokens")
+            if source_tokens.shape != base_tokens.shape:
+                raise PatchingError(f"source_tokens {tuple(source_tokens.shape)} and base_tokens "
+                                    f"{tuple(base_tokens.shape)} must have the same shape")
+            run = cache_run(model, torch.cat([base_tokens, source_tokens]).to(dev), hooks)
+            _refuse_side_inputs(model, run, torch.arange(B), torch.arange(B) + B)
+            src = {int(L): run.acts[site.hook_name(int(L))] for L in idf["layer"].unique()}
+            src_rows = torch.arange(B) + B
+        else:
+            if source not in ("zero", "mean"):
+                raise PatchingError("source: without source_tokens, use source='zero' or 'mean'")
+            ids = base_tokens.tolist()
+            chosen = baseline_members(ids, ids, "mean", "the other prompts of base_tokens", "source") \
+                if source == "mean" else None
+            run = cache_run(model, base_tokens.to(dev), hooks)
+            src = {}
+            for L in idf["layer"].unique():
+                h = site.hook_name(int(L))
+                a = run.acts[h]
+                if chosen is None:
+                    src[int(L)] = torch.zeros_like(a[:1])
+                else:
+                    src[int(L)] = _ablation_source({P_len: (list(range(B)), run.acts)}, h, site, P_len, chosen)
+            src_rows = torch.zeros(B, dtype=torch.long) if chosen is None else torch.arange(B)
+        V = len(idf)
+        lay = torch.tensor(idf["layer"].to_numpy(), dtype=torch.long)
+        b = torch.arange(B)
+        job = PatchJob(
+            site=site,
+            layer=lay.repeat_interleave(B),
+            index={a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(B).to(dev) for a in site.axes},
+            base_rows=b.repeat(V).to(dev),
+            source=src,
+            src_rows=src_rows.repeat(V).to(dev),
+        )
+        (vals,) = patch_rows(model, run, [job], lambda lg, br: patching_metric(lg, br % B)[:, None],
+                             batch_size, skip_unchanged)
     out = vals[:, 0].reshape(V, B).T.contiguous()
     if not explicit:
         out = out.reshape(B, *[idf[c].nunique() for c in idf.columns])

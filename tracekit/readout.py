@@ -1,34 +1,54 @@
-"""Reading the residual stream in vocabulary space: the final norm + unembedding, written once.
+"""Reading the residual stream in vocabulary space: final norm, unembedding and the model's own
+output transform, written once.
 
 Every method that reads a residual-stream vector as a next-token distribution goes through
 :class:`Readout`: the logit lens (nostalgebraist 2020), activation patching's replays, direct logit
 attribution, FFN value-vector readout (Geva et al. 2022) and SAE decoder readout. As in
 tuned-lens' ``Unembed`` (``tuned_lens/nn/unembed.py``), the final LayerNorm/RMSNorm is
 *recomputed* from the vector being read, never borrowed from the final layer's cached scale; so
-reading the last block's output gives exactly the model's own logits (tested).
+reading the last block's output gives exactly the model's own logits (tested on every architecture
+the bridge supports, tests/conformance).
+
+The path from residual to logits is ``transform(unembed(final_norm(resid)))``, where ``transform``
+is the family's post-unembedding step, which TransformerLens keeps in the architecture adapter
+(``adapter.apply_output_logits_transform``): Gemma 2's final logit soft-cap
+``cap * tanh(logits / cap)``, Granite's ``logits / logits_scaling``, Cohere's ``logits *
+logit_scale``, Falcon-H1's ``lm_head_multiplier``. Dropping it gives log-probabilities off by many
+nats on Gemma 2 (the bug this module's conformance tests pin).
 
 Two readings:
 
 * **recomputed** (:meth:`Readout.logits`, :meth:`Readout.log_probs`): the distribution the model
-  would output if ``resid`` were its final residual;
-* **frozen scale** (:meth:`Readout.direction` + :meth:`Readout.norm_params`): with the final norm's
-  scale ``1/sigma`` fixed at a run's value (``ln_final.hook_scale``), the norm is linear, so a
-  residual write ``c`` moves the (target - foil) logit by ``c . u_eff / sigma``. Direct logit
-  attribution, neuron and SAE-feature attribution use this.
+  would output if ``resid`` were its final residual (transform included);
+* **frozen scale** (:meth:`Readout.direction`): with the final norm's scale ``1/sigma`` fixed at a
+  run's value, the norm is linear, so a residual write ``c`` moves the (target - foil) logit by
+  ``c . u_eff / sigma``. A *linear* output transform (a multiplier) is folded into ``u_eff``, so the
+  attribution is of the model's own logits; a *nonlinear* one (soft-cap) cannot be: attributions
+  are then of the **pre-transform** logits, and :attr:`OutputTransform.linear` says so. Direct
+  logit attribution, neuron and SAE-feature attribution use this.
+
+The final norm's weight, bias and centring are *measured* by calling the module
+(:func:`tracekit.norms.measure_norm`), so ``(1 + w)`` norms (Gemma, Nemotron), parameter-free and
+bias-free LayerNorms, and weight-processed (folded) norms are read as the forward pass applies them.
 
 Units: ``logits`` are unnormalised; ``log_probs`` are natural-log probabilities; ``probs`` sum to 1.
-In compatibility mode with ``process_weights`` the unembedding is centred, which shifts every
-logit of a position by the same constant: probabilities and logit differences are unchanged.
+In compatibility mode with ``process_weights`` the unembedding is centred (except under a soft-cap,
+where TransformerLens leaves it), which shifts every logit of a position by the same constant:
+probabilities and logit differences are unchanged.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from jaxtyping import Float
 
-__all__ = ["Readout"]
+from .norms import AffineNorm, measure_norm
+from .state import state_of
+
+__all__ = ["Readout", "OutputTransform", "output_transform"]
 
 
 def _attr(obj, name):
@@ -38,11 +58,69 @@ def _attr(obj, name):
         return None
 
 
+@dataclass(frozen=True)
+class OutputTransform:
+    """The family's post-unembedding transform, as measured on probe logits.
+
+    Attributes:
+        kind: ``identity`` | ``scale`` (a constant multiplier) | ``nonlinear`` (e.g. a soft-cap).
+        multiplier: the constant for ``identity`` (1.0) and ``scale``; None when nonlinear.
+        description: what it is, for tables and error messages (e.g. ``"final logit soft-cap 30.0"``).
+    """
+
+    kind: str
+    multiplier: Optional[float]
+    description: str
+
+    @property
+    def linear(self) -> bool:
+        """True when attributions of the output logits add up exactly (identity or a multiplier)."""
+        return self.kind != "nonlinear"
+
+
+def _transform_fn(model):
+    adapter = _attr(model, "adapter")
+    fn = _attr(adapter, "apply_output_logits_transform")
+    if callable(fn):
+        return fn
+    cap = _attr(getattr(model, "cfg", None), "output_logits_soft_cap")
+    if isinstance(cap, (int, float)) and cap > 0:  # HookedTransformer applies the cap in forward
+        return lambda x: cap * torch.tanh(x / cap)
+    return None
+
+
+@torch.no_grad()
+def output_transform(model) -> OutputTransform:
+    """Measure the model's post-unembedding transform (cached on the model)."""
+    st = state_of(model)
+    if st.output_transform is not None:
+        return st.output_transform
+    fn = _transform_fn(model)
+    if fn is None:
+        out = OutputTransform("identity", 1.0, "none")
+    else:
+        x = torch.tensor([-40.0, -3.0, -0.01, 0.01, 3.0, 40.0])
+        y = fn(x.clone()).float()
+        m = float(y[3] / x[3])
+        if torch.allclose(y, m * x, rtol=1e-5, atol=1e-7):
+            if abs(m - 1.0) < 1e-7:
+                out = OutputTransform("identity", 1.0, "none")
+            else:
+                out = OutputTransform("scale", m, f"logits x {m:g}")
+        else:
+            cap = _attr(getattr(model, "cfg", None), "output_logits_soft_cap")
+            desc = f"final logit soft-cap {float(cap):g}" if isinstance(cap, (int, float)) and cap > 0 \
+                else "a nonlinear post-unembedding transform"
+            out = OutputTransform("nonlinear", None, desc)
+    st.output_transform = out
+    return out
+
+
 class Readout:
-    """Final norm + unembedding of a hooked model, applied to arbitrary residual vectors.
+    """Final norm + unembedding + output transform of a hooked model, applied to residual vectors.
 
     Args:
-        model: a TransformerBridge / HookedTransformer with ``ln_final`` and ``unembed``.
+        model: a TransformerBridge (or HookedTransformer) with ``ln_final`` and ``unembed``.
     """
 
     def __init__(self, model):
@@ -55,9 +133,21 @@ class Readout:
         return self.model.ln_final(resid)
 
     @torch.no_grad()
+    def pre_transform_logits(self, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
+        """``unembed(final_norm(resid))``: the logits before the family's output transform
+        (what direct logit attribution decomposes under a soft-cap)."""
+        return self.model.unembed(self.model.ln_final(resid))
+
+    @torch.no_grad()
+    def apply_transform(self, logits: Float[torch.Tensor, "... d_vocab"]) -> Float[torch.Tensor, "... d_vocab"]:
+        """The family's post-unembedding transform (soft-cap, scaling; identity for most)."""
+        fn = _transform_fn(self.model)
+        return logits if fn is None else fn(logits)
+
+    @torch.no_grad()
     def logits(self, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
         """Logits (unnormalised) that the model would output if ``resid`` were its final residual."""
-        return self.model.unembed(self.model.ln_final(resid))
+        return self.apply_transform(self.pre_transform_logits(resid))
 
     @torch.no_grad()
     def log_probs(self, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
@@ -66,85 +156,86 @@ class Readout:
 
     # ---- frozen scale ---------------------------------------------------------------------
     @property
+    def transform(self) -> OutputTransform:
+        """The measured output transform (:class:`OutputTransform`)."""
+        return output_transform(self.model)
+
+    @property
+    def final_norm(self) -> AffineNorm:
+        """The final norm's measured affine form (cached on the model)."""
+        st = state_of(self.model)
+        if st.final_norm is None:
+            st.final_norm = measure_norm(self.model.ln_final, int(self.model.cfg.d_model),
+                                         device=self.W_U.device)
+        return st.final_norm
+
+    @property
     def is_layernorm(self) -> bool:
-        """True for LayerNorm (centres, may have a bias), False for RMSNorm."""
-        rms = _attr(self.model.ln_final, "uses_rms_norm")
-        if rms is None:
-            rms = str(getattr(self.model.cfg, "normalization_type", "LN") or "LN").startswith("RMS")
-        return not rms
+        """True for LayerNorm (centres, may have a bias), False for RMSNorm (measured)."""
+        return self.final_norm.centred
 
     @torch.no_grad()
     def norm_params(self) -> tuple[Float[torch.Tensor, " d_model"], Optional[Float[torch.Tensor, " d_model"]], bool]:
         """``(weight, bias or None, is_layernorm)`` of the final norm as the forward pass applies it
-        (float32, on the unembedding's device).
-
-        With ``process_weights`` (fold_ln) the weight is all ones and its values live in ``W_U``;
-        without, they are the trained values. RMSNorm has no bias and does not centre.
-        """
-        lf = self.model.ln_final
-        d = int(self.model.cfg.d_model)
-        w = None
-        for name in ("weight", "w"):
-            w = _attr(lf, name)
-            if isinstance(w, torch.Tensor):
-                break
-            w = None
-        dev = self.W_U.device
-        w = torch.ones(d, device=dev) if w is None else w.detach().float().to(dev)
-        if getattr(self.model.cfg, "rmsnorm_uses_offset", False):
-            w = 1.0 + w
-        b = None
-        is_ln = self.is_layernorm
-        if is_ln:
-            comp = _attr(lf, "original_component")
-            b = _attr(comp, "bias") if comp is not None else _attr(lf, "b")
-            b = b.detach().float().to(dev) if isinstance(b, torch.Tensor) else None
-        return w, b, is_ln
+        (float32, on the unembedding's device; measured, see :mod:`tracekit.norms`)."""
+        n = self.final_norm
+        b = n.bias if bool(n.bias.ne(0).any()) else None
+        return n.weight, b, n.centred
 
     @torch.no_grad()
     def scale(self, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... 1"]:
         """The final norm's per-vector scale ``1/sigma`` recomputed from ``resid`` (LayerNorm: of the
         centred vector; RMSNorm: of the raw vector), float32. Equals ``1 / ln_final.hook_scale``."""
-        x = resid.float()
-        if self.is_layernorm:
-            x = x - x.mean(-1, keepdim=True)
-        eps = float(getattr(self.model.cfg, "eps", 1e-5))
+        from .norms import _eps
+
+        x = self.final_norm.centre(resid.float())
+        eps = _eps(self.model.ln_final, float(getattr(self.model.cfg, "eps", 1e-5)))
         return (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+
+    @torch.no_grad()
+    def unembed_direction(self, target_id: int, foil_id: Optional[int] = None) -> tuple[Float[torch.Tensor, " d_model"], float]:
+        """``(u, b)``: the unembedding column difference ``W_U[:, t] - W_U[:, f]`` times the output
+        multiplier (when linear), and the matching ``b_U`` term, both in output-logit units."""
+        W_U = self.W_U
+        u = W_U[:, int(target_id)].float()
+        if foil_id is not None:
+            u = u - W_U[:, int(foil_id)].float()
+        bias = 0.0
+        b_U = _attr(self.model, "b_U")
+        if isinstance(b_U, torch.Tensor):
+            bias = float(b_U[int(target_id)]) - (float(b_U[int(foil_id)]) if foil_id is not None else 0.0)
+        m = self.transform.multiplier if self.transform.linear else 1.0
+        return u * float(m), bias * float(m)
 
     @torch.no_grad()
     def direction(self, target_id: int, foil_id: Optional[int] = None) -> tuple[Float[torch.Tensor, " d_model"], float]:
         """The residual direction read by the (target - foil) logit through a frozen final-norm scale.
 
         Returns:
-            ``(u_eff, bias)``: ``u_eff = w * (W_U[:, t] - W_U[:, f])`` (centred over ``d_model`` for
-            LayerNorm), so a residual write ``c`` contributes ``c . u_eff / sigma`` logits;
-            ``bias = b_norm . u + b_U[t] - b_U[f]`` logits, independent of the input.
+            ``(u_eff, bias)``: ``u_eff = centre(w * (W_U[:, t] - W_U[:, f])) * m`` (``w`` the final
+            norm's measured weight, ``centre`` for LayerNorm, ``m`` the output multiplier when the
+            transform is linear), so a residual write ``c`` contributes ``c . u_eff / sigma`` logits;
+            ``bias = (b_norm . u + b_U[t] - b_U[f]) * m``, independent of the input. Under a nonlinear
+            transform (soft-cap) these are **pre-transform** logits (:attr:`transform`).
         """
-        W_U = self.W_U
-        u = W_U[:, int(target_id)].float()
-        if foil_id is not None:
-            u = u - W_U[:, int(foil_id)].float()
-        w, b, is_ln = self.norm_params()
-        ue = u * w
-        if is_ln:
-            ue = ue - ue.mean()
-        bias = float(b @ u) if b is not None else 0.0
-        b_U = _attr(self.model, "b_U")
-        if isinstance(b_U, torch.Tensor):
-            bias += float(b_U[int(target_id)]) - (float(b_U[int(foil_id)]) if foil_id is not None else 0.0)
+        u, bias = self.unembed_direction(target_id, foil_id)
+        n = self.final_norm
+        ue = n.adjoint(u.to(n.weight.device))
+        bias += float(n.bias.to(u.device) @ u)
         return ue, bias
 
     @torch.no_grad()
     def vocab_projection(self, vectors: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
         """Residual-space vectors read in vocabulary space at final-norm scale 1: ``(centre(v) * w) @ W_U``,
         centred over the vocabulary (logits per unit of the vector; Geva et al. 2022's value readout,
-        SAE decoder readout). Centring makes it independent of ``process_weights``."""
-        w, _, is_ln = self.norm_params()
-        v = vectors.float().to(w.device)
-        if is_ln:
-            v = v - v.mean(-1, keepdim=True)
+        SAE decoder readout). Centring makes it independent of ``process_weights``. A linear output
+        multiplier is applied; under a soft-cap the projection is in pre-cap logits."""
+        n = self.final_norm
+        v = vectors.float().to(n.weight.device)
         W_U = self.W_U
-        scores = ((v * w).to(W_U.dtype) @ W_U).float()
+        scores = ((n.centre(v) * n.weight).to(W_U.dtype) @ W_U).float()
+        if self.transform.linear:
+            scores = scores * float(self.transform.multiplier)
         return scores - scores.mean(-1, keepdim=True)
 
     @property

@@ -137,6 +137,13 @@ def environment(config: RunConfig, model=None) -> dict:
         env["tokenization"] = bos_info(model)
         if hasattr(model, "parameters"):
             env["model_fingerprint"] = model_fingerprint(model)
+            from .architectures import architecture_name
+            from .state import state_of
+
+            env["architecture"] = architecture_name(model)
+            env["verification"] = state_of(model).verification or {
+                "level": "none", "passed": None,
+                "reason": "not verified at load (model.verify: false, or a model wrapped outside load_model)"}
     return env
 
 

@@ -935,7 +935,8 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
     is reported as its own term.
 
     * direct (Elhage et al. 2021 direct logit attribution through the frozen final-norm scale of
-      this run, ``ln_final.hook_scale``; :meth:`tracekit.Readout.direction`): feature ``f`` at the
+      this run, from the final norm's input and output; :meth:`tracekit.Readout.direction`; under
+      a nonlinear output transform such as Gemma 2's soft-cap, of the pre-transform logits): feature ``f`` at the
       read position contributes ``scale * a_f * W_eff[f] . u_eff / sigma`` logits.
     * total (attribution patching, Nanda 2023; Marks et al. 2024 for SAE features): ``a_f * d_f .
       grad_x metric``, summed over positions; grads are enabled only for this call.
@@ -947,6 +948,7 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
     from .dla import resolve_target
     from .errors import TokenizationError
     from .hooks import enabled_hooks
+    from .norms import run_sigma
     from .readout import Readout
     from .tokens import check_length, encode, pad_ids, str_tokens
 
@@ -971,12 +973,13 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
         store["x"] = leaf
         return leaf
 
-    def grab_scale(act, hook):
-        store["scale"] = act.detach()
+    def grab_final(act, hook):
+        store[hook.name] = act.detach()
 
     with enabled_hooks(model, [handle.hook]), torch.enable_grad():
         logits = model.run_with_hooks(batch.tokens, fwd_hooks=[(handle.hook, grab),
-                                                               ("ln_final.hook_scale", grab_scale)])
+                                                               ("ln_final.hook_in", grab_final),
+                                                               ("ln_final.hook_out", grab_final)])
         m = _metric_fn(tgt.target_id, tgt.foil_id)(logits[0, p])
         m.backward()
     x = store["x"]
@@ -999,9 +1002,12 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
     total_activation = float(dot(xf).sum())
     direct = None
     d_err = d_bias = d_tot = float("nan")
-    sigma = float(store["scale"][0, p].float().reshape(-1)[0]) if "scale" in store else float("nan")
+    readout = Readout(model)
+    sigma = float("nan")
+    if "ln_final.hook_in" in store and "ln_final.hook_out" in store:  # the final norm's scale in this run
+        sigma = float(run_sigma(readout.final_norm, store["ln_final.hook_in"][0, p], store["ln_final.hook_out"][0, p]))
     if _direct_ok(handle.hook) and W.shape[-1] == int(model.cfg.d_model):
-        ue, _ = Readout(model).direction(tgt.target_id, tgt.foil_id)
+        ue, _ = readout.direction(tgt.target_id, tgt.foil_id)
         ue = ue.to(W.device)
         inv = 1.0 / sigma
         direct = acts[p] * sc[p] * (W @ ue) * inv

@@ -415,12 +415,40 @@ def tokenize(
     side = padding_side or spec.padding_side
     if side not in ("left", "right"):
         raise TokenizationError(f"padding_side must be 'left' or 'right', got {side!r}")
+    if side == "left" and recurrent(model):
+        side = "right"  # pads before a prompt would run through the recurrence and change its state
     ids = [encode(model, p, prepend_bos) for p in prompts]
     for i, (p, seq) in enumerate(zip(prompts, ids)):
         if not seq:
             raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
         check_length(model, seq, f"{field}[{i}]", p)
+    if len({len(i) for i in ids}) > 1:
+        _refuse_padding(model, field)
     return pad_ids(model, ids, side)
+
+
+def _refuse_padding(model, field: str) -> None:
+    from .architectures import BATCH_SENSITIVE, architecture_name
+
+    try:
+        arch = architecture_name(model)
+    except Exception:  # noqa: BLE001
+        return
+    if arch in BATCH_SENSITIVE:
+        raise TokenizationError(f"{field}: {arch} cannot batch prompts of different lengths: "
+                                f"{BATCH_SENSITIVE[arch]}. Run with batch_size: 1.")
+
+
+def recurrent(model) -> bool:
+    """True for models with recurrent / state-space layers (Mamba, RWKV, RecurrentGemma, hybrids):
+    left padding would run pad tokens through the recurrence before the prompt, so they are always
+    padded on the right (exact for every read position: later pads cannot reach earlier tokens)."""
+    from .architectures import architecture_name, category
+
+    try:
+        return category(architecture_name(model)) in ("ssm", "hybrid_decoder")
+    except Exception:  # noqa: BLE001 - objects without a config are not recurrent models
+        return False
 
 
 def pad_ids(model, ids: Sequence[Sequence[int]], padding_side: str = "right") -> Batch:

@@ -68,3 +68,16 @@ def test_model_info_reads_the_warm_weight_cache(embedded_model, monkeypatch):
 
     assert encode(info, text, prepend_bos=False) == encode(embedded_model, text, prepend_bos=False)
     assert tk.model_spec_of(embedded_model).prepend_bos == info.tracekit_spec.prepend_bos
+
+
+@pytest.mark.slow
+def test_verify_passes_every_check_on_the_embedded_model(tmp_path, capsys):
+    """`tracekit verify` on the embedded default: every check within tolerance (none refused)."""
+    from tracekit.cli import main
+
+    rc = main(["verify", "--device", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rep = json.loads((tmp_path / "verify.json").read_text())
+    assert rep["architecture"] == "LlamaForCausalLM" and rep["passed"]
+    assert {c["status"] for c in rep["checks"]} == {"pass"}, out

@@ -47,13 +47,15 @@ def _prototype(arch: str, seed: int = 0):
 
     tok = GPT2TokenizerFast.from_pretrained(GPT2_BPE)
     torch.manual_seed(seed)
+    # tracekit's own GGUF conversion builds eager attention (as the cache does); so does this stand-in
     if arch == "llama":  # tied embeddings, GQA, rotary buffers
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=True)
+                          tie_word_embeddings=True, attn_implementation="eager")
         hf = LlamaForCausalLM(cfg)
     else:  # Conv1D, biases, learned positions
-        hf = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_layer=2, n_embd=32, n_head=4, n_positions=64))
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_layer=2, n_embd=32, n_head=4, n_positions=64,
+                                        attn_implementation="eager"))
     return hf.eval(), tok
 
 

@@ -40,8 +40,10 @@ def check_prompt_positions(model, prompts, position) -> None:
 
 class DirectLogitAttributionResult(Result):
     """Tables: ``components`` (embed, pos_embed, attn.L, mlp.L, bias per prompt; they sum to
-    ``logit``), ``heads`` (per head plus ``b_O`` rows with head -1), ``prompts`` (per prompt: the
-    model's logit (difference), the sum of parts, the final-norm scale, tokens)."""
+    ``attributed_logit``), ``heads`` (per head plus ``b_O`` rows with head -1), ``prompts`` (per
+    prompt: the model's logit (difference) ``logit``, the ``attributed_logit`` the parts add up to
+    (equal to ``logit`` unless the model has a nonlinear ``output_transform`` such as Gemma 2's
+    soft-cap, where it is the pre-transform value), the sum of parts, the final-norm scale, tokens)."""
 
     main_table = "components"
 
@@ -57,8 +59,10 @@ class DirectLogitAttributionResult(Result):
         p0 = pr.iloc[0]
         out = {
             "target": self.config.target, "foil": self.config.foil, "metric": p0["metric"],
-            "logit": float(p0["logit"]), "sum_of_parts": float(p0["sum_of_parts"]),
-            "abs_error": float(abs(p0["logit"] - p0["sum_of_parts"])),
+            "logit": float(p0["logit"]), "attributed_logit": float(p0["attributed_logit"]),
+            "sum_of_parts": float(p0["sum_of_parts"]),
+            "abs_error": float(abs(p0["attributed_logit"] - p0["sum_of_parts"])),
+            "output_transform": str(p0["output_transform"]),
             "final_scale": float(p0["final_scale"]),
             "embed": float(c0[c0["kind"] == "embed"]["contribution"].sum()),
             "attn_total": float(c0[c0["kind"] == "attn"]["contribution"].sum()),
@@ -77,9 +81,14 @@ class DirectLogitAttributionResult(Result):
     def report(self) -> str:
         s = self.summary()
         pr = self.tables["prompts"].iloc[0]
+        if s["output_transform"] in ("none", "") or s["output_transform"].startswith("logits x"):
+            what = f"model: {s['logit']:.4f} logits; sum of parts {s['sum_of_parts']:.4f}"
+        else:  # a nonlinear output transform: the parts add up to the pre-transform logit (difference)
+            what = (f"model: {s['logit']:.4f} logits after its {s['output_transform']}; the parts add up to the "
+                    f"pre-transform value {s['attributed_logit']:.4f}: sum of parts {s['sum_of_parts']:.4f}")
         lines = [f"direct logit attribution [{self.config.step_name}] prompt 0: {pr['prompt']!r} at position "
                  f"{pr['position']} ({pr['token']!r}); metric {s['metric']}",
-                 f"model: {s['logit']:.4f} logits; sum of parts {s['sum_of_parts']:.4f} (|error| {s['abs_error']:.2e}); "
+                 f"{what} (|error| {s['abs_error']:.2e}); "
                  f"final-norm scale 1/sigma = {s['final_scale']:.4g} (the run's, frozen)",
                  f"embeddings {s['embed']:+.4f}  attention {s['attn_total']:+.4f}  MLPs {s['mlp_total']:+.4f}  "
                  f"bias {s['bias']:+.4f}", "top components (logits):"]
@@ -161,10 +170,13 @@ class DirectLogitAttribution(Experiment):
             heads.append(d.heads_frame())
             prompts.append({"prompt_idx": d.prompt_idx, "prompt": d.prompt, "position": d.position,
                             "token": d.tokens[d.position], "metric": d.target.label, "logit": d.logit,
+                            "attributed_logit": d.attributed, "output_transform": d.transform,
                             "sum_of_parts": d.total(), "final_scale": d.final_scale, "tokens": d.tokens})
         tables = {"components": pd.concat(comps, ignore_index=True), "heads": pd.concat(heads, ignore_index=True),
                   "prompts": pd.DataFrame(prompts)}
         meta = {"n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
                 "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True)),
-                "scale": "final-norm scale of this run (ln_final.hook_scale), frozen"}
+                "scale": "final-norm scale of this run, frozen (post-attention/MLP norms too, where a block has them)",
+                "attributed": "the logit (difference) the parts add up to: the model's own, or the pre-transform "
+                              "value under a nonlinear output transform (e.g. Gemma 2's final soft-cap)"}
         return DirectLogitAttributionResult(self, tables, meta)

@@ -76,6 +76,13 @@ BATCH_SENSITIVE = {
                             "a padded batch with a prompt of another length",
 }
 
+#: Architectures whose attention depends on absolute positions in a way left padding shifts (found by
+#: the conformance suite's batching check): their prompts are always padded on the right, which is
+#: exact for every read position (later pads cannot reach earlier tokens).
+RIGHT_PADDED = {
+    "Llama4ForCausalLM": "chunked attention: chunk boundaries are absolute positions, which left padding moves",
+}
+
 #: Categories tracekit loads (the others are refused at load).
 READABLE = ("causal_decoder", "hybrid_decoder", "ssm")
 

@@ -148,7 +148,8 @@ def attention_pattern(model, prompt: str, layer: int) -> LayerAttention:
 
 
 def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[Sequence[int]] = None,
-                   dominance: float = 0.4, spread_entropy: float = 0.9) -> pd.DataFrame:
+                   dominance: float = 0.4, spread_entropy: float = 0.9,
+                   rows: Optional[Sequence[int]] = None) -> pd.DataFrame:
     """Label each head by what dominates its attention at the given query positions.
 
     For each head, average over the queries (default: every query position >= 1, where self,
@@ -157,6 +158,10 @@ def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[S
     visible keys). Label: the largest of self/first/previous if it is >= ``dominance``; else
     ``spread`` if the normalised entropy >= ``spread_entropy``; else ``content``.
 
+    ``rows``: when ``weights`` holds only some query rows (e.g. ``[head, 1, k]``: the last
+    position's row of a long prompt), ``rows[i]`` is the row of ``weights`` holding query
+    ``queries[i]``; by default row ``q`` holds query ``q``.
+
     Returns:
         DataFrame ``head, self, first, previous, entropy_norm, max_key_weight, label``.
     """
@@ -164,11 +169,12 @@ def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[S
     queries = list(range(1, Q)) if queries is None else list(queries)
     if not queries:
         queries = [0]
+    row_of = dict(zip(queries, rows)) if rows is not None else {q: q for q in queries}
     rows = []
     for h in range(H):
         s = f = pv = ent = mx = 0.0
         for q in queries:
-            w = weights[h, q, : q + 1].double()
+            w = weights[h, row_of[q], : q + 1].double()
             s += float(w[q]); f += float(w[0]); pv += float(w[q - 1]) if q >= 1 else 0.0
             e = float(-(w.clamp_min(1e-30) * w.clamp_min(1e-30).log()).sum())
             ent += e / np.log(q + 1) if q >= 1 else 0.0

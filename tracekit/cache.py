@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -417,6 +418,7 @@ def store_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, hf_model, tokeni
     key, ident = gguf_cache_key(gguf_path, dtype)
     final = entry_path(key)
     root = final.parent
+    remove_stale_temps(root)
     tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
@@ -471,10 +473,11 @@ def store_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, hf_model, tokeni
         except OSError:  # another process renamed its (identical) entry first
             shutil.rmtree(tmp, ignore_errors=True)
         return final
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
-        warnings.warn(f"tracekit could not write its weight cache under {root} ({e}); loading goes on "
-                      "without it (set TRACEKIT_CACHE_DIR to a writable folder)", stacklevel=2)
+        warnings.warn(f"tracekit could not write its weight cache under {root} ({type(e).__name__}: {e}); "
+                      "loading goes on without it (free disk space, or set TRACEKIT_CACHE_DIR to a writable "
+                      "folder)", stacklevel=2)
         return None
 
 
@@ -500,40 +503,109 @@ def load_or_convert_gguf(gguf_path: str | Path, dtype: torch.dtype, convert: Cal
 # --------------------------------------------------------------------------------------------- manage
 
 
+def write_files_manifest(d: Path, extra: dict | None = None) -> dict:
+    """Write ``d/manifest.json`` listing every file under ``d`` with its size and sha256 (plus
+    ``extra`` fields): the integrity record :func:`verify_files_manifest` checks. Returns it."""
+    files = {}
+    for f in sorted(p for p in d.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        files[f.relative_to(d).as_posix()] = {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}
+    man = {**(extra or {}), "files": files,
+           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    (d / "manifest.json").write_text(json.dumps(man, indent=2))
+    return man
+
+
+def verify_files_manifest(d: Path, required: tuple[str, ...] = ()) -> dict:
+    """The manifest of a cache entry whose files all match it (sizes, then sha256); raises
+    :class:`CacheEntryInvalid` naming what does not (a missing manifest, a truncated or bit-flipped file)."""
+    try:
+        man = _read_manifest(d)
+    except _Invalid as e:
+        raise CacheEntryInvalid(str(e)) from e
+    files = man.get("files") or {}
+    for name in required:
+        if name not in files:
+            raise CacheEntryInvalid(f"manifest lists no {name}")
+    for name, rec in files.items():
+        try:
+            size = (d / name).stat().st_size
+        except OSError as e:
+            raise CacheEntryInvalid(f"{name} missing") from e
+        if size != rec.get("size"):
+            raise CacheEntryInvalid(f"{name} has {size} bytes, its manifest says {rec.get('size')} (truncated?)")
+    for name, rec in files.items():
+        if file_sha256(d / name, memo=False) != rec.get("sha256"):
+            raise CacheEntryInvalid(f"{name} sha256 differs from its manifest (damaged)")
+    return man
+
+
+class CacheEntryInvalid(Exception):
+    """A cache entry that must not be used (the message says why); it is removed and rebuilt."""
+
+
+_TEMP = re.compile(r"\.tmp-(?:.*-)?(\d+)-[0-9a-f]{8}$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(root: Path) -> list[Path]:
+    """Remove temporary folders left under ``root`` by writers that died (SIGKILL, power loss):
+    ``.tmp-...-<pid>-<id>`` folders whose process is gone, and ``.trash-*`` folders. A live writer's
+    folder is kept. Returns what was removed."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for d in root.iterdir():
+        if not d.is_dir():
+            continue
+        m = _TEMP.search(d.name)
+        legacy = re.search(r"\.tmp-[0-9a-f]{8}$", d.name) is not None  # written before names carried a pid
+        stale = d.name.startswith(".trash-") or legacy or (m is not None and not _pid_alive(int(m.group(1))))
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 def _dir_size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
-def list_entries() -> list[dict]:
-    """Every entry under the cache root: ``key, gguf_path, dtype, size_bytes, created, valid``.
+def sizes_match(d: Path, man: dict) -> bool:
+    """Every file the manifest lists exists with its size (the cheap check; a load checks sha256)."""
+    return all((d / n).is_file() and (d / n).stat().st_size == r.get("size") for n, r in man.get("files", {}).items())
 
-    ``valid`` compares sizes only (cheap); a load checks the sha256 too. Leftover temporary
-    folders of interrupted writes are listed with ``key`` starting with ``.tmp-``/``.trash-``.
-    """
-    root = _gguf_root()
+
+def dir_entries(root: Path, describe: Callable[[Path, dict], dict]) -> list[dict]:
+    """One row per folder under a cache root: ``key, path, size_bytes`` plus ``describe(folder,
+    manifest)`` (which sets ``valid``); a folder without a readable manifest (a leftover of an
+    interrupted write) is listed with ``valid`` False."""
     if not root.is_dir():
         return []
     out = []
     for d in sorted(root.iterdir()):
         if not d.is_dir():
             continue
-        row: dict[str, Any] = {"key": d.name, "path": str(d), "size_bytes": _dir_size(d)}
+        row: dict[str, Any] = {"key": d.name, "path": str(d), "size_bytes": _dir_size(d), "valid": False}
         try:
-            man = _read_manifest(d)
-            row.update(gguf_path=man.get("gguf_path"), dtype=man.get("dtype"), created=man.get("created"),
-                       versions=man.get("identity", {}).get("versions"))
-            ok = all((d / n).is_file() and (d / n).stat().st_size == r.get("size")
-                     for n, r in man.get("files", {}).items())
-            row["valid"] = bool(ok and man.get("key") == d.name)
-        except _Invalid:
-            row.update(gguf_path=None, dtype=None, created=None, versions=None, valid=False)
+            row.update(describe(d, _read_manifest(d)))
+        except (_Invalid, OSError, ValueError):
+            pass
         out.append(row)
     return out
 
 
-def clear_cache_dir() -> tuple[int, int]:
-    """Remove every entry (and leftover temporary folders); returns ``(entries removed, bytes freed)``."""
-    root = _gguf_root()
+def clear_dir(root: Path) -> tuple[int, int]:
+    """Remove every entry under a cache root (and leftover temporary folders); returns ``(entries
+    removed, bytes freed)``."""
     if not root.is_dir():
         return 0, 0
     n = freed = 0
@@ -543,6 +615,25 @@ def clear_cache_dir() -> tuple[int, int]:
             n += 0 if d.name.startswith(".") else 1
             _remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)
     return n, freed
+
+
+def list_entries() -> list[dict]:
+    """Every entry under the cache root: ``key, gguf_path, dtype, size_bytes, created, valid``.
+
+    ``valid`` compares sizes only (cheap); a load checks the sha256 too. Leftover temporary
+    folders of interrupted writes are listed with ``key`` starting with ``.tmp-``/``.trash-``.
+    """
+    def describe(d: Path, man: dict) -> dict:
+        return {"gguf_path": man.get("gguf_path"), "dtype": man.get("dtype"), "created": man.get("created"),
+                "versions": man.get("identity", {}).get("versions"),
+                "valid": bool(sizes_match(d, man) and man.get("key") == d.name)}
+
+    return dir_entries(_gguf_root(), describe)
+
+
+def clear_cache_dir() -> tuple[int, int]:
+    """Remove every weight-cache entry (and leftover temporary folders): ``(entries removed, bytes freed)``."""
+    return clear_dir(_gguf_root())
 
 
 # ------------------------------------------------------------------------------ processed weights
@@ -607,6 +698,7 @@ def _store_processed(d: Path, out: dict[str, torch.Tensor]) -> None:
 
     if not all(isinstance(v, torch.Tensor) for v in out.values()):
         return  # something we do not know how to store: leave the cache alone
+    remove_stale_temps(d.parent)
     tmp = d.parent / f".tmp-{d.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
@@ -644,9 +736,10 @@ def _store_processed(d: Path, out: dict[str, torch.Tensor]) -> None:
     except _Unstorable as e:  # a layout we cannot restore exactly: no cache rather than other bits
         shutil.rmtree(tmp, ignore_errors=True)
         log.info("processed weights not cached: %s has a memory layout that is not a permutation", e)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("could not store processed weights under %s (%s)", d, e)
+        log.warning("could not store processed weights under %s (%s: %s); loading goes on without them", d,
+                    type(e).__name__, e)
 
 
 class _Unstorable(Exception):

@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     vf.add_argument("--out", default=None, help="folder for verify.json (default: results/verify-<model>)")
     s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
     s.add_argument("run_dir")
-    # --- cache (tracekit.cache): on-disk dequantised GGUF weights --------------------------------
-    c = sub.add_parser("cache", help="list the weight cache (tracekit cache) or empty it (tracekit cache clear)")
+    # --- cache: every cache tracekit writes (weights, processed weights, trained SAEs) ------------
+    c = sub.add_parser("cache", help="list tracekit's caches (weights, trained SAEs) or empty them (tracekit cache clear)")
     c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
     add_commands(sub)
@@ -155,25 +155,34 @@ def _show(run_dir: str) -> int:
 
 
 def _cache_cmd(action: str) -> int:
-    """``tracekit cache [list|clear]``: one line per entry (size, key, created, dtype, GGUF)."""
+    """``tracekit cache [list|clear]``: every cache tracekit writes: the weight cache (dequantised
+    GGUF weights and TransformerLens' processed weights) and the trained SAEs, one line per entry
+    (size, key, created, what it holds), leftovers of killed writers included."""
     from . import cache
+    from .sae import clear_sae_cache, sae_cache_dir, sae_cache_entries
 
     root = cache.cache_dir()
     if action == "clear":
         n, freed = cache.clear_cache_dir()
-        print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB) from {root}")
+        n2, freed2 = clear_sae_cache()
+        print(f"removed {n} weight entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB) and {n2} SAE"
+              f"{'' if n2 == 1 else 's'} ({freed2 / 2**20:.1f} MiB) from {root}")
         return 0
-    rows = cache.list_entries()
     print(f"tracekit cache: {root}" + ("" if cache.cache_enabled() else " (disabled: TRACEKIT_CACHE=off)"))
-    if not rows:
-        print("  (empty)")
-        return 0
-    for r in rows:
-        flag = "" if r["valid"] else "  [invalid: rebuilt on next load]"
-        print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}  "
-              f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}{flag}")
-    total = sum(r["size_bytes"] for r in rows)
-    print(f"  {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {total / 2**20:.1f} MiB")
+    total = n = 0
+    sections = [(f"weights ({cache._gguf_root()})", cache.list_entries(), "load",
+                 lambda r: f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}"),
+                (f"trained SAEs ({sae_cache_dir()})", sae_cache_entries(), "training", lambda r: r.get("hook") or "?")]
+    for title, rows, when, what in sections:
+        print(f"{title}:")
+        if not rows:
+            print("  (empty)")
+        for r in rows:
+            flag = "" if r["valid"] else f"  [invalid or unfinished: removed on the next {when}]"
+            print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}  {what(r)}{flag}")
+            total += r["size_bytes"]
+        n += len(rows)
+    print(f"  {n} entr{'y' if n == 1 else 'ies'}, {total / 2**20:.1f} MiB")
     return 0
 
 

@@ -43,10 +43,11 @@ import torch
 from jaxtyping import Float
 
 from .architectures import MethodRefused, architecture_name, require
-from .errors import AttributionError
+from .errors import AttributionError, HookError
+from .fastpath import activations_at
 from .norms import run_sigma
 from .readout import Readout
-from .tokens import Position, PositionSpec, parse_position, run_with_cache, single_token_id, str_tokens, tokenize
+from .tokens import Position, PositionSpec, parse_position, single_token_id, str_tokens, tokenize
 from .writepath import write_paths
 
 __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", "POSITION_FORMS",
@@ -381,29 +382,31 @@ def logit_attribution(
         chunk = prompts[s:s + size]
         batch = tokenize(model, chunk)
         ps = _resolve_positions(model, chunk, batch, pos)
-        logits, cache = run_with_cache(model, batch, names, strict=False)
+        # each hook read at the attributed position only; the forward pass ends at the final norm
+        try:
+            cache = activations_at(model, batch, [n for n in names if n != "hook_pos_embed"],
+                                   torch.tensor(ps, device=batch.tokens.device),
+                                   optional=["hook_pos_embed"] if has_pos else [])
+        except HookError as e:
+            raise AttributionError(f"direct logit attribution is refused on {arch}: {e}") from e
         has_pos_b = has_pos and "hook_pos_embed" in cache
-        missing = [n for n in names if n not in cache and n != "hook_pos_embed"]
-        if missing:
-            raise AttributionError(f"direct logit attribution is refused on {arch}: the hooks {missing[:3]} never "
-                                   "fired in the forward pass")
         for b, prompt in enumerate(chunk):
             p = ps[b]
-            resid = cache["ln_final.hook_in"][b, p].float()
-            sigma = float(run_sigma(fnorm, resid, cache["ln_final.hook_out"][b, p]))
+            resid = cache["ln_final.hook_in"][b].float()
+            sigma = float(run_sigma(fnorm, resid, cache["ln_final.hook_out"][b]))
             inv = 1.0 / sigma
 
             def dot(x, b=b, p=p, inv=inv):
-                return float(x[b, p].float() @ ue.to(x.device)) * inv
+                return float(x[b].float() @ ue.to(x.device)) * inv
 
             # The stream starts as blocks.0.hook_resid_pre: token (+ position) embeddings after any
             # embedding scale or norm (Gemma's sqrt(d_model), Granite's multiplier, Bloom's LayerNorm).
             # It is split into token and position terms when hook_embed + hook_pos_embed is exactly it.
-            start = cache["blocks.0.hook_resid_pre"][b, p].float()
+            start = cache["blocks.0.hook_resid_pre"][b].float()
             embed = dot(cache["blocks.0.hook_resid_pre"])
             pe = None
             if has_pos_b:
-                e_pe = cache["hook_embed"][b, p].float() + cache["hook_pos_embed"][b, p].float()
+                e_pe = cache["hook_embed"][b].float() + cache["hook_pos_embed"][b].float()
                 if float((e_pe - start).abs().max()) <= identity_tolerance(dtype, float(start.abs().max()), 2, 1e-5):
                     pe = dot(cache["hook_pos_embed"])
                     embed = embed - pe
@@ -416,11 +419,11 @@ def logit_attribution(
             worst = 0.0
             for L in range(n_layers):
                 ap, mp = apaths[L], mpaths[L]
-                a_write = cache[ap.write_hook][b, p]
-                m_write = cache[mp.write_hook][b, p]
-                a_inv = inv / float(ap.sigma(cache[ap.raw_hook][b, p], a_write))
-                m_inv = inv / float(mp.sigma(cache[mp.raw_hook][b, p], m_write))
-                z = cache[f"blocks.{L}.attn.hook_z"][b, p].float()  # [n_heads, d_head]
+                a_write = cache[ap.write_hook][b]
+                m_write = cache[mp.write_hook][b]
+                a_inv = inv / float(ap.sigma(cache[ap.raw_hook][b], a_write))
+                m_inv = inv / float(mp.sigma(cache[mp.raw_hook][b], m_write))
+                z = cache[f"blocks.{L}.attn.hook_z"][b].float()  # [n_heads, d_head]
                 if z.shape != WO_u[L].shape:
                     raise MethodRefused(f"direct logit attribution is refused on {arch}: block {L}'s per-head "
                                         f"outputs (attn.hook_z, {tuple(z.shape)} per position) do not match its W_O "
@@ -441,7 +444,7 @@ def logit_attribution(
                 recon = recon + a_write.float() + m_write.float()
                 terms += [a_write.float().abs().max(), m_write.float().abs().max()]
                 if L in nl:
-                    a = cache[f"blocks.{L}.mlp.hook_post"][b, p].float()
+                    a = cache[f"blocks.{L}.mlp.hook_post"][b].float()
                     na[L] = a.cpu()
                     nv[L] = (Wout_u[L] * m_inv).cpu()
                     nc[L] = (a * Wout_u[L].to(a.device) * m_inv).cpu()
@@ -457,12 +460,12 @@ def logit_attribution(
             tol = identity_tolerance(dtype, max(mag, float(resid.abs().max())), 2 * n_layers + 2, check_atol)
             if err > tol:
                 raise fail("the final residual stream is not embed + attention + MLP outputs", err, tol)
-            lg = logits[b, p].float()
+            lg = readout.logits(cache["ln_final.hook_in"][b:b + 1])[0].float()  # the model's own (lens_final)
             logit = float(lg[tgt.target_id] - (lg[tgt.foil_id] if tgt.foil_id is not None else 0.0))
             if transform.linear:
                 attributed = logit
             else:
-                pl = readout.pre_transform_logits(cache["ln_final.hook_in"][b, p:p + 1])[0].float()
+                pl = readout.pre_transform_logits(cache["ln_final.hook_in"][b:b + 1])[0].float()
                 attributed = float(pl[tgt.target_id] - (pl[tgt.foil_id] if tgt.foil_id is not None else 0.0))
             d = DirectAttribution(
                 prompt=prompt, prompt_idx=s + b, tokens=str_tokens(model, batch.ids[b]),
@@ -480,5 +483,5 @@ def logit_attribution(
                 raise fail(what, e, tol)
             d.max_error = max(worst, e)
             out.append(d)
-        del cache, logits
+        del cache
     return out

@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 from .readout import Readout
 from .tokens import Batch, forward_kwargs
 
-__all__ = ["lens_readout", "residual_stream"]
+__all__ = ["lens_readout", "residual_stream", "activations_at"]
 
 
 class _AllHooksRead(Exception):
@@ -92,6 +92,56 @@ def residual_stream(
     if missing:
         raise HookError(f"hooks: {missing} never fired in the forward pass")
     return torch.stack([got[n] for n in hook_names])
+
+
+@torch.no_grad()
+def activations_at(
+    model,
+    batch: Batch,
+    hook_names: Sequence[str],
+    positions: Int[torch.Tensor, " batch"],
+    optional: Sequence[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Each hook's activation at one position per prompt, ``act[b, positions[b]]`` (any trailing
+    shape: ``[batch, d_model]`` for residual hooks, ``[batch, n_heads, d_head]`` for ``attn.hook_z``).
+
+    Memory is that of the rows read, not of every position of every hook (``run_with_cache`` keeps
+    ``[batch, pos, ...]`` per hook). A hook that fires more than once in a forward pass keeps its
+    last value, as ``run_with_cache`` does (NanoChat calls its final norm after the embedding too),
+    so the forward pass always runs to the end. Gated hooks are enabled for the call.
+
+    Args:
+        hook_names: hooks whose output is ``[batch, pos, ...]``.
+        positions: ``[batch]`` padded index read in each prompt.
+        optional: names that may not fire on this architecture (e.g. ``hook_pos_embed`` under rotary
+            positions); absent from the result when they do not.
+
+    Raises:
+        HookError: an unknown name, or a required hook that never fired.
+    """
+    from .errors import HookError
+    from .hooks import check_hooks, enabled_hooks, fwd_hooks
+
+    wanted = list(dict.fromkeys([*hook_names, *optional]))
+    required = [n for n in wanted if n not in set(optional)]
+    check_hooks(model, [n for n in wanted if n in required or n in model.hook_dict], "hooks")
+    wanted = [n for n in wanted if n in model.hook_dict]
+    rows = torch.arange(batch.size, device=batch.tokens.device)
+    pos = torch.as_tensor(positions, device=batch.tokens.device)
+    got: dict[str, torch.Tensor] = {}
+
+    def make_hook(name: str):
+        def hook(act, hook=None):
+            got[name] = act[rows, pos].detach().clone()
+
+        return hook
+
+    with enabled_hooks(model, wanted), fwd_hooks(model, [(n, make_hook(n)) for n in wanted]):
+        model(batch.tokens, **forward_kwargs(batch))
+    missing = [n for n in required if n not in got]
+    if missing:
+        raise HookError(f"hooks: {missing} never fired in the forward pass")
+    return got
 
 
 @torch.no_grad()

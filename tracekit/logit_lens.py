@@ -119,7 +119,7 @@ def logit_lens(
     model,
     prompts: Sequence[str],
     targets: Sequence[str] = (),
-    position: Position | int | str = "last",
+    position: Position | int | str | Sequence[int] = "last",
     layer_convention: LayerConvention = "hidden_states",
     top_k: int = 10,
     batch_size: int = 8,
@@ -131,7 +131,9 @@ def logit_lens(
         model: a hooked model (TransformerBridge in compatibility mode).
         prompts: the texts.
         targets: token strings tracked at every read (each exactly one token, leading space included).
-        position: ``last`` (default), ``all`` or a token index (negative from the end).
+        position: ``last`` (default), ``all`` or a token index (negative from the end); from a
+            notebook also a list of token indices (e.g. ``range(-16, 0)``: the last 16 tokens), so
+            the cost scales with the positions read, not the prompt's length.
         layer_convention: which hidden states are read (module docstring).
         top_k: top tokens kept per read.
         batch_size: prompts per forward pass.
@@ -146,7 +148,9 @@ def logit_lens(
     """
     from .fastpath import lens_readout, residual_stream
 
-    pos = position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS)
+    explicit = [int(i) for i in position] if isinstance(position, (list, tuple, range)) else None
+    pos = None if explicit is not None else (
+        position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS))
     n_layers = int(model.cfg.n_layers)
     points = lens_points(n_layers, layer_convention)
     hooks = [p.hook for p in points]
@@ -158,7 +162,10 @@ def logit_lens(
     for sl in chunks(len(prompts), batch_size):
         chunk = list(prompts[sl])
         batch = tokenize(model, chunk)
-        reads = [pos.resolve(model, p, batch.ids[b], field="position", skip_bos=False) for b, p in enumerate(chunk)]
+        if explicit is not None:  # token indices (negative from the end), e.g. the last 16 of a long prompt
+            reads = [sorted({i % len(batch.ids[b]) for i in explicit}) for b in range(len(chunk))]
+        else:
+            reads = [pos.resolve(model, p, batch.ids[b], field="position", skip_bos=False) for b, p in enumerate(chunk)]
         width = max(len(r) for r in reads)
         idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]
                            for b, r in enumerate(reads)])  # [b, n_read] padded indices (last repeated)

@@ -410,6 +410,10 @@ def _read_tables(folder: Path, ref: Reference, where: str):
     values = df[ref.column].tolist()
     if ref.unique:
         values = list(dict.fromkeys(values))
+    if not values and ref.row is None:
+        raise ConfigError(f"{where}: {ref.describe()} matches no rows"
+                          f"{' (where ' + repr(ref.where) + ')' if ref.where else ''}, so it would select nothing; "
+                          "loosen the filter or give the value directly")
     if ref.row is not None:
         if not -len(values) <= ref.row < len(values):
             raise ConfigError(f"{where}.row: {ref.row} is out of range: {len(values)} row(s) "
@@ -464,6 +468,39 @@ def resolve_reference(ref: Reference, run_dir: str | Path, where: str = "referen
     return value
 
 
+def _null_ok(cls, loc: tuple) -> bool:
+    """Whether a field takes a null from a reference (it opts in with
+    ``json_schema_extra={"null_from_reference": True}``: null means something there, e.g. no foil)."""
+    if len(loc) != 1:
+        return False
+    f = cls.model_fields.get(loc[0])
+    extra = getattr(f, "json_schema_extra", None) or {}
+    return bool(isinstance(extra, dict) and extra.get("null_from_reference"))
+
+
+def _default_of(cls, loc: tuple) -> str:
+    f = cls.model_fields.get(loc[0]) if loc else None
+    if f is None or len(loc) != 1:
+        return "or a validation error"
+    d = f.get_default(call_default_factory=True)
+    return "null: every one" if d is None else repr(d)
+
+
+def _null_reason(ref: Reference, run_dir: Path) -> str:
+    """Why the referenced value is null, as the step's result class documents it (``null_reasons``)."""
+    from .experiments.base import RESULTS
+
+    why = "the step recorded no value for it"
+    try:
+        kind = json.loads((Path(run_dir) / ref.from_ / MANIFEST).read_text()).get("kind")
+        rcls = RESULTS.get(kind)
+        head = (ref.key or "").split("[")[0].split(".")[0]
+        why = (getattr(rcls, "null_reasons", {}) or {}).get(head, why)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return why
+
+
 def _set(obj: Any, loc: tuple, value: Any) -> None:
     for part in loc[:-1]:
         obj = obj[part]
@@ -490,12 +527,16 @@ def resolve_step(step, run_dir: str | Path, model=None):
     raw = copy.deepcopy(step.raw)
     prefix = f"experiments[{step.index}]"
     record = []
+    cls = REGISTRY[step.kind]
     for loc, ref in step.references:
         where = f"{prefix}.{_fmt(loc)}"
         value = resolve_reference(ref, run_dir, where)
+        if value is None and not _null_ok(cls, loc):
+            raise ConfigError(f"{where}: {ref.describe()} is null: {_null_reason(ref, run_dir)}. A null here would "
+                              f"silently become the field's default ({_default_of(cls, loc)}); refer to a value that "
+                              "exists, or give the field directly")
         _set(raw, loc, value)
         record.append({"field": where, "from": ref.model_dump(by_alias=True, exclude_defaults=True), "value": value})
-    cls = REGISTRY[step.kind]
     try:
         resolved = cls.model_validate(raw)
     except ValidationError as e:

@@ -123,6 +123,11 @@ def environment(config: RunConfig, model=None) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
     }
+    from .inputs import input_files
+
+    # every data file the config names, by YAML path, with its absolute path and sha256
+    env["inputs"] = input_files({"experiments": [s.model_dump(mode="json") if hasattr(s, "model_dump") else
+                                                 getattr(s, "raw", {}) for s in config.experiments]})
     try:
         env["device"] = resolve_device(config.model.device)
     except Exception as e:  # noqa: BLE001

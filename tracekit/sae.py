@@ -140,6 +140,27 @@ class SAETrainSpec(_Strict):
     corpus: str | list[str] = "stdlib"
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _means_what_it_says(self):
+        # values SAELens would quietly change (k clipped to d_sae; fewer tokens than one batch = one
+        # step) are refused, naming the field and the fix
+        if self.architecture == "topk" and self.d_sae is not None and self.k > self.d_sae:
+            raise ValueError(f"k: {self.k} active features per token is more than d_sae ({self.d_sae}) features; "
+                             "lower k or raise d_sae")
+        if self.training_tokens < self.train_batch_size_tokens:
+            raise ValueError(f"training_tokens: {self.training_tokens} is less than one batch "
+                             f"(train_batch_size_tokens {self.train_batch_size_tokens}): not one full optimiser step; "
+                             "raise training_tokens (to many batches) or lower train_batch_size_tokens")
+        return self
+
+    def check_width(self, d_in: int | None, field: str = "sae.train") -> None:
+        """Refuse a TopK ``k`` above the SAE's width once the hook's width ``d_in`` is known (``d_sae``
+        defaults to ``expansion_factor x d_in``)."""
+        d_sae = self.d_sae or (d_in or 0) * self.expansion_factor
+        if self.architecture == "topk" and d_sae and self.k > d_sae:
+            raise SAEError(f"{field}.k: {self.k} active features per token is more than the SAE's {d_sae} features "
+                           f"(expansion_factor {self.expansion_factor} x width {d_in}); lower k or raise d_sae")
+
 
 class SAESpec(_Strict):
     """Which SAE (config key ``sae:``): exactly one of
@@ -416,6 +437,7 @@ def sae_info(spec: SAESpec, model, field: str = "sae") -> SAEInfo:
     from .models import model_spec_of
 
     width = hook_width(model, t.hook)
+    t.check_width(width, f"{field}.train")
     return SAEInfo(hook=t.hook, d_in=width, d_sae=t.d_sae or (width or 0) * t.expansion_factor,
                    model_name=model_spec_of(model).name, processed=bool(model_spec_of(model).process_weights),
                    prepend_bos=bool(model_spec_of(model).prepend_bos), context_size=t.context_size,
@@ -457,9 +479,22 @@ class LoadedSAE:
         return int(self.sae.cfg.d_in)
 
 
-def _to_model(sae, model):
+def _check_finite(sae, field: str) -> None:
+    """Refuse an SAE with NaN/inf weights: every number it gives would be NaN (or, through a max, a
+    silent 0)."""
+    import torch
+
+    for name, p in sae.named_parameters():
+        bad = int((~torch.isfinite(p.detach())).sum())
+        if bad:
+            raise SAEError(f"{field}: the SAE's {name} holds {bad} non-finite value(s) (NaN/inf) of {p.numel()}; "
+                           "its file is damaged or its training diverged: retrain it or load another")
+
+
+def _to_model(sae, model, field: str = "sae"):
     from .models import model_device
 
+    _check_finite(sae, field)
     dev = model_device(model)
     dtype = next(model.parameters()).dtype
     sae = sae.to(device=dev, dtype=dtype)
@@ -484,7 +519,7 @@ def _load_dir(path: Path, model, field: str):
             sae = SAE.load_from_disk(str(path), device="cpu", dtype=dtype)
     except Exception as e:
         raise SAEError(f"{field}.path: SAELens cannot load {str(path)!r}: {type(e).__name__}: {e}") from e
-    return _to_model(sae, model)
+    return _to_model(sae, model, field)
 
 
 def load_sae(spec: SAESpec, model, field: str = "sae", progress: bool = False) -> LoadedSAE:
@@ -511,7 +546,7 @@ def load_sae(spec: SAESpec, model, field: str = "sae", progress: bool = False) -
             raise SAEError(f"{field}: SAELens cannot load {spec.release}/{spec.id}: {type(e).__name__}: {e}") from e
         info = _cfg_info(sae.cfg.to_dict(), spec.describe())
         check_sae(model, info, field)
-        return LoadedSAE(_to_model(sae, model), info, spec)
+        return LoadedSAE(_to_model(sae, model, field), info, spec)
     info = sae_info(spec, model, field)
     check_sae(model, info, field)
     path, hit, stats = train_sae(model, spec.train, progress=progress, field=f"{field}.train")
@@ -525,6 +560,30 @@ def load_sae(spec: SAESpec, model, field: str = "sae", progress: bool = False) -
 # training
 
 
+#: The files of a cached SAE (SAELens' format plus tracekit's training record), checked against the
+#: entry's manifest (sizes and sha256) on every cache hit.
+SAE_FILES = ("cfg.json", "sae_weights.safetensors", "tracekit_train.json")
+
+
+def sae_cache_entries() -> list[dict]:
+    """Every cached SAE: ``key, path, size_bytes, hook, created, valid`` (sizes only; a hit checks
+    the sha256 too); leftover temporary folders of killed trainings are listed as invalid."""
+    from . import cache
+
+    def describe(d: Path, man: dict) -> dict:
+        return {"created": man.get("created"), "hook": json.loads((d / "cfg.json").read_text()).get("hook_name"),
+                "valid": cache.sizes_match(d, man) and set(SAE_FILES) <= set(man.get("files", {}))}
+
+    return cache.dir_entries(sae_cache_dir(), describe)
+
+
+def clear_sae_cache() -> tuple[int, int]:
+    """Remove every cached SAE and leftover temporary folder: ``(entries removed, bytes freed)``."""
+    from . import cache
+
+    return cache.clear_dir(sae_cache_dir())
+
+
 def sae_cache_dir() -> Path:
     """``$TRACEKIT_CACHE_DIR/saes`` (default ``~/.cache/tracekit/saes``)."""
     root = os.environ.get("TRACEKIT_CACHE_DIR")
@@ -535,10 +594,12 @@ def sae_cache_dir() -> Path:
 def _train_key(model, t: SAETrainSpec) -> str:
     import sae_lens
 
+    from .inputs import input_files
     from .models import model_fingerprint, model_spec_of
 
     spec = model_spec_of(model)
-    blob = {"train": t.model_dump(mode="json"), "fingerprint": model_fingerprint(model),
+    corpus = {k: v["sha256"] for k, v in input_files({"corpus": t.corpus}).items()}  # what the files hold
+    blob = {"train": t.model_dump(mode="json"), "corpus_sha256": corpus, "fingerprint": model_fingerprint(model),
             "process_weights": bool(spec.process_weights), "prepend_bos": bool(spec.prepend_bos),
             "dtype": spec.dtype, "sae_lens": getattr(sae_lens, "__version__", "?")}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
@@ -638,6 +699,26 @@ def _cache_activations(model, hook: str, windows: list[list[int]], out: Path, ba
             datasets.enable_progress_bars()
 
 
+def _sae_lens_interrupts() -> tuple[type[BaseException], ...]:
+    try:
+        from sae_lens.training._interruption import InterruptedException
+    except ImportError:  # pragma: no cover - another SAELens layout: nothing to map
+        return ()
+    return (InterruptedException,)
+
+
+def _runner_class(base):
+    """SAELens' runner without its signal handling: its ``run_trainer_with_interruption_handling``
+    installs SIGINT/SIGTERM handlers that raise its own exception and are never restored; tracekit's
+    own handlers (Ctrl-C -> KeyboardInterrupt, SIGTERM -> an interrupted run) stay in charge."""
+
+    class _Runner(base):
+        def run_trainer_with_interruption_handling(self, trainer):
+            return trainer.fit()
+
+    return _Runner
+
+
 def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.train",
               cache_dir: Path | None = None) -> tuple[Path, bool, dict]:
     """Train an SAE with SAELens' ``LanguageModelSAETrainingRunner`` (``override_model``: this
@@ -661,17 +742,23 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
         TopKTrainingSAEConfig,
     )
 
+    from . import cache
     from .hooks import enabled_hooks, state_guard
     from .models import model_device, model_fingerprint, model_spec_of
+    from .signals import preserved_signal_handlers
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
+    cache.remove_stale_temps(root)  # what killed trainings left behind
     key = _train_key(model, t)
     out = root / key
-    if (out / "cfg.json").is_file() and (out / "sae_weights.safetensors").is_file():
-        stats = {}
-        if (out / "tracekit_train.json").is_file():
+    if out.exists():
+        try:
+            cache.verify_files_manifest(out, SAE_FILES)
             stats = json.loads((out / "tracekit_train.json").read_text())
-        return out, True, stats
+            return out, True, stats
+        except (cache.CacheEntryInvalid, OSError, ValueError) as e:
+            warnings.warn(f"the cached SAE {out} is invalid ({e}): removing it and training it again", stacklevel=2)
+            shutil.rmtree(out, ignore_errors=True)
     width = hook_width(model, t.hook)
     if width is None:
         raise SAEError(f"{field}.hook: cannot tell the width of hook {t.hook!r}; train on a residual, attn_out, "
@@ -690,10 +777,11 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
     spec = model_spec_of(model)
     dev = str(model_device(model))
     if t.architecture == "topk":
-        sae_cfg = TopKTrainingSAEConfig(d_in=width, d_sae=d_sae, k=min(t.k, d_sae), device=dev)
+        t.check_width(width, field)
+        sae_cfg = TopKTrainingSAEConfig(d_in=width, d_sae=d_sae, k=t.k, device=dev)
     else:
         sae_cfg = StandardTrainingSAEConfig(d_in=width, d_sae=d_sae, l1_coefficient=t.l1_coefficient, device=dev)
-    tmp = root / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     n_buffer = max(4, math.ceil(2 * t.train_batch_size_tokens / t.context_size))
     acts_dir = tmp / "activations"
     cfg = LanguageModelSAERunnerConfig(
@@ -719,8 +807,9 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
             warnings.simplefilter("ignore")
             _cache_activations(model, t.hook, wins, acts_dir, progress=progress)
             t_acts = time.time() - t0
-            runner = LanguageModelSAETrainingRunner(cfg, override_dataset=ds, override_model=model)
-            runner.run()
+            runner = _runner_class(LanguageModelSAETrainingRunner)(cfg, override_dataset=ds, override_model=model)
+            with preserved_signal_handlers(_sae_lens_interrupts()):
+                runner.run()
             # sae-lens' runner may leave the trainer's grad settings on: the model stays frozen.
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -737,6 +826,7 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
                  "dataset_tokens": n_tok, "train_windows": len(wins), "held_out_tokens": n_held,
                  "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json")}
         (tmp / "tracekit_train.json").write_text(json.dumps(stats))
+        cache.write_files_manifest(tmp, {"key": key, "kind": "sae"})  # sizes + sha256, checked on every hit
         if out.exists():
             shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

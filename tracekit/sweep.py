@@ -190,11 +190,15 @@ def derive_seed(sweep_seed: int, params: dict) -> int:
 
 
 def config_hash(config) -> str:
-    """16 hex digits identifying a validated config (model, seed, every step's fields)."""
+    """16 hex digits identifying a validated config (model, seed, every step's fields, and the
+    contents of every data file it names: :func:`tracekit.inputs.input_files`), so a point whose
+    ``pairs_file`` or corpus was edited is a new point, never a cached one."""
     from .experiments.base import jsonable
+    from .inputs import input_files
 
-    blob = {"model": config.model.model_dump(mode="json"), "seed": config.seed,
-            "experiments": [s.model_dump(mode="json") for s in config.experiments]}
+    steps = [s.model_dump(mode="json") for s in config.experiments]
+    blob = {"model": config.model.model_dump(mode="json"), "seed": config.seed, "experiments": steps,
+            "inputs": {k: v["sha256"] for k, v in input_files({"experiments": steps}).items()}}
     return hashlib.sha256(json.dumps(jsonable(blob), sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -33,7 +33,7 @@ from .errors import TokenizationError
 from .models import model_device, model_spec_of
 
 __all__ = [
-    "TokenizationError", "encode", "str_tokens", "token_repr", "describe_tokenization", "single_token_id",
+    "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "describe_tokenization", "single_token_id",
     "Batch", "tokenize", "pad_ids", "forward_kwargs", "run_with_cache", "chunks", "check_length",
     "context_length", "Position", "PositionSpec", "parse_position", "POSITION_FORMS",
     "token_index_of_substring",
@@ -93,6 +93,13 @@ def token_repr(model, token_id: int) -> str:
     if isinstance(piece, str) and piece.startswith("<0x"):  # sentencepiece byte fallback
         return f"<bytes {piece[3:-1].lower()}>"
     return repr(s)
+
+
+def token_text(model, token_id: int) -> str:
+    """A token's text (``" Paris"``), or ``<bytes e5 b7>`` when it is only part of a character
+    (byte-level BPE pieces of non-Latin text): never the replacement character ``\ufffd``."""
+    r = token_repr(model, token_id)
+    return r if r.startswith("<bytes ") else _tok(model).decode([int(token_id)])
 
 
 def str_tokens(model, ids: Sequence[int]) -> list[str]:
@@ -440,13 +447,15 @@ def _refuse_padding(model, field: str) -> None:
 
 
 def recurrent(model) -> bool:
-    """True for models with recurrent / state-space layers (Mamba, RWKV, RecurrentGemma, hybrids):
-    left padding would run pad tokens through the recurrence before the prompt, so they are always
-    padded on the right (exact for every read position: later pads cannot reach earlier tokens)."""
-    from .architectures import architecture_name, category
+    """True for models that must be padded on the right: recurrent / state-space layers (Mamba,
+    RWKV, RecurrentGemma, hybrids), where left padding would run pad tokens through the recurrence
+    before the prompt, and :data:`tracekit.architectures.RIGHT_PADDED` (chunked attention). Right
+    padding is exact for every read position: later pads cannot reach earlier tokens."""
+    from .architectures import RIGHT_PADDED, architecture_name, category
 
     try:
-        return category(architecture_name(model)) in ("ssm", "hybrid_decoder")
+        arch = architecture_name(model)
+        return category(arch) in ("ssm", "hybrid_decoder") or arch in RIGHT_PADDED
     except Exception:  # noqa: BLE001 - objects without a config are not recurrent models
         return False
 

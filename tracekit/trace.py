@@ -27,7 +27,6 @@ Notebook use::
 from __future__ import annotations
 
 import base64
-import html as _html
 import io
 import re
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ import torch
 
 from .errors import AttentionError, TokenizationError
 from .logit_lens import landmarks, logit_lens
-from .tokens import run_with_cache, single_token_id, str_tokens, tokenize
+from .tokens import single_token_id, str_tokens, token_text, tokenize
 
 __all__ = ["TokenTrace", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
            "render_html", "render_markdown", "SECTIONS", "parse_head"]
@@ -73,31 +72,46 @@ def _key_readout(model, neurons, signs, top_n: int, max_tokens: int, corpus=None
     return key_readout(model, neurons, corpus, top_n=top_n, max_tokens=max_tokens, signs=signs, progress=False)
 
 
-def _attention(model, prompt: str, layers: Sequence[int]) -> list:
-    """One attention-pattern record per layer (``.tokens``, ``.layer``, ``.scores`` and ``.weights``
-    ``[head, q, k]``), from ONE forward pass.
+@dataclass
+class _LastRow:
+    """The last query position's attention of one layer (``scores``/``weights`` ``[head, 1, k]``)."""
 
-    The engine's ``attention_pattern(model, prompt, layer)`` runs the whole model for each layer
-    (30 passes on SmolLM2-135M, most of the trace's time); this reads the same two hooks it reads
-    (``hook_attn_scores``, ``hook_pattern``) for every layer in a single cached pass and builds the
-    engine's own dataclass. ``tests/integration/test_trace.py`` checks it equals the engine layer by
-    layer. Repoint at merge time: the attention engine's pattern function (multi-layer if it has one).
-    """
-    from .attention import LayerAttention as AttentionPattern
+    tokens: list
+    layer: int
+    scores: torch.Tensor
+    weights: torch.Tensor
+
+
+@torch.no_grad()
+def _attention(model, prompt: str, layers: Sequence[int]) -> list:
+    """Every layer's attention *from the last position* (``.tokens``, ``.layer``, ``.scores`` and
+    ``.weights`` ``[head, 1, key]``), from ONE forward pass that keeps only that row of each
+    ``hook_attn_scores`` / ``hook_pattern``: the report shows the last position's attention, and a
+    full ``[head, q, k]`` pattern of every layer grows with the square of the prompt (13 GB for a
+    2,456-token prompt on SmolLM2). ``tests/integration/test_trace.py`` checks the rows equal the
+    engine's ``attention_pattern`` layer by layer."""
+    from .hooks import enabled_hooks, fwd_hooks
 
     names = [n for L in layers for n in (f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern")]
     batch = tokenize(model, [prompt])
-    _, cache = run_with_cache(model, batch, names)
+    q = batch.lengths[0] - 1
+    got: dict = {}
+
+    def keep(act, hook):
+        got[hook.name] = act[0, :, q:q + 1, : q + 1].detach().float().cpu().clone()  # not a view of [h, q, k]
+
+    with enabled_hooks(model, names), fwd_hooks(model, [(n, keep) for n in names]):
+        model(batch.tokens)
     toks = str_tokens(model, batch.ids[0])
-    return [AttentionPattern(toks, L, cache[f"blocks.{L}.attn.hook_attn_scores"][0].float().cpu(),
-                             cache[f"blocks.{L}.attn.hook_pattern"][0].float().cpu()) for L in layers]
+    return [_LastRow(toks, L, got[f"blocks.{L}.attn.hook_attn_scores"], got[f"blocks.{L}.attn.hook_pattern"])
+            for L in layers]
 
 
-def _classify(weights, queries) -> pd.DataFrame:
+def _classify(weights, queries, rows=None) -> pd.DataFrame:
     """``head, self, first, previous, entropy_norm, max_key_weight, label`` per head."""
     from .attention import classify_heads
 
-    return classify_heads(weights, queries=queries)
+    return classify_heads(weights, queries=queries, rows=rows)
 
 # END ADAPTER
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +220,7 @@ def _tokenization(model, batch) -> pd.DataFrame:
     from .models import bos_info
 
     ids = list(batch.ids[0])
-    toks = str_tokens(model, ids)
+    toks = [token_text(model, i) for i in ids]  # a piece of a character shows its bytes, not '\ufffd'
     bos = bos_info(model)
     rows = []
     for i, (t, tid) in enumerate(zip(toks, ids)):
@@ -250,26 +264,31 @@ def _embedding(model, ids: list[int], n_nearest: int):
     return norms_df, nearest, pd.DataFrame(rows)
 
 
+#: Positions of the lens grid (the last ones of the prompt).
+LENS_GRID = 16
+
+
 def _attention_section(model, prompt: str, head: tuple[int, int]):
     rows, labels, picked = [], [], None
     for ap in _attention(model, prompt, range(int(model.cfg.n_layers))):
         L = ap.layer
         q = len(ap.tokens) - 1
-        w = ap.weights[:, q, : q + 1]
-        for h in range(w.shape[0]):
-            for k in range(q + 1):
-                rows.append({"layer": L, "head": h, "key_pos": k, "key_token": ap.tokens[k], "weight": float(w[h, k])})
-        cl = _classify(ap.weights, [q] if q >= 1 else [0])
+        w = ap.weights[:, 0, : q + 1].numpy()
+        H = w.shape[0]
+        rows.append(pd.DataFrame({"layer": L, "head": np.repeat(np.arange(H), q + 1), "key_pos": np.tile(np.arange(q + 1), H),
+                                  "key_token": np.tile(np.asarray(ap.tokens[: q + 1], dtype=object), H),
+                                  "weight": w.reshape(-1).astype(float)}))
+        cl = _classify(ap.weights, [q], rows=[0])
         cl.insert(0, "layer", L)
         labels.append(cl)
         if L == head[0]:
             picked = pd.DataFrame({"layer": L, "head": head[1], "key_pos": range(q + 1), "key_token": ap.tokens[:q + 1],
-                                   "score": ap.scores[head[1], q, : q + 1].numpy(),
-                                   "weight": ap.weights[head[1], q, : q + 1].numpy()})
+                                   "score": ap.scores[head[1], 0, : q + 1].numpy(),
+                                   "weight": ap.weights[head[1], 0, : q + 1].numpy()})
     lab = pd.concat(labels, ignore_index=True)
     lab["type"] = lab["label"].map({"self": "self", "first": "first-token", "previous": "previous-token",
                                     "spread": "diffuse", "content": "content"})
-    return pd.DataFrame(rows), lab, picked
+    return pd.concat(rows, ignore_index=True), lab, picked
 
 
 def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus):
@@ -457,7 +476,12 @@ def token_trace(
     L_head = parse_head(head, model)
     batch = tokenize(model, [prompt])
     ids = [int(i) for i in batch.ids[0]]
-    logits = model(batch.tokens).float()[0, -1].cpu()
+    from .fastpath import residual_stream
+    from .readout import Readout
+
+    last_resid = residual_stream(model, batch, [f"blocks.{int(model.cfg.n_layers) - 1}.hook_resid_post"],
+                                 positions=batch.last)[0]  # the last position only: no [pos, vocab] logits
+    logits = Readout(model).logits(last_resid)[0].float().cpu()
     if target is None:
         target = model.tokenizer.decode([int(logits.argmax())])
     target_id = single_token_id(model, target, field="target")
@@ -475,7 +499,9 @@ def token_trace(
     tables["embedding_norms"], tables["nearest"], tables["analogies"] = _embedding(model, ids, n_nearest)
     lap("embedding")
     # 6. logit lens (first: the jump picks the FFN block)
-    pl = logit_lens(model, [prompt], [target], position="all", top_k=top_k)[0]
+    # the report shows the lens at the last position and a grid of the last LENS_GRID positions: the
+    # cost is that, not every position of a long prompt (a 2,456-token prompt took 6 min before)
+    pl = logit_lens(model, [prompt], [target], position=range(-min(len(ids), LENS_GRID), 0), top_k=top_k)[0]
     hs = [p.hidden_state for p in pl.points]
     last = len(pl.positions) - 1
     probs = pl.target_prob[:, last, 0].tolist()
@@ -504,7 +530,8 @@ def token_trace(
     dla = _dla(model, prompt, target, foil, [ffn_layer])
     comp = dla.components_frame().drop(columns=["prompt_idx", "position"])
     tables["components"] = comp
-    meta.update({"logit": float(dla.logit), "components_sum": float(comp["contribution"].sum()),
+    meta.update({"logit": float(dla.logit), "attributed": float(dla.attributed), "output_transform": dla.transform,
+                 "components_sum": float(comp["contribution"].sum()),
                  "ffn_layer": ffn_layer})
     hf = dla.heads_frame()
     tables["heads_dla"] = hf[hf["head"] >= 0].drop(columns=["prompt_idx"]).reset_index(drop=True)
@@ -566,28 +593,39 @@ def table_rows(df: pd.DataFrame, max_rows: int = 60) -> tuple[list[str], list[li
     cols = list(df.columns)
     rows = []
     for rec in df.head(max_rows).itertuples(index=False):
-        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected") else _fmt(v, c)
-                     for c, v in zip(cols, rec)])
+        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected")
+                     and not v.startswith("<bytes ") else _fmt(v, c) for c, v in zip(cols, rec)])
     return cols, rows
 
 
-def _env():
+def _md_code(s) -> str:
+    """Inline Markdown code for any text: a backtick fence longer than any backtick run inside."""
+    s = str(s)
+    run = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    fence = "`" * (run + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
+
+
+def _env(html: bool = True):
+    """Jinja environment: HTML escaped for the HTML report; Markdown is text (never HTML-escaped).
+    ``pyrepr`` shows a string with its quotes and spaces, Unicode as it is (unlike ``tojson``'s
+    ``\u4e2d`` escapes); ``mdcode`` makes Markdown inline code of any text."""
     import jinja2
 
-    return jinja2.Environment(loader=jinja2.PackageLoader("tracekit", "templates"),
-                              autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True,
-                              lstrip_blocks=True)
+    env = jinja2.Environment(loader=jinja2.PackageLoader("tracekit", "templates"), autoescape=html,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters["pyrepr"] = repr
+    env.filters["mdcode"] = _md_code
+    return env
 
 
 def render_html(context: dict) -> str:
     """The self-contained HTML report (figures inline, no external resource)."""
-    return _env().get_template("trace.html.j2").render(**context)
+    return _env(html=True).get_template("trace.html.j2").render(**context)
 
 
 def render_markdown(context: dict) -> str:
     """The Markdown version of the report (figures referenced as the PNG files saved beside it)."""
-    return _env().get_template("trace.md.j2").render(**context)
+    return _env(html=False).get_template("trace.md.j2").render(**context)
 
-
-def escape(s: str) -> str:
-    return _html.escape(s)

@@ -33,7 +33,7 @@ from ..attention import (
     resolve_position,
 )
 from ..tokens import PositionSpec, parse_position
-from .base import Experiment, OptionalPrompts, Prompts, Result, register
+from .base import Experiment, Indices, OptionalPrompts, Prompts, Result, register
 
 __all__ = ["AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult"]
 
@@ -161,7 +161,7 @@ class AttentionPattern(Experiment):
     prompts: Prompts
     layer: int
     head: Optional[int] = None
-    heads: Union[Literal["all"], list[int]] = "all"
+    heads: Union[Literal["all"], Indices] = "all"
     position: PositionSpec = "last"
     dominance: float = Field(default=0.4, gt=0, le=1)
     spread_entropy: float = Field(default=0.9, gt=0, le=1)
@@ -290,7 +290,7 @@ class HeadScan(Experiment):
     seq_len: int = Field(default=40, ge=2)
     n_seqs: int = Field(default=4, ge=1)
     seed: int = 0
-    layers: Union[Literal["all"], list[int]] = "all"
+    layers: Union[Literal["all"], Indices] = "all"
     prompts: OptionalPrompts = Field(default_factory=list)
     top_k: int = Field(default=5, ge=1)
     induction_threshold: float = Field(default=0.3, ge=0, le=1)

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Optional, Union
 
 import pandas as pd
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import OutputError, ResultLoadError
 
-__all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts",
+__all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts", "Indices",
            "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message"]
 
 
@@ -69,6 +69,18 @@ Prompts = Annotated[list[str], BeforeValidator(_nonempty_prompts), BeforeValidat
                     Field(min_length=1)]
 #: The same, possibly an empty list.
 OptionalPrompts = Annotated[list[str], BeforeValidator(_nonempty_prompts), BeforeValidator(_str_to_list)]
+
+
+def _nonempty_selection(v):
+    if isinstance(v, list) and not v:
+        raise ValueError("an empty list selects nothing (no work would be done); omit the field to select every "
+                         "one, or list the indices")
+    return v
+
+
+#: A list of indices (layers, heads, neurons, features) that must select something: ``[]`` is refused
+#: before any work (a table reference that matched no rows gives ``[]`` too).
+Indices = Annotated[list[int], AfterValidator(_nonempty_selection)]
 
 REGISTRY: dict[str, type["Experiment"]] = {}
 RESULTS: dict[str, type["Result"]] = {}
@@ -174,6 +186,12 @@ class Expectation(StrictModel):
                              f"available: {keys}")
             return row
         row["observed"] = obs
+        numeric = _is_number(self.value) or self.min is not None or self.max is not None
+        if numeric and not (_is_number(obs) and math.isfinite(float(obs))):
+            # NaN compares false with every bound (a NaN error is never "greater" than a tolerance):
+            # a non-finite or missing number never meets a numeric expectation
+            row.update(met=False, error=f"observed {obs!r} is not a finite number")
+            return row
         met = True
         if self.value is not None:
             if _is_number(self.value) and _is_number(obs):
@@ -189,6 +207,11 @@ class Expectation(StrictModel):
 
 
 _NAME = re.compile(r"[^\W][\w.-]*", re.UNICODE)
+
+#: Files a run directory keeps for itself (tracekit.runner): no step may be named like them, or its
+#: folder would replace them (the status would read "unknown", the summary would be lost).
+RESERVED_NAMES = frozenset({"status.json", "summary.json", "environment.json", "references.json",
+                            "config.resolved.yaml", "expectations.json", "error.txt"})
 _INDEX = re.compile(r"\[(-?\d+|'[^']*'|\"[^\"]*\")\]")
 
 
@@ -238,6 +261,10 @@ class Experiment(StrictModel):
         if v is not None and (not _NAME.fullmatch(v) or v in (".", "..") or v.startswith(".")):
             raise ValueError(f"step name {v!r} must be letters (any script), digits, '_', '.' or '-', not "
                              "starting with '.' (it names the step's folder in the run directory)")
+        if v is not None and v.lower() in RESERVED_NAMES:
+            raise ValueError(f"step name {v!r} is the name of a file the run directory keeps for itself "
+                             f"({', '.join(sorted(RESERVED_NAMES))}); the step's folder would replace it. "
+                             "Choose another name")
         return v
 
     @property

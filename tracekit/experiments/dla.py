@@ -144,7 +144,7 @@ class DirectLogitAttribution(Experiment):
     kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
     prompts: Prompts
     target: str
-    foil: Optional[str] = None
+    foil: Optional[str] = Field(default=None, json_schema_extra={"null_from_reference": True})
     position: PositionSpec = "last"
     top_k: int = Field(default=10, ge=1)
     batch_size: int = Field(default=8, ge=1)

@@ -42,6 +42,15 @@ class LogitLensResult(Result):
                     "target_log_prob_by_hidden_state", "emergence_hidden_state", "emergence_layer", "jump",
                     "jump_layer", "per_prompt", "emergence_hidden_state_by_prompt")
     table_names = ("main", "topk", "tokens", "final")
+    #: Why a summary value can be null (quoted when a pipeline reference resolves to null).
+    null_reasons = {
+        "emergence_layer": "the target never stays top-1 through the last hidden state read (or does so only from "
+                           "the embeddings), so there is no emergence layer",
+        "emergence_hidden_state": "the target never stays top-1 through the last hidden state read",
+        "jump_layer": "the largest gain is into the embeddings or only one hidden state was read",
+        "jump": "only one hidden state was read",
+        "target_prob_final": "no target was given",
+    }
 
     def _last_rows(self) -> pd.DataFrame:
         df = self.tables["main"]

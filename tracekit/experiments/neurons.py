@@ -32,7 +32,7 @@ from ..neurons import (
     value_readout,
 )
 from ..tokens import PositionSpec, parse_position
-from .base import Experiment, Prompts, Result, StrictModel, register
+from .base import Experiment, Indices, Prompts, Result, StrictModel, register
 from .dla import check_prompt_positions
 
 __all__ = ["NeuronAttribution", "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
@@ -247,9 +247,9 @@ class NeuronAttribution(Experiment):
     kind: Literal["neuron_attribution"] = "neuron_attribution"
     prompts: Prompts
     target: str
-    foil: Optional[str] = None
+    foil: Optional[str] = Field(default=None, json_schema_extra={"null_from_reference": True})
     position: PositionSpec = "last"
-    layers: Union[Literal["all"], list[int], int] = "all"
+    layers: Union[Literal["all"], Indices, int] = "all"
     top_k: int = Field(default=10, ge=1)
     rank_by: Literal["contribution", "abs"] = "contribution"
     value_tokens: int = Field(default=10, ge=0)

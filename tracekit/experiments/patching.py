@@ -44,7 +44,7 @@ from .. import patching as P
 from ..errors import ConfigError, PatchingError
 from ..metrics import normalize
 from ..tokens import check_length, encode, single_token_id, str_tokens
-from .base import Experiment, OptionalPrompts, Result, StrictModel, register
+from .base import Experiment, Indices, OptionalPrompts, Result, StrictModel, register
 
 __all__ = ["ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs"]
 
@@ -395,9 +395,9 @@ class ActivationPatching(Experiment):
     metrics: list[Literal["logit_diff", "prob", "log_prob", "kl"]] = Field(
         default_factory=lambda: ["logit_diff", "prob", "log_prob", "kl"], min_length=1)
     main_metric: Literal["logit_diff", "prob", "log_prob", "kl"] = "logit_diff"
-    layers: list[int] | None = None
-    neuron_layers: list[int] | None = None
-    neurons: list[int] | None = None
+    layers: Indices | None = None
+    neuron_layers: Indices | None = None
+    neurons: Indices | None = None
     min_denominator: float = Field(default=1e-3, gt=0)
     batch_size: int | Literal["auto"] = "auto"
     skip_unchanged: bool = True

@@ -63,7 +63,7 @@ from ..probing import (
 )
 from ..probing.extract import POSITION_FORMS_PROBING
 from ..tokens import PositionSpec, encode, parse_position
-from .base import Experiment, Result, StrictModel, register
+from .base import Experiment, Indices, Result, StrictModel, register
 
 # load_probe_directions is re-exported so that ``tracekit.load_probe_directions`` works.
 __all__ = ["LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions"]
@@ -183,6 +183,11 @@ class LinearProbeResult(Result):
             out.append("no layer beats all controls (shuffled-label control, majority baseline and "
                        f"embedding layer, paired bootstrap, {self.meta.get('correction', 'bonferroni')} over "
                        f"{self.meta.get('n_comparisons')} layers); do not read the curve as evidence of encoding")
+        if "uninformative" in df and df["uninformative"].astype(bool).any():
+            flat = df[df["uninformative"].astype(bool)]
+            out.append(f"uninformative: the activations at {[f'{s} {int(L)}' for s, L in zip(flat['site'], flat['layer'])]} "
+                       "are identical across the training rows (e.g. every prompt ends in the same token, read at "
+                       "the embedding layer); those layers are scored as the constant prior, at chance")
         hi_ctrl = df[df[f"shuffled_{m}_lo"] > df[f"baseline_{m}"] + 1e-12]
         if len(hi_ctrl) and self.meta.get("task") == "classification":
             out.append(f"the shuffled-label control is above the majority baseline at "
@@ -383,7 +388,7 @@ class LinearProbe(Experiment):
     task: Literal["classification", "regression"] = "classification"
     sites: list[SiteName] = Field(default_factory=lambda: ["resid_post"], min_length=1)
     hooks: list[str] = Field(default_factory=list)
-    layers: Union[Literal["all"], list[int]] = "all"
+    layers: Union[Literal["all"], Indices] = "all"
     position: PositionSpec = "last"
     batch_size: int = Field(default=16, ge=1)
     group_by: Literal["entity", "template", "both"] = "entity"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -42,7 +43,13 @@ from ..sae import (
     sae_quality,
     top_activating_contexts,
 )
-from .base import Experiment, Prompts, Result, StrictModel, register
+from .base import Experiment, Indices, Prompts, Result, StrictModel, register
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger error, NaN when either is NaN (Python's max keeps the first of a NaN pair: a silent 0)."""
+    return float("nan") if math.isnan(a) or math.isnan(b) else max(a, b)
+
 
 __all__ = [
     "SAEDashboardConfig",
@@ -87,7 +94,7 @@ class SAEInterventionConfig(StrictModel):
         seed: the random control sets' seed.
     """
 
-    features: Literal["top"] | list[int] = "top"
+    features: Literal["top"] | Indices = "top"
     k: int = Field(default=3, ge=1)
     modes: list[Literal["ablate", "clamp", "steer"]] = Field(default_factory=lambda: ["ablate", "steer"])
     clamp_value: float = 0.0
@@ -308,7 +315,7 @@ class SAEFeatures(Experiment):
     sae: SAESpec
     prompts: Prompts
     target: str
-    foil: str | None = None
+    foil: str | None = Field(default=None, json_schema_extra={"null_from_reference": True})
     position: int = -1
     top_k: int = Field(default=10, ge=1)
     interventions: SAEInterventionConfig | None = None
@@ -367,10 +374,10 @@ class SAEFeatures(Experiment):
                      "activation": (d.direct_total, d.total_activation)}
             for k, (a, b) in parts.items():
                 terms.append({"prompt_idx": i, "term": k, "direct": a, "total": b})
-            max_err = max(max_err, abs(float(d.total.sum()) + d.total_error + d.total_bias + d.total_special
-                                       - d.total_activation))
+            max_err = _worse(max_err, abs(float(d.total.sum()) + d.total_error + d.total_bias + d.total_special
+                                          - d.total_activation))
             if d.direct is not None:
-                max_err = max(max_err, abs(dsum + d.direct_error + d.direct_bias - d.direct_total))
+                max_err = _worse(max_err, abs(dsum + d.direct_error + d.direct_bias - d.direct_total))
             for p in range(len(d.ids)):
                 a = d.acts[p]
                 nz = int((a != 0).sum())

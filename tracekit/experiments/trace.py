@@ -66,6 +66,7 @@ class TokenTraceResult(Result):
             "target_rank_by_hidden_state": lens["rank"].tolist(),
             "jump_layer": m["jump_layer"], "jump": m["jump"], "emergence_hidden_state": m["emergence_hidden_state"],
             "emergence_layer": m["emergence_layer"], "logit": m["logit"], "components_sum": m["components_sum"],
+            "attributed_logit": m.get("attributed", m["logit"]),
             "top_components": comp["component"].head(5).tolist(),
             "ffn_layer": m["ffn_layer"], "top_neurons": [f"{r.layer}.{r.neuron}" for r in neu.itertuples()],
             "parameters": m["cost"]["parameters"], "kv_bytes_per_token": m["cost"]["kv_bytes_per_token"],
@@ -231,10 +232,15 @@ class TokenTraceResult(Result):
 
         sr = sec["residual"]
         top = ", ".join(f"{r.component} ({r.contribution:+.3f})" for r in comp.head(5).itertuples())
+        what = f"logit{' difference' if m.get('foil') else ''}"
+        transform = m.get("output_transform", "none")
+        nonlinear = transform not in ("none", "") and not str(transform).startswith("logits x")
+        tail = (f"; the model's {what} is {m['logit']:.4f}." if not nonlinear else
+                f", the {what} before the model's {transform} ({m.get('attributed', m['logit']):.4f}); after it "
+                f"the model's {what} is {m['logit']:.4f}.")
         sr["text"].append(f"The final residual stream is the sum of the embeddings and every attention and MLP output; "
                           f"through the final norm's scale each part contributes to the logit. The parts sum to "
-                          f"{m['components_sum']:.4f}; the model's logit{' difference' if m.get('foil') else ''} is "
-                          f"{m['logit']:.4f}. Largest: {top}.")
+                          f"{m['components_sum']:.4f}{tail} Largest: {top}.")
         sr["figures"].append(fig("components", "Direct logit attribution"))
         sr["tables"].append(tab("Components", "components"))
 

@@ -53,6 +53,9 @@ class FittedProbe:
         train_score: accuracy (or R^2) on the training rows.
         excluded_folds: inner folds left out of the choice of ``reg`` because their training part
             lacks a class: ``[(fold, [class names])]``.
+        uninformative: the training activations are identical across rows (no variance: e.g. every
+            prompt ends in the same token, read at the embedding layer of a model without position
+            embeddings); the probe is then the constant prior (majority class / mean), at chance.
     """
 
     weight: np.ndarray
@@ -63,6 +66,7 @@ class FittedProbe:
     proba: Optional[np.ndarray]
     train_score: float
     excluded_folds: list = field(default_factory=list)
+    uninformative: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -172,6 +176,8 @@ def fit_probe(
             Zs, Zt = Xs @ V, Xt @ V
         else:
             Zs, Zt = Xs, Xt
+        if Zs.shape[1] == 0 or not np.any(Zs):
+            return _constant_probe(task, y_train, len(X_test), X_train.shape[1], n_classes)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(converge|iteration|penalty|l1_ratio).*")
             if task == "classification":
@@ -218,6 +224,26 @@ def fit_probe(
     weight = w_std / sd
     bias = b - weight @ mu
     return FittedProbe(weight, bias, classes, reg, pred, proba, train_score, excluded)
+
+
+def _constant_probe(task: str, y_train: np.ndarray, n_test: int, d: int, n_classes: int | None) -> "FittedProbe":
+    """The probe of activations that carry no information (identical across the training rows):
+    the prior, i.e. the majority class with the training frequencies as probabilities, or the mean
+    for regression; zero weights, flagged ``uninformative``."""
+    if task == "classification":
+        K = int(n_classes or int(y_train.max()) + 1)
+        freq = np.bincount(y_train.astype(np.int64), minlength=K) / len(y_train)
+        classes = np.unique(y_train)
+        major = int(np.argmax(freq))
+        n_out = 1 if len(classes) == 2 else len(classes)
+        eps = 1e-12
+        bias = (np.array([np.log(freq[classes[1]] + eps) - np.log(freq[classes[0]] + eps)]) if n_out == 1
+                else np.log(freq[classes] + eps))
+        return FittedProbe(np.zeros((n_out, d)), bias, classes, float("nan"), np.full(n_test, major),
+                           np.tile(freq, (n_test, 1)), float((y_train == major).mean()), [], True)
+    mean = float(np.mean(y_train))
+    return FittedProbe(np.zeros((1, d)), np.array([mean]), np.array([], dtype=np.int64), float("nan"),
+                       np.full(n_test, mean), None, 0.0, [], True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,6 +413,7 @@ def probe_layers(
                 X = acts.get(hook).double().numpy()
                 preds, probas, cpreds, cprobas, regs, cregs, trs = [], [], [], [], [], [], []
                 probe = None
+                uninformative = False
                 for (tr, te), sp, spc in zip(fold_ex, inner, inner_c):
                     fp = fit_probe(X[tr], y_ex[tr], X[te], splits=sp, **fit_kw)
                     cp = fit_probe(X[tr], yc_ex[tr], X[te], splits=spc, **fit_kw)
@@ -400,6 +427,7 @@ def probe_layers(
                     regs.append(fp.reg)
                     cregs.append(cp.reg)
                     trs.append(fp.train_score)
+                    uninformative = uninformative or fp.uninformative
                     probe = probe or fp
                 pred = np.concatenate(preds)
                 cpred = np.concatenate(cpreds)
@@ -442,6 +470,7 @@ def probe_layers(
                 row["reg_at_edge"] = bool(len(grid) > 1 and row["reg"] in (min(grid), max(grid)))
                 row["shuffled_reg"] = float(np.median(cregs))
                 row["train_score"] = float(np.mean(trs))
+                row["uninformative"] = bool(uninformative)
                 rows.append(row)
                 inv = dict(enumerate(classes))
                 for j, e in enumerate(test_all):

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .errors import MethodRefused, ModelLoadError
+from .core.errors import MethodRefused, ModelLoadError
+from .core.sites import head_count, hook, mlp_width  # noqa: F401 - head_count, mlp_width re-exported
 
 __all__ = ["CATEGORIES", "READABLE", "ALIASES", "category", "architecture_name", "check_loadable", "require",
            "layer_structure", "MethodRefused", "head_count", "mlp_width"]
@@ -146,37 +147,11 @@ def check_loadable(arch: str, where: str = "model.name") -> None:
                          "(docs/architectures.md lists every architecture and what runs on it).")
 
 
-def head_count(model, layer: int, kv: bool = False) -> int:
-    """Attention heads of block ``layer`` (key/value heads with ``kv``), read from its weights when
-    the model has them (families with per-layer head counts), else from the config."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is not None:
-        try:
-            W = blocks[int(layer)].attn.W_K if kv else blocks[int(layer)].attn.W_O
-            return int(W.shape[0])
-        except Exception:  # noqa: BLE001 - attention without per-head weights: the config's count
-            pass
-    return int(model.cfg.n_key_value_heads or model.cfg.n_heads) if kv else int(model.cfg.n_heads)
-
-
-def mlp_width(model, layer: int) -> int:
-    """Neurons of block ``layer``'s dense MLP (the rows of its ``W_out``; ``cfg.d_mlp`` for a model
-    without weights, e.g. a :class:`tracekit.models.ModelInfo`)."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is not None:
-        try:
-            return int(blocks[int(layer)].mlp.W_out.shape[0])
-        except Exception:  # noqa: BLE001 - absent W_out: require() refuses first
-            pass
-    return int(getattr(model.cfg, "d_mlp", 0) or 0)
-
-
 def layer_structure(model, layer: int) -> dict:
     """What block ``layer`` has: ``heads`` (a per-head output ``attn.hook_z`` and ``W_O``), ``attn``
     (an attention write ``hook_attn_out``), ``mlp`` (``hook_mlp_out``), ``neurons`` (a dense MLP
     with ``mlp.hook_post`` and ``W_out``), ``moe`` (a mixture-of-experts MLP)."""
     hd = model.hook_dict
-    p = f"blocks.{layer}."
     blk = model.blocks[layer] if hasattr(model, "blocks") else None
     attn = getattr(blk, "attn", None) if blk is not None else None
     mlp = getattr(blk, "mlp", None) if blk is not None else None
@@ -191,11 +166,11 @@ def layer_structure(model, layer: int) -> dict:
         return hasattr(w, "shape")
 
     return {
-        "attn": f"{p}hook_attn_out" in hd,
-        "heads": f"{p}attn.hook_z" in hd and attn is not None and has_weight(attn, "W_O"),
-        "mlp": f"{p}hook_mlp_out" in hd,
+        "attn": hook("attn_out", layer) in hd,
+        "heads": hook("head_out", layer) in hd and attn is not None and has_weight(attn, "W_O"),
+        "mlp": hook("mlp_out", layer) in hd,
         "moe": bool(moe),
-        "neurons": (not moe) and f"{p}mlp.hook_post" in hd and mlp is not None and has_weight(mlp, "W_out"),
+        "neurons": (not moe) and hook("neuron", layer) in hd and mlp is not None and has_weight(mlp, "W_out"),
     }
 
 

@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
+from .core.sites import check_heads, check_layer, hook
 from .errors import AttentionError
 from .tokens import Position, PositionSpec, encode, pad_ids, parse_position, run_with_cache, str_tokens, tokenize
 
@@ -41,36 +42,6 @@ __all__ = ["AttentionError", "LayerAttention", "attention_pattern", "resolve_pos
 HEAD_LABELS = ("self", "first", "previous", "spread", "content")
 #: The position forms attention accepts for the query position.
 POSITION_FORMS = ("int", "last", "token:<text>")
-
-
-def check_layer(model, layer: int, field: str = "layer") -> int:
-    """A block index (negative from the end) checked against ``model.cfg.n_layers``.
-
-    Raises:
-        AttentionError: a layer that does not exist, naming the field.
-    """
-    n = int(model.cfg.n_layers)
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not -n <= int(layer) < n:
-        raise AttentionError(f"{field}: layer {layer!r} does not exist; this model has {n} blocks (0..{n - 1}, "
-                             "or negative from the end)")
-    return int(layer) % n
-
-
-def check_heads(model, heads: Union[str, int, Sequence[int], None], field: str = "heads") -> list[int]:
-    """``"all"``/None -> every head; ints validated against ``n_heads`` (query heads).
-
-    Raises:
-        AttentionError: a head index outside ``[0, n_heads)``, naming the field.
-    """
-    n = int(model.cfg.n_heads)
-    if heads is None or heads == "all":
-        return list(range(n))
-    if isinstance(heads, (int, np.integer)):
-        heads = [int(heads)]
-    for h in heads:
-        if not isinstance(h, (int, np.integer)) or not 0 <= int(h) < n:
-            raise AttentionError(f"{field}: head {h!r} does not exist; each layer has {n} (query) heads (0..{n - 1})")
-    return [int(h) for h in heads]
 
 
 @dataclass
@@ -140,7 +111,7 @@ def attention_pattern(model, prompt: str, layer: int) -> LayerAttention:
         AttentionError: unknown layer.
     """
     L = check_layer(model, layer)
-    names = [f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern"]
+    names = [hook("head_scores", L), hook("head_pattern", L)]
     batch = tokenize(model, [prompt])
     _, cache = run_with_cache(model, batch, names)
     return LayerAttention(str_tokens(model, batch.ids[0]), L, cache[names[0]][0].float().cpu(),
@@ -273,14 +244,14 @@ def head_scores(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
         raise AttentionError(f"seq_len: 2 x {seq_len} + 1 tokens exceed the model's context of {n_ctx}; lower seq_len")
     layers = list(range(int(model.cfg.n_layers))) if layers is None else [check_layer(model, L, "layers") for L in layers]
     batch, half = repeated_random_tokens(model, seq_len, n_seqs, seed)
-    names = [f"blocks.{L}.attn.hook_pattern" for L in layers]
+    names = [hook("head_pattern", L) for L in layers]
     _, cache = run_with_cache(model, batch, names)
     rows = []
     acc: dict = {}
     for b in range(batch.size):
         toks = batch.tokens[b].cpu()
         for L in layers:
-            sc = pattern_scores(cache[f"blocks.{L}.attn.hook_pattern"][b].float().cpu(), toks, half)
+            sc = pattern_scores(cache[hook("head_pattern", L)][b].float().cpu(), toks, half)
             for h in range(sc.shape[0]):
                 acc.setdefault((L, h), np.zeros(4))
                 acc[(L, h)] += sc[h]

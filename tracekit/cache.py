@@ -47,6 +47,15 @@ from typing import Any
 
 import torch
 
+from .core.io import (
+    ManifestInvalid,
+    file_sha256,
+    fsync_dir,
+    read_manifest,
+    verify_files_manifest,
+    write_files_manifest,
+)
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -90,27 +99,6 @@ def cache_enabled() -> bool:
     return os.environ.get("TRACEKIT_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-_SHA_MEMO: dict[tuple, str] = {}
-
-
-def file_sha256(path: str | Path, memo: bool = True) -> str:
-    """Hex sha256 of a file's bytes (memoised in-process by path, size, mtime and inode)."""
-    p = Path(path)
-    st = p.stat()
-    k = (str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    if memo and k in _SHA_MEMO:
-        return _SHA_MEMO[k]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while True:
-            chunk = f.read(1 << 24)
-            if not chunk:
-                break
-            h.update(chunk)
-    out = h.hexdigest()
-    if memo:
-        _SHA_MEMO[k] = out
-    return out
 
 
 class _HashCheck:
@@ -219,20 +207,14 @@ def entry_path(key: str) -> Path:
 # ----------------------------------------------------------------------------------------------- read
 
 
-class _Invalid(Exception):
-    """An entry that must not be used (the message says why)."""
-
-
-def _read_manifest(d: Path) -> dict:
-    try:
-        return json.loads((d / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise _Invalid(f"manifest unreadable ({type(e).__name__})") from e
+#: An entry that must not be used (the message says why).
+_Invalid = ManifestInvalid
+_read_manifest = read_manifest
 
 
 def _verify(d: Path, key: str, ident: dict, deferrable: bool = False) -> dict:
-    """The manifest of a valid entry; raises _Invalid otherwise (sizes first, then sha256; with
-    ``deferrable`` the sha256 of the weights may be checked in the background, see
+    """The manifest of a valid entry; raises _Invalid otherwise (identity, then sizes, then sha256;
+    with ``deferrable`` the sha256 of the weights may be checked in the background, see
     :class:`deferred_checks`)."""
     man = _read_manifest(d)
     if man.get("key") != key:
@@ -240,23 +222,8 @@ def _verify(d: Path, key: str, ident: dict, deferrable: bool = False) -> dict:
     for field in ("format", "gguf_sha256", "gguf_size", "dtype", "versions"):
         if man.get("identity", {}).get(field) != ident[field]:
             raise _Invalid(f"manifest {field} differs")
-    files = man.get("files")
-    if not isinstance(files, dict) or _WEIGHTS_FILE not in files or "config.json" not in files:
-        raise _Invalid("manifest lists no weights")
-    for name, rec in files.items():
-        f = d / name
-        try:
-            size = f.stat().st_size
-        except OSError as e:
-            raise _Invalid(f"{name} missing") from e
-        if size != rec.get("size"):
-            raise _Invalid(f"{name} has {size} bytes, manifest says {rec.get('size')}")
-    for name, rec in files.items():
-        if deferrable and name == _WEIGHTS_FILE:
-            _check_sha(d / name, str(rec.get("sha256")), lambda d=d: _remove_entry(d))
-        elif file_sha256(d / name, memo=False) != rec.get("sha256"):
-            raise _Invalid(f"{name} sha256 differs from the manifest")
-    return man
+    defer = {_WEIGHTS_FILE: lambda p, sha, d=d: _check_sha(p, sha, lambda: _remove_entry(d))} if deferrable else None
+    return verify_files_manifest(d, (_WEIGHTS_FILE, "config.json"), defer=defer)
 
 
 def _mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -448,19 +415,10 @@ def store_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, hf_model, tokeni
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            rel = f.relative_to(tmp).as_posix()
-            files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}
-        manifest = {"key": key, "identity": ident, "gguf_path": str(Path(gguf_path).resolve()),
-                    "dtype": ident["dtype"], "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    "files": files, "aliases": aliases, "attributes": attributes,
-                    "model_class": type(hf_model).__name__}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
+        write_files_manifest(tmp, {"key": key, "identity": ident, "gguf_path": str(Path(gguf_path).resolve()),
+                                   "dtype": ident["dtype"], "aliases": aliases, "attributes": attributes,
+                                   "model_class": type(hf_model).__name__})
+        fsync_dir(tmp)
         if final.exists():  # an invalid entry that load_gguf_entry did not remove (race): replace it
             try:
                 _verify(final, key, ident)
@@ -501,46 +459,6 @@ def load_or_convert_gguf(gguf_path: str | Path, dtype: torch.dtype, convert: Cal
 
 
 # --------------------------------------------------------------------------------------------- manage
-
-
-def write_files_manifest(d: Path, extra: dict | None = None) -> dict:
-    """Write ``d/manifest.json`` listing every file under ``d`` with its size and sha256 (plus
-    ``extra`` fields): the integrity record :func:`verify_files_manifest` checks. Returns it."""
-    files = {}
-    for f in sorted(p for p in d.rglob("*") if p.is_file() and p.name != "manifest.json"):
-        files[f.relative_to(d).as_posix()] = {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}
-    man = {**(extra or {}), "files": files,
-           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    (d / "manifest.json").write_text(json.dumps(man, indent=2))
-    return man
-
-
-def verify_files_manifest(d: Path, required: tuple[str, ...] = ()) -> dict:
-    """The manifest of a cache entry whose files all match it (sizes, then sha256); raises
-    :class:`CacheEntryInvalid` naming what does not (a missing manifest, a truncated or bit-flipped file)."""
-    try:
-        man = _read_manifest(d)
-    except _Invalid as e:
-        raise CacheEntryInvalid(str(e)) from e
-    files = man.get("files") or {}
-    for name in required:
-        if name not in files:
-            raise CacheEntryInvalid(f"manifest lists no {name}")
-    for name, rec in files.items():
-        try:
-            size = (d / name).stat().st_size
-        except OSError as e:
-            raise CacheEntryInvalid(f"{name} missing") from e
-        if size != rec.get("size"):
-            raise CacheEntryInvalid(f"{name} has {size} bytes, its manifest says {rec.get('size')} (truncated?)")
-    for name, rec in files.items():
-        if file_sha256(d / name, memo=False) != rec.get("sha256"):
-            raise CacheEntryInvalid(f"{name} sha256 differs from its manifest (damaged)")
-    return man
-
-
-class CacheEntryInvalid(Exception):
-    """A cache entry that must not be used (the message says why); it is removed and rebuilt."""
 
 
 _TEMP = re.compile(r"\.tmp-(?:.*-)?(\d+)-[0-9a-f]{8}$")

@@ -38,7 +38,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import ConfigDict, Field, ValidationError
 
-from .errors import ConfigError
+from .core import paths
+from .core.errors import ConfigError
 from .experiments.base import REGISTRY, Experiment, StrictModel
 from .models import ModelSpec
 from .pipeline import check_references, make_step
@@ -151,34 +152,34 @@ class RunConfig(StrictModel):
     experiments: list[Experiment]
 
 
-def _fmt_loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
+_RETIRED = re.compile(r"^(?:(?P<field>[\w.]+)(?:\[(?P<i>\d+)\])?: )?'(?P<old>[^']+)' was renamed to .*$")
 
 
-def _errors(e: ValidationError, prefix: tuple = (), cls: Optional[type] = None) -> list[str]:
-    from .experiments.base import retired_message
-
+def _errors(e: ValidationError, prefix: tuple = ()) -> list[str]:
+    """One line per error, each starting with its YAML path; a retired key or value
+    (:mod:`tracekit.core.strict`) is reported at its own path: ``experiments[0].positions: 'positions'
+    was renamed to 'position'``."""
     msgs = []
     for err in e.errors():
         loc = prefix + tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         msg = err["msg"]
+        if err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            parts = msg.split("\n")
+            found = [_RETIRED.match(p) for p in parts]
+            if parts and all(found):
+                for m in found:
+                    at = loc + ((m["field"],) + ((int(m["i"]),) if m["i"] else ()) if m["field"] else (m["old"],))
+                    text = m.group(0)[m.start("old") - 1:] if m["field"] else m.group(0)
+                    msgs.append(f"{paths.fmt(at)}: {text}")
+                continue
         if err["type"] == "extra_forbidden":
-            key = err["loc"][-1] if err["loc"] else None
-            if cls is not None and len(err["loc"]) == 1 and key in getattr(cls, "retired", {}):
-                msg = retired_message(cls, key)
-            else:
-                msg = "unknown key (check spelling; see `tracekit kinds` for each kind's fields)"
+            msg = "unknown key (check spelling; see `tracekit kinds` for each kind's fields)"
         elif err["type"] == "missing":
             msg = "required field is missing"
         inp = err.get("input")
         shown = "" if err["type"] in ("missing",) or isinstance(inp, dict) else f" (got {inp!r})"
-        msgs.append(f"{_fmt_loc(loc)}: {msg}{shown}")
+        msgs.append(f"{paths.fmt(loc)}: {msg}{shown}")
     return msgs
 
 
@@ -225,7 +226,7 @@ def parse_config(raw: Any, source: str = "<config>") -> RunConfig:
         try:
             steps.append(REGISTRY[kind].model_validate(step))
         except ValidationError as e:
-            problems += _errors(e, ("experiments", i), REGISTRY[kind])
+            problems += _errors(e, ("experiments", i))
     problems += check_references(steps_raw)  # pipeline: references resolvable, in order, no cycle
     names = [s.step_name for s in steps]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -235,9 +236,6 @@ def parse_config(raw: Any, source: str = "<config>") -> RunConfig:
         raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(problems))
     assert head is not None
     return RunConfig.model_construct(**{**dict(head), "experiments": steps})
-
-
-_TOKEN = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
 
 def apply_override(raw: dict, assignment: str) -> dict:
@@ -251,11 +249,10 @@ def apply_override(raw: dict, assignment: str) -> dict:
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected path=value, e.g. model.device=cpu")
     path, _, value_s = assignment.partition("=")
-    keys: list[Any] = []
-    for name, idx in _TOKEN.findall(path.strip()):
-        keys.append(int(idx) if idx else (int(name) if name.isdigit() else name))
-    if not keys:
-        raise ConfigError(f"--set {assignment!r}: empty path")
+    try:
+        paths.parse(path)
+    except paths.PathError as e:
+        raise ConfigError(f"--set {assignment!r}: {e}") from e
     try:
         value = yaml_load(value_s, f"--set {path}") if value_s.strip() else value_s
     except ConfigError:
@@ -263,26 +260,10 @@ def apply_override(raw: dict, assignment: str) -> dict:
     if isinstance(value, str) and not value_s.lstrip().startswith(("'", '"')):
         # YAML would strip a leading space, and " Paris" is a different token from "Paris".
         value = value_s
-    obj: Any = raw
-    for j, k in enumerate(keys[:-1]):
-        nxt = keys[j + 1]
-        if isinstance(k, int):
-            if not isinstance(obj, list) or k >= len(obj):
-                raise ConfigError(f"--set {path}: index [{k}] does not exist")
-            obj = obj[k]
-        else:
-            if not isinstance(obj, dict):
-                raise ConfigError(f"--set {path}: {k!r} is not inside a mapping")
-            obj = obj.setdefault(k, [] if isinstance(nxt, int) else {})
-    last = keys[-1]
-    if isinstance(last, int):
-        if not isinstance(obj, list) or last >= len(obj):
-            raise ConfigError(f"--set {path}: index [{last}] does not exist")
-        obj[last] = value
-    else:
-        if not isinstance(obj, dict):
-            raise ConfigError(f"--set {path}: cannot set {last!r} on a non-mapping")
-        obj[last] = value
+    try:
+        paths.set_path(raw, path, value, copy_value=False)
+    except paths.PathError as e:
+        raise ConfigError(f"--set {path.strip()}: {e}") from e
     return raw
 
 

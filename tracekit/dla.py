@@ -43,6 +43,7 @@ import torch
 from jaxtyping import Float
 
 from .architectures import MethodRefused, architecture_name, require
+from .core.sites import check_layers, hook
 from .errors import AttributionError, HookError
 from .fastpath import activations_at
 from .norms import run_sigma
@@ -87,29 +88,6 @@ def resolve_target(model, target: str, foil: Optional[str] = None) -> LogitTarge
     if f is not None and f == t:
         raise AttributionError(f"foil: {foil!r} is the same token as target; pick a different foil or drop it")
     return LogitTarget(target, t, foil, f)
-
-
-def check_layers(model, layers: Union[str, int, Sequence[int], None], field: str = "layers") -> list[int]:
-    """Block indices: ``"all"``/None -> every block; ints are validated (negative counts from the
-    end). Needs only ``model.cfg``.
-
-    Raises:
-        AttributionError: a layer index outside ``[-n_layers, n_layers)``, naming the field.
-    """
-    n = int(model.cfg.n_layers)
-    if layers is None or layers == "all":
-        return list(range(n))
-    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
-        layers = [int(layers)]
-    if isinstance(layers, str):
-        raise AttributionError(f"{field}: {layers!r} is not a layer list; give 'all' or block indices like [8, 9]")
-    out = []
-    for L in layers:
-        if isinstance(L, bool) or not isinstance(L, (int, np.integer)) or not -n <= int(L) < n:
-            raise AttributionError(f"{field}: layer {L!r} does not exist; this model has {n} blocks "
-                                   f"(0..{n - 1}, or negative from the end, or 'all')")
-        out.append(int(L) % n)
-    return sorted(set(out))
 
 
 def as_position(position: Union[PositionSpec, Position], field: str = "position") -> Position:
@@ -342,12 +320,12 @@ def logit_attribution(
         if wp is not None and wp.norm is not None and not wp.norm.exact:
             raise AttributionError(f"direct logit attribution is refused on {arch}: blocks.{wp.layer}.{wp.norm_name} "
                                    "is not an elementwise affine norm")
-    has_pos = "hook_pos_embed" in model.hook_dict
-    names = ["hook_embed", "blocks.0.hook_resid_pre", "ln_final.hook_in", "ln_final.hook_out"] + (
-        ["hook_pos_embed"] if has_pos else [])
+    has_pos = hook("pos_embed") in model.hook_dict
+    names = [hook("embed"), hook("resid_pre", 0), hook("final_norm_in"), hook("final_norm_out")] + (
+        [hook("pos_embed")] if has_pos else [])
     for L in range(n_layers):
-        names += [f"blocks.{L}.attn.hook_z", *apaths[L].hooks(), *mpaths[L].hooks()]
-    names += [f"blocks.{L}.mlp.hook_post" for L in nl]
+        names += [hook("head_out", L), *apaths[L].hooks(), *mpaths[L].hooks()]
+    names += [hook("neuron", L) for L in nl]
     names = list(dict.fromkeys(names))
     # per-layer weight products with each block's direction (per unit 1/sigma_post), computed once
     WO_u, bO_u, Wout_u, bout_u, apost_b, mpost_b = [], [], {}, [], [], []
@@ -384,16 +362,16 @@ def logit_attribution(
         ps = _resolve_positions(model, chunk, batch, pos)
         # each hook read at the attributed position only; the forward pass ends at the final norm
         try:
-            cache = activations_at(model, batch, [n for n in names if n != "hook_pos_embed"],
+            cache = activations_at(model, batch, [n for n in names if n != hook("pos_embed")],
                                    torch.tensor(ps, device=batch.tokens.device),
-                                   optional=["hook_pos_embed"] if has_pos else [])
+                                   optional=[hook("pos_embed")] if has_pos else [])
         except HookError as e:
             raise AttributionError(f"direct logit attribution is refused on {arch}: {e}") from e
-        has_pos_b = has_pos and "hook_pos_embed" in cache
+        has_pos_b = has_pos and hook("pos_embed") in cache
         for b, prompt in enumerate(chunk):
             p = ps[b]
-            resid = cache["ln_final.hook_in"][b].float()
-            sigma = float(run_sigma(fnorm, resid, cache["ln_final.hook_out"][b]))
+            resid = cache[hook("final_norm_in")][b].float()
+            sigma = float(run_sigma(fnorm, resid, cache[hook("final_norm_out")][b]))
             inv = 1.0 / sigma
 
             def dot(x, b=b, p=p, inv=inv):
@@ -402,13 +380,13 @@ def logit_attribution(
             # The stream starts as blocks.0.hook_resid_pre: token (+ position) embeddings after any
             # embedding scale or norm (Gemma's sqrt(d_model), Granite's multiplier, Bloom's LayerNorm).
             # It is split into token and position terms when hook_embed + hook_pos_embed is exactly it.
-            start = cache["blocks.0.hook_resid_pre"][b].float()
-            embed = dot(cache["blocks.0.hook_resid_pre"])
+            start = cache[hook("resid_pre", 0)][b].float()
+            embed = dot(cache[hook("resid_pre", 0)])
             pe = None
             if has_pos_b:
-                e_pe = cache["hook_embed"][b].float() + cache["hook_pos_embed"][b].float()
+                e_pe = cache[hook("embed")][b].float() + cache[hook("pos_embed")][b].float()
                 if float((e_pe - start).abs().max()) <= identity_tolerance(dtype, float(start.abs().max()), 2, 1e-5):
-                    pe = dot(cache["hook_pos_embed"])
+                    pe = dot(cache[hook("pos_embed")])
                     embed = embed - pe
             heads = torch.zeros(n_layers, n_heads)
             attn, mlp = torch.zeros(n_layers), torch.zeros(n_layers)
@@ -423,7 +401,7 @@ def logit_attribution(
                 m_write = cache[mp.write_hook][b]
                 a_inv = inv / float(ap.sigma(cache[ap.raw_hook][b], a_write))
                 m_inv = inv / float(mp.sigma(cache[mp.raw_hook][b], m_write))
-                z = cache[f"blocks.{L}.attn.hook_z"][b].float()  # [n_heads, d_head]
+                z = cache[hook("head_out", L)][b].float()  # [n_heads, d_head]
                 if z.shape != WO_u[L].shape:
                     raise MethodRefused(f"direct logit attribution is refused on {arch}: block {L}'s per-head "
                                         f"outputs (attn.hook_z, {tuple(z.shape)} per position) do not match its W_O "
@@ -444,7 +422,7 @@ def logit_attribution(
                 recon = recon + a_write.float() + m_write.float()
                 terms += [a_write.float().abs().max(), m_write.float().abs().max()]
                 if L in nl:
-                    a = cache[f"blocks.{L}.mlp.hook_post"][b].float()
+                    a = cache[hook("neuron", L)][b].float()
                     na[L] = a.cpu()
                     nv[L] = (Wout_u[L] * m_inv).cpu()
                     nc[L] = (a * Wout_u[L].to(a.device) * m_inv).cpu()
@@ -460,12 +438,12 @@ def logit_attribution(
             tol = identity_tolerance(dtype, max(mag, float(resid.abs().max())), 2 * n_layers + 2, check_atol)
             if err > tol:
                 raise fail("the final residual stream is not embed + attention + MLP outputs", err, tol)
-            lg = readout.logits(cache["ln_final.hook_in"][b:b + 1])[0].float()  # the model's own (lens_final)
+            lg = readout.logits(cache[hook("final_norm_in")][b:b + 1])[0].float()  # the model's own (lens_final)
             logit = float(lg[tgt.target_id] - (lg[tgt.foil_id] if tgt.foil_id is not None else 0.0))
             if transform.linear:
                 attributed = logit
             else:
-                pl = readout.pre_transform_logits(cache["ln_final.hook_in"][b:b + 1])[0].float()
+                pl = readout.pre_transform_logits(cache[hook("final_norm_in")][b:b + 1])[0].float()
                 attributed = float(pl[tgt.target_id] - (pl[tgt.foil_id] if tgt.foil_id is not None else 0.0))
             d = DirectAttribution(
                 prompt=prompt, prompt_idx=s + b, tokens=str_tokens(model, batch.ids[b]),

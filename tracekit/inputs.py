@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .core.io import file_sha256
+
 __all__ = ["FILE_FIELDS", "input_files", "content_hash"]
 
 #: Config keys whose string value (or list of strings) names a data file or folder.
@@ -24,32 +26,16 @@ FILE_FIELDS = ("pairs_file", "corpus", "path")
 #: Values of those keys that name no file.
 _BUILTIN = ("stdlib",)
 
-_HASHES: dict[tuple, str] = {}
-
-
-def _file_sha256(p: Path) -> str:
-    st = p.stat()
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
-    hit = _HASHES.get(key)
-    if hit is None:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        hit = _HASHES[key] = h.hexdigest()
-    return hit
-
-
 def content_hash(path: str | os.PathLike) -> str | None:
     """sha256 of a file's bytes, or of a folder's (relative path, file hash) pairs in sorted order;
     None when nothing exists at ``path``."""
     p = Path(path).expanduser()
     if p.is_file():
-        return _file_sha256(p)
+        return file_sha256(p)
     if p.is_dir():
         h = hashlib.sha256()
         for f in sorted(x for x in p.rglob("*") if x.is_file()):
-            h.update(str(f.relative_to(p)).encode() + b"\0" + _file_sha256(f).encode())
+            h.update(str(f.relative_to(p)).encode() + b"\0" + file_sha256(f).encode())
         return h.hexdigest()
     return None
 

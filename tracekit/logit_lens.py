@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 
+from .core.sites import hook
 from .tokens import Position, chunks, parse_position, single_token_id, str_tokens, tokenize
 
 __all__ = ["LayerConvention", "LensPoint", "lens_points", "PromptLens", "logit_lens", "landmarks",
@@ -68,8 +69,8 @@ def lens_points(n_layers: int, convention: str) -> list[LensPoint]:
     Raises:
         ValueError: an unknown convention.
     """
-    pre = [LensPoint(L, L, "resid_pre", f"blocks.{L}.hook_resid_pre") for L in range(n_layers)]
-    post = [LensPoint(L + 1, L, "resid_post", f"blocks.{L}.hook_resid_post") for L in range(n_layers)]
+    pre = [LensPoint(L, L, "resid_pre", hook("resid_pre", L)) for L in range(n_layers)]
+    post = [LensPoint(L + 1, L, "resid_post", hook("resid_post", L)) for L in range(n_layers)]
     if convention == "hidden_states":
         return pre[:1] + post
     if convention == "resid_post":
@@ -154,7 +155,7 @@ def logit_lens(
     n_layers = int(model.cfg.n_layers)
     points = lens_points(n_layers, layer_convention)
     hooks = [p.hook for p in points]
-    last_post = f"blocks.{n_layers - 1}.hook_resid_post"  # its readout is the model's own output
+    last_post = hook("resid_post", n_layers - 1)  # its readout is the model's own output
     read_hooks = hooks + ([] if last_post in hooks else [last_post])
     final_at = read_hooks.index(last_post)
     tgt_ids = [single_token_id(model, t, field="target") for t in targets]

@@ -36,8 +36,9 @@ import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
 
-from .architectures import mlp_width, require
-from .dla import DirectAttribution, LogitTarget, as_position, check_layers, logit_attribution, resolve_target
+from .architectures import require
+from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width
+from .dla import DirectAttribution, LogitTarget, as_position, logit_attribution, resolve_target
 from .errors import AttributionError
 from .hooks import check_hooks
 from .metrics import logit_diff, target_log_prob, target_prob
@@ -72,11 +73,9 @@ def parse_neuron(model, spec, field: str = "neurons") -> tuple[int, int]:
     except (ValueError, TypeError) as e:
         raise AttributionError(f"{field}: {spec!r} is not a neuron; write 'layer.neuron' like '8.1234' "
                                "or a pair [8, 1234]") from e
-    L = check_layers(model, [L], field)[0]
+    L = check_layer(model, L, field)
     require(model, "neuron attribution", layers=[L], need=("neurons",))
-    d_mlp = mlp_width(model, L)
-    if not 0 <= N < d_mlp:
-        raise AttributionError(f"{field}: neuron {N} does not exist in layer {L}; MLPs have {d_mlp} neurons (0..{d_mlp - 1})")
+    check_neurons(model, L, [N], field)
     return L, N
 
 
@@ -256,7 +255,7 @@ def key_readout(
     if len(signs_t) != len(specs):
         raise AttributionError("signs: need one sign per neuron")
     layers = sorted({L for L, _ in specs})
-    names = check_hooks(model, [f"blocks.{L}.mlp.hook_post" for L in layers], "neurons")
+    names = check_hooks(model, [hook("neuron", L) for L in layers], "neurons")
     N = len(specs)
     best_v = torch.full((N, top_n), float("-inf"))
     best_w = torch.full((N, top_n), -1, dtype=torch.long)
@@ -270,7 +269,7 @@ def key_readout(
     bar = tqdm(total=max_tokens, desc="key readout", unit="tok", disable=not progress, leave=False)
     for batch, group in window_batches(model, wins, batch_size):
         cache = _activations(model, batch, names, max(layers) + 1)
-        acts = torch.stack([cache[f"blocks.{L}.mlp.hook_post"][..., n].float().cpu() for L, n in specs], -1)  # [B,P,N]
+        acts = torch.stack([cache[hook("neuron", L)][..., n].float().cpu() for L, n in specs], -1)  # [B,P,N]
         valid = batch.attention_mask.bool().cpu().clone()
         valid[:, : group[0].n_prefix] = False  # BOS (windows are right-padded, BOS first)
         sums += (acts * valid[..., None]).sum((0, 1)).double()
@@ -332,12 +331,12 @@ def prompt_means(model, prompts: Sequence[str], neurons: Sequence) -> dict:
     specs = [parse_neuron(model, n) for n in neurons]
     layers = sorted({L for L, _ in specs})
     batch = tokenize(model, list(prompts))
-    _, cache = run_with_cache(model, batch, [f"blocks.{L}.mlp.hook_post" for L in layers])
+    _, cache = run_with_cache(model, batch, [hook("neuron", L) for L in layers])
     mask = batch.attention_mask.bool().clone()
     start = 1 if getattr(getattr(model, "tracekit_spec", None), "prepend_bos", False) else 0
     for b in range(batch.size):
         mask[b, batch.offsets[b]: batch.offsets[b] + start] = False
-    return {(L, n): float(cache[f"blocks.{L}.mlp.hook_post"][..., n].float()[mask].mean()) for L, n in specs}
+    return {(L, n): float(cache[hook("neuron", L)][..., n].float()[mask].mean()) for L, n in specs}
 
 
 def random_neurons(model, like: Sequence[tuple[int, int]], seed: int = 0, exclude: Iterable = ()) -> list[tuple[int, int]]:
@@ -463,9 +462,9 @@ def neuron_intervention(
     if freeze_downstream:
         from .tokens import run_with_cache
 
-        clean_names = (["ln_final.hook_scale"] + [f"blocks.{L}.hook_attn_out" for L in range(lmin + 1, n_layers)]
-                       + [f"blocks.{L}.hook_mlp_out" for L in range(lmin + 1, n_layers)]
-                       + [f"blocks.{L}.mlp.hook_post" for L in by_layer] + post_scales)
+        clean_names = ([hook("final_norm_scale")] + [hook("attn_out", L) for L in range(lmin + 1, n_layers)]
+                       + [hook("mlp_out", L) for L in range(lmin + 1, n_layers)]
+                       + [hook("neuron", L) for L in by_layer] + post_scales)
         logits, clean = run_with_cache(model, batch, clean_names)
         clean_m = output_metrics(logits[0, p], tgt)
     elif clean_metrics is not None:
@@ -492,14 +491,14 @@ def neuron_intervention(
     def freeze(act, hook):
         return _frozen(clean, hook.name, act)
 
-    hooks = [(f"blocks.{L}.mlp.hook_post", make_post_hook(L)) for L in by_layer]
+    hooks = [(hook("neuron", L), make_post_hook(L)) for L in by_layer]
     if freeze_downstream:
-        hooks.append(("ln_final.hook_scale", freeze))
+        hooks.append((hook("final_norm_scale"), freeze))
         hooks += [(n, freeze) for n in post_scales]
         for L in range(lmin + 1, n_layers):
-            hooks.append((f"blocks.{L}.hook_attn_out", freeze))
+            hooks.append((hook("attn_out", L), freeze))
             if L not in by_layer:
-                hooks.append((f"blocks.{L}.hook_mlp_out", freeze))
+                hooks.append((hook("mlp_out", L), freeze))
     check_hooks(model, [n for n, _ in hooks], "neurons")
     with model.hooks(fwd_hooks=hooks):  # removes exactly these hooks on exit, whatever is raised
         patched = model(batch.tokens, **forward_kwargs(batch))

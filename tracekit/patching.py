@@ -105,7 +105,8 @@ import torch
 from jaxtyping import Float, Int
 
 from . import metrics as M
-from .architectures import head_count, mlp_width, require
+from .architectures import require
+from .core.sites import SITE_TABLE, check_layers, check_neurons, head_count
 from .errors import PatchingError, TokenizationError
 from .hooks import enabled_hooks
 from .models import model_device
@@ -253,33 +254,33 @@ class Site:
 
 
 def _site_table() -> dict[str, Site]:
+    """Patching's sites: the sites of :data:`tracekit.core.sites.SITE_TABLE` (hook templates) with
+    their setters, plus the ``_by_pos`` (one position) and ``_layer`` (a whole layer) variants."""
+    t = SITE_TABLE
     s: dict[str, Site] = {}
     for nm, start in (("resid_pre", "input"), ("resid_mid", "hook"), ("resid_post", "next_input")):
-        s[nm] = Site(nm, f"blocks.{{layer}}.hook_{nm}", ("pos",), layer_pos_setter, start,
-                     description=f"residual stream ({nm}) per layer x position")
-        s[nm + "_layer"] = Site(nm + "_layer", f"blocks.{{layer}}.hook_{nm}", (), layer_setter, start,
+        s[nm] = Site(nm, t[nm].template, ("pos",), layer_pos_setter, start, description=t[nm].description)
+        s[nm + "_layer"] = Site(nm + "_layer", t[nm].template, (), layer_setter, start,
                                 description=f"the whole {nm} residual stream of a layer (all positions)")
     for nm in ("attn_out", "mlp_out"):
-        s[nm] = Site(nm, f"blocks.{{layer}}.hook_{nm}", ("pos",), layer_pos_setter,
-                     description=f"{nm.split('_')[0]} output per layer x position")
-        s[nm + "_layer"] = Site(nm + "_layer", f"blocks.{{layer}}.hook_{nm}", (), layer_setter,
+        s[nm] = Site(nm, t[nm].template, ("pos",), layer_pos_setter, description=t[nm].description)
+        s[nm + "_layer"] = Site(nm + "_layer", t[nm].template, (), layer_setter,
                                 description=f"{nm} of a layer, all positions")
-    for nm, act in (("head_out", "z"), ("head_q", "q"), ("head_k", "k"), ("head_v", "v")):
-        kv = act in ("k", "v")
-        s[nm] = Site(nm, f"blocks.{{layer}}.attn.hook_{act}", ("head",), layer_head_vector_setter, kv_heads=kv,
-                     description=f"attention head {act} (hook_{act}), all positions, per layer x head")
-        s[nm + "_by_pos"] = Site(nm + "_by_pos", f"blocks.{{layer}}.attn.hook_{act}", ("pos", "head"),
-                                 layer_pos_head_vector_setter, kv_heads=kv,
-                                 description=f"attention head {act} per layer x position x head")
-    s["head_pattern"] = Site("head_pattern", "blocks.{layer}.attn.hook_pattern", ("head",),
-                             layer_head_pattern_setter, description="attention pattern per layer x head")
-    s["head_pattern_by_pos"] = Site("head_pattern_by_pos", "blocks.{layer}.attn.hook_pattern", ("pos", "head"),
+    for nm in ("head_out", "head_q", "head_k", "head_v"):
+        kv = nm in ("head_k", "head_v")
+        s[nm] = Site(nm, t[nm].template, ("head",), layer_head_vector_setter, kv_heads=kv,
+                     description=t[nm].description)
+        s[nm + "_by_pos"] = Site(nm + "_by_pos", t[nm].template, ("pos", "head"), layer_pos_head_vector_setter,
+                                 kv_heads=kv, description=f"{t[nm].description.split(',')[0]} per layer x position x head")
+    s["head_pattern"] = Site("head_pattern", t["head_pattern"].template, ("head",), layer_head_pattern_setter,
+                             description=t["head_pattern"].description)
+    s["head_pattern_by_pos"] = Site("head_pattern_by_pos", t["head_pattern"].template, ("pos", "head"),
                                     layer_head_pos_pattern_setter,
                                     description="attention pattern row per layer x destination position x head")
-    s["neuron"] = Site("neuron", "blocks.{layer}.mlp.hook_post", ("neuron",), layer_neuron_setter,
-                       description="MLP neuron activation (mlp.hook_post), all positions")
-    s["neuron_by_pos"] = Site("neuron_by_pos", "blocks.{layer}.mlp.hook_post", ("pos", "neuron"),
-                              layer_pos_neuron_setter, description="MLP neuron activation per position")
+    s["neuron"] = Site("neuron", t["neuron"].template, ("neuron",), layer_neuron_setter,
+                       description=t["neuron"].description)
+    s["neuron_by_pos"] = Site("neuron_by_pos", t["neuron"].template, ("pos", "neuron"), layer_pos_neuron_setter,
+                              description="MLP neuron activation per position")
     return s
 
 
@@ -718,13 +719,7 @@ def _index_df(model, site: Site, n_pos: int, layers=None, index_df=None, neurons
     for L in layers:
         rng = {"layer": [L], "pos": list(range(n_pos)), "head": list(range(head_count(model, L, site.kv_heads)))}
         if "neuron" in site.axes:
-            width = mlp_width(model, L)
-            if neurons is not None:
-                bad = [int(j) for j in neurons if not 0 <= int(j) < width]
-                if bad:
-                    raise PatchingError(f"neurons: {bad[:5]} out of range (the MLP of block {L} has {width} "
-                                        f"neurons, 0..{width - 1})")
-            rng["neuron"] = list(neurons) if neurons is not None else list(range(width))
+            rng["neuron"] = check_neurons(model, L, neurons)
         rows += list(itertools.product(*[rng[a] for a in axes]))
     return pd.DataFrame(rows, columns=list(axes))
 
@@ -783,20 +778,13 @@ def check_unpadded(model, tokens, field: str = "tokens",
 
 
 def resolve_layers(n_layers: int, layers: Sequence[int] | None, field: str = "layers") -> list[int]:
-    """Block indices ``0 .. n_layers-1``, sorted and unique; negative counts from the end; None = all.
+    """Block indices ``0 .. n_layers-1``, sorted and unique; negative counts from the end; None = all
+    (:func:`tracekit.core.sites.check_layers`).
 
     Raises:
-        PatchingError: a layer out of range (naming ``field``).
+        SiteError (a PatchingError): a layer out of range (naming ``field``).
     """
-    if layers is None:
-        return list(range(n_layers))
-    out = set()
-    for i, L in enumerate(layers):
-        if isinstance(L, bool) or not isinstance(L, int) or not -n_layers <= L < n_layers:
-            raise PatchingError(f"{field}[{i}]: layer {L!r} is out of range for a {n_layers}-layer model "
-                                f"(block indices 0..{n_layers - 1}, or -{n_layers}..-1 from the end)")
-        out.add(L % n_layers)
-    return sorted(out)
+    return check_layers(n_layers, layers, field)
 
 
 def baseline_members(clean_ids: Sequence[Sequence[int]], population_ids: Sequence[Sequence[int]], mode: str,
@@ -1059,11 +1047,7 @@ def run_patching(
     if any(s.startswith("neuron") for s in sites):
         require(model, "neuron patching", layers=nlay, need=("neurons",))
         for L in nlay:
-            d_mlp = mlp_width(model, L)
-            for i, j in enumerate(neurons or []):
-                if not 0 <= int(j) < d_mlp:
-                    raise PatchingError(f"neurons[{i}]: {j} is out of range (the MLP of block {L} has {d_mlp} "
-                                        f"neurons, 0..{d_mlp - 1})")
+            check_neurons(model, L, neurons)
     target = _ids_tensor(target_ids, "target")
     foil = _ids_tensor(foil_ids, "foil")
     if target is None or target.shape[0] != n or (foil is not None and foil.shape != target.shape):

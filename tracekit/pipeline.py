@@ -47,7 +47,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from .errors import ConfigError
+from .core import paths
+from .core.errors import ConfigError
 from .experiments.base import MANIFEST, REGISTRY, StrictModel, jsonable
 
 __all__ = [
@@ -142,13 +143,6 @@ def find_references(obj: Any, loc: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _fmt(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
-    return out
-
-
 def _step_name(raw: Any) -> str | None:
     if not isinstance(raw, dict):
         return None
@@ -162,7 +156,7 @@ def _parse_ref(raw: dict, where: str) -> tuple[Reference | None, list[str]]:
     except ValidationError as e:
         msgs = []
         for err in e.errors():
-            sub = _fmt(tuple(p for p in err["loc"] if p != "from_"))
+            sub = paths.fmt(tuple(p for p in err["loc"] if p != "from_"))
             msg = ("unknown key of a reference (known: from, key, table, column, where, order_by, descending, "
                    "abs, unique, row, rows, path, offset)") if err["type"] == "extra_forbidden" else err["msg"]
             msgs.append(f"{where}{'.' + sub if sub else ''}: {msg}")
@@ -235,7 +229,7 @@ def check_references(steps_raw: list, prefix: str = "experiments") -> list[str]:
             continue
         me = names[i]
         for loc, rref in find_references(raw):
-            where = f"{prefix}[{i}].{_fmt(loc)}"
+            where = f"{prefix}[{i}].{paths.fmt(loc)}"
             if "kind" in loc[:1] or "name" in loc[:1]:
                 problems.append(f"{where}: the step's kind and name cannot come from another step")
                 continue
@@ -291,7 +285,7 @@ def check_references(steps_raw: list, prefix: str = "experiments") -> list[str]:
                         continue
                     msg = ("unknown key (check spelling; see `tracekit kinds` for each kind's fields)"
                            if err["type"] == "extra_forbidden" else err["msg"])
-                    problems.append(f"{prefix}[{i}]{'.' + _fmt(loc) if loc else ''}: {msg}")
+                    problems.append(f"{prefix}[{i}]{'.' + paths.fmt(loc) if loc else ''}: {msg}")
     return problems
 
 
@@ -348,41 +342,16 @@ def make_step(raw: dict, index: int):
     return PendingStep(raw, index) if find_references(raw) else None
 
 
-_SEG = re.compile(r"\[(-?\d+)\]|\[(?:'([^']*)'|\"([^\"]*)\")\]|\.?([^.\[\]]+)")
-
-
 def lookup_path(obj: Any, path: str) -> Any:
-    """``a.b[0].c`` / ``a['x y']`` lookup in nested dicts and lists (any mix, unlike
-    :func:`tracekit.experiments.base.lookup`, which takes names first then indices).
+    """``a.b[0].c`` / ``a['x y']`` lookup in nested dicts and lists (:func:`tracekit.core.paths.get`).
 
     Raises:
         KeyError / IndexError / TypeError: with the part of the path that failed.
     """
-    pos, done = 0, ""
-    while pos < len(path):
-        m = _SEG.match(path, pos)
-        if not m or m.end() == pos:
-            raise KeyError(f"cannot parse {path[pos:]!r}")
-        idx, q1, q2, name = m.groups()
-        part = int(idx) if idx is not None else (q1 if q1 is not None else (q2 if q2 is not None else name))
-        if isinstance(obj, dict):
-            if part not in obj:
-                raise KeyError(f"{done or 'the summary'} has no key {part!r}; keys: {sorted(map(str, obj))}")
-            obj = obj[part]
-        elif isinstance(obj, list):
-            if not isinstance(part, int):
-                if isinstance(part, str) and part.lstrip("-").isdigit():
-                    part = int(part)
-                else:
-                    raise TypeError(f"{done} is a list; index it with [i]")
-            if not -len(obj) <= part < len(obj):
-                raise IndexError(f"{done} has {len(obj)} items; [{part}] is out of range")
-            obj = obj[part]
-        else:
-            raise TypeError(f"{done} is {obj!r}, not a mapping or list")
-        done = path[:m.end()]
-        pos = m.end()
-    return obj
+    try:
+        return paths.get(obj, path)
+    except paths.PathError as e:
+        raise KeyError(str(e)) from e
 
 
 def _read_tables(folder: Path, ref: Reference, where: str):
@@ -501,12 +470,6 @@ def _null_reason(ref: Reference, run_dir: Path) -> str:
     return why
 
 
-def _set(obj: Any, loc: tuple, value: Any) -> None:
-    for part in loc[:-1]:
-        obj = obj[part]
-    obj[loc[-1]] = value
-
-
 def resolve_step(step, run_dir: str | Path, model=None):
     """Turn a :class:`PendingStep` into its experiment, with values read from the run directory's
     earlier step folders; anything else is returned unchanged.
@@ -529,13 +492,13 @@ def resolve_step(step, run_dir: str | Path, model=None):
     record = []
     cls = REGISTRY[step.kind]
     for loc, ref in step.references:
-        where = f"{prefix}.{_fmt(loc)}"
+        where = f"{prefix}.{paths.fmt(loc)}"
         value = resolve_reference(ref, run_dir, where)
         if value is None and not _null_ok(cls, loc):
             raise ConfigError(f"{where}: {ref.describe()} is null: {_null_reason(ref, run_dir)}. A null here would "
                               f"silently become the field's default ({_default_of(cls, loc)}); refer to a value that "
                               "exists, or give the field directly")
-        _set(raw, loc, value)
+        paths.set_path(raw, loc, value, copy_value=False)
         record.append({"field": where, "from": ref.model_dump(by_alias=True, exclude_defaults=True), "value": value})
     try:
         resolved = cls.model_validate(raw)
@@ -546,11 +509,11 @@ def resolve_step(step, run_dir: str | Path, model=None):
             at = _ref_at(step.raw, loc)
             if at is not None:
                 ref = dict(step.references)[at]
-                val = next(r["value"] for r in record if r["field"] == f"{prefix}.{_fmt(at)}")
-                lines.append(f"{prefix}.{_fmt(at)}: the value {val!r} taken from {ref.describe()} does not "
+                val = next(r["value"] for r in record if r["field"] == f"{prefix}.{paths.fmt(at)}")
+                lines.append(f"{prefix}.{paths.fmt(at)}: the value {val!r} taken from {ref.describe()} does not "
                              f"fit the field: {err['msg']}")
             else:
-                lines.append(f"{prefix}{'.' + _fmt(loc) if loc else ''}: {err['msg']}")
+                lines.append(f"{prefix}{'.' + paths.fmt(loc) if loc else ''}: {err['msg']}")
         raise ConfigError(f"step {step.step_name!r}: resolved references do not fit:\n  " + "\n  ".join(
             dict.fromkeys(lines))) from e
     refs_file = run_dir / "references.json"

@@ -37,7 +37,6 @@ import subprocess
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -46,8 +45,9 @@ import torch
 import yaml
 
 from .config import RunConfig
-from .errors import OutputError, TracekitError
-from .experiments.base import jsonable
+from .core import signals
+from .core.errors import OutputError, TracekitError
+from .core.io import jsonable, write_json
 from .models import load_model, load_model_info, resolve_device
 from .pipeline import resolve_step
 
@@ -162,13 +162,6 @@ def seed_everything(seed: int) -> None:
 # files
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(jsonable(obj), indent=2))
-    os.replace(tmp, path)
-
-
 def check_writable(out: str | Path) -> Path:
     """Create ``out`` if needed and check a file can be written in it.
 
@@ -242,26 +235,17 @@ class _Status:
         self.state.update(kw)
         self.state["updated"] = _dt.datetime.now().isoformat(timespec="seconds")
         try:
-            _write_json(self.path, self.state)
+            write_json(self.path, self.state)
         except OSError:
             pass  # an unwritable folder is reported by the caller
 
 
-@contextmanager
 def _sigterm_as_interrupt():
-    """Turn SIGTERM into :class:`RunInterrupted` inside the block (main thread only)."""
-    def handler(signum, frame):
+    """Turn SIGTERM into :class:`RunInterrupted` inside the block (:mod:`tracekit.core.signals`)."""
+    def handler(signum):
         raise RunInterrupted("terminated (SIGTERM)", signum=signum)
 
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return signals.interrupt_handler(handler, (signal.SIGTERM,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +313,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         "experiments": [s.model_dump(mode="json") for s in config.experiments]}), sort_keys=False,
         allow_unicode=True))
     env = environment(config)
-    _write_json(run_dir / "environment.json", env)
+    write_json(run_dir / "environment.json", env)
     _half_precision_note(config, log)
     scratch = run_dir / ".scratch"
     old_scratch = os.environ.get("TRACEKIT_SCRATCH")
@@ -350,7 +334,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
                 model = load_model(config.model)
             env = environment(config, model)
             env["model_load_s"] = round(time.time() - t0, 2)
-            _write_json(run_dir / "environment.json", env)
+            write_json(run_dir / "environment.json", env)
             for step in config.experiments:
                 name = current = step.step_name
                 status.write(step=name)
@@ -362,7 +346,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
                 summaries[name] = result.summary()
                 env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)
                 env["peak_memory"] = _peak_memory()
-                _write_json(run_dir / "environment.json", env)
+                write_json(run_dir / "environment.json", env)
                 rows = result.check_expectations()
                 for r in rows:
                     r["step"] = name
@@ -434,7 +418,7 @@ def _finish(run_dir: Path, config: RunConfig, env: dict, summaries: dict, expect
     for name, obj in (("summary.json", summary), ("expectations.json", expectations),
                       ("environment.json", env)):
         try:
-            _write_json(run_dir / name, obj)
+            write_json(run_dir / name, obj)
         except OSError:
             pass
     return summary

@@ -55,8 +55,11 @@ import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from .core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
+from .core.sites import hook as site_hook
+from .core.strict import StrictModel
 from .errors import SAEError
 
 __all__ = [
@@ -86,7 +89,7 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
+class _Strict(StrictModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -185,14 +188,13 @@ class SAESpec(_Strict):
     path: str | None = None
     train: SAETrainSpec | None = None
 
+    retired = {"sae_id": "id; sae: {release: ..., id: ...}"}
+
     @model_validator(mode="before")
     @classmethod
-    def _renamed(cls, v):
-        if isinstance(v, dict):
-            if "sae_id" in v:
-                raise ValueError("sae_id: renamed to 'id' (sae: {release: ..., id: ...})")
-            if "hook_point" in v or "hook_name" in v:
-                raise ValueError("the hook of an SAE comes from its cfg.json (path/release) or train.hook")
+    def _no_hook(cls, v):
+        if isinstance(v, dict) and ("hook_point" in v or "hook_name" in v):
+            raise ValueError("the hook of an SAE comes from its cfg.json (path/release) or train.hook")
         return v
 
     @model_validator(mode="after")
@@ -307,7 +309,7 @@ def hook_width(model, hook: str) -> int | None:
     cfg = model.cfg
     d_model = int(cfg.d_model)
     if hook.endswith(("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
-                      "hook_embed", "hook_pos_embed", "ln_final.hook_normalized")):
+                      site_hook("embed"), site_hook("pos_embed"), "ln_final.hook_normalized")):
         return d_model
     if hook.endswith(("mlp.hook_post", "mlp.hook_pre")):
         return int(getattr(cfg, "d_mlp", 0) or 0) or None
@@ -371,7 +373,7 @@ def check_sae(model, info: SAEInfo, field: str = "sae") -> None:
         check_hooks(model, [info.hook], f"{field} hook_name")
     except HookError as e:
         raise SAEError(f"{field}: the SAE reads hook {info.hook!r}, which this model does not have: {e}") from e
-    if info.hook.endswith("hook_pos_embed") and getattr(model.cfg, "positional_embedding_type", "") == "rotary":
+    if info.hook.endswith(site_hook("pos_embed")) and getattr(model.cfg, "positional_embedding_type", "") == "rotary":
         raise SAEError(f"{field}: hook {info.hook!r} never fires on this model (rotary positions)")
     if info.head_index is not None:
         raise SAEError(f"{field}: SAEs on one head (hook_head_index={info.head_index}) are not supported; "
@@ -743,9 +745,9 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
     )
 
     from . import cache
+    from .core.signals import preserved_signal_handlers
     from .hooks import enabled_hooks, state_guard
     from .models import model_device, model_fingerprint, model_spec_of
-    from .signals import preserved_signal_handlers
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
     cache.remove_stale_temps(root)  # what killed trainings left behind
@@ -753,10 +755,10 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
     out = root / key
     if out.exists():
         try:
-            cache.verify_files_manifest(out, SAE_FILES)
+            verify_files_manifest(out, SAE_FILES)
             stats = json.loads((out / "tracekit_train.json").read_text())
             return out, True, stats
-        except (cache.CacheEntryInvalid, OSError, ValueError) as e:
+        except (ManifestInvalid, OSError, ValueError) as e:
             warnings.warn(f"the cached SAE {out} is invalid ({e}): removing it and training it again", stacklevel=2)
             shutil.rmtree(out, ignore_errors=True)
     width = hook_width(model, t.hook)
@@ -826,7 +828,7 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
                  "dataset_tokens": n_tok, "train_windows": len(wins), "held_out_tokens": n_held,
                  "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json")}
         (tmp / "tracekit_train.json").write_text(json.dumps(stats))
-        cache.write_files_manifest(tmp, {"key": key, "kind": "sae"})  # sizes + sha256, checked on every hit
+        write_files_manifest(tmp, {"key": key, "kind": "sae"})  # sizes + sha256, checked on every hit
         if out.exists():
             shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
@@ -1068,8 +1070,8 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
 
     with enabled_hooks(model, [handle.hook]), torch.enable_grad():
         logits = model.run_with_hooks(batch.tokens, fwd_hooks=[(handle.hook, grab),
-                                                               ("ln_final.hook_in", grab_final),
-                                                               ("ln_final.hook_out", grab_final)])
+                                                               (site_hook("final_norm_in"), grab_final),
+                                                               (site_hook("final_norm_out"), grab_final)])
         m = _metric_fn(tgt.target_id, tgt.foil_id)(logits[0, p])
         m.backward()
     x = store["x"]
@@ -1094,8 +1096,8 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
     d_err = d_bias = d_tot = float("nan")
     readout = Readout(model)
     sigma = float("nan")
-    if "ln_final.hook_in" in store and "ln_final.hook_out" in store:  # the final norm's scale in this run
-        sigma = float(run_sigma(readout.final_norm, store["ln_final.hook_in"][0, p], store["ln_final.hook_out"][0, p]))
+    if site_hook("final_norm_in") in store and site_hook("final_norm_out") in store:  # the final norm's scale in this run
+        sigma = float(run_sigma(readout.final_norm, store[site_hook("final_norm_in")][0, p], store[site_hook("final_norm_out")][0, p]))
     if _direct_ok(handle.hook) and W.shape[-1] == int(model.cfg.d_model):
         ue, _ = readout.direction(tgt.target_id, tgt.foil_id)
         ue = ue.to(W.device)

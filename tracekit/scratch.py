@@ -6,9 +6,10 @@ that folder itself) or else the system temp dir, and removes it on every exit th
 
 * the ``with`` block ends normally or by any exception, ``KeyboardInterrupt`` (Ctrl-C) included;
 * the interpreter exits with the folder still alive (``atexit``);
-* the process receives ``SIGTERM`` (``kill``): while any scratch folder is alive, a handler removes
-  them all and then hands the signal on -- to the handler installed before (if it was a Python
-  callable), or to the default action (the process still dies of SIGTERM, exit status -15).
+* the process receives ``SIGTERM`` (``kill``): while any scratch folder is alive, a cleanup on
+  :mod:`tracekit.core.signals`' stack removes them all before the signal is handled (by the
+  handler on the stack, the one installed before, or the default action: the process still dies
+  of SIGTERM, exit status -15).
 
 ``SIGKILL`` cannot be caught; what it leaves behind under ``$TRACEKIT_SCRATCH`` is removed by the
 runner. A folder can be handed over to an owner that outlives the ``with`` block
@@ -21,11 +22,12 @@ import atexit
 import contextlib
 import os
 import shutil
-import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
+
+from .core import signals
 
 __all__ = ["scratch_dir", "Scratch", "scratch_root", "live_scratch_dirs", "SCRATCH_ENV"]
 
@@ -33,8 +35,6 @@ SCRATCH_ENV = "TRACEKIT_SCRATCH"
 
 _LIVE: dict[str, "Scratch"] = {}
 _LOCK = threading.RLock()
-_PREV_TERM: Any = None
-_TERM_INSTALLED = False
 _ATEXIT = False
 
 
@@ -71,7 +71,7 @@ class Scratch:
             _LIVE.pop(str(self.path), None)
             shutil.rmtree(self.path, ignore_errors=True)
             if not _LIVE:
-                _restore_term()
+                signals.remove_cleanup("scratch")
 
     def __repr__(self) -> str:
         return f"Scratch({str(self.path)!r})"
@@ -82,43 +82,6 @@ def _cleanup_all() -> None:
         for s in list(_LIVE.values()):
             shutil.rmtree(s.path, ignore_errors=True)
         _LIVE.clear()
-
-
-def _on_term(signum, frame) -> None:
-    _cleanup_all()
-    prev = _PREV_TERM
-    _restore_term()
-    if callable(prev):
-        prev(signum, frame)
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_term() -> None:
-    global _PREV_TERM, _TERM_INSTALLED
-    if _TERM_INSTALLED or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        prev = signal.getsignal(signal.SIGTERM)
-        if prev == signal.SIG_IGN:  # the process ignores SIGTERM: nothing to clean up after
-            return
-        signal.signal(signal.SIGTERM, _on_term)
-    except (ValueError, OSError):  # not the main interpreter / no signals here
-        return
-    _PREV_TERM, _TERM_INSTALLED = prev, True
-
-
-def _restore_term() -> None:
-    global _PREV_TERM, _TERM_INSTALLED
-    if not _TERM_INSTALLED or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGTERM) is _on_term:
-            signal.signal(signal.SIGTERM, _PREV_TERM if _PREV_TERM is not None else signal.SIG_DFL)
-    except (ValueError, OSError):
-        pass
-    _PREV_TERM, _TERM_INSTALLED = None, False
 
 
 @contextlib.contextmanager
@@ -138,7 +101,7 @@ def scratch_dir(prefix: str = "tracekit-") -> Iterator[Scratch]:
         if not _ATEXIT:
             atexit.register(_cleanup_all)
             _ATEXIT = True
-        _install_term()
+        signals.add_cleanup("scratch", _cleanup_all)  # on SIGTERM, before whatever handles it
     try:
         yield s
     except BaseException:

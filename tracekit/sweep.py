@@ -63,13 +63,14 @@ import re
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, ResultLoadError, TracekitError
+from .core import paths
+from .core.errors import ConfigError, ResultLoadError, TracekitError
+from .core.io import atomic_write
 
 __all__ = [
     "INDEX",
@@ -125,50 +126,24 @@ def _short(v: Any, n: int = 40) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-_TOKEN = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
-
-
-def _keys(path: str) -> list:
-    keys: list = []
-    rest = path.strip()
-    pos = 0
-    while pos < len(rest):
-        if rest[pos] == ".":
-            pos += 1
-            continue
-        m = _TOKEN.match(rest, pos)
-        if not m:
-            raise ConfigError(f"sweep: cannot parse the field path {path!r} (write e.g. experiments[0].target)")
-        name, idx = m.groups()
-        keys.append(int(idx) if idx is not None else (int(name) if name.isdigit() else name))
-        pos = m.end()
-    if not keys:
-        raise ConfigError(f"sweep: empty field path {path!r}")
-    return keys
+def _keys(path: str) -> tuple:
+    try:
+        return paths.parse(path)
+    except paths.PathError as e:
+        raise ConfigError(f"sweep: {e}") from e
 
 
 def set_path(raw: dict, path: str, value: Any, where: str) -> None:
-    """Set ``path`` (``model.name``, ``experiments[0].target``) in a raw config, in place.
+    """Set ``path`` (``model.name``, ``experiments[0].target``) in a raw config, in place (a copy of
+    ``value``; :func:`tracekit.core.paths.set_path`).
 
     Raises:
         ConfigError: the path runs through a missing list item or a non-mapping (names ``where``).
     """
-    obj: Any = raw
-    keys = _keys(path)
-    for j, k in enumerate(keys):
-        last = j == len(keys) - 1
-        if isinstance(k, int):
-            if not isinstance(obj, list) or not -len(obj) <= k < len(obj):
-                n = len(obj) if isinstance(obj, list) else 0
-                raise ConfigError(f"{where}: {path!r}: item [{k}] does not exist (the list has {n})")
-        elif not isinstance(obj, dict):
-            raise ConfigError(f"{where}: {path!r}: {k!r} is not inside a mapping")
-        if last:
-            obj[k] = copy.deepcopy(value)
-        else:
-            if isinstance(obj, dict) and k not in obj:
-                obj[k] = [] if isinstance(keys[j + 1], int) else {}
-            obj = obj[k]
+    try:
+        paths.set_path(raw, path, value)
+    except paths.PathError as e:
+        raise ConfigError(f"{where}: {path!r}: {e}") from e
 
 
 def _axis(values: Any, where: str) -> list[tuple[Any, Any]]:
@@ -341,15 +316,6 @@ def _complete_run(out: Path, h: str) -> Path | None:
     return done[-1] if done else None
 
 
-def _atomic_write(path: Path, data: bytes | str) -> None:
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    if isinstance(data, str):
-        tmp.write_text(data)
-    else:
-        tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _record_path(out: Path, h: str) -> Path:
     return out / "runs" / h / "point.json"
 
@@ -381,7 +347,7 @@ def execute_point(point: Point, out: str | Path, model=None) -> dict:
             error = (run_dir / "error.txt").read_text().strip() if (run_dir / "error.txt").is_file() else status
     except KeyboardInterrupt:
         rec.update(status="interrupted", seconds=round(time.time() - t0, 3))
-        _atomic_write(_record_path(out, point.hash), json.dumps(rec, indent=2, default=str))
+        atomic_write(_record_path(out, point.hash), json.dumps(rec, indent=2, default=str))
         raise
     except Exception as e:  # noqa: BLE001 - a failing point is recorded; the sweep goes on
         error = f"{type(e).__name__}: {e}"
@@ -389,7 +355,7 @@ def execute_point(point: Point, out: str | Path, model=None) -> dict:
         run_dir = runs[-1] if runs else None
     rec.update(status=status, error=error, seconds=round(time.time() - t0, 3),
                run_dir=str(Path(run_dir).relative_to(out)) if run_dir else None)
-    _atomic_write(_record_path(out, point.hash), json.dumps(rec, indent=2, default=str))
+    atomic_write(_record_path(out, point.hash), json.dumps(rec, indent=2, default=str))
     return rec
 
 
@@ -478,15 +444,7 @@ def build_index(out: str | Path, points: list[Point], records: dict[int, dict]):
 
 def write_index(out: str | Path, df) -> Path:
     """Write ``index.parquet`` atomically (temporary file + rename)."""
-    out = Path(out)
-    tmp = out / f".{INDEX}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, out / INDEX)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return out / INDEX
+    return atomic_write(Path(out) / INDEX, lambda p: df.to_parquet(p, index=False))
 
 
 def load_results(directory: str | Path):
@@ -724,7 +682,7 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
     try:
         import yaml
 
-        _atomic_write(out / "sweep.yaml", yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
+        atomic_write(out / "sweep.yaml", yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
         records: dict[int, dict] = {}
         todo: list[Point] = []
         skipped: list[int] = []
@@ -763,32 +721,25 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
             if stop["asked"]:  # the signal's KeyboardInterrupt was swallowed (e.g. inside a weakref callback)
                 raise KeyboardInterrupt
 
-        def on_signal(signum, frame):
+        def on_signal(signum):
             stop["asked"] = True
             raise KeyboardInterrupt
 
-        import signal as _signal
-        import threading
+        from .core.signals import interrupt_handler
 
-        old_handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (_signal.SIGINT, _signal.SIGTERM):
-                old_handlers[sig] = _signal.signal(sig, on_signal)
         try:
-            if not todo:
-                pass
-            elif executor == "ray":
-                _run_ray(todo, out, on_record, progress, log, address, workers)
-            else:
-                _run_local(todo, out, on_record, progress, log)
+            with interrupt_handler(on_signal):
+                if not todo:
+                    pass
+                elif executor == "ray":
+                    _run_ray(todo, out, on_record, progress, log, address, workers)
+                else:
+                    _run_local(todo, out, on_record, progress, log)
         except KeyboardInterrupt:
             outcome.interrupted = True
             for p in todo:
                 if p.index not in records and _runs_of(out, p.hash):
                     records[p.index] = {"status": "interrupted", "error": "interrupted (KeyboardInterrupt)"}
-        finally:
-            for sig, h in old_handlers.items():
-                _signal.signal(sig, h)
         df = build_index(out, points, records)
         write_index(out, df)
         outcome.index = df

@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .core.sites import hook
 from .errors import AttentionError, TokenizationError
 from .logit_lens import landmarks, logit_lens
 from .tokens import single_token_id, str_tokens, token_text, tokenize
@@ -92,7 +93,7 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
     engine's ``attention_pattern`` layer by layer."""
     from .hooks import enabled_hooks, fwd_hooks
 
-    names = [n for L in layers for n in (f"blocks.{L}.attn.hook_attn_scores", f"blocks.{L}.attn.hook_pattern")]
+    names = [n for L in layers for n in (hook("head_scores", L), hook("head_pattern", L))]
     batch = tokenize(model, [prompt])
     q = batch.lengths[0] - 1
     got: dict = {}
@@ -103,7 +104,7 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
     with enabled_hooks(model, names), fwd_hooks(model, [(n, keep) for n in names]):
         model(batch.tokens)
     toks = str_tokens(model, batch.ids[0])
-    return [_LastRow(toks, L, got[f"blocks.{L}.attn.hook_attn_scores"], got[f"blocks.{L}.attn.hook_pattern"])
+    return [_LastRow(toks, L, got[hook("head_scores", L)], got[hook("head_pattern", L)])
             for L in layers]
 
 
@@ -234,7 +235,7 @@ def _tokenization(model, batch) -> pd.DataFrame:
 def _embedding(model, ids: list[int], n_nearest: int):
     W_E = model.W_E.detach().float().cpu()
     norms = W_E[ids].norm(dim=-1)
-    W_pos = getattr(model, "W_pos", None) if "hook_pos_embed" in model.hook_dict else None
+    W_pos = getattr(model, "W_pos", None) if hook("pos_embed") in model.hook_dict else None
     pos_norm = [float(W_pos[i].float().norm()) for i in range(len(ids))] if W_pos is not None else [None] * len(ids)
     norms_df = pd.DataFrame({"position": range(len(ids)), "token": str_tokens(model, ids), "token_id": ids,
                              "embed_norm": norms.numpy(), "pos_embed_norm": pos_norm})
@@ -479,7 +480,7 @@ def token_trace(
     from .fastpath import residual_stream
     from .readout import Readout
 
-    last_resid = residual_stream(model, batch, [f"blocks.{int(model.cfg.n_layers) - 1}.hook_resid_post"],
+    last_resid = residual_stream(model, batch, [hook("resid_post", int(model.cfg.n_layers) - 1)],
                                  positions=batch.last)[0]  # the last position only: no [pos, vocab] logits
     logits = Readout(model).logits(last_resid)[0].float().cpu()
     if target is None:

@@ -49,6 +49,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from jaxtyping import Float, Int
 
+from .core.sites import hook
+
 __all__ = ["Check", "VerifyReport", "HFReference", "verify_model", "tolerance", "probe_ids", "load_checks",
            "PROMPTS", "versions"]
 
@@ -311,7 +313,7 @@ def load_checks(model, ids: Int[torch.Tensor, "b p"], ref_logits: Optional[torch
 
     dt = _dtype(model)
     dev = next(model.parameters()).device
-    last = f"blocks.{int(model.cfg.n_layers) - 1}.hook_resid_post"
+    last = hook("resid_post", int(model.cfg.n_layers) - 1)
     logits, cache = model.run_with_cache(ids.to(dev), names_filter=lambda n: n == last)
     lp = torch.log_softmax(logits.float(), -1)
     out = []
@@ -419,7 +421,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
         _run_check(checks, "forward", "load", c_forward)
 
     # lens
-    hooks = ["blocks.0.hook_resid_pre"] + [f"blocks.{L}.hook_resid_post" for L in range(n_layers)]
+    hooks = [hook("resid_pre", 0)] + [hook("resid_post", L) for L in range(n_layers)]
     own_lp = bridge_lp(ids0)[0]
     tgt_ids = own_lp[-1].argsort(descending=True)[:3].tolist() + [int(own_lp[-1].argmin())]
 
@@ -526,7 +528,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             if not atts:
                 raise AttentionError("transformers returns no attention weights for this architecture")
             worst, n = 0.0, 0
-            att_layers = [L for L in range(n_layers) if f"blocks.{L}.attn.hook_pattern" in model.hook_dict]
+            att_layers = [L for L in range(n_layers) if hook("head_pattern", L) in model.hook_dict]
             if not att_layers:
                 from .architectures import MethodRefused
                 raise MethodRefused("no block of this model has attention patterns")
@@ -534,7 +536,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             if len(hf_att) != len(att_layers):
                 raise RuntimeError(f"transformers returned {len(hf_att)} attention maps for {len(att_layers)} "
                                    "attention blocks")
-            names = [f"blocks.{L}.attn.hook_pattern" for L in att_layers]
+            names = [hook("head_pattern", L) for L in att_layers]
             _, cache = run_with_cache(model, pad_ids(model, [first]), names)  # the patterns of every layer, one pass
             for name, a in zip(names, hf_att):
                 worst = max(worst, _max(cache[name][0].float() - a[0].float().to(dev)))

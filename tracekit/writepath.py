@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 from jaxtyping import Float
 
+from .core.sites import hook
 from .norms import AffineNorm, measure_norm, run_sigma
 from .state import state_of
 
@@ -123,8 +124,8 @@ def _build(model, L: int, kind: str) -> Optional[WritePath]:
     if blocks is None:
         return None
     blk = blocks[L]
-    prefix = f"blocks.{L}."
-    write = f"{prefix}hook_{kind}_out"
+    prefix = f"blocks.{L}."  # the block's own module paths (post-norms, scaled submodules) hang below it
+    write = hook(f"{kind}_out", L)
     if write not in model.hook_dict:
         return None
     aliases = getattr(blk, "hook_aliases", None) or {}

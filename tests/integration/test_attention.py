@@ -70,9 +70,9 @@ def test_resolve_position_and_errors(tiny_gpt2):
         resolve_position(m, prompt, "all")
     import tracekit as tk
 
-    with pytest.raises(AttentionError, match="layer: layer 3 does not exist"):
+    with pytest.raises(AttentionError, match="layer: layer 3 out of range"):
         tk.AttentionPattern(prompts="a b", layer=3).run(tiny_gpt2)
-    with pytest.raises(AttentionError, match="head: head 4 does not exist"):
+    with pytest.raises(AttentionError, match="head: head 4 out of range"):
         tk.AttentionPattern(prompts="a b", layer=0, head=4).run(tiny_gpt2)
 
 
@@ -81,9 +81,9 @@ def test_retired_keys_name_the_new_ones():
 
     import tracekit as tk
 
-    with pytest.raises(ValidationError, match="'prompt' is renamed to 'prompts'"):
+    with pytest.raises(ValidationError, match="'prompt' was renamed to 'prompts'"):
         tk.AttentionPattern(prompt="a b", layer=0)
-    with pytest.raises(ValidationError, match="'query' is renamed to 'position'.*token: is"):
+    with pytest.raises(ValidationError, match="'query' was renamed to 'position'.*token: is"):
         tk.AttentionPattern(prompts="a b", layer=0, query=" is")
     with pytest.raises(ValidationError, match="token: is"):
         tk.AttentionPattern(prompts="a is", layer=0, position=" is")

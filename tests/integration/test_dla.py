@@ -143,7 +143,7 @@ def test_bad_inputs_name_the_field(tiny_gpt2):
         logit_attribution(m, "The capital of France is", " Paris", foil=" Sacramento-ville")
     with pytest.raises(AttributionError, match="foil"):
         logit_attribution(m, "x", " Paris", foil=" Paris")
-    with pytest.raises(AttributionError, match="neuron_layers: layer 5"):
+    with pytest.raises(AttributionError, match=r"neuron_layers\[0\]: layer 5"):
         logit_attribution(m, "x", " Paris", neuron_layers=[5])
     with pytest.raises(TokenizationError, match="position"):
         logit_attribution(m, "The capital", " Paris", position=10)

@@ -96,7 +96,7 @@ def test_a_damaged_cached_sae_is_detected_removed_and_retrained(tiny_gpt2, tmp_p
     root = tmp_path / "saes"
     d, hit, _ = _trained(tiny_gpt2, root)
     assert not hit
-    from tracekit import cache
+    from tracekit.core.io import verify_files_manifest
 
     w = d / "sae_weights.safetensors"
     good = w.read_bytes()
@@ -111,7 +111,7 @@ def test_a_damaged_cached_sae_is_detected_removed_and_retrained(tiny_gpt2, tmp_p
     with pytest.warns(UserWarning, match="is invalid .*removing it and training it again"):
         d2, hit2, _ = _trained(tiny_gpt2, root)
     assert not hit2 and d2 == d
-    cache.verify_files_manifest(d2)  # a fresh, complete entry (SAELens' training is not bit-reproducible)
+    verify_files_manifest(d2)  # a fresh, complete entry (SAELens' training is not bit-reproducible)
     assert len((d2 / "sae_weights.safetensors").read_bytes()) == len(good)
     _, hit3, _ = _trained(tiny_gpt2, root)
     assert hit3

@@ -150,7 +150,7 @@ def test_default_corpus_streams_and_is_bounded(tiny_gpt2):
 
 def test_bad_inputs_name_the_field(tiny_gpt2, tmp_path):
     m = tiny_gpt2
-    with pytest.raises(AttributionError, match="layers: layer 5"):
+    with pytest.raises(AttributionError, match=r"layers\[0\]: layer 5"):
         neuron_contributions(m, "x", " Paris", layers=[5])
     with pytest.raises(TokenizationError, match="position"):
         neuron_intervention(m, "The capital", " Paris", [(0, 1)], position=10)
@@ -332,7 +332,7 @@ def test_check_works_on_model_info(tiny_gpt2):
     m = tiny_gpt2
     info = ModelInfo(m.tracekit_spec, m.tokenizer, m.cfg, list(m.hook_dict), m._gated_hook_reason)
     tk.NeuronAttribution(prompts=PROMPTS, target=" Paris", foil=" London", layers=[-1], position="token: is").check(info)
-    with pytest.raises(AttributionError, match="layers: layer 7"):
+    with pytest.raises(AttributionError, match=r"layers\[0\]: layer 7"):
         tk.NeuronAttribution(prompts=PROMPTS, target=" Paris", layers=[7]).check(info)
     with pytest.raises(TokenizationError, match="position"):
         tk.NeuronAttribution(prompts=PROMPTS, target=" Paris", position="token: Rome").check(info)

@@ -407,7 +407,7 @@ def test_errors_name_the_field(tiny_gpt2, tmp_path):
         tk.LinearProbe(position="middle")
     with pytest.raises(tk.HookError, match=r"hooks\[0\]: unknown hook 'blocks\.9\.hook_resid_post'"):
         tk.LinearProbe(hooks=["blocks.9.hook_resid_post"]).check(tiny_gpt2)
-    with pytest.raises(tk.ProbingError, match=r"layers\[0\]: layer 7 out of range; layers are block indices 0\.\.2"):
+    with pytest.raises(tk.ProbingError, match=r"layers\[0\]: layer 7 out of range for a 3-layer model \(blocks 0\.\.2"):
         tk.LinearProbe(layers=[7]).check(tiny_gpt2)
     with pytest.raises(tk.TokenizationError, match=r"position \(row 0\): ' zebra' does not occur"):
         tk.LinearProbe(position="token: zebra").check(tiny_gpt2)
@@ -490,7 +490,7 @@ def test_both_split_run_reports_dropped_rows(tiny_gpt2):
 # ---------------------------------------------------------------------------------------------
 
 def test_retired_site_resid_names_the_new_sites():
-    with pytest.raises(tk.ConfigError, match=r"experiments\[0\]\.sites.*'resid' renamed to 'resid_post'"):
+    with pytest.raises(tk.ConfigError, match=r"experiments\[0\]\.sites\[0\]: 'resid' was renamed to 'resid_post'"):
         tk.parse_config({"experiments": [{"kind": "linear_probe", "sites": ["resid"]}]})
     with pytest.raises(tk.ProbingError, match="resid_post"):
         probe_hooks(3, ["resid"])
@@ -501,7 +501,7 @@ def test_retired_site_resid_names_the_new_sites():
     # explicit hooks: block index as layer, the name after blocks.L. as site
     assert probe_hooks(3, [], [], ["blocks.1.mlp.hook_post", "hook_embed"])[1:] == [
         ("mlp.hook_post", 1, "blocks.1.mlp.hook_post"), ("hook_embed", -1, "hook_embed")]
-    with pytest.raises(tk.ProbingError, match=r"layers\[0\]: layer 3 out of range; layers are block indices 0\.\.2"):
+    with pytest.raises(tk.ProbingError, match=r"layers\[0\]: layer 3 out of range for a 3-layer model \(blocks 0\.\.2"):
         probe_hooks(3, ["resid_post"], [3])
 
 

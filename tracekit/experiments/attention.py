@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 import numpy as np
 import pandas as pd
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from .. import plotting
 from ..attention import (
@@ -32,13 +32,14 @@ from ..attention import (
     head_scores,
     resolve_position,
 )
+from ..core.sites import hook
 from ..tokens import PositionSpec, parse_position
 from .base import Experiment, Indices, OptionalPrompts, Prompts, Result, register
 
 __all__ = ["AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult"]
 
 #: Retired config keys of ``attention_pattern`` and the key that replaced each.
-RETIRED = {"prompt": "prompts", "query": "position"}
+RETIRED = {"prompt": "prompts", "query": "position; a token string is written 'token: is'"}
 
 
 class AttentionPatternResult(Result):
@@ -125,16 +126,6 @@ class AttentionPatternResult(Result):
         return figs
 
 
-def _retired(v, names: dict):
-    """Refuse retired keys, naming every one found and its new key."""
-    if isinstance(v, dict):
-        found = [f"'{old}' is renamed to '{new}'" + (" (a token string is written 'token: is')" if old == "query" else "")
-                 for old, new in names.items() if old in v]
-        if found:
-            raise ValueError("; ".join(found))
-    return v
-
-
 @register
 class AttentionPattern(Experiment):
     """Attention scores and weights of a layer's heads at one query position.
@@ -168,10 +159,7 @@ class AttentionPattern(Experiment):
 
     result_class = AttentionPatternResult
 
-    @model_validator(mode="before")
-    @classmethod
-    def _retired_keys(cls, v):
-        return _retired(v, RETIRED)
+    retired = RETIRED
 
     @field_validator("position")
     @classmethod
@@ -325,9 +313,9 @@ class HeadScan(Experiment):
             rows = []
             for pi, prompt in enumerate(self.prompts):
                 batch = tokenize(model, [prompt])
-                _, cache = run_with_cache(model, batch, [f"blocks.{L}.attn.hook_pattern" for L in layers])
+                _, cache = run_with_cache(model, batch, [hook("head_pattern", L) for L in layers])
                 for L in layers:
-                    lab = classify_heads(cache[f"blocks.{L}.attn.hook_pattern"][0].float().cpu(), None,
+                    lab = classify_heads(cache[hook("head_pattern", L)][0].float().cpu(), None,
                                          self.dominance, self.spread_entropy)
                     rows.append(lab.assign(prompt_idx=pi, layer=L))
             tables["labels"] = pd.concat(rows, ignore_index=True)

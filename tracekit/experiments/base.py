@@ -29,58 +29,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import pandas as pd
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ..errors import OutputError, ResultLoadError
+from ..core import paths
+from ..core.errors import OutputError, ResultLoadError
+from ..core.io import atomic_folder, jsonable
+from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retired_message
 
 __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts", "Indices",
            "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message"]
 
-
-class StrictModel(BaseModel):
-    """Base of every config class: unknown keys are errors, and non-finite floats (``.inf``,
-    ``.nan``) are refused wherever a float is expected."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True)
-
-
-def _str_to_list(v):
-    return [v] if isinstance(v, str) else v
-
-
-def _nonempty_prompts(v):
-    if isinstance(v, list):
-        for i, p in enumerate(v):
-            if isinstance(p, str) and p == "":
-                raise ValueError(f"prompt {i} is empty; give text (a BOS alone explains nothing)")
-    return v
-
-
-#: A config field holding prompts: one string or a list of strings (at least one, none empty).
-Prompts = Annotated[list[str], BeforeValidator(_nonempty_prompts), BeforeValidator(_str_to_list),
-                    Field(min_length=1)]
-#: The same, possibly an empty list.
-OptionalPrompts = Annotated[list[str], BeforeValidator(_nonempty_prompts), BeforeValidator(_str_to_list)]
-
-
-def _nonempty_selection(v):
-    if isinstance(v, list) and not v:
-        raise ValueError("an empty list selects nothing (no work would be done); omit the field to select every "
-                         "one, or list the indices")
-    return v
-
-
-#: A list of indices (layers, heads, neurons, features) that must select something: ``[]`` is refused
-#: before any work (a table reference that matched no rows gives ``[]`` too).
-Indices = Annotated[list[int], AfterValidator(_nonempty_selection)]
 
 REGISTRY: dict[str, type["Experiment"]] = {}
 RESULTS: dict[str, type["Result"]] = {}
@@ -114,12 +77,6 @@ def as_model(model):
     if model is None or isinstance(model, (str, dict, ModelSpec)):
         return load_model(model)
     return model
-
-
-def retired_message(cls: type, old: str) -> str:
-    """``'answer' was renamed to 'target'`` for a retired field of an experiment class."""
-    new, _, note = cls.retired[old].partition("; ")
-    return f"'{old}' was renamed to '{new}'" + (f" ({note})" if note else "")
 
 
 def _is_number(x: Any) -> bool:
@@ -212,19 +169,11 @@ _NAME = re.compile(r"[^\W][\w.-]*", re.UNICODE)
 #: folder would replace them (the status would read "unknown", the summary would be lost).
 RESERVED_NAMES = frozenset({"status.json", "summary.json", "environment.json", "references.json",
                             "config.resolved.yaml", "expectations.json", "error.txt"})
-_INDEX = re.compile(r"\[(-?\d+|'[^']*'|\"[^\"]*\")\]")
 
 
 def lookup(obj: Any, path: str) -> Any:
-    """``a.b[3]`` / ``a['x y']`` lookup in nested dicts/lists."""
-    head, _, _ = path.partition("[")
-    parts = [p for p in head.split(".") if p]
-    for p in parts:
-        obj = obj[p] if isinstance(obj, dict) else obj[int(p)]
-    for m in _INDEX.finditer(path[len(head):]):
-        k = m.group(1)
-        obj = obj[int(k)] if k.lstrip("-").isdigit() else obj[k.strip("'\"")]
-    return obj
+    """``a.b[3]`` / ``a['x y']`` lookup in nested dicts/lists (:func:`tracekit.core.paths.get`)."""
+    return paths.get(obj, path)
 
 
 class Experiment(StrictModel):
@@ -240,20 +189,6 @@ class Experiment(StrictModel):
     expect: list[Expectation] = Field(default_factory=list)
 
     result_class: ClassVar[type["Result"]]
-    #: Retired field names -> the new name (plus an optional note after "; "). A config or a
-    #: constructor call that uses one fails naming the new key.
-    retired: ClassVar[dict[str, str]] = {}
-
-    def __init__(self, **data: Any):
-        bad = [k for k in data if k in type(self).retired]
-        if bad:
-            msgs = [retired_message(type(self), k) for k in bad]
-            try:
-                BaseModel.__init__(self, **{k: v for k, v in data.items() if k not in bad})
-            except Exception as e:  # noqa: BLE001 - reported together with the renamed keys
-                msgs.append(f"also: {e}")
-            raise ValueError("; ".join(msgs))
-        super().__init__(**data)
 
     @field_validator("name")
     @classmethod
@@ -383,49 +318,33 @@ class Result:
         import matplotlib.pyplot as plt
 
         d = Path(directory)
-        tmp = d.parent / f".{d.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            raise OutputError(f"cannot write the result to {d}: {e.strerror or e}") from e
-        try:
-            (tmp / "config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=2))
-            (tmp / "meta.json").write_text(json.dumps(jsonable(self.meta), indent=2))
-            for name, df in self.tables.items():
-                df.to_parquet(tmp / f"{name}.parquet", index=False)
-            if self.arrays:
-                from safetensors.torch import save_file
+            with atomic_folder(d) as tmp:
+                (tmp / "config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=2))
+                (tmp / "meta.json").write_text(json.dumps(jsonable(self.meta), indent=2))
+                for name, df in self.tables.items():
+                    df.to_parquet(tmp / f"{name}.parquet", index=False)
+                if self.arrays:
+                    from safetensors.torch import save_file
 
-                save_file({k: v.detach().cpu().contiguous() for k, v in self.arrays.items()},
-                          str(tmp / "arrays.safetensors"))
-            summary = self.summary()
-            if self.config.expect:
-                summary = {**summary, "expectations": self.check_expectations()}
-            (tmp / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
-            if figures:
-                for name, fig in self.figures().items():
-                    try:
-                        fig.savefig(tmp / f"{name}.png", dpi=110, bbox_inches="tight")
-                    finally:
-                        plt.close(fig)
-            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            manifest = {"kind": self.config.kind, "files": files, "tables": sorted(self.tables),
-                        "arrays": sorted(self.arrays), "figures": figures}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-            _fsync_dir(tmp)
-            if d.exists():
-                old = d.parent / f".{d.name}.old-{uuid.uuid4().hex[:8]}"
-                d.rename(old)
-                tmp.rename(d)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(d)
+                    save_file({k: v.detach().cpu().contiguous() for k, v in self.arrays.items()},
+                              str(tmp / "arrays.safetensors"))
+                summary = self.summary()
+                if self.config.expect:
+                    summary = {**summary, "expectations": self.check_expectations()}
+                (tmp / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
+                if figures:
+                    for name, fig in self.figures().items():
+                        try:
+                            fig.savefig(tmp / f"{name}.png", dpi=110, bbox_inches="tight")
+                        finally:
+                            plt.close(fig)
+                files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+                manifest = {"kind": self.config.kind, "files": files, "tables": sorted(self.tables),
+                            "arrays": sorted(self.arrays), "figures": figures}
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise OutputError(f"cannot write the result to {d}: {e.strerror or e}") from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return d
 
     @classmethod
@@ -471,37 +390,4 @@ class Result:
         return RESULTS[kind](exp, tables, meta, arrays)
 
 
-def _fsync_dir(d: Path) -> None:
-    for p in d.iterdir():
-        if p.is_file():
-            try:
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-
-
-def jsonable(x: Any) -> Any:
-    """Convert numpy/torch scalars to Python numbers and NaN/inf to None (JSON has neither)."""
-    import numpy as np
-
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        x = x.item()
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
-        x = x.item()
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None
-    return x
-
-
-_jsonable = jsonable  # old private name, used by runner/tests until they move
 

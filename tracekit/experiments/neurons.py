@@ -18,7 +18,7 @@ from typing import Literal, Optional, Union
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from tqdm.auto import tqdm
 
 from .. import plotting
@@ -90,12 +90,7 @@ class AblationConfig(StrictModel):
     intervene_at: Literal["position", "all"] = "position"
     seed: int = 0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _retired(cls, v):
-        if isinstance(v, dict) and "positions" in v:
-            raise ValueError("'positions' is renamed to 'intervene_at' (position | all; 'last' is now 'position')")
-        return v
+    retired = {"positions": "intervene_at; position | all; 'last' is now 'position'"}
 
     @field_validator("amplify", mode="before")
     @classmethod

@@ -76,14 +76,7 @@ class PromptPair(StrictModel):
     target: str | list[str]
     foil: str | list[str] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _retired_keys(cls, v):
-        if isinstance(v, dict):
-            for old, new in RETIRED_PAIR_KEYS.items():
-                if old in v:
-                    raise ValueError(f"{old}: renamed to {new!r} (pairs are {{clean, corrupted, target, foil}})")
-        return v
+    retired = {old: f"{new}; pairs are {{clean, corrupted, target, foil}}" for old, new in RETIRED_PAIR_KEYS.items()}
 
     @model_validator(mode="after")
     def _target_differs_from_foil(self):

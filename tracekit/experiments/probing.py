@@ -411,17 +411,13 @@ class LinearProbe(Experiment):
 
     result_class = LinearProbeResult
 
+    retired_values = {"sites": {"resid": "resid_post; the output of block L, the old layer L+1; or 'resid_pre', "
+                                         f"the input of block L; sites are {list(SITES)}"}}
+
     @field_validator("sites", mode="before")
     @classmethod
-    def _retired_sites(cls, v):
-        items = [v] if isinstance(v, str) else v
-        if isinstance(items, list):
-            for i, s in enumerate(items):
-                if s == "resid":
-                    raise ValueError(f"sites[{i}]: 'resid' renamed to 'resid_post' (the output of block L; the "
-                                     "old layer L+1) or 'resid_pre' (the input of block L); sites are "
-                                     f"{list(SITES)}")
-        return items
+    def _one_site(cls, v):
+        return [v] if isinstance(v, str) else v
 
     @field_validator("position")
     @classmethod

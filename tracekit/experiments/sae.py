@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from ..errors import SAEError
 from ..sae import (
@@ -103,12 +103,7 @@ class SAEInterventionConfig(StrictModel):
     n_random: int = Field(default=3, ge=0)
     seed: int = 0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _retired(cls, data):
-        if isinstance(data, dict) and "positions" in data:
-            raise ValueError("'positions' was renamed to 'intervene_at' (all | position | token indices)")
-        return data
+    retired = {"positions": "intervene_at; all | position | token indices"}
 
 
 class SAEDashboardConfig(StrictModel):
@@ -323,14 +318,7 @@ class SAEFeatures(Experiment):
 
     result_class = SAEFeaturesResult
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, v):
-        if isinstance(v, dict):
-            for old, new in (("answer", "target"), ("wrong", "foil"), ("prompt", "prompts")):
-                if old in v:
-                    raise ValueError(f"{old}: renamed to {new!r}")
-        return v
+    retired = {"answer": "target", "wrong": "foil", "prompt": "prompts"}
 
     def check(self, model) -> None:
         from ..dla import resolve_target

@@ -34,7 +34,7 @@ def load_probe_directions(source: Any, site: str = "resid_post", bias: bool = Fa
             ``site: resid`` (renamed), or no directions for that site (the message lists the saved ones).
     """
     if site == "resid":
-        raise ProbingError("site: 'resid' was renamed; use 'resid_post' (block outputs) or 'resid_pre'")
+        raise ProbingError("site: 'resid' was renamed to 'resid_post' (block outputs; or 'resid_pre', block inputs)")
     if isinstance(source, (str, Path)):
         p = Path(source) / "arrays.safetensors"
         if not p.exists():

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from jaxtyping import Float
 
+from ..core.sites import BLOCK_HOOKS, SITE_TABLE, check_layers, hook
 from ..errors import ProbingError
 from ..hooks import check_hooks, hook_layer
 from ..tokens import Position, chunks, encode, parse_position, run_with_cache, tokenize
@@ -26,15 +27,9 @@ from ..tokens import Position, chunks, encode, parse_position, run_with_cache, t
 __all__ = ["SITES", "EMBEDDING_HOOK", "POSITION_FORMS_PROBING", "probe_hooks", "row_positions",
            "Activations", "extract_activations"]
 
-#: Probe sites -> hook-name suffix of ``blocks.{L}.`` (the activation-patching site names).
-SITES: dict[str, str] = {
-    "resid_pre": "hook_resid_pre",
-    "resid_mid": "hook_resid_mid",
-    "resid_post": "hook_resid_post",
-    "attn_out": "hook_attn_out",
-    "mlp_out": "hook_mlp_out",
-}
-EMBEDDING_HOOK = "blocks.0.hook_resid_pre"
+#: Probe sites (the activation-patching site names) -> their hook template (:mod:`tracekit.core.sites`).
+SITES: dict[str, str] = {s: SITE_TABLE[s].template for s in BLOCK_HOOKS}
+EMBEDDING_HOOK = hook("resid_pre", 0)
 #: Position forms a probe accepts (all of :data:`tracekit.tokens.POSITION_FORMS`).
 POSITION_FORMS_PROBING = ("int", "last", "all", "mean", "token:<text>", "field:<column>")
 
@@ -54,23 +49,16 @@ def probe_hooks(n_layers: int, sites: Sequence[str] = ("resid_post",), layers: O
     """
     for i, s in enumerate(sites):
         if s == "resid":
-            raise ProbingError(f"sites[{i}]: 'resid' was renamed; use 'resid_post' (the output of block L, "
-                               "the old layer L+1) or 'resid_pre' (the input of block L); sites are "
+            raise ProbingError(f"sites[{i}]: 'resid' was renamed to 'resid_post' (the output of block L, "
+                               "the old layer L+1; or 'resid_pre', the input of block L); sites are "
                                f"{list(SITES)}")
         if s not in SITES:
             raise ProbingError(f"sites[{i}]: unknown site {s!r}; use {list(SITES)} (or list hook names under "
                                "'hooks')")
-    want: list[int] = []
-    for i, L in enumerate(range(n_layers) if layers is None else layers):
-        L = int(L)
-        if not -n_layers <= L < n_layers:
-            raise ProbingError(f"layers[{i}]: layer {L} out of range; layers are block indices 0..{n_layers - 1} "
-                               f"(negative counts from the end)")
-        want.append(L % n_layers)
-    want = sorted(set(want))
+    want = check_layers(n_layers, None if layers is None else [int(L) for L in layers], "layers")
     out: list[tuple[str, int, str]] = [("resid_pre", 0, EMBEDDING_HOOK)]
     for s in sites:
-        out += [(s, L, f"blocks.{L}.{SITES[s]}") for L in want]
+        out += [(s, L, hook(s, L)) for L in want]
     for h in extra_hooks:
         b = hook_layer(h)
         out.append((h, -1, h) if b is None else (h.split(".", 2)[2], b, h))

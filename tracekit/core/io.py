@@ -1,0 +1,188 @@
+"""Files written so that a reader never sees half of one: atomic writes, JSON-able values, and file
+manifests (sizes and sha256) that tell a complete entry from a damaged one.
+
+Written once and used by the runner (``status.json``, ``summary.json``, ...), results (a step's
+folder), sweeps (``point.json``, ``index.parquet``) and the caches (weights, processed weights,
+trained SAEs).
+
+>>> jsonable({"p": float("nan"), "n": 3})
+{'p': None, 'n': 3}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, Union
+
+__all__ = ["jsonable", "atomic_write", "write_json", "atomic_folder", "temp_name", "file_sha256",
+           "write_files_manifest", "read_manifest", "verify_files_manifest", "ManifestInvalid", "fsync_dir"]
+
+
+def jsonable(x: Any) -> Any:
+    """Convert numpy/torch scalars and arrays to Python values and NaN/inf to None (JSON has neither)."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if type(x).__module__ == "numpy" and hasattr(x, "tolist"):
+        return jsonable(x.tolist())
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        x = x.item()
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return x
+
+
+def temp_name(path: Path, tag: str = "tmp") -> Path:
+    """A hidden sibling of ``path`` for writing it: ``.<name>.<tag>-<pid>-<8 hex>`` (the pid lets a
+    later process tell a dead writer's leftovers from a live one's)."""
+    return path.parent / f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def atomic_write(path: Union[str, Path], data: Union[bytes, str, Callable[[Path], None]]) -> Path:
+    """Write a file so that readers see the old or the new version, never a partial one: the data
+    (bytes, text, or a callable writing to the path it is given) goes to a temporary sibling that
+    is renamed over ``path``. The temporary file is removed whatever is raised."""
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        if callable(data):
+            data(tmp)
+        elif isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_json(path: Union[str, Path], obj: Any) -> Path:
+    """``atomic_write`` of ``obj`` as indented JSON (through :func:`jsonable`)."""
+    return atomic_write(path, json.dumps(jsonable(obj), indent=2))
+
+
+def fsync_dir(d: Path) -> None:
+    """Flush every file under ``d`` to disk (before a rename makes the folder visible)."""
+    for f in d.rglob("*"):
+        if f.is_file():
+            try:
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            except OSError:
+                pass
+
+
+@contextlib.contextmanager
+def atomic_folder(d: Union[str, Path]) -> Iterator[Path]:
+    """Build a folder under a temporary name and rename it into place when the block ends without
+    an error (replacing an existing ``d`` as a whole: no stale file survives); on any error,
+    ``KeyboardInterrupt`` included, the temporary folder is removed and ``d`` is untouched.
+
+    Yields:
+        The temporary folder to write into.
+    """
+    d = Path(d)
+    tmp = temp_name(d)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if d.exists():
+            old = temp_name(d, "old")
+            d.rename(old)
+            tmp.rename(d)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+_SHA: dict[tuple, str] = {}
+
+
+def file_sha256(path: Union[str, Path], memo: bool = True) -> str:
+    """Hex sha256 of a file's bytes (memoised in-process by path, size, mtime and inode unless
+    ``memo`` is off: a check of a cache entry hashes what is on disk now)."""
+    p = Path(path)
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if memo and key in _SHA:
+        return _SHA[key]
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    out = h.hexdigest()
+    if memo:
+        _SHA[key] = out
+    return out
+
+
+class ManifestInvalid(Exception):
+    """A folder whose files do not match its manifest (the message says which and how)."""
+
+
+def write_files_manifest(d: Path, extra: dict | None = None) -> dict:
+    """Write ``d/manifest.json`` listing every file under ``d`` with its size and sha256 (plus
+    ``extra`` fields): the integrity record :func:`verify_files_manifest` checks. Returns it."""
+    files = {}
+    for f in sorted(p for p in d.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        files[f.relative_to(d).as_posix()] = {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}
+    man = {**(extra or {}), "files": files,
+           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    (d / "manifest.json").write_text(json.dumps(man, indent=2))
+    return man
+
+
+def read_manifest(d: Path) -> dict:
+    """``d/manifest.json``; raises :class:`ManifestInvalid` when it cannot be read."""
+    try:
+        return json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestInvalid(f"manifest unreadable ({type(e).__name__})") from e
+
+
+def verify_files_manifest(d: Path, required: tuple[str, ...] = (),
+                          defer: dict[str, Callable[[Path, str], None]] | None = None) -> dict:
+    """The manifest of a folder whose files all match it (sizes, then sha256).
+
+    Args:
+        required: files the manifest must list.
+        defer: ``{file: check(path, sha256)}`` for files whose sha256 is checked by the caller
+            (e.g. in a background thread while a model is built) instead of now.
+
+    Raises:
+        ManifestInvalid: naming what does not match (a missing manifest or file, a truncated or
+            bit-flipped file, a required file not listed).
+    """
+    man = read_manifest(d)
+    files = man.get("files") or {}
+    for name in required:
+        if name not in files:
+            raise ManifestInvalid(f"manifest lists no {name}")
+    for name, rec in files.items():
+        try:
+            size = (d / name).stat().st_size
+        except OSError as e:
+            raise ManifestInvalid(f"{name} missing") from e
+        if size != rec.get("size"):
+            raise ManifestInvalid(f"{name} has {size} bytes, its manifest says {rec.get('size')} (truncated?)")
+    for name, rec in files.items():
+        if defer and name in defer:
+            defer[name](d / name, str(rec.get("sha256")))
+        elif file_sha256(d / name, memo=False) != rec.get("sha256"):
+            raise ManifestInvalid(f"{name} sha256 differs from its manifest (damaged)")
+    return man

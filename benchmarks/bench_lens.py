@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     import torch
 
     import tracekit as tk
-    from tracekit.models import load_model, model_spec_of
+    from tracekit.model.load import load_model, model_spec_of
     from tracekit.tokens import chunks, single_token_id, tokenize
 
     torch.set_num_threads(a.threads)
@@ -154,14 +154,15 @@ def main(argv=None) -> int:
 
 def _raw_hf(model):
     """A plain Hugging Face model with the bridge's weights as loaded (before TransformerLens' weight
-    processing): a separate module tree sharing the tensors (tracekit.models keeps them per process)."""
-    from tracekit import models
+    processing): a separate module tree sharing the tensors (tracekit.model.load keeps them per process)."""
+    from tracekit.model import load as models
+    from tracekit.model.spec import DTYPES
 
     spec = models.model_spec_of(model)
     entry = models._WEIGHTS.get(spec.weights_key())
     if entry is None:
-        raise SystemExit("the raw HF side needs tracekit.models' shared weights (load with tracekit.load_model)")
-    return models._hf_from_weights(entry, models.DTYPES[spec.dtype]).eval()
+        raise SystemExit("the raw HF side needs tracekit.model.load's shared weights (load with tracekit.load_model)")
+    return models._hf_from_weights(entry, DTYPES[spec.dtype]).eval()
 
 
 if __name__ == "__main__":

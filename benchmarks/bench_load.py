@@ -33,7 +33,7 @@ t0 = time.perf_counter()
 import torch
 torch.set_num_threads(int(sys.argv[2]))
 import tracekit
-from tracekit.models import load_model
+from tracekit.model.load import load_model
 from tracekit.resources import peak_memory, weights_bytes
 t1 = time.perf_counter()
 m = load_model(sys.argv[1], device="cpu")

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from transformer_lens import patching as tlp
 
     from tracekit import patching as tkp
-    from tracekit.models import load_model
+    from tracekit.model.load import load_model
     from tracekit.tokens import single_token_id, tokenize
 
     torch.set_num_threads(a.threads)

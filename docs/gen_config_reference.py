@@ -159,7 +159,7 @@ def generate() -> tuple[str, list[str]]:
     """The reference page's Markdown and the undocumented fields (``Class.field``)."""
     from tracekit.config import RunConfig
     from tracekit.experiments import REGISTRY
-    from tracekit.models import ModelSpec
+    from tracekit.model.spec import ModelSpec
 
     missing: list[str] = []
     out = ["# Configuration reference", "",

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
-# Tests never write the user's weight cache (tracekit.cache): a temp folder shared by test sessions
+# Tests never write the user's weight cache (tracekit.model.weights_cache): a temp folder shared by test sessions
 # (warm starts across runs); TRACEKIT_TEST_CACHE_DIR chooses another.
 os.environ["TRACEKIT_CACHE_DIR"] = os.environ.get(
     "TRACEKIT_TEST_CACHE_DIR", os.path.join(__import__("tempfile").gettempdir(), "tracekit-test-cache"))
@@ -63,6 +63,6 @@ def perturbed_model(request):
 @pytest.fixture(scope="session")
 def embedded_model():
     """The real embedded model (SmolLM2-135M, float32). Loaded once per test session."""
-    from tracekit.models import load_model
+    from tracekit.model.load import load_model
 
     return load_model("smollm2-135m", device="cpu")

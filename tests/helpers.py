@@ -33,7 +33,8 @@ def tiny_overrides(arch: str, n_layers: int = 3, tied: bool = False) -> dict:
 def make_tiny(arch: str, tokenizer_dir: str = GPT2_BPE, process_weights: bool = True, prepend_bos=True,
               padding_side: str = "right", n_layers: int = 3, seed: int = 0, tied: bool = False):
     """A tiny random model through the same loader users use (ModelSpec random_init)."""
-    from tracekit.models import ModelSpec, load_model
+    from tracekit.model.load import load_model
+    from tracekit.model.spec import ModelSpec
 
     spec = ModelSpec(name=arch, random_init=True, tokenizer=tokenizer_dir,
                      config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,
@@ -49,7 +50,9 @@ def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, 
         return _PERTURBED[key]
     from transformers import AutoModelForCausalLM
 
-    from tracekit.models import ModelSpec, _load_tokenizer, _random_config, wrap_hf_model
+    from tracekit.model.load import wrap_hf_model
+    from tracekit.model.source import _load_tokenizer, _random_config
+    from tracekit.model.spec import ModelSpec
 
     spec = ModelSpec(name=arch, random_init=True, tokenizer=GPT2_BPE,
                      config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,

@@ -64,9 +64,11 @@ from .experiments import (
                      register,
 )
 from .experiments.trace import TokenTrace, TokenTraceResult
-from .models import ModelInfo, ModelSpec, load_model, load_model_info, model_spec_of, wrap_hf_model
+from .model.info import ModelInfo, load_model_info
+from .model.load import load_model, model_spec_of, wrap_hf_model
+from .model.readout import Readout
+from .model.spec import ModelSpec
 from .probing import load_probe_directions
-from .readout import Readout
 from .sae import SAESpec
 from .sweep import load_results, run_sweep
 from .tokens import Position, parse_position

@@ -70,7 +70,7 @@ def _trace(args) -> int:
 
     from .errors import TracekitError
     from .experiments.trace import TokenTrace
-    from .models import load_model
+    from .model.load import load_model
 
     try:
         exp = TokenTrace(prompts=args.prompt, target=args.target, foil=args.foil, head=args.head,
@@ -99,7 +99,9 @@ def _verify(args) -> int:
     import re
 
     from .errors import TracekitError
-    from .models import DTYPES, ModelSpec, _load_hf, load_model, resolve_device
+    from .model.load import load_model
+    from .model.source import _load_hf
+    from .model.spec import DTYPES, ModelSpec, resolve_device
     from .verify import HFReference, verify_model
 
     try:
@@ -158,7 +160,7 @@ def _cache_cmd(action: str) -> int:
     """``tracekit cache [list|clear]``: every cache tracekit writes: the weight cache (dequantised
     GGUF weights and TransformerLens' processed weights) and the trained SAEs, one line per entry
     (size, key, created, what it holds), leftovers of killed writers included."""
-    from . import cache
+    from .model import weights_cache as cache
     from .sae import clear_sae_cache, sae_cache_dir, sae_cache_entries
 
     root = cache.cache_dir()

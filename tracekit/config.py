@@ -2,7 +2,7 @@
 
 A config file::
 
-    model:                      # tracekit.models.ModelSpec
+    model:                      # tracekit.model.ModelSpec
       name: smollm2-135m
       device: auto
       dtype: float32
@@ -41,7 +41,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from .core import paths
 from .core.errors import ConfigError
 from .experiments.base import REGISTRY, Experiment, StrictModel
-from .models import ModelSpec
+from .model.spec import ModelSpec
 from .pipeline import check_references, make_step
 
 __all__ = ["ConfigError", "RunConfig", "parse_config", "apply_override", "load_raw", "load_config", "yaml_load"]

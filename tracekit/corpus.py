@@ -224,7 +224,7 @@ def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64
 
 
 def _has_bos(model) -> bool:
-    from .models import model_spec_of
+    from .model.load import model_spec_of
 
     return bool(model_spec_of(model).prepend_bos)
 

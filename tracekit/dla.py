@@ -13,7 +13,7 @@ of the same forward pass) each write ``c`` contributes::
 
     contribution(c) = (centre(c) . (w * u)) / sigma        u = W_U[:, target] - W_U[:, foil]
 
-(:meth:`tracekit.readout.Readout.direction`: ``w`` the final norm's weight, ``centre`` the
+(:meth:`tracekit.model.readout.Readout.direction`: ``w`` the final norm's weight, ``centre`` the
 LayerNorm mean subtraction, nothing for RMSNorm). The parts plus the bias terms (final-norm bias .
 u, ``b_U[target] - b_U[foil]``, ``b_O``, ``b_out``) add up to the model's own logit (difference)
 *exactly* (tested to 1e-4 in float32 on perturbed GPT-2 / Llama / tied-embedding Llama models,
@@ -42,14 +42,14 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
-from .architectures import MethodRefused, architecture_name, require
 from .core.sites import check_layers, hook
 from .errors import AttributionError, HookError
 from .fastpath import activations_at
-from .norms import run_sigma
-from .readout import Readout
+from .model.architectures import MethodRefused, architecture_name, require
+from .model.norms import run_sigma
+from .model.readout import Readout
+from .model.writepath import write_paths
 from .tokens import Position, PositionSpec, parse_position, single_token_id, str_tokens, tokenize
-from .writepath import write_paths
 
 __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", "POSITION_FORMS",
            "as_position", "DirectAttribution", "logit_attribution", "identity_tolerance"]
@@ -264,8 +264,8 @@ def logit_attribution(
     the final norm folded into ``W_U``): this returns one :class:`DirectAttribution` per prompt,
     with the bias terms, so the parts add up to the model's logit (difference). Every norm between
     a component's write and the logits is applied at this run's frozen scale: the final norm
-    (:meth:`tracekit.readout.Readout.direction`) and, on sandwich/post-norm blocks (Gemma 2/3,
-    OLMo 2, GLM-4), the block's post-attention / post-MLP norm (:mod:`tracekit.writepath`); a linear
+    (:meth:`tracekit.model.readout.Readout.direction`) and, on sandwich/post-norm blocks (Gemma 2/3,
+    OLMo 2, GLM-4), the block's post-attention / post-MLP norm (:mod:`tracekit.model.writepath`); a linear
     output transform (Granite, Cohere) is folded into the direction. Under a nonlinear one
     (Gemma 2's final soft-cap) the parts add up to the **pre-cap** logit (difference), reported as
     ``attributed`` next to the model's ``logit``. Caches only the hooks it reads.

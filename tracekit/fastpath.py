@@ -10,7 +10,7 @@ positions inside the hooks and stops the forward pass as soon as every requested
 batch); :func:`lens_readout` then computes every per-row statistic a lens table needs in a few
 batched tensor ops (chunked, so memory stays near the weights), with no Python loop per row.
 
-Numbers are those of ``run_with_cache`` + :class:`tracekit.readout.Readout`: the residuals are the
+Numbers are those of ``run_with_cache`` + :class:`tracekit.model.readout.Readout`: the residuals are the
 same tensors (bit-identical), the readout is ``Readout(model).log_probs`` (the final norm exists once).
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from jaxtyping import Float, Int
 
-from .readout import Readout
+from .model.readout import Readout
 from .tokens import Batch, forward_kwargs
 
 __all__ = ["lens_readout", "residual_stream", "activations_at"]

@@ -69,7 +69,7 @@ def check_hooks(model, names: Iterable[str], field: str = "hooks", allow_gated: 
     """Check hook names exist on the model (and, with ``allow_gated=False``, that they fire).
 
     Args:
-        model: a hooked model (or a :class:`tracekit.models.ModelInfo`).
+        model: a hooked model (or a :class:`tracekit.model.ModelInfo`).
         names: TransformerLens hook names.
         field: config field quoted in the error.
         allow_gated: a gated hook is fine when the caller enables it with :func:`enabled_hooks`.

@@ -2,7 +2,7 @@
 
 Method (nostalgebraist, "interpreting GPT: the logit lens", 2020; tuned-lens' ``LogitLens`` in
 ``tuned_lens/nn/lenses.py``): take the residual stream before/after each block, apply the model's
-final norm -- *recomputed* for that vector (:class:`tracekit.readout.Readout`) -- and the
+final norm -- *recomputed* for that vector (:class:`tracekit.model.readout.Readout`) -- and the
 unembedding, and read off a distribution over the vocabulary. It answers "at which layer does
 ' Paris' appear?".
 

@@ -12,10 +12,10 @@ models, which can be negative) and a value (its output row ``W_out[L, n]``).
 
 * contribution (:func:`neuron_contributions`): ``a_n * (W_out[L, n] . u_eff) / sigma`` logits,
   the neuron's direct effect through the run's frozen final-norm scale
-  (:meth:`tracekit.readout.Readout.direction`); per layer the neurons plus the ``b_out`` term equal
+  (:meth:`tracekit.model.readout.Readout.direction`); per layer the neurons plus the ``b_out`` term equal
   the MLP's direct attribution (tested);
 * value readout (:func:`value_logits`, :func:`value_readout`): ``W_out[L, n]`` read in vocabulary
-  space by :meth:`tracekit.readout.Readout.vocab_projection` (logits per unit activation);
+  space by :meth:`tracekit.model.readout.Readout.vocab_projection` (logits per unit activation);
 * key readout (:func:`key_readout`): top-activating contexts over a corpus (:mod:`tracekit.corpus`);
 * interventions (:func:`neuron_intervention`): zero / mean / scale some neurons' activations and
   measure the output with :mod:`tracekit.metrics`.
@@ -36,15 +36,15 @@ import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
 
-from .architectures import require
 from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width
 from .dla import DirectAttribution, LogitTarget, as_position, logit_attribution, resolve_target
 from .errors import AttributionError
 from .hooks import check_hooks
 from .metrics import logit_diff, target_log_prob, target_prob
-from .readout import Readout
+from .model.architectures import require
+from .model.readout import Readout
+from .model.writepath import write_path
 from .tokens import Position, PositionSpec, forward_kwargs, tokenize
-from .writepath import write_path
 
 if TYPE_CHECKING:
     from .corpus import Window
@@ -112,7 +112,7 @@ def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_voca
     """A neuron's value vector read in vocabulary space: ``(centre(W_out[L, n]) * w) @ W_U``,
     centred over the vocabulary (logits per unit activation at final-norm scale 1; Geva et al. 2022).
     On blocks with a post-MLP norm (Gemma 2/3, OLMo 2, GLM-4) the vector goes through that norm's
-    weight first, at its scale 1, as the write does (:mod:`tracekit.writepath`); a residual
+    weight first, at its scale 1, as the write does (:mod:`tracekit.model.writepath`); a residual
     multiplier (Granite) scales it.
 
     ``value_logits[t] - value_logits[f]`` times ``final_scale`` equals the neuron's

@@ -58,7 +58,7 @@ engine is fast and still exact:
    ``model.blocks[i]``) and only the site activations needed;
 2. **layer skipping**: a patch at layer L cannot change layers < L, so a patched variant starts
    from the cached input of block L and replays only ``model.blocks[L:]``, then reads the logits
-   at the last position through :class:`tracekit.readout.Readout`;
+   at the last position through :class:`tracekit.model.readout.Readout`;
 3. **many variants per batch**: each row of a replay batch is one (site, prompt) variant; hooks
    inside the block patch each row's own slice. Rows are sorted by start layer and a chunk runs as a
    *staircase*: rows join the batch at the block where their patch happens;
@@ -105,12 +105,12 @@ import torch
 from jaxtyping import Float, Int
 
 from . import metrics as M
-from .architectures import require
 from .core.sites import SITE_TABLE, check_layers, check_neurons, head_count
 from .errors import PatchingError, TokenizationError
 from .hooks import enabled_hooks
-from .models import model_device
-from .readout import Readout
+from .model.architectures import require
+from .model.load import model_device
+from .model.readout import Readout
 from .tokens import Batch, encode, str_tokens
 
 log = logging.getLogger(__name__)
@@ -933,7 +933,7 @@ def _refuse_side_inputs(model, run: "CachedRun", rows_a: torch.Tensor, rows_b: t
     number would understate the site's effect."""
     varying = run.varying_inputs(rows_a, rows_b)
     if varying:
-        from .architectures import MethodRefused, architecture_name
+        from .model.architectures import MethodRefused, architecture_name
 
         raise MethodRefused(
             f"activation patching is refused on {architecture_name(model)}: its blocks read token-dependent "

@@ -16,7 +16,7 @@ Layout of ``<out>/<config-stem>-<timestamp>[-N]/``::
     error.txt              only when the run failed or was interrupted: the real error first
 
 Before the run directory exists: the output folder is checked writable and every step is checked
-against the model's tokenizer and config (:func:`tracekit.models.load_model_info`, seconds, no
+against the model's tokenizer and config (:func:`tracekit.model.load_model_info`, seconds, no
 weights), so bad input never leaves a folder that looks like a result. Run directories are created
 atomically with a unique name (``mkdir`` without ``exist_ok``), so runs started in the same instant
 never collide. Temporary files of a run live in ``<run dir>/.scratch`` (``TRACEKIT_SCRATCH``) and are
@@ -48,7 +48,9 @@ from .config import RunConfig
 from .core import signals
 from .core.errors import OutputError, TracekitError
 from .core.io import jsonable, write_json
-from .models import load_model, load_model_info, resolve_device
+from .model.info import load_model_info
+from .model.load import load_model
+from .model.spec import resolve_device
 from .pipeline import resolve_step
 
 __all__ = ["run_config", "check_config", "StepFailed", "RunInterrupted", "read_status", "environment",
@@ -135,15 +137,15 @@ def environment(config: RunConfig, model=None) -> dict:
     if torch.cuda.is_available():
         env["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if model is not None:
-        from .models import bos_info, model_fingerprint
+        from .model.load import bos_info, model_fingerprint
 
         env["model_cfg"] = {k: getattr(model.cfg, k, None) for k in
                             ("model_name", "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")}
         env["tokenization"] = bos_info(model)
         if hasattr(model, "parameters"):
             env["model_fingerprint"] = model_fingerprint(model)
-            from .architectures import architecture_name
-            from .state import state_of
+            from .model.architectures import architecture_name
+            from .model.state import state_of
 
             env["architecture"] = architecture_name(model)
             env["verification"] = state_of(model).verification or {
@@ -254,7 +256,7 @@ def _sigterm_as_interrupt():
 
 def check_config(config: RunConfig, model=None) -> Any:
     """Check every step against the model's tokenizer and config (no weights are read unless
-    ``model`` is an already-loaded model). Returns the model or :class:`~tracekit.models.ModelInfo`
+    ``model`` is an already-loaded model). Returns the model or :class:`~tracekit.model.ModelInfo`
     used.
 
     Raises:

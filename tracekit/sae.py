@@ -226,7 +226,7 @@ class SAEInfo:
 
     Attributes:
         hook: hook name it reads. d_in / d_sae: widths. model_name: the model it was trained on.
-        fingerprint: :func:`tracekit.models.model_fingerprint` of that model when tracekit trained it.
+        fingerprint: :func:`tracekit.model.model_fingerprint` of that model when tracekit trained it.
         processed: whether its activations come from a weight-processed model (TransformerLens
             ``center_writing_weights``); None when unknown.
         prepend_bos / context_size: its training tokenization. normalize: its input normalisation.
@@ -285,7 +285,7 @@ def _release_available(spec: SAESpec, field: str) -> None:
     """Refuse (at once, no network wait) a pretrained SAE that is neither cached nor downloadable."""
     from huggingface_hub import try_to_load_from_cache
 
-    from .models import _hub_reachable
+    from .model.source import _hub_reachable
 
     _, repo, folder = _release_info(spec, field)
     cached = False
@@ -339,7 +339,8 @@ def _same_model(a: str | None, b: str) -> bool:
 
 
 def _model_names(model) -> list[str]:
-    from .models import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME, model_spec_of
+    from .model.load import model_spec_of
+    from .model.spec import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME
 
     spec = model_spec_of(model)
     names = [spec.name, str(getattr(model.cfg, "model_name", ""))]
@@ -359,12 +360,12 @@ def check_sae(model, info: SAEInfo, field: str = "sae") -> None:
     weight-processed model and vice versa: TransformerLens' ``center_writing_weights`` changes the
     residual stream); the input normalisation is one tracekit applies exactly; no head index.
 
-    Works on a :class:`tracekit.models.ModelInfo` (no weights: the fingerprint is checked once
+    Works on a :class:`tracekit.model.ModelInfo` (no weights: the fingerprint is checked once
     the model is loaded).
     """
     from .errors import HookError
     from .hooks import check_hooks
-    from .models import model_spec_of
+    from .model.load import model_spec_of
 
     if not info.hook:
         raise SAEError(f"{field}: the SAE's config names no hook (cfg.json metadata.hook_name, or hook_point in "
@@ -398,7 +399,7 @@ def check_sae(model, info: SAEInfo, field: str = "sae") -> None:
                        f"loaded with process_weights {processed}: its residual stream is in another basis, so the "
                        f"SAE would read the wrong vectors. Load the model with model.process_weights: {want}")
     if info.fingerprint is not None and hasattr(model, "parameters") and hasattr(model, "W_U"):
-        from .models import model_fingerprint
+        from .model.load import model_fingerprint
 
         fp = model_fingerprint(model)
         if fp != info.fingerprint:
@@ -436,7 +437,7 @@ def sae_info(spec: SAESpec, model, field: str = "sae") -> SAEInfo:
                        source=spec.describe())
     t = spec.train
     assert t is not None
-    from .models import model_spec_of
+    from .model.load import model_spec_of
 
     width = hook_width(model, t.hook)
     t.check_width(width, f"{field}.train")
@@ -494,7 +495,7 @@ def _check_finite(sae, field: str) -> None:
 
 
 def _to_model(sae, model, field: str = "sae"):
-    from .models import model_device
+    from .model.load import model_device
 
     _check_finite(sae, field)
     dev = model_device(model)
@@ -570,7 +571,7 @@ SAE_FILES = ("cfg.json", "sae_weights.safetensors", "tracekit_train.json")
 def sae_cache_entries() -> list[dict]:
     """Every cached SAE: ``key, path, size_bytes, hook, created, valid`` (sizes only; a hit checks
     the sha256 too); leftover temporary folders of killed trainings are listed as invalid."""
-    from . import cache
+    from .model import weights_cache as cache
 
     def describe(d: Path, man: dict) -> dict:
         return {"created": man.get("created"), "hook": json.loads((d / "cfg.json").read_text()).get("hook_name"),
@@ -581,7 +582,7 @@ def sae_cache_entries() -> list[dict]:
 
 def clear_sae_cache() -> tuple[int, int]:
     """Remove every cached SAE and leftover temporary folder: ``(entries removed, bytes freed)``."""
-    from . import cache
+    from .model import weights_cache as cache
 
     return cache.clear_dir(sae_cache_dir())
 
@@ -597,7 +598,7 @@ def _train_key(model, t: SAETrainSpec) -> str:
     import sae_lens
 
     from .inputs import input_files
-    from .models import model_fingerprint, model_spec_of
+    from .model.load import model_fingerprint, model_spec_of
 
     spec = model_spec_of(model)
     corpus = {k: v["sha256"] for k, v in input_files({"corpus": t.corpus}).items()}  # what the files hold
@@ -614,7 +615,7 @@ def _corpus_windows(model, corpus, seq_len: int, skip_tokens: int, n_tokens: int
     model prepends one (as SAELens packs its training contexts). Deterministic; a window never
     starts mid-skip. Stops once ``n_tokens`` text tokens are collected."""
     from .corpus import iter_documents
-    from .models import model_spec_of
+    from .model.load import model_spec_of
     from .tokens import encode
 
     bos = encode(model, "", prepend_bos=True) if model_spec_of(model).prepend_bos else []
@@ -744,10 +745,10 @@ def train_sae(model, t: SAETrainSpec, progress: bool = False, field: str = "sae.
         TopKTrainingSAEConfig,
     )
 
-    from . import cache
     from .core.signals import preserved_signal_handlers
     from .hooks import enabled_hooks, state_guard
-    from .models import model_device, model_fingerprint, model_spec_of
+    from .model import weights_cache as cache
+    from .model.load import model_device, model_fingerprint, model_spec_of
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
     cache.remove_stale_temps(root)  # what killed trainings left behind
@@ -1040,8 +1041,8 @@ def feature_decomposition(model, handle: LoadedSAE, prompt: str, target: str, fo
     from .dla import resolve_target
     from .errors import TokenizationError
     from .hooks import enabled_hooks
-    from .norms import run_sigma
-    from .readout import Readout
+    from .model.norms import run_sigma
+    from .model.readout import Readout
     from .tokens import check_length, encode, pad_ids, str_tokens
 
     tgt = resolve_target(model, target, foil)
@@ -1354,7 +1355,7 @@ def decoder_vocab(model, handle: LoadedSAE, features: Sequence[int], k: int = 10
     Returns:
         rows ``feature, side (promoted|suppressed), rank, token, token_id, logit``.
     """
-    from .readout import Readout
+    from .model.readout import Readout
     from .tokens import str_tokens
 
     rows = []

@@ -505,7 +505,7 @@ def _progress(total: int, enabled: bool):
 
 
 def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool, log) -> None:
-    from .models import load_model
+    from .model.load import load_model
 
     bar = _progress(len(todo), progress)
     try:
@@ -543,7 +543,7 @@ class _RayWorker:
         self.model = None
 
     def run(self, point: Point, out: str) -> dict:
-        from .models import load_model
+        from .model.load import load_model
 
         if point.model_key != self.key:
             self.model, self.key = None, None

@@ -30,7 +30,7 @@ import torch
 from jaxtyping import Int
 
 from .errors import TokenizationError
-from .models import model_device, model_spec_of
+from .model.load import model_device, model_spec_of
 
 __all__ = [
     "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "describe_tokenization", "single_token_id",
@@ -435,7 +435,7 @@ def tokenize(
 
 
 def _refuse_padding(model, field: str) -> None:
-    from .architectures import BATCH_SENSITIVE, architecture_name
+    from .model.architectures import BATCH_SENSITIVE, architecture_name
 
     try:
         arch = architecture_name(model)
@@ -449,9 +449,9 @@ def _refuse_padding(model, field: str) -> None:
 def recurrent(model) -> bool:
     """True for models that must be padded on the right: recurrent / state-space layers (Mamba,
     RWKV, RecurrentGemma, hybrids), where left padding would run pad tokens through the recurrence
-    before the prompt, and :data:`tracekit.architectures.RIGHT_PADDED` (chunked attention). Right
+    before the prompt, and :data:`tracekit.model.architectures.RIGHT_PADDED` (chunked attention). Right
     padding is exact for every read position: later pads cannot reach earlier tokens."""
-    from .architectures import RIGHT_PADDED, architecture_name, category
+    from .model.architectures import RIGHT_PADDED, architecture_name, category
 
     try:
         arch = architecture_name(model)

@@ -218,7 +218,7 @@ def _tok_id(model, text: str) -> Optional[int]:
 
 
 def _tokenization(model, batch) -> pd.DataFrame:
-    from .models import bos_info
+    from .model.load import bos_info
 
     ids = list(batch.ids[0])
     toks = [token_text(model, i) for i in ids]  # a piece of a character shows its bytes, not '\ufffd'
@@ -409,7 +409,7 @@ def _cost(model, n_tokens: int, device_name: Optional[str]):
 
 
 def _device_name(model) -> Optional[str]:
-    from .models import model_device
+    from .model.load import model_device
 
     dev = model_device(model)
     if dev.type == "cuda" and torch.cuda.is_available():
@@ -478,7 +478,7 @@ def token_trace(
     batch = tokenize(model, [prompt])
     ids = [int(i) for i in batch.ids[0]]
     from .fastpath import residual_stream
-    from .readout import Readout
+    from .model.readout import Readout
 
     last_resid = residual_stream(model, batch, [hook("resid_post", int(model.cfg.n_layers) - 1)],
                                  positions=batch.last)[0]  # the last position only: no [pos, vocab] logits

@@ -32,7 +32,7 @@ method refuses this model with a reason, which is a correct outcome) / ``skipped
 prints as a table (:meth:`VerifyReport.table`) with the versions of tracekit, TransformerLens,
 transformers and torch, and saves as ``verify.json``.
 
-At load (:func:`tracekit.models.load_model`, unless ``model.verify: false``) the fast subset runs:
+At load (:func:`tracekit.model.load_model`, unless ``model.verify: false``) the fast subset runs:
 ``forward`` against the Hugging Face model *before* the bridge wraps it (no second copy), and
 ``lens_final``; a failure refuses the model, naming the architecture. The run's
 ``environment.json`` records the result.
@@ -50,24 +50,19 @@ import torch
 from jaxtyping import Float, Int
 
 from .core.sites import hook
+from .dla import logit_attribution
+from .errors import AttentionError, TokenizationError, TracekitError
+from .fastpath import lens_readout, residual_stream
+from .model.architectures import MethodRefused, architecture_name
+from .model.checks import PROMPTS, Check, _dtype, _max, load_checks, probe_ids, tolerance  # noqa: F401 - re-exported
+from .model.load import model_spec_of
+from .model.readout import output_transform
+from .model.writepath import write_paths
+from .patching import batched_activation_patch, layer_pos_setter, layer_setter
+from .tokens import encode, pad_ids, run_with_cache, single_token_id, tokenize
 
 __all__ = ["Check", "VerifyReport", "HFReference", "verify_model", "tolerance", "probe_ids", "load_checks",
            "PROMPTS", "versions"]
-
-#: Built-in prompts (short: every check runs in seconds on a laptop).
-PROMPTS = ("The capital of France is Paris, and the capital of Italy is",
-           "When Mary and John went to the store, John gave a drink to",
-           "The quick brown fox")  # of another length: batching pads
-
-#: Log-probability tolerance (nats) per dtype: float32 op-order differences between the bridge and
-#: transformers stay below 1e-4 on every tiny conformance model and the embedded model; half
-#: precision rounds each activation to 11 / 8 bits.
-_TOL = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
-
-
-def tolerance(dtype: torch.dtype, scale: float = 1.0) -> float:
-    """Absolute tolerance of a comparison in ``dtype`` for values of magnitude ``scale`` (>= 1)."""
-    return _TOL.get(dtype, 1e-3) * max(1.0, float(scale))
 
 
 def versions() -> dict:
@@ -82,27 +77,6 @@ def versions() -> dict:
             out[pkg] = None
     out["python"] = platform.python_version()
     return out
-
-
-@dataclass
-class Check:
-    """One verified identity.
-
-    Attributes:
-        name: the check (module docstring table). method: what it guards (``load``, ``logit_lens``,
-            ``dla``, ``neurons``, ``patching``, ``attention``, ``batching``).
-        value: the largest deviation measured (nats or logits; None when not measured).
-        tolerance: the bound it must stay within.
-        status: ``pass`` | ``fail`` | ``refused`` | ``skipped``.
-        detail: what was compared, or the refusal's reason.
-    """
-
-    name: str
-    method: str
-    value: Optional[float]
-    tolerance: Optional[float]
-    status: str
-    detail: str = ""
 
 
 @dataclass
@@ -278,64 +252,8 @@ def _bridge_layers_path(model) -> Optional[str]:
 # probes
 
 
-def probe_ids(tokenizer, vocab: int, n: int = 10) -> Int[torch.Tensor, "prompt n"]:
-    """One row of ``n`` token ids per built-in prompt (plain ids, no special tokens), or
-    ids counted from 10 when the tokenizer gives too few."""
-    rows = []
-    for text in PROMPTS:
-        try:
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        except Exception:  # noqa: BLE001 - unusual tokenizers: fall back to plain ids
-            ids = []
-        ids = [i for i in ids if 0 <= i < vocab]
-        if len(ids) < n:
-            ids = ids + [(10 + 7 * k) % vocab for k in range(n - len(ids))]
-        rows.append(ids[:n])
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def _dtype(model) -> torch.dtype:
-    try:
-        return next(model.parameters()).dtype
-    except StopIteration:  # pragma: no cover
-        return torch.float32
-
-
-def _max(x: torch.Tensor) -> float:
-    return float(x.abs().max()) if x.numel() else 0.0
-
-
-@torch.no_grad()
-def load_checks(model, ids: Int[torch.Tensor, "b p"], ref_logits: Optional[torch.Tensor]) -> list[Check]:
-    """The load-time subset: ``forward`` (against logits the Hugging Face model gave on ``ids``
-    before the bridge wrapped it) and ``lens_final``."""
-    from .readout import Readout
-
-    dt = _dtype(model)
-    dev = next(model.parameters()).device
-    last = hook("resid_post", int(model.cfg.n_layers) - 1)
-    logits, cache = model.run_with_cache(ids.to(dev), names_filter=lambda n: n == last)
-    lp = torch.log_softmax(logits.float(), -1)
-    out = []
-    if ref_logits is not None:
-        err = _max(lp - torch.log_softmax(ref_logits.float().to(lp.device), -1))
-        tol = tolerance(dt)
-        out.append(Check("forward", "load", err, tol, "pass" if err <= tol else "fail",
-                         "bridge vs transformers log-probs, every position of the probe"))
-    if last in cache:
-        err = _max(Readout(model).log_probs(cache[last]) - lp)
-        tol = tolerance(dt)
-        out.append(Check("lens_final", "logit_lens", err, tol, "pass" if err <= tol else "fail",
-                         "readout of the last block's output vs the model's output"))
-    else:
-        out.append(Check("lens_final", "logit_lens", None, None, "fail",
-                         f"the last block's output ({last}) never fired: the residual stream is not visible"))
-    return out
-
-
 def _pick_tokens(model, log_probs: torch.Tensor, k: int = 2) -> list[str]:
     """``k`` single-token strings among the most probable next tokens (for target/foil)."""
-    from .tokens import single_token_id
 
     out = []
     for i in log_probs.argsort(descending=True).tolist()[:200]:
@@ -351,7 +269,6 @@ def _pick_tokens(model, log_probs: torch.Tensor, k: int = 2) -> list[str]:
 
 
 def _refusal(e: Exception) -> Optional[str]:
-    from .errors import TracekitError
 
     return str(e) if isinstance(e, TracekitError) else None
 
@@ -387,13 +304,6 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     Returns:
         A :class:`VerifyReport` (check ``report.passed``).
     """
-    from .architectures import architecture_name
-    from .dla import logit_attribution
-    from .fastpath import lens_readout, residual_stream
-    from .models import model_spec_of
-    from .patching import batched_activation_patch, layer_pos_setter, layer_setter
-    from .tokens import encode, pad_ids, run_with_cache, tokenize
-    from .writepath import write_paths
 
     spec = model_spec_of(model)
     dt = _dtype(model)
@@ -457,8 +367,6 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
         err = abs(d.total() - d.attributed)
         detail = f"parts + biases vs {'logit difference' if d.transform == 'none' else d.transform + ' (pre-transform)'}"
         if reference is not None:
-            from .readout import output_transform
-            from .tokens import single_token_id
 
             want = ref0["logits"][0, -1] if output_transform(model).linear else ref0["pre_logits"][0, -1]
             t, f = (single_token_id(model, p) for p in picks)
@@ -522,7 +430,6 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     # attention
     if reference is not None:
         def c_att():
-            from .errors import AttentionError
 
             atts = ref0["attentions"]
             if not atts:
@@ -530,7 +437,6 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             worst, n = 0.0, 0
             att_layers = [L for L in range(n_layers) if hook("head_pattern", L) in model.hook_dict]
             if not att_layers:
-                from .architectures import MethodRefused
                 raise MethodRefused("no block of this model has attention patterns")
             hf_att = [a for a in atts if a is not None]
             if len(hf_att) != len(att_layers):
@@ -546,7 +452,6 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
 
     # batching
     def c_batch():
-        from .errors import TokenizationError
 
         if len({len(encode(model, p)) for p in prompts}) < 2:
             raise TokenizationError("prompts: give prompts of different token lengths, or batching pads nothing")

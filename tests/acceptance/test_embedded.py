@@ -54,14 +54,15 @@ def test_embedded_lens_last_layer_equals_output(embedded_model):
 def test_model_info_reads_the_warm_weight_cache(embedded_model, monkeypatch):
     """Once the weights are cached, checking a config reads the tokenizer and config from the cache
     entry (no GGUF parse), and they are the loaded model's."""
-    import tracekit.models as M
+    import tracekit.model.info as I
+    import tracekit.model.source as S
 
     def no_parse(*a, **k):
         raise AssertionError("the GGUF was parsed although the cache has the entry")
 
-    monkeypatch.setattr(M, "_tokenizer_for", no_parse)
-    monkeypatch.setattr(M, "_INFO", {})
-    info = M.load_model_info(M.ModelSpec(device="cpu", padding_side="left"))  # not the loaded spec: no shortcut
+    monkeypatch.setattr(S, "_tokenizer_for", no_parse)
+    monkeypatch.setattr(I, "_INFO", {})
+    info = I.load_model_info(tk.ModelSpec(device="cpu", padding_side="left"))  # not the loaded spec: no shortcut
     assert info.cfg.n_layers == embedded_model.cfg.n_layers and info.cfg.d_mlp == embedded_model.cfg.d_mlp
     text = "The capital of China is Beijing. The capital of France is"
     from tracekit.tokens import encode

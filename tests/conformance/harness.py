@@ -3,9 +3,9 @@ random offline, run through tracekit's invariants against plain ``transformers``
 
 For one (architecture, variant):
 
-1. ``category`` from :mod:`tracekit.architectures`. Categories tracekit does not read (encoders,
+1. ``category`` from :mod:`tracekit.model.architectures`. Categories tracekit does not read (encoders,
    encoder-decoders, multimodal wrappers, diffusion LMs, remote code) must be refused by
-   :func:`tracekit.architectures.check_loadable` with the architecture named.
+   :func:`tracekit.model.architectures.check_loadable` with the architecture named.
 2. Otherwise the tiny config of ``specs.SPECS`` is built with ``transformers``, perturbed (every
    1-D parameter, norm weights and biases, moved by 0.3 x N(0, 1); every matrix scaled by 3, so
    attention is far from uniform and logits are O(1): identity norms, zero biases and flat
@@ -113,9 +113,10 @@ def row(arch: str, variant: str | None = None) -> dict:
     key = (arch, variant)
     if key in _ROWS:
         return _ROWS[key]
-    from tracekit.architectures import category, check_loadable
     from tracekit.errors import ModelLoadError
-    from tracekit.models import ModelSpec, clear_cache, load_model
+    from tracekit.model.architectures import category, check_loadable
+    from tracekit.model.load import clear_cache, load_model
+    from tracekit.model.spec import ModelSpec
     from tracekit.verify import verify_model
 
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 the stated tolerance or refused with a reason, method by method (tests/conformance/harness.py).
 
 The list is read from TransformerLens (``SUPPORTED_ARCHITECTURES``), not hand-picked; a new
-architecture fails here until it is classified (tracekit.architectures) and given a tiny spec
+architecture fails here until it is classified (tracekit.model.architectures) and given a tiny spec
 (tests/conformance/specs.py). The committed table (docs/reference/conformance.json, rendered into
 docs/architectures.md by docs/gen_architectures.py) must agree with this run's outcomes.
 """
@@ -39,10 +39,10 @@ def test_exact_or_refused(arch, variant):
 def test_every_supported_architecture_is_classified():
     """A name the bridge supports that tracekit has not classified would load as a causal decoder
     unverified by this suite: every name is either classified or has a tiny spec here."""
-    from tracekit.architectures import CATEGORIES
+    from tracekit.model.architectures import CATEGORIES
 
     missing = [a for a in harness.supported() if a not in CATEGORIES and a not in harness.SPECS]
-    assert not missing, f"classify these in tracekit/architectures.py or add tiny specs: {missing}"
+    assert not missing, f"classify these in tracekit/model/architectures.py or add tiny specs: {missing}"
 
 
 def test_docs_table_is_current():

@@ -17,9 +17,10 @@ import pytest
 import torch
 from conformance import harness  # noqa: I001
 
-from tracekit.architectures import MethodRefused
 from tracekit.errors import ModelLoadError, PatchingError
-from tracekit.models import ModelSpec, clear_cache, load_model
+from tracekit.model.architectures import MethodRefused
+from tracekit.model.load import clear_cache, load_model
+from tracekit.model.spec import ModelSpec
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -45,7 +46,7 @@ def top2(model, ids):
 def test_gemma2_soft_cap_is_in_the_readout_lens_and_dla():
     from tracekit.dla import logit_attribution
     from tracekit.fastpath import residual_stream
-    from tracekit.readout import Readout
+    from tracekit.model.readout import Readout
     from tracekit.tokens import pad_ids
 
     d, model = tiny("Gemma2ForCausalLM")
@@ -102,7 +103,7 @@ def test_post_norm_heads_and_neurons_sum_to_their_layer(arch):
     # neurons with everything downstream frozen moves the logit difference by minus their contributions
     # (an identity of the logits DLA attributes: under Gemma 2's soft-cap those are pre-cap, while an
     # intervention measures the model's capped output, so the identity is checked where they coincide)
-    from tracekit.readout import output_transform
+    from tracekit.model.readout import output_transform
 
     if not output_transform(model).linear:
         return
@@ -115,7 +116,7 @@ def test_post_norm_heads_and_neurons_sum_to_their_layer(arch):
 
 def test_nemotron_one_plus_w_norm_is_read_as_applied():
     from tracekit.dla import logit_attribution
-    from tracekit.readout import Readout
+    from tracekit.model.readout import Readout
 
     d, model = tiny("NemotronForCausalLM", process_weights=False)
     ref = harness.reference(d, model)
@@ -217,7 +218,7 @@ def test_an_unusable_layout_is_refused_naming_its_architecture(arch, variant, wh
 def test_categories_tracekit_does_not_read_are_refused_before_weights(tmp_path):
     from transformers import T5Config
 
-    from tracekit.models import load_model_info
+    from tracekit.model.info import load_model_info
 
     T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
              architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path)  # config only: no weights

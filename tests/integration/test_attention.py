@@ -114,7 +114,7 @@ def test_yaml_inf_threshold_is_a_config_error(tmp_path):
 
 def test_check_works_on_model_info(tiny_gpt2):
     import tracekit as tk
-    from tracekit.models import ModelInfo
+    from tracekit.model.info import ModelInfo
 
     m = tiny_gpt2
     info = ModelInfo(m.tracekit_spec, m.tokenizer, m.cfg, list(m.hook_dict), m._gated_hook_reason)

@@ -1,4 +1,4 @@
-"""The on-disk cache of dequantised GGUF weights (tracekit.cache).
+"""The on-disk cache of dequantised GGUF weights (tracekit.model.weights_cache).
 
 Fast tests drive the cache with tiny random Hugging Face models standing in for a dequantised GGUF
 (the key hashes the file's bytes, so any file stands in for the GGUF); the slow test goes through
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from helpers import GPT2_BPE
-from tracekit import cache
+from tracekit.model import weights_cache as cache
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is", " Paris", "héllo wörld\n\n  x"]
@@ -233,7 +233,7 @@ _WRITER = textwrap.dedent("""
     from pathlib import Path
     sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests", sys.argv[1] + "/tests/integration"]
     import torch
-    from tracekit import cache
+    from tracekit.model import weights_cache as cache
     from test_cache import _tiny, _logits
     barrier = Path(sys.argv[3])
     (barrier / f"ready-{sys.argv[4]}").touch()
@@ -312,7 +312,7 @@ def test_peak_memory_reports_the_high_water_mark():
 def test_embedded_model_warm_load_is_bit_identical_and_fast(tmp_path, monkeypatch):
     """Through load_model on the real GGUF: the cold load writes the entry, a warm load (fresh
     in-process caches) reads it and gives bit-identical logits, faster."""
-    from tracekit import models
+    from tracekit.model import load as models
     from tracekit.tokens import tokenize
 
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "c"))
@@ -364,7 +364,8 @@ def test_processed_weights_cache_gives_the_same_bridge(cache_root, fake_gguf, ar
     """TransformerLens' processed weights, stored next to the entry on the first bridge and
     memory-mapped on the next, give a bridge with bit-identical parameters and logits; the original
     weights' file is never written; a damaged processed cache is recomputed, never used."""
-    from tracekit.models import ModelSpec, wrap_hf_model
+    from tracekit.model.load import wrap_hf_model
+    from tracekit.model.spec import ModelSpec
 
     spec = ModelSpec(name="tiny-cached", process_weights=True)
     conv = _Convert(arch)
@@ -375,7 +376,7 @@ def test_processed_weights_cache_gives_the_same_bridge(cache_root, fake_gguf, ar
     def bridge(expect_hit: bool):
         hf, tok = cache.load_or_convert_gguf(fake_gguf, torch.float32, conv)
         assert hf.__dict__["_tracekit_cache_entry"] == str(entry)
-        from tracekit import cache as c
+        from tracekit.model import load as c
 
         seen = {}
         real = c.processed_weights_cache

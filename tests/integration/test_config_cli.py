@@ -12,7 +12,9 @@ import yaml
 import tracekit as tk
 from tracekit.cli import main
 from tracekit.config import ConfigError, apply_override, load_config, parse_config
-from tracekit.models import ModelLoadError, ModelSpec, load_model
+from tracekit.errors import ModelLoadError
+from tracekit.model.load import load_model
+from tracekit.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tracekit.dla import AttributionError, logit_attribution
-from tracekit.readout import Readout
+from tracekit.model.readout import Readout
 from tracekit.tokens import TokenizationError
 
 ATOL = 1e-4
@@ -120,7 +120,7 @@ def test_parity_with_transformer_lens(perturbed_model, unit):
 
 def test_check_works_on_model_info(tiny_gpt2):
     import tracekit as tk
-    from tracekit.models import ModelInfo
+    from tracekit.model.info import ModelInfo
 
     m = tiny_gpt2
     info = ModelInfo(m.tracekit_spec, m.tokenizer, m.cfg, list(m.hook_dict), m._gated_hook_reason)

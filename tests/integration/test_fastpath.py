@@ -9,7 +9,7 @@ import torch
 import tracekit as tk
 from tracekit.errors import HookError
 from tracekit.fastpath import lens_readout, residual_stream
-from tracekit.readout import Readout
+from tracekit.model.readout import Readout
 from tracekit.tokens import run_with_cache, tokenize
 
 PROMPTS = ["The capital of China is Beijing. The capital of France is", "The capital of Italy is", "Hello"]

@@ -9,7 +9,8 @@ import torch
 from conformance import harness  # noqa: I001
 
 from helpers import GPT2_BPE, tiny_overrides
-from tracekit.models import ModelSpec, load_model
+from tracekit.model.load import load_model
+from tracekit.model.spec import ModelSpec
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 

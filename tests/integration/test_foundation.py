@@ -54,7 +54,7 @@ def test_bos_default_follows_the_tokenizer():
 def test_bos_default_when_the_tokenizer_adds_one():
     from transformers import GPT2TokenizerFast
 
-    from tracekit.models import tokenizer_adds_bos
+    from tracekit.model.spec import tokenizer_adds_bos
 
     tok = GPT2TokenizerFast.from_pretrained(GPT2_BPE)
     assert tokenizer_adds_bos(tok) is False
@@ -97,14 +97,15 @@ def test_non_english_target_shows_bytes_and_suggests_only_text(tiny_gpt2):
 # ---- one load per model ----------------------------------------------------------------------
 
 def test_other_padding_or_bos_or_processing_does_not_reload_weights(monkeypatch):
-    import tracekit.models as M
+    import tracekit.model.load as M
+    import tracekit.model.source as S
 
     spec = tk.ModelSpec(name="llama", random_init=True, tokenizer=GPT2_BPE, device="cpu", seed=123,
                         config_overrides={"num_hidden_layers": 2, "tie_word_embeddings": True})
     first = M.load_model(spec)
     calls = []
-    real = M._load_hf
-    monkeypatch.setattr(M, "_load_hf", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = S._load_hf
+    monkeypatch.setattr(S, "_load_hf", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.tensor([[464, 3139, 286, 4881, 318]])
     ref = torch.log_softmax(first(x).float(), -1)
     for upd in ({"padding_side": "left"}, {"prepend_bos": False}, {"process_weights": False}):

@@ -327,7 +327,7 @@ def test_retired_ablation_key_names_the_new_one():
 
 def test_check_works_on_model_info(tiny_gpt2):
     import tracekit as tk
-    from tracekit.models import ModelInfo
+    from tracekit.model.info import ModelInfo
 
     m = tiny_gpt2
     info = ModelInfo(m.tracekit_spec, m.tokenizer, m.cfg, list(m.hook_dict), m._gated_hook_reason)

@@ -411,7 +411,9 @@ def test_layers_are_block_indices_negative_from_the_end(tiny_gpt2):
 
 
 def _model_info(model):
-    from tracekit.models import ModelInfo, _info_from_config, _load_config_and_tokenizer, model_spec_of
+    from tracekit.model.info import ModelInfo, _info_from_config
+    from tracekit.model.load import model_spec_of
+    from tracekit.model.source import _load_config_and_tokenizer
 
     spec = model_spec_of(model)
     cfg, tok, bridge = _load_config_and_tokenizer(spec)

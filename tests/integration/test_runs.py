@@ -79,7 +79,7 @@ def test_interrupt_keeps_finished_steps_and_records_where(tmp_path, sig, code):
     # the finished step reloads equal to an uninterrupted run of it
     got = tk.Result.load(run_dir / "quick")
     from helpers import make_tiny  # noqa: F401  (same spec as the CLI's --set)
-    from tracekit.models import ModelSpec
+    from tracekit.model.spec import ModelSpec
 
     spec = ModelSpec(name="gpt2", random_init=True, tokenizer="gpt2-bpe", device="cpu",
                      config_overrides={"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64})

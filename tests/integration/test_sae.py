@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tracekit.errors import SAEError
-from tracekit.models import model_fingerprint, model_spec_of
+from tracekit.model.load import model_fingerprint, model_spec_of
 from tracekit.sae import (
     SAESpec,
     feature_decomposition,

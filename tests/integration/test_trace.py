@@ -244,7 +244,7 @@ def test_config_step_and_cli(tmp_path, tiny_gpt2, monkeypatch):
     cfg = parse_config({"model": {"name": "gpt2"}, "experiments": [
         {"kind": "token_trace", "prompts": PROMPT, "target": " Paris", "key_max_tokens": 0}]})
     assert cfg.experiments[0].kind == "token_trace"
-    monkeypatch.setattr("tracekit.models.load_model", lambda *a, **k: tiny_gpt2)
+    monkeypatch.setattr("tracekit.model.load_model", lambda *a, **k: tiny_gpt2)
     rc = cli.main(["trace", PROMPT, "--target", " Paris", "--key-max-tokens", "0", "--out", str(tmp_path / "t")])
     assert rc == 0
     assert (Path(tmp_path / "t") / "report.html").is_file()

@@ -10,7 +10,8 @@ import torch
 from conformance import harness  # noqa: I001
 
 from tracekit.cli import main
-from tracekit.models import ModelSpec, clear_cache, load_model
+from tracekit.model.load import clear_cache, load_model
+from tracekit.model.spec import ModelSpec
 
 
 @pytest.fixture()
@@ -35,7 +36,7 @@ def test_verify_passes_on_a_healthy_model(llama_dir, tmp_path, capsys):
 
 
 def test_verify_reports_a_broken_readout_and_exits_nonzero(llama_dir, tmp_path, capsys, monkeypatch):
-    from tracekit.readout import Readout
+    from tracekit.model.readout import Readout
 
     real = Readout.apply_transform
     monkeypatch.setattr(Readout, "apply_transform", lambda self, x: real(self, x) * 1.5)  # a wrong readout
@@ -50,7 +51,7 @@ def test_verify_reports_a_broken_readout_and_exits_nonzero(llama_dir, tmp_path, 
 
 def test_a_model_that_fails_the_load_check_is_refused_naming_its_architecture(llama_dir, monkeypatch):
     from tracekit.errors import ModelLoadError
-    from tracekit.readout import Readout
+    from tracekit.model.readout import Readout
 
     real = Readout.apply_transform
     monkeypatch.setattr(Readout, "apply_transform", lambda self, x: real(self, x) + torch.arange(x.shape[-1]) * 1e-2)
@@ -58,7 +59,7 @@ def test_a_model_that_fails_the_load_check_is_refused_naming_its_architecture(ll
         load_model(ModelSpec(name=llama_dir, tokenizer=harness.GPT2_BPE, device="cpu"))
     # verify: false loads it (and says it was not verified)
     m = load_model(ModelSpec(name=llama_dir, tokenizer=harness.GPT2_BPE, device="cpu", verify=False))
-    from tracekit.state import state_of
+    from tracekit.model.state import state_of
 
     assert state_of(m).verification is None
 

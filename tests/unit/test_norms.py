@@ -1,4 +1,4 @@
-"""tracekit.norms: a norm's affine form is measured by calling it, for every convention families use
+"""tracekit.model.norms: a norm's affine form is measured by calling it, for every convention families use
 (LayerNorm with/without bias, RMSNorm, Gemma's and Nemotron's ``1 + w``), and the run's scale is
 recovered from the module's own input and output."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracekit.norms import measure_norm, run_sigma
+from tracekit.model.norms import measure_norm, run_sigma
 
 D = 10
 

@@ -11,7 +11,7 @@ A **site** is a named kind of activation location with one hook per block (docs/
 'ln_final.hook_in'
 
 Hook names are built here (:func:`hook`), not by f-strings across the engines. The checks take any
-object with a TransformerLens ``cfg`` (a loaded model or a :class:`tracekit.models.ModelInfo`);
+object with a TransformerLens ``cfg`` (a loaded model or a :class:`tracekit.model.ModelInfo`);
 where the model has weights, per-layer widths are read from them (families with per-layer head
 counts or MLP widths), else from the config.
 """
@@ -142,7 +142,7 @@ def head_count(model, layer: int, kv: bool = False) -> int:
 
 def mlp_width(model, layer: int) -> int:
     """Neurons of block ``layer``'s dense MLP (the rows of its ``W_out``; ``cfg.d_mlp`` for a model
-    without weights, e.g. a :class:`tracekit.models.ModelInfo`)."""
+    without weights, e.g. a :class:`tracekit.model.ModelInfo`)."""
     blocks = getattr(model, "blocks", None)
     if blocks is not None:
         try:

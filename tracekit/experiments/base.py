@@ -72,7 +72,8 @@ def register(cls: type["Experiment"]) -> type["Experiment"]:
 
 def as_model(model):
     """A loaded hooked model from a model, a model name, a ModelSpec, a dict or None (default)."""
-    from ..models import ModelSpec, load_model
+    from ..model.load import load_model
+    from ..model.spec import ModelSpec
 
     if model is None or isinstance(model, (str, dict, ModelSpec)):
         return load_model(model)
@@ -209,14 +210,14 @@ class Experiment(StrictModel):
     def check(self, model) -> None:
         """Validate everything that needs only the tokenizer and the model's config (targets are one
         token, prompts fit the context, layer/head indices, hook names, data files), before any
-        forward pass. ``model`` may be a loaded model or a :class:`tracekit.models.ModelInfo`.
+        forward pass. ``model`` may be a loaded model or a :class:`tracekit.model.ModelInfo`.
         Raise a :class:`tracekit.errors.TracekitError` naming the field. Default: nothing."""
 
     def run(self, model=None, progress: bool = True, *, check: bool = True) -> "Result":
         """Run the experiment and return its :class:`Result`.
 
         Args:
-            model: a loaded model, a model name / :class:`~tracekit.models.ModelSpec` / dict, or
+            model: a loaded model, a model name / :class:`~tracekit.model.ModelSpec` / dict, or
                 None (the embedded default).
             progress: show progress bars.
             check: call :meth:`check` first (the runner checks every step before the first runs and
@@ -226,7 +227,7 @@ class Experiment(StrictModel):
             TracekitError: bad input (from :meth:`check` or the run), naming the field.
         """
         from ..hooks import state_guard
-        from ..models import bos_info, model_fingerprint, model_spec_of
+        from ..model.load import bos_info, model_fingerprint, model_spec_of
 
         model = as_model(model)
         if check:

@@ -470,7 +470,7 @@ class ActivationPatching(Experiment):
         return ids, "baseline_prompts", "baseline_prompts"
 
     def check(self, model) -> None:
-        """Tokenizer/config checks (works on a :class:`tracekit.models.ModelInfo`)."""
+        """Tokenizer/config checks (works on a :class:`tracekit.model.ModelInfo`)."""
         pairs = self.all_pairs()
         field = "pairs" if self.pairs else f"pairs_file ({self.pairs_file})"
         self._token_ids(model, pairs)

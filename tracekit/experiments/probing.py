@@ -448,7 +448,7 @@ class LinearProbe(Experiment):
 
     def check(self, model) -> None:
         """Load the dataset, check the split is possible, the hooks exist and every position resolves.
-        Needs only the tokenizer, ``cfg`` and hook names (works on a :class:`tracekit.models.ModelInfo`)."""
+        Needs only the tokenizer, ``cfg`` and hook names (works on a :class:`tracekit.model.ModelInfo`)."""
         ds = self.dataset.load(self.task)
         if self.cv_folds:
             group_kfold(ds, self.cv_folds, self.group_by, self.seed)

@@ -390,7 +390,7 @@ class TokenTrace(Experiment):
         tr = token_trace(model, self.prompt, self.target, self.foil, self.head, self.top_neurons, self.value_tokens,
                          self.key_contexts, self.key_max_tokens, top_k=self.top_k, seed=self.seed,
                          n_samples=self.n_samples)
-        from ..models import bos_info, model_spec_of
+        from ..model.load import bos_info, model_spec_of
 
         meta = {**tr.meta, "model": model_spec_of(model).model_dump(mode="json"), "tokenization": bos_info(model)}
         return TokenTraceResult(self, tr.tables, meta)

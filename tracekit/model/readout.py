@@ -28,7 +28,7 @@ Two readings:
   logit attribution, neuron and SAE-feature attribution use this.
 
 The final norm's weight, bias and centring are *measured* by calling the module
-(:func:`tracekit.norms.measure_norm`), so ``(1 + w)`` norms (Gemma, Nemotron), parameter-free and
+(:func:`tracekit.model.norms.measure_norm`), so ``(1 + w)`` norms (Gemma, Nemotron), parameter-free and
 bias-free LayerNorms, and weight-processed (folded) norms are read as the forward pass applies them.
 
 Units: ``logits`` are unnormalised; ``log_probs`` are natural-log probabilities; ``probs`` sum to 1.
@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 from jaxtyping import Float
 
-from .norms import AffineNorm, measure_norm
+from .norms import AffineNorm, _eps, measure_norm
 from .state import state_of
 
 __all__ = ["Readout", "OutputTransform", "output_transform"]
@@ -177,7 +177,7 @@ class Readout:
     @torch.no_grad()
     def norm_params(self) -> tuple[Float[torch.Tensor, " d_model"], Optional[Float[torch.Tensor, " d_model"]], bool]:
         """``(weight, bias or None, is_layernorm)`` of the final norm as the forward pass applies it
-        (float32, on the unembedding's device; measured, see :mod:`tracekit.norms`)."""
+        (float32, on the unembedding's device; measured, see :mod:`tracekit.model.norms`)."""
         n = self.final_norm
         b = n.bias if bool(n.bias.ne(0).any()) else None
         return n.weight, b, n.centred
@@ -186,7 +186,6 @@ class Readout:
     def scale(self, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... 1"]:
         """The final norm's per-vector scale ``1/sigma`` recomputed from ``resid`` (LayerNorm: of the
         centred vector; RMSNorm: of the raw vector), float32. Equals ``1 / ln_final.hook_scale``."""
-        from .norms import _eps
 
         x = self.final_norm.centre(resid.float())
         eps = _eps(self.model.ln_final, float(getattr(self.model.cfg, "eps", 1e-5)))

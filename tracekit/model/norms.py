@@ -18,7 +18,7 @@ and every method that needs the frozen-scale linearisation refuses it.
 squares over ``d_model``, eps-free), so frozen-scale attributions use exactly the scale the
 forward pass applied.
 
-Used by :class:`tracekit.readout.Readout` (the final norm) and :mod:`tracekit.writepath` (post-
+Used by :class:`tracekit.model.readout.Readout` (the final norm) and :mod:`tracekit.model.writepath` (post-
 attention / post-MLP norms of sandwich-norm blocks: Gemma 2/3, OLMo 2, GLM-4, EXAONE 4).
 """
 

@@ -14,7 +14,7 @@ will not add up:
 A :class:`WritePath` is that map for one (block, attention|MLP): the hook whose value is the
 component's *raw* output (``sum of parts + bias``: ``attn.hook_out`` / the norm's input), the hook
 added to the stream (``hook_attn_out`` / ``hook_mlp_out``), the measured post-norm
-(:func:`tracekit.norms.measure_norm`) and the multiplier. :meth:`WritePath.direction` is the
+(:func:`tracekit.model.norms.measure_norm`) and the multiplier. :meth:`WritePath.direction` is the
 adjoint that carries a residual direction back to the raw output, so
 
     contribution(part) = (part . direction(u_eff)) / (sigma_post * sigma_final)
@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from jaxtyping import Float
 
-from .core.sites import hook
+from ..core.sites import hook
 from .norms import AffineNorm, measure_norm, run_sigma
 from .state import state_of
 

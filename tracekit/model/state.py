@@ -21,10 +21,10 @@ class ModelState:
     """Measured facts about one loaded model (see module docstring).
 
     Attributes:
-        final_norm: the final norm's :class:`tracekit.norms.AffineNorm` (Readout).
-        output_transform: :class:`tracekit.readout.OutputTransform` (soft-cap, logit scaling).
-        write_paths: ``{(layer, "attn"|"mlp"): WritePath}`` (:mod:`tracekit.writepath`).
-        architecture: :class:`tracekit.architectures.ArchitectureInfo`.
+        final_norm: the final norm's :class:`tracekit.model.norms.AffineNorm` (Readout).
+        output_transform: :class:`tracekit.model.readout.OutputTransform` (soft-cap, logit scaling).
+        write_paths: ``{(layer, "attn"|"mlp"): WritePath}`` (:mod:`tracekit.model.writepath`).
+        architecture: :class:`tracekit.model.architectures.ArchitectureInfo`.
         verification: the load-time verification report (a dict, :mod:`tracekit.verify`).
         refusals: ``{method: reason}``: methods refused on this model, with the reason.
     """

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .core.errors import MethodRefused, ModelLoadError
-from .core.sites import head_count, hook, mlp_width  # noqa: F401 - head_count, mlp_width re-exported
+from ..core.errors import MethodRefused, ModelLoadError
+from ..core.sites import head_count, hook, mlp_width  # noqa: F401 - head_count, mlp_width re-exported
+from .state import state_of
 
 __all__ = ["CATEGORIES", "READABLE", "ALIASES", "category", "architecture_name", "check_loadable", "require",
            "layer_structure", "MethodRefused", "head_count", "mlp_width"]
@@ -185,7 +186,6 @@ def require(model, method: str, layers: Optional[Sequence[int]] = None, need: Se
     Raises:
         MethodRefused: naming the architecture, the layer and what is missing.
     """
-    from .state import state_of
 
     arch = architecture_name(model)
     refused = state_of(model).refusals.get(method)

@@ -31,12 +31,10 @@ entries, ``tracekit cache clear`` removes them.
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import struct
 import uuid
@@ -47,7 +45,8 @@ from typing import Any
 
 import torch
 
-from .core.io import (
+from ..core.cachedir import _dir_size, _remove_entry, clear_dir, dir_entries, remove_stale_temps, sizes_match  # noqa: F401
+from ..core.io import (
     ManifestInvalid,
     file_sha256,
     fsync_dir,
@@ -56,12 +55,11 @@ from .core.io import (
     write_files_manifest,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("tracekit.cache")
 
 __all__ = [
     "CACHE_FORMAT",
     "deferred_checks",
-    "processed_weights_cache",
     "cache_dir",
     "cache_enabled",
     "clear_cache_dir",
@@ -75,10 +73,17 @@ __all__ = [
     "store_gguf_entry",
 ]
 
+
 #: Bump when the layout of an entry changes: old entries then miss and are rebuilt.
 CACHE_FORMAT = 1
+
+
 _WEIGHTS_FILE = "model.safetensors"
+
+
 _BUFFER_PREFIX = "__buffer__."
+
+
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool}
@@ -97,8 +102,6 @@ def cache_dir() -> Path:
 def cache_enabled() -> bool:
     """False when ``TRACEKIT_CACHE`` is ``off``/``0``/``false``/``no``."""
     return os.environ.get("TRACEKIT_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
-
-
 
 
 class _HashCheck:
@@ -204,11 +207,10 @@ def entry_path(key: str) -> Path:
     return _gguf_root() / key
 
 
-# ----------------------------------------------------------------------------------------------- read
-
-
 #: An entry that must not be used (the message says why).
 _Invalid = ManifestInvalid
+
+
 _read_manifest = read_manifest
 
 
@@ -347,19 +349,6 @@ def _build_model(d: Path, man: dict, dtype: torch.dtype):
     return hf
 
 
-# ---------------------------------------------------------------------------------------------- write
-
-
-def _remove_entry(d: Path) -> None:
-    """Remove an entry: rename it aside first (atomic), then delete; tolerate a concurrent remover."""
-    trash = d.parent / f".trash-{d.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        os.rename(d, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
-
-
 def _rotary_attributes(hf) -> dict:
     """Tensor attributes (not buffers) that rotary modules read, e.g. ``original_inv_freq``."""
     out = {}
@@ -458,83 +447,6 @@ def load_or_convert_gguf(gguf_path: str | Path, dtype: torch.dtype, convert: Cal
     return hf, tok
 
 
-# --------------------------------------------------------------------------------------------- manage
-
-
-_TEMP = re.compile(r"\.tmp-(?:.*-)?(\d+)-[0-9a-f]{8}$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temps(root: Path) -> list[Path]:
-    """Remove temporary folders left under ``root`` by writers that died (SIGKILL, power loss):
-    ``.tmp-...-<pid>-<id>`` folders whose process is gone, and ``.trash-*`` folders. A live writer's
-    folder is kept. Returns what was removed."""
-    removed = []
-    if not root.is_dir():
-        return removed
-    for d in root.iterdir():
-        if not d.is_dir():
-            continue
-        m = _TEMP.search(d.name)
-        legacy = re.search(r"\.tmp-[0-9a-f]{8}$", d.name) is not None  # written before names carried a pid
-        stale = d.name.startswith(".trash-") or legacy or (m is not None and not _pid_alive(int(m.group(1))))
-        if stale:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
-def _dir_size(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-
-
-def sizes_match(d: Path, man: dict) -> bool:
-    """Every file the manifest lists exists with its size (the cheap check; a load checks sha256)."""
-    return all((d / n).is_file() and (d / n).stat().st_size == r.get("size") for n, r in man.get("files", {}).items())
-
-
-def dir_entries(root: Path, describe: Callable[[Path, dict], dict]) -> list[dict]:
-    """One row per folder under a cache root: ``key, path, size_bytes`` plus ``describe(folder,
-    manifest)`` (which sets ``valid``); a folder without a readable manifest (a leftover of an
-    interrupted write) is listed with ``valid`` False."""
-    if not root.is_dir():
-        return []
-    out = []
-    for d in sorted(root.iterdir()):
-        if not d.is_dir():
-            continue
-        row: dict[str, Any] = {"key": d.name, "path": str(d), "size_bytes": _dir_size(d), "valid": False}
-        try:
-            row.update(describe(d, _read_manifest(d)))
-        except (_Invalid, OSError, ValueError):
-            pass
-        out.append(row)
-    return out
-
-
-def clear_dir(root: Path) -> tuple[int, int]:
-    """Remove every entry under a cache root (and leftover temporary folders); returns ``(entries
-    removed, bytes freed)``."""
-    if not root.is_dir():
-        return 0, 0
-    n = freed = 0
-    for d in list(root.iterdir()):
-        if d.is_dir():
-            freed += _dir_size(d)
-            n += 0 if d.name.startswith(".") else 1
-            _remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)
-    return n, freed
-
-
 def list_entries() -> list[dict]:
     """Every entry under the cache root: ``key, gguf_path, dtype, size_bytes, created, valid``.
 
@@ -553,163 +465,3 @@ def clear_cache_dir() -> tuple[int, int]:
     """Remove every weight-cache entry (and leftover temporary folders): ``(entries removed, bytes freed)``."""
     return clear_dir(_gguf_root())
 
-
-# ------------------------------------------------------------------------------ processed weights
-#
-# TransformerLens' weight processing (``enable_compatibility_mode``: fold the norms' weights into
-# the next linear maps, centre the writing weights and the unembedding) takes a full copy of the
-# state dict plus temporaries: on the embedded model ~0.5 s and ~2 GiB of peak memory on every
-# load. Its output is a pure function of the input state dict (fixed by the entry's weights), the
-# options and the TransformerLens / torch versions, so it is cached next to the entry, in
-# ``processed-<key>/`` (``weights.safetensors`` + ``manifest.json``), and memory-mapped on later
-# loads: copy-on-write, so processing never reaches the file. A processed cache whose manifest,
-# sizes or sha256 do not match is removed and recomputed, never used.
-
-
-def _processed_key(sig: str, options: dict) -> str:
-    import transformer_lens
-
-    blob = {"sig": sig, "options": options, "transformer_lens": getattr(transformer_lens, "__version__", "?"),
-            "torch": torch.__version__, "format": CACHE_FORMAT}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _state_signature(state_dict: dict) -> str:
-    """Names, shapes and dtypes of the state dict processed (the values are fixed by the entry)."""
-    items = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in state_dict.items() if isinstance(v, torch.Tensor))
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
-
-
-def _load_processed(d: Path) -> dict[str, torch.Tensor] | None:
-    if not d.is_dir():
-        return None
-    try:
-        man = _read_manifest(d)
-        rec = man["files"]["weights.safetensors"]
-        f = d / "weights.safetensors"
-        if f.stat().st_size != rec["size"]:
-            raise _Invalid("weights.safetensors differs from its manifest")
-        _check_sha(f, rec["sha256"], lambda d=d: _remove_entry(d))
-        tensors = _mmap_safetensors(f)
-        out: dict[str, torch.Tensor] = {}
-        for name in man["order"]:
-            target = man["aliases"].get(name, name)
-            if target not in tensors:
-                raise _Invalid(f"processed tensor {target} missing")
-            t = tensors[target]
-            perm = man.get("permutations", {}).get(target)
-            if perm is not None:
-                if sorted(perm) != list(range(t.ndim)):
-                    raise _Invalid(f"bad permutation for {target}")
-                inv = [perm.index(i) for i in range(t.ndim)]
-                t = t.permute(inv)
-            out[name] = t
-        return out
-    except (_Invalid, OSError, KeyError, TypeError) as e:
-        log.warning("tracekit processed-weights cache %s is invalid (%s): recomputing it", d, e)
-        _remove_entry(d)
-        return None
-
-
-def _store_processed(d: Path, out: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    if not all(isinstance(v, torch.Tensor) for v in out.values()):
-        return  # something we do not know how to store: leave the cache alone
-    remove_stale_temps(d.parent)
-    tmp = d.parent / f".tmp-{d.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir(parents=True)
-        tensors: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
-        seen: dict[tuple, str] = {}
-        perms: dict[str, list[int]] = {}
-        for name, t in out.items():
-            ident_t = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            if ident_t in seen:
-                aliases[name] = seen[ident_t]
-                continue
-            seen[ident_t] = name
-            # keep the memory layout (a transposed view stays transposed on load): forward passes
-            # then run the same kernels on the same strides, so the bridge is bit-identical
-            perm = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))
-            stored = t.detach().to("cpu").permute(perm)
-            if not stored.is_contiguous():
-                raise _Unstorable(name)
-            if perm != list(range(t.ndim)):
-                perms[name] = perm
-            tensors[name] = stored
-        save_file(tensors, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
-        f = tmp / "weights.safetensors"
-        man = {"files": {"weights.safetensors": {"size": f.stat().st_size, "sha256": file_sha256(f, memo=False)}},
-               "order": list(out), "aliases": aliases, "permutations": perms,
-               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-        (tmp / "manifest.json").write_text(json.dumps(man))
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        try:
-            os.rename(tmp, d)
-        except OSError:  # another process stored it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except _Unstorable as e:  # a layout we cannot restore exactly: no cache rather than other bits
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.info("processed weights not cached: %s has a memory layout that is not a permutation", e)
-    except Exception as e:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("could not store processed weights under %s (%s: %s); loading goes on without them", d,
-                    type(e).__name__, e)
-
-
-class _Unstorable(Exception):
-    pass
-
-
-class processed_weights_cache:
-    """Context manager: while it is active, TransformerLens' ``ProcessWeights.process_weights``
-    reads its result from ``<entry>/processed-<key>/`` when present (memory-mapped), else computes
-    it and stores it there. ``entry`` None (no cache entry behind the model), the cache off, or
-    weights already on a GPU (the bridge moves them before processing): nothing changes.
-
-    The key covers the names, shapes and dtypes of the input state dict, the processing options,
-    the adapter class and the TransformerLens and torch versions; the values are those of the entry
-    (whose weights are verified on load). ``hits`` / ``stores`` count what happened (for tests)."""
-
-    def __init__(self, entry: "str | Path | None"):
-        self.entry = Path(entry) if entry is not None else None
-        self.hits = 0
-        self.stores = 0
-        self._saved = None
-
-    def __enter__(self):
-        if self.entry is None or not cache_enabled():
-            return self
-        from transformer_lens.weight_processing import ProcessWeights
-
-        self._saved = ProcessWeights.__dict__["process_weights"]
-        real = self._saved.__func__
-        ctx = self
-
-        def cached(state_dict, cfg, **kw):
-            if any(v.device.type != "cpu" for v in state_dict.values() if isinstance(v, torch.Tensor)):
-                return real(state_dict, cfg, **kw)  # GPU / multi-device: processed in place, not cached
-            options = {k: (type(v).__name__ if k == "adapter" else v) for k, v in sorted(kw.items())}
-            d = ctx.entry / f"processed-{_processed_key(_state_signature(state_dict), options)}"  # type: ignore[operator]
-            hit = _load_processed(d)
-            if hit is not None:
-                ctx.hits += 1
-                return hit
-            out = real(state_dict, cfg, **kw)
-            _store_processed(d, out)
-            ctx.stores += 1
-            return out
-
-        ProcessWeights.process_weights = staticmethod(cached)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            from transformer_lens.weight_processing import ProcessWeights
-
-            ProcessWeights.process_weights = self._saved  # type: ignore[method-assign]
-            self._saved = None
-        return False

@@ -1,0 +1,310 @@
+"""Training an SAE with SAELens on tracekit's model, and the cache of trained SAEs.
+
+SAELens' ``LanguageModelSAETrainingRunner`` trains on activations cached once from corpus token
+windows (:func:`_cache_activations`); the trained SAE is saved in SAELens' format under
+``$TRACEKIT_CACHE_DIR/saes/<hash>`` with a files manifest (sizes and sha256), keyed by the training
+block, the corpus content, the model's fingerprint and basis (:func:`_train_key`). SAELens'
+interrupt handling is replaced by tracekit's (:mod:`tracekit.core.signals`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..core.cachedir import clear_dir, dir_entries, remove_stale_temps, sizes_match
+from ..core.errors import SAEError
+from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
+from ..core.signals import preserved_signal_handlers
+from ..fastpath import residual_stream
+from ..hooks import enabled_hooks, state_guard
+from ..inputs import input_files
+from ..model.info import HookedModel
+from ..model.load import model_device, model_fingerprint, model_spec_of
+from ..model.spec import ModelSpec
+from ..tokens import pad_ids
+from .spec import SAETrainSpec, hook_width
+from .windows import _corpus_windows, special_token_ids
+
+__all__ = ["SAE_FILES", "clear_sae_cache", "sae_cache_dir", "sae_cache_entries", "train_sae"]
+
+
+#: The files of a cached SAE (SAELens' format plus tracekit's training record), checked against the
+#: entry's manifest (sizes and sha256) on every cache hit.
+SAE_FILES = ("cfg.json", "sae_weights.safetensors", "tracekit_train.json")
+
+
+def sae_cache_entries() -> list[dict]:
+    """Every cached SAE: ``key, path, size_bytes, hook, created, valid`` (sizes only; a hit checks
+    the sha256 too); leftover temporary folders of killed trainings are listed as invalid."""
+    def describe(d: Path, man: dict) -> dict:
+        return {"created": man.get("created"), "hook": json.loads((d / "cfg.json").read_text()).get("hook_name"),
+                "valid": sizes_match(d, man) and set(SAE_FILES) <= set(man.get("files", {}))}
+
+    return dir_entries(sae_cache_dir(), describe)
+
+
+def clear_sae_cache() -> tuple[int, int]:
+    """Remove every cached SAE and leftover temporary folder: ``(entries removed, bytes freed)``."""
+    return clear_dir(sae_cache_dir())
+
+
+def sae_cache_dir() -> Path:
+    """``$TRACEKIT_CACHE_DIR/saes`` (default ``~/.cache/tracekit/saes``)."""
+    root = os.environ.get("TRACEKIT_CACHE_DIR")
+    base = Path(root).expanduser() if root else Path("~/.cache/tracekit").expanduser()
+    return base / "saes"
+
+
+def _train_key(model: HookedModel, t: SAETrainSpec) -> str:
+    """The cache key of a training: sha256 (16 hex digits) of the training block, the corpus files'
+    sha256, the model's fingerprint, basis, BOS and dtype, and SAELens' version."""
+    import sae_lens  # lazy: sae_lens is heavy
+
+    spec = model_spec_of(model)
+    corpus = {k: v["sha256"] for k, v in input_files({"corpus": t.corpus}).items()}  # what the files hold
+    blob = {"train": t.model_dump(mode="json"), "corpus_sha256": corpus, "fingerprint": model_fingerprint(model),
+            "process_weights": bool(spec.process_weights), "prepend_bos": bool(spec.prepend_bos),
+            "dtype": spec.dtype, "sae_lens": getattr(sae_lens, "__version__", "?")}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def _cache_activations(model: HookedModel, hook: str, windows: list[list[int]], out: Path, batch_size: int = 16,
+                       progress: bool = False) -> None:
+    """Run the model once over ``windows`` and save the activations at ``hook`` (and the token ids)
+    as a ``datasets`` dataset in SAELens' cached-activations format (one row per window: a
+    ``[context_size, d_in]`` array named after the hook, plus ``token_ids``), so SAELens' trainer
+    can take several passes over them without re-running the model. The forward pass stops at the
+    hook. Windows must all have the same length and no padding."""
+    import datasets  # lazy: datasets is heavy
+    from datasets import Array2D, Dataset, Features, Sequence, Value
+
+    chunks: list[np.ndarray] = []
+    it = range(0, len(windows), batch_size)
+    if progress:
+        it = tqdm(it, desc=f"activations at {hook}", unit="batch")
+    for i in it:
+        batch = pad_ids(model, windows[i:i + batch_size])
+        act = residual_stream(model, batch, [hook])[0]
+        chunks.append(act.reshape(act.shape[0], act.shape[1], -1).float().cpu().numpy())
+    acts = np.concatenate(chunks)
+    del chunks
+    feats = Features({hook: Array2D(shape=tuple(acts.shape[1:]), dtype="float32"),
+                      "token_ids": Sequence(Value("int32"), length=acts.shape[1])})
+    ds = Dataset.from_dict({hook: acts, "token_ids": np.asarray(windows, dtype=np.int32)}, features=feats)
+    del acts
+    bars = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(out))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _sae_lens_interrupts() -> tuple[type[BaseException], ...]:
+    """SAELens' own interrupt exception (mapped to ``KeyboardInterrupt``), when this SAELens has one."""
+    try:
+        from sae_lens.training._interruption import InterruptedException  # lazy: sae_lens is heavy
+    except ImportError:  # pragma: no cover - another SAELens layout: nothing to map
+        return ()
+    return (InterruptedException,)
+
+
+def _runner_class(base):
+    """SAELens' runner without its signal handling: its ``run_trainer_with_interruption_handling``
+    installs SIGINT/SIGTERM handlers that raise its own exception and are never restored; tracekit's
+    own handlers (Ctrl-C -> KeyboardInterrupt, SIGTERM -> an interrupted run) stay in charge."""
+
+    class _Runner(base):
+        def run_trainer_with_interruption_handling(self, trainer):
+            return trainer.fit()
+
+    return _Runner
+
+
+def _cached_stats(out: Path) -> dict | None:
+    """The training record of a valid cache entry ``out`` (manifest sizes and sha256 checked), or None
+    when there is none; an invalid entry is removed with a warning (it is then trained again)."""
+    if not out.exists():
+        return None
+    try:
+        verify_files_manifest(out, SAE_FILES)
+        return json.loads((out / "tracekit_train.json").read_text())
+    except (ManifestInvalid, OSError, ValueError) as e:
+        warnings.warn(f"the cached SAE {out} is invalid ({e}): removing it and training it again", stacklevel=3)
+        shutil.rmtree(out, ignore_errors=True)
+        return None
+
+
+def _training_windows(model: HookedModel, t: SAETrainSpec, field: str) -> tuple[list[list[int]], int, int]:
+    """The training windows (the first ``dataset_tokens`` of the corpus) and the counts of dataset
+    and held-out tokens: ``(windows, n_dataset_tokens, n_held_out_tokens)``.
+
+    Raises:
+        SAEError: the corpus holds fewer tokens than ``dataset_tokens`` + ``eval_tokens``.
+    """
+    n_data = t.dataset_tokens or t.training_tokens
+    wins = _corpus_windows(model, t.corpus, t.context_size, 0, n_data, f"{field}.corpus")
+    n_tok = sum(len(w) for w in wins)
+    held = _corpus_windows(model, t.corpus, t.context_size, n_data, t.eval_tokens, f"{field}.corpus")
+    n_held = sum(len(w) for w in held)
+    if n_tok < n_data or n_held < t.eval_tokens:
+        raise SAEError(f"{field}: the corpus gives {n_tok} dataset tokens and {n_held} held-out tokens, fewer than "
+                       f"dataset_tokens ({n_data}) and eval_tokens ({t.eval_tokens}); lower them (the stdlib corpus "
+                       "holds ~130k tokens; training_tokens above dataset_tokens repeats the dataset) or give a "
+                       "larger corpus")
+    return wins, n_tok, n_held
+
+
+def _runner_config(model: HookedModel, t: SAETrainSpec, spec: ModelSpec, width: int, d_sae: int, tmp: Path,
+                   acts_dir: Path, progress: bool, field: str) -> Any:
+    """SAELens' ``LanguageModelSAERunnerConfig``: the SAE architecture, training on the activations
+    cached in ``acts_dir``, output to ``tmp``, no checkpoints and no wandb.
+
+    Raises:
+        SAEError: a TopK ``k`` above ``d_sae``.
+    """
+    from sae_lens import (  # lazy: sae_lens is heavy
+        LanguageModelSAERunnerConfig,
+        LoggingConfig,
+        StandardTrainingSAEConfig,
+        TopKTrainingSAEConfig,
+    )
+
+    dev = str(model_device(model))
+    if t.architecture == "topk":
+        t.check_width(width, field)
+        sae_cfg = TopKTrainingSAEConfig(d_in=width, d_sae=d_sae, k=t.k, device=dev)
+    else:
+        sae_cfg = StandardTrainingSAEConfig(d_in=width, d_sae=d_sae, l1_coefficient=t.l1_coefficient, device=dev)
+    n_buffer = max(4, math.ceil(2 * t.train_batch_size_tokens / t.context_size))
+    return LanguageModelSAERunnerConfig(
+        sae=sae_cfg, model_name=spec.name, hook_name=t.hook, dataset_path="tracekit-corpus",
+        is_dataset_tokenized=True, streaming=False, context_size=t.context_size, training_tokens=t.training_tokens,
+        use_cached_activations=True, cached_activations_path=str(acts_dir),
+        exclude_special_tokens=special_token_ids(model),
+        train_batch_size_tokens=t.train_batch_size_tokens, store_batch_size_prompts=8, n_batches_in_buffer=n_buffer,
+        prepend_bos=False, device=dev, lr=t.lr, seed=t.seed, logger=LoggingConfig(log_to_wandb=False),
+        dead_feature_window=t.dead_feature_window,
+        output_path=str(tmp), checkpoint_path=None, n_checkpoints=0, verbose=bool(progress),
+        n_batches_for_norm_estimate=4, n_eval_batches=1, dtype="float32",
+        model_from_pretrained_kwargs={"center_writing_weights": bool(spec.process_weights)})
+
+
+@contextlib.contextmanager
+def _quiet_sae_lens() -> Iterator[None]:
+    """SAELens' logger at ERROR for the block, its level restored after."""
+    sl_logger = logging.getLogger("sae_lens")
+    level = sl_logger.level
+    sl_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        sl_logger.setLevel(level)
+
+
+def _fit(model: HookedModel, t: SAETrainSpec, cfg: Any, ds: Any, wins: list[list[int]], acts_dir: Path,
+         progress: bool) -> float:
+    """Cache the activations at ``t.hook``, then run SAELens' trainer on them, with the model's state,
+    gated hooks, warning filters and signal handlers restored after and its parameters left frozen.
+    Returns the time (``time.time()``) at which the activations were cached."""
+    from sae_lens import LanguageModelSAETrainingRunner  # lazy: sae_lens is heavy
+
+    with state_guard(model), enabled_hooks(model, [t.hook]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _cache_activations(model, t.hook, wins, acts_dir, progress=progress)
+        acts_done = time.time()
+        runner = _runner_class(LanguageModelSAETrainingRunner)(cfg, override_dataset=ds, override_model=model)
+        with preserved_signal_handlers(_sae_lens_interrupts()):
+            runner.run()
+        # sae-lens' runner may leave the trainer's grad settings on: the model stays frozen.
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return acts_done
+
+
+def _record_provenance(tmp: Path, model: HookedModel, spec: ModelSpec) -> None:
+    """Add tracekit's provenance (model fingerprint, basis, BOS) to the ``metadata`` of ``tmp/cfg.json``."""
+    cj = json.loads((tmp / "cfg.json").read_text())
+    cj.setdefault("metadata", {})
+    cj["metadata"].update({"tracekit_fingerprint": model_fingerprint(model),
+                           "tracekit_process_weights": bool(spec.process_weights),
+                           "tracekit_model": spec.name, "prepend_bos": bool(spec.prepend_bos),
+                           "model_from_pretrained_kwargs": {"center_writing_weights": bool(spec.process_weights)}})
+    (tmp / "cfg.json").write_text(json.dumps(cj))
+
+
+def _publish(tmp: Path, out: Path, key: str, stats: dict) -> None:
+    """Write the training record and the files manifest into ``tmp``, then rename it to ``out``."""
+    (tmp / "tracekit_train.json").write_text(json.dumps(stats))
+    write_files_manifest(tmp, {"key": key, "kind": "sae"})  # sizes + sha256, checked on every hit
+    if out.exists():
+        shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field: str = "sae.train",
+              cache_dir: Path | None = None) -> tuple[Path, bool, dict]:
+    """Train an SAE with SAELens' ``LanguageModelSAETrainingRunner`` (``override_model``: this
+    bridge; ``override_dataset``: an in-memory ``datasets.Dataset`` of corpus token windows), save
+    it in SAELens' format and cache it by the hash of its training config and model.
+
+    Returns:
+        ``(directory, cache_hit, stats)``; ``stats`` has the training time and token counts.
+
+    Raises:
+        SAEError: the hook cannot be read, or the corpus is too small.
+    """
+    from datasets import Dataset  # lazy: datasets is heavy
+
+    root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
+    remove_stale_temps(root)  # what killed trainings left behind
+    key = _train_key(model, t)
+    out = root / key
+    stats = _cached_stats(out)
+    if stats is not None:
+        return out, True, stats
+    width = hook_width(model, t.hook)
+    if width is None:
+        raise SAEError(f"{field}.hook: cannot tell the width of hook {t.hook!r}; train on a residual, attn_out, "
+                       "mlp_out or mlp.hook_post hook")
+    d_sae = t.d_sae or width * t.expansion_factor
+    wins, n_tok, n_held = _training_windows(model, t, field)
+    spec = model_spec_of(model)
+    tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    acts_dir = tmp / "activations"
+    cfg = _runner_config(model, t, spec, width, d_sae, tmp, acts_dir, progress, field)
+    ds = Dataset.from_dict({"input_ids": wins})
+    t0 = time.time()
+    try:
+        with _quiet_sae_lens():
+            t_acts = _fit(model, t, cfg, ds, wins, acts_dir, progress) - t0
+            _record_provenance(tmp, model, spec)
+            shutil.rmtree(acts_dir, ignore_errors=True)
+            stats = {"train_seconds": round(time.time() - t0, 2), "activation_seconds": round(t_acts, 2),
+                     "train_tokens": t.training_tokens,
+                     "dataset_tokens": n_tok, "train_windows": len(wins), "held_out_tokens": n_held,
+                     "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json")}
+            _publish(tmp, out, key, stats)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out, False, stats

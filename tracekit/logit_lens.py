@@ -26,11 +26,13 @@ readout of the last block's output (equal to its logits' softmax, tested to 1e-5
 Units: ``prob`` in [0, 1]; ``log_prob`` natural log; ``rank`` is 1 for the top token (1 + the number
 of tokens with a strictly larger probability); ``entropy`` in nats.
 
-Notebook use::
+Notebook use (a doctest, run on a tiny model)::
 
-    from tracekit.logit_lens import logit_lens
-    out = logit_lens(model, ["The capital of France is"], targets=[" Paris"])
-    out[0].target_prob[:, -1, 0]      # [hidden states] p(' Paris') at the last token
+    >>> from tracekit.logit_lens import logit_lens
+    >>> out = logit_lens(model, ["The capital of France is"], targets=[" Paris"])
+    >>> p = out[0].target_prob[:, -1, 0]     # [hidden states] p(' Paris') at the last token
+    >>> p.shape[0] == model.cfg.n_layers + 1 and bool(((p >= 0) & (p <= 1)).all())
+    True
 """
 
 from __future__ import annotations

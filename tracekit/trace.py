@@ -17,11 +17,12 @@ block below (``_dla``, ``_value_readout``, ``_key_readout``, ``_attention``, ``_
 place to repoint when those modules are renamed. This module shapes tidy tables only; the report
 (HTML + Markdown) is rendered from the tables by :func:`render_html` / :func:`render_markdown`.
 
-Notebook use::
+Notebook use (a doctest, run on a tiny model)::
 
-    from tracekit.trace import token_trace
-    tr = token_trace(model, "The capital of China is Beijing. The capital of France is", target=" Paris")
-    tr.tables["lens"]; tr.meta["jump_layer"]
+    >>> from tracekit.trace import token_trace
+    >>> tr = token_trace(model, "The capital of China is Beijing. The capital of France is", target=" Paris")
+    >>> "lens" in tr.tables and "jump_layer" in tr.meta
+    True
 """
 
 from __future__ import annotations

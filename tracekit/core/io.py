@@ -32,7 +32,7 @@ def jsonable(x: Any) -> Any:
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
-    if type(x).__module__ == "numpy" and hasattr(x, "tolist"):
+    if type(x).__module__ in ("numpy", "torch") and hasattr(x, "tolist") and getattr(x, "ndim", 0) > 0:
         return jsonable(x.tolist())
     if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
         x = x.item()

@@ -20,14 +20,16 @@ Modules (each notebook-usable on a model + strings/arrays):
 * :mod:`.metrics` -- metrics and the bootstrap over the held-out unit;
 * :mod:`.directions` -- :func:`load_probe_directions` from a result.
 
-Notebook use::
+Notebook use (a doctest, run on a tiny model)::
 
-    from tracekit.probing import country_dataset, probe_hooks, extract_activations, probe_layers
-    ds = country_dataset("continent")
-    targets = probe_hooks(model.cfg.n_layers, ["resid_post"])
-    with extract_activations(model, ds.texts, [h for *_, h in targets], "last") as acts:
-        out = probe_layers(acts, ds, targets, group_by="entity")
-    out.main[["site", "layer", "accuracy", "vs_shuffled", "beats_controls"]]
+    >>> from tracekit.probing import country_dataset, probe_hooks, extract_activations, probe_layers
+    >>> ds = country_dataset("continent")
+    >>> targets = probe_hooks(model.cfg.n_layers, ["resid_post"])
+    >>> with extract_activations(model, ds.texts, [h for *_, h in targets], "last") as acts:
+    ...     out = probe_layers(acts, ds, targets, group_by="entity")
+    >>> table = out.main[["site", "layer", "accuracy", "vs_shuffled", "beats_controls"]]
+    >>> len(table) == len(targets)          # one row per (site, layer) probed
+    True
 """
 
 from .data import COUNTRY_TEMPLATES, ProbeDataset, country_dataset, load_countries, load_probe_dataset, read_table

@@ -11,10 +11,8 @@ analogies), 3. attention at the last position (every head, labelled; raw scores 
 (temperature / top-k / top-p as Hugging Face's logits warpers apply them), 9. cost arithmetic
 (parameters by part, KV-cache bytes, decode arithmetic intensity).
 
-Every section is computed by an existing engine (:mod:`tracekit.logit_lens`, the attribution,
-neuron and attention engines); the calls into engines that are being moved live in the adapter
-block below (``_dla``, ``_value_readout``, ``_key_readout``, ``_attention``, ``_classify``), the only
-place to repoint when those modules are renamed. This module shapes tidy tables only; the report
+Every section is computed by an existing engine (:mod:`tracekit.logit_lens`, :mod:`tracekit.dla`,
+:mod:`tracekit.neurons`, :mod:`tracekit.attention`); this module shapes tidy tables only; the report
 (HTML + Markdown) is rendered from the tables by :func:`render_html` / :func:`render_markdown`.
 
 Notebook use (a doctest, run on a tiny model)::
@@ -37,41 +35,20 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .attention import classify_heads
 from .core.sites import hook
+from .dla import logit_attribution
 from .errors import AttentionError, TokenizationError
+from .fastpath import residual_stream
+from .hooks import enabled_hooks, fwd_hooks
 from .logit_lens import landmarks, logit_lens
+from .model.load import bos_info, model_device
+from .model.readout import Readout
+from .neurons import key_readout, value_readout
 from .tokens import single_token_id, str_tokens, token_text, tokenize
 
-__all__ = ["TokenTrace", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
+__all__ = ["TraceTables", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
            "render_html", "render_markdown", "SECTIONS", "parse_head"]
-
-
-# ---------------------------------------------------------------------------------------------
-# ADAPTER: every call into an engine that is being restructured. Repoint these at merge time.
-#   attribution.direct_logit_attribution -> dla.logit_attribution
-#   attribution.value_readout / key_readout -> neurons.value_readout / key_readout
-#   heads.AttentionPattern (dataclass; _attention reads its hooks for all layers in one pass) /
-#   heads.classify_heads -> attention.AttentionPattern / attention.classify_heads
-
-
-def _dla(model, prompt: str, target: str, foil: Optional[str], neuron_layers: Sequence[int]):
-    """Direct logit attribution of the last position (one record with embed/pos_embed/attn/mlp/
-    heads/bias parts summing to the logit (difference); neuron parts for ``neuron_layers``)."""
-    from .dla import logit_attribution
-
-    return logit_attribution(model, [prompt], target, foil, position="last", neuron_layers=list(neuron_layers))[0]
-
-
-def _value_readout(model, layer: int, neuron: int, k: int, sign: float) -> pd.DataFrame:
-    from .neurons import value_readout
-
-    return value_readout(model, layer, neuron, k=k, sign=sign)
-
-
-def _key_readout(model, neurons, signs, top_n: int, max_tokens: int, corpus=None):
-    from .neurons import key_readout
-
-    return key_readout(model, neurons, corpus, top_n=top_n, max_tokens=max_tokens, signs=signs, progress=False)
 
 
 @dataclass
@@ -92,8 +69,6 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
     full ``[head, q, k]`` pattern of every layer grows with the square of the prompt (13 GB for a
     2,456-token prompt on SmolLM2). ``tests/integration/test_trace.py`` checks the rows equal the
     engine's ``attention_pattern`` layer by layer."""
-    from .hooks import enabled_hooks, fwd_hooks
-
     names = [n for L in layers for n in (hook("head_scores", L), hook("head_pattern", L))]
     batch = tokenize(model, [prompt])
     q = batch.lengths[0] - 1
@@ -109,14 +84,6 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
             for L in layers]
 
 
-def _classify(weights, queries, rows=None) -> pd.DataFrame:
-    """``head, self, first, previous, entropy_norm, max_key_weight, label`` per head."""
-    from .attention import classify_heads
-
-    return classify_heads(weights, queries=queries, rows=rows)
-
-# END ADAPTER
-# ---------------------------------------------------------------------------------------------
 
 #: Section ids and titles, in report order.
 SECTIONS = [
@@ -177,8 +144,9 @@ DEVICE_RIDGE = {
 
 
 @dataclass
-class TokenTrace:
-    """The trace of one prompt: ``tables`` (section name -> tidy DataFrame) and ``meta`` (headline
+class TraceTables:
+    """The trace of one prompt (the engine's output; the kind is :class:`tracekit.TokenTrace`):
+    ``tables`` (section name -> tidy DataFrame) and ``meta`` (headline
     numbers: target, jump/emergence, logit, sums; JSON-able)."""
 
     tables: dict = field(default_factory=dict)
@@ -219,7 +187,6 @@ def _tok_id(model, text: str) -> Optional[int]:
 
 
 def _tokenization(model, batch) -> pd.DataFrame:
-    from .model.load import bos_info
 
     ids = list(batch.ids[0])
     toks = [token_text(model, i) for i in ids]  # a piece of a character shows its bytes, not '\ufffd'
@@ -280,7 +247,7 @@ def _attention_section(model, prompt: str, head: tuple[int, int]):
         rows.append(pd.DataFrame({"layer": L, "head": np.repeat(np.arange(H), q + 1), "key_pos": np.tile(np.arange(q + 1), H),
                                   "key_token": np.tile(np.asarray(ap.tokens[: q + 1], dtype=object), H),
                                   "weight": w.reshape(-1).astype(float)}))
-        cl = _classify(ap.weights, [q], rows=[0])
+        cl = classify_heads(ap.weights, queries=[q], rows=[0])
         cl.insert(0, "layer", L)
         labels.append(cl)
         if L == head[0]:
@@ -300,7 +267,7 @@ def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_
     rows, values = [], []
     for r, n in enumerate(order):
         sign = 1.0 if float(act[n]) >= 0 else -1.0
-        vr = _value_readout(model, layer, n, n_values, sign)
+        vr = value_readout(model, layer, n, k=n_values, sign=sign)
         prom = vr[vr["side"] == "promoted"]
         rows.append({"rank": r + 1, "layer": layer, "neuron": n, "activation": float(act[n]),
                      "logit_per_activation": float(dla.neuron_value[layer][n]), "contribution": float(contrib[n]),
@@ -310,7 +277,8 @@ def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_
     contexts = pd.DataFrame(columns=["layer", "neuron", "rank", "activation", "token", "context"])
     if max_tokens > 0 and order:
         signs = [1.0 if float(act[n]) >= 0 else -1.0 for n in order]
-        kr = _key_readout(model, [(layer, n) for n in order], signs, key_top_n, max_tokens, corpus)
+        kr = key_readout(model, [(layer, n) for n in order], corpus, top_n=key_top_n, max_tokens=max_tokens, signs=signs,
+                     progress=False)
         contexts = kr.contexts[["layer", "neuron", "rank", "activation", "token", "context"]]
     return neurons, pd.concat(values, ignore_index=True) if values else pd.DataFrame(), contexts
 
@@ -410,7 +378,6 @@ def _cost(model, n_tokens: int, device_name: Optional[str]):
 
 
 def _device_name(model) -> Optional[str]:
-    from .model.load import model_device
 
     dev = model_device(model)
     if dev.type == "cuda" and torch.cuda.is_available():
@@ -438,7 +405,7 @@ def token_trace(
     top_k: int = 10,
     seed: int = 0,
     n_samples: int = 5,
-) -> TokenTrace:
+) -> TraceTables:
     """Trace ``prompt`` through every stage (module docstring) and return its tables.
 
     Args:
@@ -478,8 +445,6 @@ def token_trace(
     L_head = parse_head(head, model)
     batch = tokenize(model, [prompt])
     ids = [int(i) for i in batch.ids[0]]
-    from .fastpath import residual_stream
-    from .model.readout import Readout
 
     last_resid = residual_stream(model, batch, [hook("resid_post", int(model.cfg.n_layers) - 1)],
                                  positions=batch.last)[0]  # the last position only: no [pos, vocab] logits
@@ -529,7 +494,7 @@ def token_trace(
     # 5. direct logit attribution (with the neurons of the jump block)
     jl = lm["jump_layer"]
     ffn_layer = jl if jl is not None and jl >= 0 else int(model.cfg.n_layers) - 1
-    dla = _dla(model, prompt, target, foil, [ffn_layer])
+    dla = logit_attribution(model, [prompt], target, foil, position="last", neuron_layers=[ffn_layer])[0]
     comp = dla.components_frame().drop(columns=["prompt_idx", "position"])
     tables["components"] = comp
     meta.update({"logit": float(dla.logit), "attributed": float(dla.attributed), "output_transform": dla.transform,
@@ -558,7 +523,7 @@ def token_trace(
     tables["params"], tables["kv_cache"], meta["cost"] = _cost(model, len(ids), _device_name(model))
     lap("cost")
     meta["timings_s"] = timings
-    return TokenTrace(tables, meta)
+    return TraceTables(tables, meta)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""Sweep executors: run one point (:func:`execute_point`), all points locally (one model load per
+model) or on Ray actors (one per GPU, or ``--workers N`` CPU actors), each keeping its model loaded."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..core.errors import ConfigError
+from ..core.io import atomic_write
+from ..model.load import load_model
+from ..runner import run_config
+from .expand import Point, _groups
+from .index import _failed_record, _record_path, _runs_of, run_status
+
+__all__ = ["execute_point"]
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def execute_point(point: Point, out: str | Path, model=None) -> dict:
+    """Run one point into ``out/runs/<hash>/`` (partial runs of the same hash are deleted first)
+    and write its record ``point.json``. Errors are recorded, not raised (KeyboardInterrupt is)."""
+    out = Path(out)
+    hdir = out / "runs" / point.hash
+    hdir.mkdir(parents=True, exist_ok=True)
+    for old in _runs_of(out, point.hash):
+        if run_status(old) != "complete":
+            shutil.rmtree(old, ignore_errors=True)
+    started = _dt.datetime.now().isoformat(timespec="seconds")
+    t0 = time.time()
+    rec = {"point": point.index, "config_hash": point.hash, "params": point.params, "names": point.names,
+           "seed": point.seed, "started": started, "status": "running", "error": None, "run_dir": None}
+    status, error, run_dir = "failed", None, None
+    try:
+        run_dir, _ = run_config(point.config, hdir, stem=point.stem, model=model, progress=False, log=_quiet)
+        status = run_status(run_dir)
+        if status != "complete":  # a runner that records a failure without raising
+            error = (run_dir / "error.txt").read_text().strip() if (run_dir / "error.txt").is_file() else status
+    except KeyboardInterrupt:
+        rec.update(status="interrupted", seconds=round(time.time() - t0, 3))
+        atomic_write(_record_path(out, point.hash), json.dumps(rec, indent=2, default=str))
+        raise
+    except Exception as e:  # noqa: BLE001 - a failing point is recorded; the sweep goes on
+        error = f"{type(e).__name__}: {e}"
+        runs = _runs_of(out, point.hash)
+        run_dir = runs[-1] if runs else None
+    rec.update(status=status, error=error, seconds=round(time.time() - t0, 3),
+               run_dir=str(Path(run_dir).relative_to(out)) if run_dir else None)
+    atomic_write(_record_path(out, point.hash), json.dumps(rec, indent=2, default=str))
+    return rec
+
+
+def _progress(total: int, enabled: bool):
+    return tqdm(total=total, disable=not enabled or total == 0, unit="point", dynamic_ncols=True,
+                file=sys.stderr, desc="sweep")
+
+
+def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool, log) -> None:
+    bar = _progress(len(todo), progress)
+    try:
+        for group in _groups(todo):
+            spec = group[0].config.model
+            bar.set_postfix_str(f"loading {spec.name}")
+            try:
+                model = load_model(spec)
+            except Exception as e:  # noqa: BLE001 - every point of this model fails, the sweep goes on
+                for p in group:
+                    on_record(p, _failed_record(p, f"{type(e).__name__}: {e}"))
+                    bar.update(1)
+                continue
+            try:
+                for p in group:
+                    bar.set_postfix_str(p.label[:60])
+                    on_record(p, execute_point(p, out, model))
+                    bar.update(1)
+            finally:
+                del model
+                gc.collect()
+    finally:
+        bar.close()
+
+
+# ---- Ray ------------------------------------------------------------------------------------------
+
+
+class _RayWorker:
+    """A Ray actor: keeps the last model it loaded and runs points into the shared output dir."""
+
+    def __init__(self, env: dict):
+        os.environ.update(env)
+        warnings.filterwarnings("ignore")
+        self.key: str | None = None
+        self.model = None
+
+    def run(self, point: Point, out: str) -> dict:
+        if point.model_key != self.key:
+            self.model, self.key = None, None
+            gc.collect()
+            try:
+                self.model = load_model(point.config.model)
+            except Exception as e:  # noqa: BLE001
+                return _failed_record(point, f"{type(e).__name__}: {e}")
+            self.key = point.model_key
+        return execute_point(point, out, self.model)
+
+
+def _ray_env() -> dict:
+    pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding the tracekit package
+    env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "MPLBACKEND",
+                                      "TOKENIZERS_PARALLELISM") if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and p != pkg_root])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+def _start_ray(ray, env: dict, address: str | None, workers: int | None) -> bool:
+    """Start Ray (a local one, or join ``address``) unless it runs already; True when started here."""
+    if ray.is_initialized():
+        return False
+    kw: dict = {"include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True,
+                "runtime_env": {"env_vars": env}}
+    if address:
+        ray.init(address=address, **kw)
+    else:
+        ray.init(num_cpus=max(1, workers or min(4, os.cpu_count() or 1)), object_store_memory=200 * 2 ** 20, **kw)
+    return True
+
+
+def _actor_plan(ray, n_points: int, workers: int | None) -> tuple[int, dict, int]:
+    """``(actors, actor options, GPUs)``: one actor per GPU, else ``workers`` (or all CPUs) CPU actors;
+    never more actors than points."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus > 0:
+        n, opts = gpus, {"num_gpus": 1, "num_cpus": 1}
+    else:
+        n = max(1, workers or int(ray.cluster_resources().get("CPU", 1)))
+        opts = {"num_cpus": 1}
+    return min(n, n_points) or 1, opts, gpus
+
+
+class _Scheduler:
+    """Hands points to actors by model: an actor keeps its model while that model has points left,
+    then takes the model with the most points per actor already on it."""
+
+    def __init__(self, todo: list[Point], n: int):
+        self.pending: dict[str, list[Point]] = {}
+        for p in todo:
+            self.pending.setdefault(p.model_key, []).append(p)
+        self.current: dict[int, str | None] = {a: None for a in range(n)}
+
+    def next_point(self, a: int) -> Point | None:
+        pending, current = self.pending, self.current
+        key = current[a]
+        if not (pending.get(key)):
+            busy = {k: sum(1 for b in current if current[b] == k and b != a) for k in pending}
+            cands = [k for k in pending if pending[k]]
+            if not cands:
+                return None
+            key = max(cands, key=lambda k: len(pending[k]) / (1 + busy.get(k, 0)))
+        current[a] = key
+        p = pending[key].pop(0)
+        if not pending[key]:
+            del pending[key]
+        return p
+
+
+def _drive_actors(ray, actors: list, make_actor: Callable, sched: _Scheduler, out: Path, on_record: Callable,
+                  bar) -> None:
+    """Keep every actor busy until no point is left; an actor that dies fails its point and is replaced
+    (``make_actor()``: a new one)."""
+    inflight: dict = {}
+    idle = list(range(len(actors)))
+    while sched.pending or inflight:
+        while idle and sched.pending:
+            a = idle.pop(0)
+            p = sched.next_point(a)
+            if p is None:
+                break
+            inflight[actors[a].run.remote(p, str(out))] = (a, p)
+        done, _ = ray.wait(list(inflight), num_returns=1)
+        for ref in done:
+            a, p = inflight.pop(ref)
+            try:
+                rec = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the actor died (OOM, crash): record and replace it
+                rec = _failed_record(p, f"{type(e).__name__}: {e}")
+                actors[a] = make_actor()
+                sched.current[a] = None
+            on_record(p, rec)
+            bar.update(1)
+            idle.append(a)
+
+
+def _run_ray(todo: list[Point], out: Path, on_record: Callable, progress: bool, log, address: str | None,
+             workers: int | None) -> None:
+    try:
+        import ray  # lazy: optional/heavy (the `sweeps` extra)
+    except ImportError as e:
+        raise ConfigError("--executor ray needs Ray: pip install 'tracekit[sweeps]' (or pip install 'ray[default]')"
+                          ) from e
+    env = _ray_env()
+    started_here = _start_ray(ray, env, address, workers)
+    try:
+        n, opts, gpus = _actor_plan(ray, len(todo), workers)
+        Actor = ray.remote(**opts)(_RayWorker)
+        actors = [Actor.remote(env) for _ in range(n)]
+        log(f"ray: {n} {'GPU' if gpus else 'CPU'} actor(s) for {len(todo)} point(s)")
+        bar = _progress(len(todo), progress)
+        try:
+            _drive_actors(ray, actors, lambda: Actor.remote(env), _Scheduler(todo, n), out, on_record, bar)
+        finally:
+            bar.close()
+    finally:
+        if started_here:
+            ray.shutdown()

@@ -1,0 +1,236 @@
+"""Sweep expansion: a config's ``sweep`` block -> validated :class:`Point` s (no model is loaded).
+
+Field paths (``model.name``, ``experiments[0].target``) go through :mod:`tracekit.core.paths`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import apply_override, load_raw, parse_config
+from ..core import paths
+from ..core.errors import ConfigError
+from ..core.io import jsonable
+from ..inputs import input_files
+
+__all__ = ["SWEEP_KEYS", "Point", "config_hash", "derive_seed", "expand_sweep"]
+
+SWEEP_KEYS = ("grid", "zip", "compare")
+
+
+@dataclass
+class Point:
+    """One point of a sweep: its parameters and its validated config."""
+
+    index: int
+    params: dict            # path -> value set in the config
+    names: dict             # path -> value shown in the index (the value's name, or the value)
+    raw: dict               # the whole raw config of the point
+    config: Any             # tracekit.config.RunConfig
+    seed: int
+    hash: str = ""
+
+    @property
+    def stem(self) -> str:
+        return f"p{self.index:03d}"
+
+    @property
+    def model_key(self) -> str:
+        return json.dumps(self.config.model.model_dump(mode="json"), sort_keys=True)
+
+    @property
+    def label(self) -> str:
+        return _label(self.names)
+
+
+def _short(v: Any, n: int = 40) -> str:
+    s = v if isinstance(v, str) and not v.startswith(" ") else json.dumps(v) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _label(names: dict) -> str:
+    return ", ".join(f"{k}={_short(v)}" for k, v in names.items())
+
+
+def _groups(points: list[Point]) -> list[list[Point]]:
+    """The points grouped by model (first-seen order), so each model loads once."""
+    g: dict[str, list[Point]] = {}
+    for p in points:
+        g.setdefault(p.model_key, []).append(p)
+    return list(g.values())
+
+
+def _axis(values: Any, where: str) -> list[tuple[Any, Any]]:
+    """``[(shown, value), ...]`` from a list or a mapping name -> value."""
+    if isinstance(values, dict):
+        if not values:
+            raise ConfigError(f"{where}: give at least one value")
+        return [(str(k), v) for k, v in values.items()]
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"{where}: must be a non-empty list of values (or a mapping name -> value)")
+    return [(v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v), v) for v in values]
+
+
+def derive_seed(sweep_seed: int, params: dict) -> int:
+    """A point's seed: a hash of the sweep seed and the point's parameters (stable across runs,
+    machines and Python versions), in ``[0, 2**31)``."""
+    blob = json.dumps({"seed": sweep_seed, "params": params}, sort_keys=True, default=str)
+    return int(hashlib.sha256(blob.encode()).hexdigest()[:8], 16) % (2 ** 31)
+
+
+def config_hash(config) -> str:
+    """16 hex digits identifying a validated config (model, seed, every step's fields, and the
+    contents of every data file it names: :func:`tracekit.inputs.input_files`), so a point whose
+    ``pairs_file`` or corpus was edited is a new point, never a cached one."""
+    steps = [s.model_dump(mode="json") for s in config.experiments]
+    blob = {"model": config.model.model_dump(mode="json"), "seed": config.seed, "experiments": steps,
+            "inputs": {k: v["sha256"] for k, v in input_files({"experiments": steps}).items()}}
+    return hashlib.sha256(json.dumps(jsonable(blob), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load(config: str | Path | dict, overrides, source: str | None) -> tuple[dict, str]:
+    """The raw config (a copy) with ``--set`` overrides applied, and the name errors give it."""
+    if isinstance(config, (str, Path)):
+        source = source or str(config)
+        raw = load_raw(config)
+    else:
+        source = source or "<config>"
+        raw = copy.deepcopy(config)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    for a in overrides:
+        apply_override(raw, a)
+    return raw, source
+
+
+def _spec(raw: dict, source: str) -> dict:
+    spec = raw.get("sweep")
+    if not isinstance(spec, dict) or not spec:
+        raise ConfigError(f"{source}: sweep: must be a mapping with 'grid' and/or 'zip' (field path -> values)")
+    unknown = [k for k in spec if k not in SWEEP_KEYS]
+    if unknown:
+        raise ConfigError(f"{source}: sweep: unknown key(s) {unknown}; known: {list(SWEEP_KEYS)}")
+    if not spec.get("grid") and not spec.get("zip"):
+        raise ConfigError(f"{source}: sweep: give 'grid' (every combination) and/or 'zip' (paired lists)")
+    for k in ("grid", "zip"):
+        if k in spec and not isinstance(spec[k], dict):
+            raise ConfigError(f"{source}: sweep.{k}: must be a mapping field path -> list of values")
+    return spec
+
+
+def _check_path(path: str) -> None:
+    try:
+        paths.parse(path)
+    except paths.PathError as e:
+        raise ConfigError(f"sweep: {e}") from e
+
+
+def _axes(spec: dict, source: str) -> list[list[dict]]:
+    """The sweep's axes: one per ``grid`` path, one for all ``zip`` paths together; each axis a
+    list of ``{path: (shown, value)}``."""
+    axes: list[list[dict]] = []
+    grid = spec.get("grid") or {}
+    for path, values in grid.items():
+        _check_path(path)
+        axes.append([{path: sv} for sv in _axis(values, f"{source}: sweep.grid[{path!r}]")])
+    zipped = spec.get("zip") or {}
+    if zipped:
+        cols = {}
+        for path, values in zipped.items():
+            where = f"{source}: sweep.zip[{path!r}]"
+            _check_path(path)
+            if path in grid:
+                raise ConfigError(f"{where}: {path!r} is also in sweep.grid; sweep each field once")
+            cols[path] = _axis(values, where)
+        lens = {p: len(v) for p, v in cols.items()}
+        if len(set(lens.values())) > 1:
+            raise ConfigError(f"{source}: sweep.zip: the lists must have the same length (they are paired), got {lens}")
+        n = next(iter(lens.values()))
+        axes.append([{p: cols[p][i] for p in cols} for i in range(n)])
+    return axes
+
+
+def _sweep_seed(raw: dict, source: str) -> int:
+    sweep_seed = raw.get("seed", 0)
+    if isinstance(sweep_seed, bool) or not isinstance(sweep_seed, int):
+        raise ConfigError(f"{source}: seed: the sweep seed must be an integer (each point's seed derives from it), "
+                          f"got {sweep_seed!r}")
+    return sweep_seed
+
+
+def _point_raw(base: dict, params: dict, sweep_seed: int, source: str) -> tuple[dict, int]:
+    """A point's raw config (``base`` with ``params`` set) and its seed (derived unless swept)."""
+    praw = copy.deepcopy(base)
+    for p, v in params.items():
+        try:
+            paths.set_path(praw, p, v)
+        except paths.PathError as e:
+            raise ConfigError(f"{source}: sweep[{p!r}]: {p!r}: {e}") from None
+    seed = praw.get("seed", 0) if "seed" in params else derive_seed(sweep_seed, params)
+    praw["seed"] = seed
+    return praw, seed
+
+
+def _points(axes: list[list[dict]], base: dict, sweep_seed: int, source: str) -> list[Point]:
+    """Every combination of the axes, validated; all invalid points are listed in one error."""
+    points: list[Point] = []
+    problems: list[str] = []
+    for i, combo in enumerate(itertools.product(*axes)):
+        chosen: dict = {}
+        for part in combo:
+            chosen.update(part)
+        params = {p: v for p, (_, v) in chosen.items()}
+        names = {p: s for p, (s, _) in chosen.items()}
+        praw, seed = _point_raw(base, params, sweep_seed, source)
+        try:
+            cfg = parse_config(praw, source=f"point {i} ({_label(names)})")
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        pt = Point(i, params, names, praw, cfg, seed)
+        pt.hash = config_hash(cfg)
+        points.append(pt)
+    if problems:
+        shown = problems[:10] + ([f"... and {len(problems) - 10} more invalid points"] if len(problems) > 10 else [])
+        raise ConfigError(f"{source}: {len(problems)} sweep point(s) are invalid:\n" + "\n".join(shown))
+    return points
+
+
+def _check_distinct(points: list[Point], source: str) -> None:
+    by_hash: dict = {}
+    for p in points:
+        if p.hash in by_hash:
+            raise ConfigError(f"{source}: sweep points {by_hash[p.hash].index} ({by_hash[p.hash].label}) and "
+                              f"{p.index} ({p.label}) are the same config; sweep values must differ")
+        by_hash[p.hash] = p
+
+
+def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), source: str | None = None
+                 ) -> tuple[list[Point], dict]:
+    """Expand a sweep config into validated points (no model is loaded).
+
+    Args:
+        config: a YAML path or a raw config dict with a ``sweep`` block.
+        overrides: ``--set path=value`` assignments applied before expansion.
+
+    Returns:
+        ``(points, raw_config)``.
+
+    Raises:
+        ConfigError: a bad sweep block (unknown key, empty list, zip lists of different lengths, a
+            path swept twice, a path through a missing list item), any point whose config is
+            invalid (every such point is listed with its parameters), or two identical points.
+    """
+    raw, source = _load(config, overrides, source)
+    spec = _spec(raw, source)
+    base = {k: v for k, v in raw.items() if k != "sweep"}
+    axes = _axes(spec, source)
+    points = _points(axes, base, _sweep_seed(raw, source), source)
+    _check_distinct(points, source)
+    return points, raw

@@ -21,15 +21,23 @@ log = logging.getLogger("tracekit.model")
 class HookedModel(Protocol):
     """What tracekit reads on a model: the type of every ``model`` argument.
 
-    A loaded TransformerLens ``TransformerBridge`` (from :func:`tracekit.load_model`) has all of it
-    and runs; a :class:`ModelInfo` has the static part (``cfg``, ``tokenizer``, ``hook_dict``),
-    which is what ``Experiment.check`` reads before any weights are loaded. Methods that run the
-    model also call ``run_with_cache`` / ``run_with_hooks`` / ``hooks``, which only a bridge has.
+    A loaded TransformerLens ``TransformerBridge`` (from :func:`tracekit.load_model`) has all of it.
+    A :class:`ModelInfo` has the static part (``cfg``, ``tokenizer``, ``hook_dict``: what
+    ``Experiment.check`` reads before any weights load) and refuses the running part with a clear
+    :class:`~tracekit.errors.ModelLoadError`.
     """
 
     cfg: Any
     tokenizer: Any
     hook_dict: dict
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class ModelInfo:
@@ -51,6 +59,22 @@ class ModelInfo:
 
     def _gated_hook_reason(self, name: str) -> Optional[str]:
         return self._gate(name)
+
+    def _no_weights(self, what: str):
+        raise ModelLoadError(f"{what}: {self!r} is the model's tokenizer and config only (no weights); "
+                             "load the model (tracekit.load_model) to run it")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._no_weights("a forward pass")
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any:
+        self._no_weights("run_with_cache")
+
+    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        self._no_weights("run_with_hooks")
+
+    def hooks(self, *args: Any, **kwargs: Any) -> Any:
+        self._no_weights("hooks")
 
     def __repr__(self) -> str:
         return f"ModelInfo({self.tracekit_spec.name!r}, n_layers={self.cfg.n_layers})"

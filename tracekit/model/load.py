@@ -28,7 +28,7 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -38,7 +38,7 @@ from . import weights_cache as cache
 from .architectures import ALIASES, architecture_name, check_loadable
 from .checks import load_checks, probe_ids
 from .processed import processed_weights_cache
-from .spec import DTYPES, ModelSpec, _check_devices, as_spec, resolve_device
+from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, resolve_device
 from .state import state_of
 
 log = logging.getLogger("tracekit.model")
@@ -121,8 +121,9 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     if "blocks" not in getattr(getattr(bridge, "adapter", None), "component_mapping", {"blocks": None}):
         raise ModelLoadError(f"{arch}: TransformerLens' bridge exposes no blocks for it (no residual stream "
                              "tracekit can read); docs/architectures.md lists what runs on each architecture.")
-    resolved = spec.model_copy(update={"prepend_bos": spec.resolved_prepend_bos(tokenizer)})
-    bridge.cfg.default_prepend_bos = resolved.prepend_bos
+    prepend_bos = spec.resolved_prepend_bos(tokenizer)
+    resolved = spec.model_copy(update={"prepend_bos": prepend_bos})
+    bridge.cfg.default_prepend_bos = prepend_bos
     bridge.eval()
     for p in bridge.parameters():
         p.requires_grad_(False)
@@ -283,7 +284,7 @@ def load_model(spec: ModelSpec | str | dict | None = None, **overrides):
 def _load_model(spec: ModelSpec, key: str):
     _check_devices(spec)
     dtype = DTYPES[spec.dtype]
-    device = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
+    device = load_device(spec)
     wkey = spec.weights_key()
     shared = wkey in _WEIGHTS and spec.device_map is None
     if shared:
@@ -361,6 +362,11 @@ def model_spec_of(model) -> ModelSpec:
         prepend = bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
         spec = ModelSpec(name=str(getattr(model.cfg, "model_name", "custom")), prepend_bos=prepend)
     return spec
+
+
+def model_parameters(model) -> Iterator[torch.nn.Parameter]:
+    """The model's weights (``model.parameters()``: a bridge's, not a :class:`ModelInfo`'s)."""
+    return model.parameters()
 
 
 def model_device(model) -> torch.device:

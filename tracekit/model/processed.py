@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import inspect
 import json
 import logging
 import os
 import shutil
+import threading
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -145,10 +148,11 @@ class processed_weights_cache:
         self._saved = None
 
     def __enter__(self):
-        if self.entry is None or not cache_enabled():
+        if self.entry is None or not cache_enabled() or not _patchable():
             return self
-        from transformer_lens.weight_processing import ProcessWeights
+        from transformer_lens.weight_processing import ProcessWeights  # lazy: TransformerLens is heavy
 
+        _PATCH_LOCK.acquire()  # one patch at a time: two loads in two threads never interleave save/restore
         self._saved = ProcessWeights.__dict__["process_weights"]
         real = self._saved.__func__
         ctx = self
@@ -157,7 +161,8 @@ class processed_weights_cache:
             if any(v.device.type != "cpu" for v in state_dict.values() if isinstance(v, torch.Tensor)):
                 return real(state_dict, cfg, **kw)  # GPU / multi-device: processed in place, not cached
             options = {k: (type(v).__name__ if k == "adapter" else v) for k, v in sorted(kw.items())}
-            d = ctx.entry / f"processed-{_processed_key(_state_signature(state_dict), options)}"  # type: ignore[operator]
+            assert ctx.entry is not None  # __enter__ returned early otherwise
+            d = ctx.entry / f"processed-{_processed_key(_state_signature(state_dict), options)}"
             hit = _load_processed(d)
             if hit is not None:
                 ctx.hits += 1
@@ -172,9 +177,37 @@ class processed_weights_cache:
 
     def __exit__(self, *exc):
         if self._saved is not None:
-            from transformer_lens.weight_processing import ProcessWeights
+            from transformer_lens.weight_processing import ProcessWeights  # lazy: TransformerLens is heavy
 
             ProcessWeights.process_weights = self._saved  # type: ignore[method-assign]
             self._saved = None
+            _PATCH_LOCK.release()
         return False
 
+
+#: Held while ``ProcessWeights.process_weights`` is replaced (the replacement is process-global).
+_PATCH_LOCK = threading.RLock()
+
+#: TransformerLens major versions whose ``ProcessWeights.process_weights(state_dict, cfg, **options)``
+#: static method this cache wraps (3.x; 4.x keeps the bridge's processing in the same place).
+_SUPPORTED_TL_MAJOR = (3, 4)
+
+
+def _patchable() -> bool:
+    """Whether the installed TransformerLens has the static method this cache wraps, with the
+    signature it expects; otherwise processing runs uncached (never patched blind)."""
+    try:
+        from transformer_lens.weight_processing import ProcessWeights  # lazy: TransformerLens is heavy
+        tl_version = metadata.version("transformer-lens")
+    except (ImportError, metadata.PackageNotFoundError):
+        return False
+    major = tl_version.split(".")[0]
+    fn = ProcessWeights.__dict__.get("process_weights")
+    ok = major.isdigit() and int(major) in _SUPPORTED_TL_MAJOR and isinstance(fn, staticmethod)
+    if ok:
+        params = list(inspect.signature(fn.__func__).parameters)
+        ok = params[:2] == ["state_dict", "cfg"]
+    if not ok:
+        log.debug("processed-weights cache off: TransformerLens %s has no ProcessWeights.process_weights"
+                  "(state_dict, cfg, ...) static method", tl_version)
+    return ok

@@ -127,6 +127,20 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def load_device(spec: ModelSpec) -> str:
+    """The device a spec's weights are read onto: :func:`resolve_device` of ``model.device`` for one
+    device; ``cpu`` when ``device_map`` / ``n_devices`` spread the blocks (accelerate then places
+    them). The one place that decides it (loading, the reference model of ``tracekit verify``, the
+    run's environment record).
+
+    Raises:
+        ModelLoadError: CUDA asked for but absent.
+    """
+    if spec.device_map is None and not spec.n_devices:
+        return resolve_device(spec.device)
+    return "cpu"
+
+
 def _check_devices(spec: ModelSpec) -> None:
     """Fail before loading weights when the spec asks for devices this machine lacks."""
     if spec.n_devices and spec.n_devices > 1 and torch.cuda.device_count() < spec.n_devices:

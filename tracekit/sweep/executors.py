@@ -166,7 +166,7 @@ class _Scheduler:
     def next_point(self, a: int) -> Point | None:
         pending, current = self.pending, self.current
         key = current[a]
-        if not (pending.get(key)):
+        if key is None or not pending.get(key):  # no model yet, or its points are all handed out
             busy = {k: sum(1 for b in current if current[b] == k and b != a) for k in pending}
             cands = [k for k in pending if pending[k]]
             if not cands:

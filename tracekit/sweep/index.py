@@ -6,7 +6,7 @@ import datetime as _dt
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
 
@@ -119,7 +119,7 @@ def _row(out: Path, point: Point, rec: dict) -> dict:
     return row
 
 
-def _sanitize(df):
+def _sanitize(df: pd.DataFrame) -> pd.DataFrame:
     for c in df.columns:
         if df[c].dtype == object:
             vals = df[c].dropna()
@@ -133,7 +133,7 @@ def _sanitize(df):
     return df
 
 
-def build_index(out: str | Path, points: list[Point], records: dict[int, dict]):
+def build_index(out: str | Path, points: list[Point], records: dict[int, dict]) -> pd.DataFrame:
     """The index DataFrame: one row per point (``status: pending`` where nothing ran yet)."""
     out = Path(out)
     rows = [_row(out, p, records.get(p.index, {"status": "pending"})) for p in points]
@@ -143,7 +143,8 @@ def build_index(out: str | Path, points: list[Point], records: dict[int, dict]):
     head = list(dict.fromkeys(head))
     rest = sorted(c for c in df.columns if c not in head and not c.startswith("env/") and c != "summary")
     env = sorted(c for c in df.columns if c.startswith("env/"))
-    df = df[[c for c in head if c in df.columns] + rest + (["summary"] if "summary" in df.columns else []) + env]
+    cols = [c for c in head if c in df.columns] + rest + (["summary"] if "summary" in df.columns else []) + env
+    df = cast(pd.DataFrame, df[cols])  # a list of columns selects a DataFrame (pandas types [] as DataFrame | Series)
     return _sanitize(df.reset_index(drop=True))
 
 

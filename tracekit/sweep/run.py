@@ -184,7 +184,7 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
         df = build_index(out, points, records)
         write_index(out, df)
         outcome.index = df
-        outcome.failed = [int(r.point) for r in df.itertuples() if r.status == "failed"]
+        outcome.failed = [int(r["point"]) for r in df.to_dict("records") if r["status"] == "failed"]
         _compare_figures(out, df, raw.get("sweep", {}), log)
         return outcome
     finally:

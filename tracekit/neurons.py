@@ -10,15 +10,20 @@ Space"). Neuron ``n`` of MLP ``L`` (a block index) has a key (its input weights;
 ``a_n = blocks.L.mlp.hook_post[n]``, i.e. GELU(pre) for GPT-2 and SiLU(gate) * up for SwiGLU
 models, which can be negative) and a value (its output row ``W_out[L, n]``).
 
+The neurons of one MLP are a unit basis (:class:`NeuronBasis`, :mod:`tracekit.units`), so the
+interventions, random controls and readouts are the ones SAE features use:
+
 * contribution (:func:`neuron_contributions`): ``a_n * (W_out[L, n] . u_eff) / sigma`` logits,
   the neuron's direct effect through the run's frozen final-norm scale
   (:meth:`tracekit.model.readout.Readout.direction`); per layer the neurons plus the ``b_out`` term equal
   the MLP's direct attribution (tested);
 * value readout (:func:`value_logits`, :func:`value_readout`): ``W_out[L, n]`` read in vocabulary
-  space by :meth:`tracekit.model.readout.Readout.vocab_projection` (logits per unit activation);
-* key readout (:func:`key_readout`): top-activating contexts over a corpus (:mod:`tracekit.corpus`);
-* interventions (:func:`neuron_intervention`): zero / mean / scale some neurons' activations and
-  measure the output with :mod:`tracekit.metrics`.
+  space (:func:`tracekit.units.vocab_readout`; logits per unit activation);
+* key readout (:func:`key_readout`): top-activating contexts over a corpus (:mod:`tracekit.corpus`,
+  :func:`tracekit.units.top_contexts`);
+* interventions (:func:`neuron_intervention`): the verbs of :mod:`tracekit.units` (``zero`` /
+  ``mean`` / ``clamp`` / ``scale`` / ``steer``) on some neurons, measured with :mod:`tracekit.metrics`
+  (:func:`tracekit.units.intervene`); random controls (:func:`random_neurons`).
 
 Every function that adds hooks removes them whatever is raised (TransformerLens' ``hooks``
 context manager and ``run_with_cache``, both of which remove their hooks in a ``finally``; tested
@@ -28,30 +33,40 @@ by raising inside a hook).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
 from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width
-from .dla import DirectAttribution, LogitTarget, as_position, logit_attribution, resolve_target
+from .corpus import iter_documents, token_windows, window_batches
+from .dla import DirectAttribution, as_position, logit_attribution, resolve_target
 from .errors import AttributionError
-from .hooks import check_hooks
-from .metrics import logit_diff, target_log_prob, target_prob
 from .model.architectures import require
 from .model.readout import Readout
 from .model.writepath import write_path
-from .tokens import Position, PositionSpec, forward_kwargs, tokenize
+from .tokens import Position, PositionSpec, run_with_cache, tokenize
+from .units import (
+    VERBS,
+    UnitEdit,
+    canonical_verb,
+    intervene,
+    output_metrics,
+    random_units,
+    top_contexts,
+    vocab_readout,
+)
 
 if TYPE_CHECKING:
     from .corpus import Window
 
 __all__ = [
-    "AttributionError", "parse_neuron", "neuron_contributions", "value_logits", "value_readout", "KeyReadout",
-    "key_readout", "neuron_intervention", "random_neurons", "output_metrics", "prompt_means", "INTERVENE_AT",
+    "AttributionError", "parse_neuron", "NeuronBasis", "neuron_contributions", "value_logits", "value_readout",
+    "KeyReadout", "key_readout", "neuron_intervention", "random_neurons", "output_metrics", "prompt_means",
+    "INTERVENE_AT",
 ]
 
 #: Where :func:`neuron_intervention` edits activations: the read position only, or every position.
@@ -77,6 +92,72 @@ def parse_neuron(model, spec, field: str = "neurons") -> tuple[int, int]:
     require(model, "neuron attribution", layers=[L], need=("neurons",))
     check_neurons(model, L, [N], field)
     return L, N
+
+
+class NeuronBasis:
+    """The neurons of MLP ``layer`` as a :class:`tracekit.units.UnitBasis`: activations are
+    ``blocks.L.mlp.hook_post``, unit ``n``'s decoder row is its value vector ``W_out[L, n]`` as it
+    reaches the residual stream (through a post-MLP norm's weight at scale 1 and a residual
+    multiplier, :mod:`tracekit.model.writepath`). Supports every verb of :data:`tracekit.units.VERBS`
+    (``steer`` adds ``value`` to the activation, i.e. ``value x W_out[L, n]`` to the MLP's output).
+
+    Raises:
+        AttributionError: unknown layer; MethodRefused: a block without dense neurons (MoE).
+    """
+
+    name = "neuron"
+    verbs = VERBS
+
+    def __init__(self, model, layer: int):
+        self.model = model
+        self.layer = check_layer(model, layer, "layer")
+        require(model, "neuron attribution", layers=[self.layer], need=("neurons",))
+        self.hook = hook("neuron", self.layer)
+        self.n_units = mlp_width(model, self.layer)
+
+    def check(self, units: Sequence[int], field: str = "neurons") -> list[int]:
+        """Neuron indices, checked against the MLP's width (SiteError, an AttributionError)."""
+        return check_neurons(self.model, self.layer, list(units), field)
+
+    def activations(self, value: Float[torch.Tensor, "*batch d_mlp"]) -> Float[torch.Tensor, "*batch d_mlp"]:
+        """``hook_post`` is the neurons' activations."""
+        return value
+
+    def decoder_rows(self, units: Sequence[int]) -> Float[torch.Tensor, "k d_model"]:
+        """``W_out[L, units]`` as written into the residual stream per unit activation (float32)."""
+        v = self.model.blocks[self.layer].mlp.W_out[list(units)].float()
+        wp = write_path(self.model, self.layer, "mlp")
+        if wp is not None and wp.norm is not None:  # through the post-MLP norm at its scale 1
+            v = wp.norm.weight.to(v.device) * wp.norm.centre(v)
+        if wp is not None:
+            v = v * wp.multiplier
+        return v
+
+    def hook_rows(self, units: Sequence[int]) -> Float[torch.Tensor, "k d_mlp"]:
+        """One-hot rows: steering a neuron adds to its own activation."""
+        rows = torch.zeros(len(units), self.n_units)
+        rows[torch.arange(len(units)), torch.tensor(list(units), dtype=torch.long)] = 1.0
+        return rows
+
+    def edit_hook(self, units: Sequence[int], edit: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                  add: Optional[Float[torch.Tensor, " d_mlp"]], where: Bool[torch.Tensor, " pos"],
+                  start: Optional[torch.Tensor] = None) -> Callable:
+        """A ``hook_post`` hook: ``act[:, where, units] = edit(...)``, then ``+ add`` at ``where``."""
+        idx = torch.tensor(list(units), dtype=torch.long)
+
+        def hook_fn(act, hook):
+            if start is not None:
+                act = start.clone().to(act.dtype)
+            sel = where.to(act.device)
+            view = act[:, sel]
+            if edit is not None:
+                i = idx.to(act.device)
+                view[..., i] = edit(view[..., i])
+            if add is not None:
+                view = view + add.to(device=act.device, dtype=act.dtype)
+            act[:, sel] = view
+            return act
+        return hook_fn
 
 
 def neuron_contributions(
@@ -113,7 +194,7 @@ def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_voca
     centred over the vocabulary (logits per unit activation at final-norm scale 1; Geva et al. 2022).
     On blocks with a post-MLP norm (Gemma 2/3, OLMo 2, GLM-4) the vector goes through that norm's
     weight first, at its scale 1, as the write does (:mod:`tracekit.model.writepath`); a residual
-    multiplier (Granite) scales it.
+    multiplier (Granite) scales it (:meth:`NeuronBasis.decoder_rows`).
 
     ``value_logits[t] - value_logits[f]`` times ``final_scale`` equals the neuron's
     ``logit_per_activation`` in :func:`tracekit.dla.logit_attribution` for target t and foil f (tested).
@@ -122,18 +203,13 @@ def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_voca
         AttributionError: unknown layer or neuron.
     """
     L, N = parse_neuron(model, (layer, neuron), "neuron")
-    v = model.blocks[L].mlp.W_out[N].float()
-    wp = write_path(model, L, "mlp")
-    if wp is not None and wp.norm is not None:  # through the post-MLP norm at its scale 1
-        v = wp.norm.weight.to(v.device) * wp.norm.centre(v)
-    if wp is not None:
-        v = v * wp.multiplier
-    return Readout(model).vocab_projection(v).cpu()
+    return Readout(model).vocab_projection(NeuronBasis(model, L).decoder_rows([N]))[0].cpu()
 
 
 @torch.no_grad()
 def value_readout(model, layer: int, neuron: int, k: int = 10, sign: float = 1.0) -> pd.DataFrame:
-    """Tokens a neuron's value vector ``W_out[layer, neuron]`` promotes and suppresses most.
+    """Tokens a neuron's value vector ``W_out[layer, neuron]`` promotes and suppresses most
+    (:func:`tracekit.units.vocab_readout` over :class:`NeuronBasis`).
 
     Geva et al. 2022 project each FFN value vector onto the vocabulary. Here the projection goes
     through the final norm's weight (and LayerNorm's centring), i.e. it is the neuron's direct
@@ -154,15 +230,11 @@ def value_readout(model, layer: int, neuron: int, k: int = 10, sign: float = 1.0
         AttributionError: unknown layer or neuron.
     """
     L, N = parse_neuron(model, (layer, neuron), "neuron")
-    scores = value_logits(model, L, N) * (1.0 if sign >= 0 else -1.0)
-    k = min(int(k), scores.numel())
-    rows = []
-    tok = model.tokenizer
-    for side, (vals, idx) in (("promoted", scores.topk(k)), ("suppressed", (-scores).topk(k))):
-        for r, (val, i) in enumerate(zip(vals.tolist(), idx.tolist())):
-            rows.append({"layer": L, "neuron": N, "side": side, "rank": r + 1, "token": tok.decode([i]),
-                         "token_id": int(i), "logit_per_activation": val if side == "promoted" else -val})
-    return pd.DataFrame(rows)
+    df = vocab_readout(model, NeuronBasis(model, L), [N], k, signs=[sign])
+    df = df.rename(columns={"score": "logit_per_activation"}).drop(columns="unit")
+    df.insert(0, "neuron", N)
+    df.insert(0, "layer", L)
+    return df
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,21 +256,6 @@ class KeyReadout:
     means: dict
     n_tokens: int
     n_windows: int
-
-
-@torch.no_grad()
-def _activations(model, batch, names: list[str], stop_at_layer: Optional[int]) -> dict:
-    """The named activations of ``batch``; the forward pass stops before block ``stop_at_layer``
-    (TransformerLens' ``run_with_cache(stop_at_layer=...)``: no later blocks, no unembedding; its
-    hooks are removed in a ``finally``)."""
-    n_layers = int(model.cfg.n_layers)
-    stop = stop_at_layer if stop_at_layer is not None and stop_at_layer < n_layers else None
-    _, cache = model.run_with_cache(batch.tokens, names_filter=set(names).__contains__, stop_at_layer=stop,
-                                    **forward_kwargs(batch))
-    missing = [n for n in names if n not in cache]
-    if missing:
-        raise AttributionError(f"the model never produced the activations {missing}")
-    return {n: cache[n] for n in names}
 
 
 def _context(model, ids, p, n_prefix, before, after) -> tuple[str, str]:
@@ -226,12 +283,13 @@ def key_readout(
     jsonl_field: str = "text",
     progress: bool = True,
 ) -> KeyReadout:
-    """Top-activating contexts of neurons over a corpus (Geva et al. 2021's key readout).
+    """Top-activating contexts of neurons over a corpus (Geva et al. 2021's key readout;
+    :func:`tracekit.units.top_contexts` over :class:`NeuronBasis`).
 
     Streams the corpus (:mod:`tracekit.corpus`) in padded batches; the forward pass stops after
-    the deepest requested block (``run_with_cache(stop_at_layer=...)``); only ``blocks.L.mlp.hook_post`` of the needed layers is cached
-    and only the running top ``top_n`` per neuron is kept, so memory is bounded. Results do not
-    depend on ``batch_size`` (tested).
+    the deepest requested block (``run_with_cache(stop_at_layer=...)``); only ``blocks.L.mlp.hook_post``
+    of the needed layers is cached and only the running top ``top_n`` per neuron is kept, so memory
+    is bounded. Results do not depend on ``batch_size`` (tested).
 
     Args:
         neurons: ``(layer, neuron)`` pairs or ``"L.N"`` strings.
@@ -246,69 +304,42 @@ def key_readout(
     Raises:
         AttributionError: bad neuron spec. CorpusError: unreadable corpus.
     """
-    from .corpus import iter_documents, token_windows, window_batches
-
     specs = [parse_neuron(model, n) for n in neurons]
     if not specs:
         raise AttributionError("neurons: give at least one neuron")
-    signs_t = torch.tensor([1.0 if (signs is None or s >= 0) else -1.0 for s in (signs or [1.0] * len(specs))])
-    if len(signs_t) != len(specs):
+    if signs and len(signs) != len(specs):
         raise AttributionError("signs: need one sign per neuron")
-    layers = sorted({L for L, _ in specs})
-    names = check_hooks(model, [hook("neuron", L) for L in layers], "neurons")
-    N = len(specs)
-    best_v = torch.full((N, top_n), float("-inf"))
-    best_w = torch.full((N, top_n), -1, dtype=torch.long)
-    best_p = torch.full((N, top_n), -1, dtype=torch.long)
-    sums = torch.zeros(N, dtype=torch.float64)
-    count = 0
+    bases = {L: NeuronBasis(model, L) for L in sorted({L for L, _ in specs})}
     windows: dict[int, Window] = {}
-    n_windows = 0
-    docs = iter_documents(corpus, jsonl_field=jsonl_field)
-    wins = token_windows(model, docs, seq_len=seq_len, max_tokens=max_tokens)
+    wins = token_windows(model, iter_documents(corpus, jsonl_field=jsonl_field), seq_len=seq_len, max_tokens=max_tokens)
     bar = tqdm(total=max_tokens, desc="key readout", unit="tok", disable=not progress, leave=False)
-    for batch, group in window_batches(model, wins, batch_size):
-        cache = _activations(model, batch, names, max(layers) + 1)
-        acts = torch.stack([cache[hook("neuron", L)][..., n].float().cpu() for L, n in specs], -1)  # [B,P,N]
-        valid = batch.attention_mask.bool().cpu().clone()
-        valid[:, : group[0].n_prefix] = False  # BOS (windows are right-padded, BOS first)
-        sums += (acts * valid[..., None]).sum((0, 1)).double()
-        ntok = int(valid.sum())
-        count += ntok
-        vals = (acts * signs_t).masked_fill(~valid[..., None], float("-inf"))  # [B,P,N]
-        B, P, _ = vals.shape
-        wid = torch.tensor([w.window for w in group]).repeat_interleave(P)
-        pid = torch.arange(P).repeat(B)
-        cand_v = torch.cat([best_v, vals.reshape(B * P, N).T], 1)
-        cand_w = torch.cat([best_w, wid.expand(N, -1)], 1)
-        cand_p = torch.cat([best_p, pid.expand(N, -1)], 1)
-        # deterministic order: activation desc, then window, then position (exact ties happen
-        # when two windows share a prefix)
-        o1 = torch.sort(cand_w * (P + seq_len + 1) + cand_p, dim=1, stable=True).indices
-        o2 = torch.sort(cand_v.gather(1, o1), dim=1, descending=True, stable=True).indices
-        order = o1.gather(1, o2)[:, :top_n]
-        best_v, best_w, best_p = cand_v.gather(1, order), cand_w.gather(1, order), cand_p.gather(1, order)
-        for w in group:
-            windows[w.window] = w
-        keep = set(best_w[torch.isfinite(best_v)].tolist())
-        windows = {k: v for k, v in windows.items() if k in keep}
-        n_windows += len(group)
-        bar.update(ntok)
-        del cache
+
+    def batches():
+        for batch, group in window_batches(model, wins, batch_size):
+            valid = batch.attention_mask.bool().cpu().clone()
+            valid[:, : group[0].n_prefix] = False  # BOS (windows are right-padded, BOS first)
+            windows.update((w.window, w) for w in group)
+            yield batch, [w.window for w in group], valid
+
+    def after_batch(found, masked, valid):  # keep only the windows still ranked (bounded memory)
+        keep = found.top.kept_windows()
+        for k in [k for k in windows if k not in keep]:
+            del windows[k]
+        bar.update(int(valid.sum()))
+
+    found = top_contexts(model, [(bases[L], n) for L, n in specs], batches(), top_n=top_n, signs=signs or None,
+                         on_batch=after_batch, field="neurons")
     bar.close()
     rows = []
     for j, (L, n) in enumerate(specs):
-        for r in range(best_v.shape[1]):
-            if not torch.isfinite(best_v[j, r]):
-                continue
-            w = windows[int(best_w[j, r])]
-            p = int(best_p[j, r])
+        for r, (act, wid, p) in enumerate(found.ranked(j)):
+            w = windows[wid]
             token, ctx = _context(model, w.ids, p, w.n_prefix, context_before, context_after)
-            rows.append({"layer": L, "neuron": n, "rank": r + 1, "activation": float(best_v[j, r] * signs_t[j]),
-                         "token": token, "context": ctx, "doc_id": w.doc_id, "window": w.window, "position": p})
-    means = {(L, n): float(sums[j] / max(1, count)) for j, (L, n) in enumerate(specs)}
+            rows.append({"layer": L, "neuron": n, "rank": r + 1, "activation": act, "token": token, "context": ctx,
+                         "doc_id": w.doc_id, "window": w.window, "position": p})
+    means = {(L, n): float(found.sums[j] / max(1, found.count)) for j, (L, n) in enumerate(specs)}
     cols = ["layer", "neuron", "rank", "activation", "token", "context", "doc_id", "window", "position"]
-    return KeyReadout(pd.DataFrame(rows, columns=cols), means, count, n_windows)
+    return KeyReadout(pd.DataFrame(rows, columns=cols), means, found.count, found.n_windows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +357,6 @@ def prompt_means(model, prompts: Sequence[str], neurons: Sequence) -> dict:
     Raises:
         AttributionError: bad neuron spec.
     """
-    from .tokens import run_with_cache
-
     specs = [parse_neuron(model, n) for n in neurons]
     layers = sorted({L for L, _ in specs})
     batch = tokenize(model, list(prompts))
@@ -340,48 +369,32 @@ def prompt_means(model, prompts: Sequence[str], neurons: Sequence) -> dict:
 
 
 def random_neurons(model, like: Sequence[tuple[int, int]], seed: int = 0, exclude: Iterable = ()) -> list[tuple[int, int]]:
-    """As many random neurons per layer as ``like`` has, avoiding ``exclude`` (a control set)."""
+    """As many random neurons per layer as ``like`` has, avoiding ``exclude`` and ``like`` (a
+    control set; :func:`tracekit.units.random_units`, one numpy generator seeded with ``seed``
+    drawing layer after layer in increasing order)."""
     g = np.random.default_rng(seed)
     ex = set(map(tuple, exclude)) | set(map(tuple, like))
     out = []
     for L in sorted({L for L, _ in like}):
-        d_mlp = mlp_width(model, L)
         k = sum(1 for l2, _ in like if l2 == L)
-        pool = np.array([n for n in range(d_mlp) if (L, n) not in ex])
-        out += [(L, int(n)) for n in g.choice(pool, size=min(k, len(pool)), replace=False)]
+        out += [(L, n) for n in random_units(mlp_width(model, L), k, {n for l2, n in ex if l2 == L}, rng=g)]
     return out
 
 
-def output_metrics(logits: Float[torch.Tensor, " d_vocab"], tgt: LogitTarget) -> dict:
-    """``target_prob`` (probability), ``target_log_prob`` (nats), ``target_logit`` and
-    ``logit_diff`` (logits: target - foil, or the target logit without a foil) and, with a foil,
-    ``foil_prob``, of one next-token logit vector, computed by :mod:`tracekit.metrics`."""
-    lg = logits.float().reshape(1, -1)
-    t = torch.tensor([[tgt.target_id]], device=lg.device)
-    out = {"target_prob": float(target_prob(lg, t)[0]), "target_log_prob": float(target_log_prob(lg, t)[0]),
-           "target_logit": float(lg[0, tgt.target_id])}
-    if tgt.foil_id is not None:
-        f = torch.tensor([[tgt.foil_id]], device=lg.device)
-        out["foil_prob"] = float(target_prob(lg, f)[0])
-        out["logit_diff"] = float(logit_diff(lg, t, f)[0])
-    else:
-        out["logit_diff"] = out["target_logit"]
-    return out
-
-
-def _new_values(mode: str, cur: torch.Tensor, mean_values: Optional[torch.Tensor], factor: float) -> torch.Tensor:
-    """The edited activations of the chosen neurons (``cur``: ``[batch, pos, k]``)."""
-    if mode == "zero":
-        return torch.zeros_like(cur)
-    if mode == "mean":
-        assert mean_values is not None
-        return mean_values.to(cur.dtype).expand_as(cur).clone()
-    return cur * factor
-
-
-def _frozen(clean, name: str, act: torch.Tensor) -> torch.Tensor:
-    """The clean run's activation at hook ``name``, in ``act``'s dtype (a freeze hook's output)."""
-    return clean[name].to(act.dtype)
+def _direct_path_freeze(model, layers: Sequence[int]) -> list[str]:
+    """Hooks held at their clean values so an edit of the neurons of ``layers`` moves the output only
+    through the direct path: the final-norm scale, the edited blocks' post-MLP norm scales, every
+    later attention output and non-edited MLP output, and the edited ``hook_post`` s themselves."""
+    n_layers = int(model.cfg.n_layers)
+    lmin = min(layers, default=n_layers)
+    post_scales = []
+    for L in layers:
+        wp = write_path(model, L, "mlp")
+        if wp is not None and wp.norm is not None and f"blocks.{L}.{wp.norm_name}.hook_scale" in model.hook_dict:
+            post_scales.append(f"blocks.{L}.{wp.norm_name}.hook_scale")
+    return ([hook("final_norm_scale")] + post_scales + [hook("attn_out", L) for L in range(lmin + 1, n_layers)]
+            + [hook("mlp_out", L) for L in range(lmin + 1, n_layers) if L not in layers]
+            + [hook("neuron", L) for L in layers])
 
 
 @torch.no_grad()
@@ -390,7 +403,7 @@ def neuron_intervention(
     prompt: str,
     target: str,
     neurons: Sequence,
-    mode: str = "zero",  # zero | mean | scale (checked below, with the field named)
+    mode: str = "zero",  # a verb of tracekit.units.VERBS (checked, with the field named)
     foil: Optional[str] = None,
     means: Optional[dict] = None,
     factor: float = 2.0,
@@ -398,14 +411,19 @@ def neuron_intervention(
     position: Union[PositionSpec, Position] = "last",
     freeze_downstream: bool = False,
     clean_metrics: Optional[dict] = None,
+    value: float = 0.0,
 ) -> dict:
-    """Set some neurons' activations and measure the target (Geva et al. 2022's interventions).
+    """Edit some neurons' activations and measure the target (Geva et al. 2022's interventions;
+    :func:`tracekit.units.intervene` over one :class:`NeuronBasis` per layer).
 
     Args:
         prompt: one prompt. target/foil: as in :func:`tracekit.dla.logit_attribution`.
         neurons: ``(layer, neuron)`` pairs or ``"L.N"`` strings (layer = block index).
-        mode: ``zero`` (activation := 0), ``mean`` (:= ``means[(L, n)]``, e.g. the corpus mean from
-            :func:`key_readout`), ``scale`` (activation *= ``factor``; amplification when > 1).
+        mode: a verb of :data:`tracekit.units.VERBS`: ``zero`` (activation := 0), ``mean`` (:=
+            ``means[(L, n)]``, e.g. the corpus mean from :func:`key_readout`), ``clamp`` (:=
+            ``value``), ``scale`` (activation *= ``factor``; amplification when > 1), ``steer``
+            (activation += ``value``, i.e. ``value x W_out[L, n]`` added to the MLP's output).
+            ``ablate`` / ``amplify`` are read as ``zero`` / ``scale``.
         intervene_at: edit the activations at the read ``position`` only (``position``) or at every
             position (``all``).
         position: the read position (int, ``last``, ``token:<text>``), where the metrics are read.
@@ -415,92 +433,38 @@ def neuron_intervention(
             direct contributions (tested).
         clean_metrics: the ``clean`` dict of an earlier call on the same prompt/target/position, to
             skip the clean forward pass (ignored with ``freeze_downstream``).
+        value: the activation of ``clamp``, the amount of ``steer`` (activation units).
 
     Returns:
         ``{"clean": metrics, "patched": metrics, "delta": patched - clean}`` with the metrics of
-        :func:`output_metrics` (``target_prob``, ``target_log_prob``, ``target_logit``,
-        ``logit_diff``, ``foil_prob``).
+        :func:`tracekit.units.output_metrics` (``target_prob``, ``target_log_prob``,
+        ``target_logit``, ``logit_diff``, ``foil_prob``).
 
     Raises:
-        AttributionError: bad neuron spec, ``intervene_at``, non-finite ``factor``/means, or
-        ``mode='mean'`` without ``means``. TokenizationError: position not in the prompt.
+        AttributionError: bad neuron spec, ``mode``, ``intervene_at``, non-finite
+        ``factor``/``value``/means, or ``mode='mean'`` without ``means``. TokenizationError:
+        position not in the prompt.
     """
     tgt = resolve_target(model, target, foil)
     specs = [parse_neuron(model, n) for n in neurons]
-    if mode not in ("zero", "mean", "scale"):
-        raise AttributionError(f"mode: {mode!r} is not one of zero, mean, scale")
+    verb = canonical_verb(mode, "mode")
     if intervene_at not in INTERVENE_AT:
         raise AttributionError(f"intervene_at: {intervene_at!r} is not one of {', '.join(INTERVENE_AT)}")
-    if mode == "mean" and (means is None or any(s not in means for s in specs)):
+    if verb == "mean" and (means is None or any(s not in means for s in specs)):
         raise AttributionError("means: mode 'mean' needs the mean activation of every neuron (run key_readout or pass means)")
-    if mode == "scale" and not np.isfinite(factor):
-        raise AttributionError(f"factor: {factor!r} is not a finite number")
-    pos = as_position(position)
-    batch = tokenize(model, [prompt])
-    p = batch.offsets[0] + pos.resolve(model, prompt, batch.ids[0])[0]
     by_layer: dict[int, list[int]] = {}
     for L, n in specs:
         by_layer.setdefault(L, []).append(n)
-    mean_vals: dict[int, Optional[torch.Tensor]] = {}
-    for L, ns in by_layer.items():
-        mean_vals[L] = None
-        if mode == "mean":
-            assert means is not None
-            mv = torch.tensor([float(means[(L, n)]) for n in ns])
-            if not torch.isfinite(mv).all():
-                raise AttributionError(f"means: the mean activations of layer {L} are not finite ({mv.tolist()})")
-            mean_vals[L] = mv
-    n_layers = int(model.cfg.n_layers)
-    lmin = min(by_layer) if by_layer else n_layers
-    # the post-MLP norm of an edited block (Gemma 2/3, OLMo 2, GLM-4) is frozen at its clean scale too
-    post_scales = []
-    for L in by_layer:
-        wp = write_path(model, L, "mlp")
-        if wp is not None and wp.norm is not None and f"blocks.{L}.{wp.norm_name}.hook_scale" in model.hook_dict:
-            post_scales.append(f"blocks.{L}.{wp.norm_name}.hook_scale")
-    clean: dict = {}
-    if freeze_downstream:
-        from .tokens import run_with_cache
-
-        clean_names = ([hook("final_norm_scale")] + [hook("attn_out", L) for L in range(lmin + 1, n_layers)]
-                       + [hook("mlp_out", L) for L in range(lmin + 1, n_layers)]
-                       + [hook("neuron", L) for L in by_layer] + post_scales)
-        logits, clean = run_with_cache(model, batch, clean_names)
-        clean_m = output_metrics(logits[0, p], tgt)
-    elif clean_metrics is not None:
-        clean_m = clean_metrics
-    else:
-        clean_m = output_metrics(model(batch.tokens, **forward_kwargs(batch))[0, p], tgt)
-    sel = slice(p, p + 1) if intervene_at == "position" else slice(None)
-
-    def make_post_hook(L):
-        idx = torch.tensor(by_layer[L])
-
-        def hook(act, hook):
-            if freeze_downstream:
-                act = clean[hook.name].clone().to(act.dtype)
-            idx_d = idx.to(act.device)
-            m = mean_vals[L]
-            mv = m.to(act.device) if m is not None else None
-            view = act[:, sel]
-            view[..., idx_d] = _new_values(mode, view[..., idx_d], mv, factor)
-            act[:, sel] = view
-            return act
-        return hook
-
-    def freeze(act, hook):
-        return _frozen(clean, hook.name, act)
-
-    hooks = [(hook("neuron", L), make_post_hook(L)) for L in by_layer]
-    if freeze_downstream:
-        hooks.append((hook("final_norm_scale"), freeze))
-        hooks += [(n, freeze) for n in post_scales]
-        for L in range(lmin + 1, n_layers):
-            hooks.append((hook("attn_out", L), freeze))
-            if L not in by_layer:
-                hooks.append((hook("mlp_out", L), freeze))
-    check_hooks(model, [n for n, _ in hooks], "neurons")
-    with model.hooks(fwd_hooks=hooks):  # removes exactly these hooks on exit, whatever is raised
-        patched = model(batch.tokens, **forward_kwargs(batch))
-    pm = output_metrics(patched[0, p], tgt)
-    return {"clean": clean_m, "patched": pm, "delta": {k: pm[k] - clean_m[k] for k in pm}}
+    edits = [UnitEdit(NeuronBasis(model, L), ns, verb, value=factor if verb == "scale" else value,
+                      means=[float(means[(L, n)]) for n in ns] if verb == "mean" and means is not None else None,
+                      field="neurons") for L, ns in by_layer.items()]
+    pos = as_position(position)
+    batch = tokenize(model, [prompt])
+    p = batch.offsets[0] + pos.resolve(model, prompt, batch.ids[0])[0]
+    where = None
+    if intervene_at == "position":
+        where = torch.zeros(batch.tokens.shape[1], dtype=torch.bool)
+        where[p] = True
+    freeze = _direct_path_freeze(model, list(by_layer)) if freeze_downstream else ()
+    return intervene(model, edits, batch, p, tgt, where=where, freeze=freeze, clean_metrics=clean_metrics,
+                     field="neurons")

@@ -242,7 +242,7 @@ def _raise(*a, **k):
 def test_intervention_hooks_are_removed_whatever_is_raised(perturbed_model, monkeypatch, where):
     """A failure inside an intervention's hook (or anywhere in its forward pass) leaves no hook:
     afterwards a plain forward pass equals the one before, bit for bit."""
-    import tracekit.neurons as N
+    import tracekit.units as U  # the edit and freeze hooks of neuron_intervention (tracekit.units.intervene)
     from tracekit.tokens import tokenize
 
     m = perturbed_model
@@ -250,9 +250,9 @@ def test_intervention_hooks_are_removed_whatever_is_raised(perturbed_model, monk
     before, n_hooks = m(toks).clone(), _hook_count(m)
     with monkeypatch.context() as mp:
         if where == "edit_hook":
-            mp.setattr(N, "_new_values", _raise)
+            mp.setattr(U, "new_activations", _raise)
         elif where == "freeze_hook":
-            mp.setattr(N, "_frozen", _raise)
+            mp.setattr(U, "_frozen", _raise)
         else:
             mp.setattr(m.blocks[2].hook_resid_mid, "forward", _raise)
         with pytest.raises(_Boom):
@@ -281,8 +281,8 @@ def test_key_readout_hooks_are_removed_whatever_is_raised(tiny_gpt2, monkeypatch
 def test_key_readout_stopped_forward_equals_full_forward(tiny_model, tmp_path):
     """Activations read from the forward pass stopped after block 0 equal a full run's."""
     from tracekit.corpus import iter_documents, token_windows, window_batches
-    from tracekit.neurons import _activations
     from tracekit.tokens import run_with_cache
+    from tracekit.units import hook_values as _activations  # key_readout's stopped forward pass
 
     m = tiny_model
     wins = token_windows(m, iter_documents(_corpus(tmp_path), jsonl_field="body"), seq_len=12, max_tokens=60)

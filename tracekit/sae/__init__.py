@@ -38,8 +38,9 @@ normalisation), before any forward pass.
 Modules: :mod:`.spec` (the ``sae:`` block, an SAE's identity, checks), :mod:`.load` (loading),
 :mod:`.train` (training with SAELens, the cache of trained SAEs), :mod:`.windows` (corpus token
 windows, special tokens), :mod:`.decompose` (the decomposition, the splice hook, attribution),
-:mod:`.quality` (evals), :mod:`.interventions` (ablate / clamp / steer), :mod:`.dashboard`
-(feature readouts, HTML pages). Every name is re-exported here (``tracekit.sae.load_sae``).
+:mod:`.quality` (evals), :mod:`.interventions` (:class:`SAEBasis`, the features as a
+:mod:`tracekit.units` basis: the verbs zero / mean / clamp / scale / steer, random controls),
+:mod:`.dashboard` (feature readouts, HTML pages). Every name is re-exported here (``tracekit.sae.load_sae``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from .decompose import (
     sae_terms,
     splice_hook,
 )
-from .interventions import feature_intervention, random_features
+from .interventions import SAEBasis, feature_intervention, random_features
 from .load import LoadedSAE, load_sae
 from .quality import SAEQuality, eval_windows, sae_quality
 from .spec import SAEInfo, SAESpec, SAETrainSpec, check_sae, hook_width, sae_info
@@ -74,6 +75,7 @@ __all__ = [
     "FeatureDecomposition",
     "FeatureEdit",
     "LoadedSAE",
+    "SAEBasis",
     "SAEInfo",
     "SAEQuality",
     "SAESpec",

@@ -11,11 +11,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..hooks import enabled_hooks
 from ..model.info import HookedModel
-from ..model.readout import Readout
-from ..tokens import forward_kwargs, pad_ids, str_tokens
-from .decompose import _direct_ok, effective_decoder, sae_terms
+from ..tokens import pad_ids, str_tokens
+from ..units import top_contexts, vocab_readout
+from .decompose import _direct_ok
+from .interventions import SAEBasis
 from .load import LoadedSAE
 from .windows import special_token_ids
 
@@ -25,33 +25,27 @@ __all__ = ["decoder_vocab", "feature_dashboard_html", "top_activating_contexts"]
 @torch.no_grad()
 def decoder_vocab(model: HookedModel, handle: LoadedSAE, features: Sequence[int], k: int = 10) -> pd.DataFrame:
     """Tokens each feature's decoder row promotes / suppresses, read through the final norm and
-    unembedding at scale 1 (:meth:`tracekit.Readout.vocab_projection`, centred over the
-    vocabulary; logits per unit of activation). Only for SAEs whose decoder writes the residual
-    stream (width d_model).
+    unembedding at scale 1 (:func:`tracekit.units.vocab_readout` over :class:`SAEBasis`:
+    :meth:`tracekit.Readout.vocab_projection`, centred over the vocabulary; logits per unit of
+    activation). Only for SAEs whose decoder writes the residual stream (width d_model); else an
+    empty table.
 
     Returns:
         rows ``feature, side (promoted|suppressed), rank, token, token_id, logit``.
     """
-    rows = []
+    cols = ["feature", "side", "rank", "token", "token_id", "logit"]
     if handle.d_in != int(model.cfg.d_model) or not _direct_ok(handle.hook):
-        return pd.DataFrame(columns=["feature", "side", "rank", "token", "token_id", "logit"])
-    W = effective_decoder(handle)
-    scores = Readout(model).vocab_projection(W[list(features)])
-    for i, f in enumerate(features):
-        s = scores[i]
-        for side, vals in (("promoted", torch.topk(s, k)), ("suppressed", torch.topk(-s, k))):
-            toks = str_tokens(model, vals.indices.tolist())
-            for r, (tid, v, t) in enumerate(zip(vals.indices.tolist(), vals.values.tolist(), toks)):
-                rows.append({"feature": int(f), "side": side, "rank": r + 1, "token": t, "token_id": int(tid),
-                             "logit": float(v if side == "promoted" else -v)})
-    return pd.DataFrame(rows)
+        return pd.DataFrame(columns=cols)
+    df = vocab_readout(model, SAEBasis(handle), [int(f) for f in features], k)
+    return df.rename(columns={"unit": "feature", "score": "logit"})[cols]
 
 
 @torch.no_grad()
 def top_activating_contexts(model: HookedModel, handle: LoadedSAE, features: Sequence[int], windows: Sequence[Sequence[int]],
                             top_n: int = 5, batch_size: int = 8, before: int = 12, after: int = 3
                             ) -> tuple[pd.DataFrame, dict]:
-    """The corpus tokens on which each feature is most active (padding and special tokens excluded).
+    """The corpus tokens on which each feature is most active (padding and special tokens excluded;
+    :func:`tracekit.units.top_contexts` over :class:`SAEBasis`, ties by window then position).
 
     Returns:
         ``(contexts, hist)``: ``contexts`` rows ``feature, rank, activation, window, position,
@@ -59,49 +53,40 @@ def top_activating_contexts(model: HookedModel, handle: LoadedSAE, features: Seq
         feature's activation on each, for shading); ``hist[feature]`` = activations > 0 seen
         (numpy array) for density plots.
     """
-    feats = torch.tensor(list(features), dtype=torch.long)
+    cols = ["feature", "rank", "activation", "window", "position", "token", "context", "tokens", "token_acts"]
+    feats = [int(f) for f in features]
+    if not feats:
+        return pd.DataFrame(columns=cols), {}
     special = torch.tensor(special_token_ids(model))
-    best: dict[int, list] = {int(f): [] for f in features}
-    hist: dict[int, list] = {int(f): [] for f in features}
-    acts_keep: dict[tuple, torch.Tensor] = {}
-    with enabled_hooks(model, [handle.hook]):
-        for s in range(0, len(windows), max(1, batch_size)):
-            wins = [list(w) for w in windows[s:s + batch_size]]
-            batch = pad_ids(model, wins)
-            st: dict = {}
+    hist: dict[int, list] = {f: [] for f in feats}
+    step = max(1, batch_size)
 
-            def grab(act, hook=None, st=st):
-                st["x"] = act.detach()
-            model.run_with_hooks(batch.tokens, fwd_hooks=[(handle.hook, grab)], **forward_kwargs(batch))
-            a = sae_terms(handle, st["x"]).acts[..., feats.to(st["x"].device)].float().cpu()  # [b, pos, F]
+    def batches():
+        for s in range(0, len(windows), step):
+            batch = pad_ids(model, [list(w) for w in windows[s:s + batch_size]])
             ok = batch.attention_mask.bool().cpu() & ~torch.isin(batch.tokens.cpu(), special)
-            a = a * ok[..., None]
-            for j, f in enumerate(features):
-                col = a[..., j]
-                hist[int(f)].append(col[col > 0].numpy())
-                flat = col.flatten()
-                kk = min(top_n, int((flat > 0).sum()))
-                if kk == 0:
-                    continue
-                v, idx = torch.topk(flat, kk)
-                for val, ix in zip(v.tolist(), idx.tolist()):
-                    b, p = divmod(ix, col.shape[1])
-                    best[int(f)].append((val, s + b, p))
-                    acts_keep[(int(f), s + b)] = col[b]
-                best[int(f)] = sorted(best[int(f)], key=lambda t: (-t[0], t[1], t[2]))[:top_n]
+            yield batch, list(range(s, s + batch.size)), ok
+
+    def density(found, masked, valid):
+        for j, f in enumerate(feats):
+            col = masked[..., j]
+            hist[f].append(col[col > 0].numpy())
+
+    basis = SAEBasis(handle)
+    found = top_contexts(model, [(basis, f) for f in feats], batches(), top_n=top_n, positive_only=True,
+                         keep_rows=True, on_batch=density, field="features")
     rows = []
-    for f in features:
-        for r, (val, w, p) in enumerate(best[int(f)]):
+    for j, f in enumerate(feats):
+        for r, (val, w, p) in enumerate(found.ranked(j)):
             ids = list(windows[w])
             lo, hi = max(0, p - before), min(len(ids), p + after + 1)
             toks = str_tokens(model, ids[lo:hi])
-            col = acts_keep[(int(f), w)]
+            col = found.rows[(j, w)]
             ctx = "".join(toks[: p - lo]) + "[[" + toks[p - lo] + "]]" + "".join(toks[p - lo + 1:])
-            rows.append({"feature": int(f), "rank": r + 1, "activation": float(val), "window": int(w), "position": int(p),
+            rows.append({"feature": f, "rank": r + 1, "activation": float(val), "window": int(w), "position": int(p),
                          "token": toks[p - lo], "context": ctx.replace("\n", " "),
                          "tokens": json.dumps(toks), "token_acts": json.dumps([round(float(x), 5) for x in col[lo:hi]])})
-    df = pd.DataFrame(rows, columns=["feature", "rank", "activation", "window", "position", "token", "context",
-                                     "tokens", "token_acts"])
+    df = pd.DataFrame(rows, columns=cols)
     return df, {f: (np.concatenate(v) if v else np.zeros(0)) for f, v in hist.items()}
 
 

@@ -1,0 +1,458 @@
+"""Units: one abstraction for FFN neurons and SAE features, so "top units vs random units under
+interventions" is written once.
+
+A **unit basis** (:class:`UnitBasis`) is a set of units read at one TransformerLens hook: the
+neurons of one MLP (:class:`tracekit.neurons.NeuronBasis`, hook ``blocks.L.mlp.hook_post``) or the
+features of one SAE (:class:`tracekit.sae.SAEBasis`, the SAE's hook). Each unit has an activation
+(read from the hook's value) and a decoder row (what one unit of activation writes; Geva et al.
+2021's "value", an SAE's ``W_dec[f]``). The shape follows SAELens' ``SAE`` (``saes/sae.py``:
+``encode`` / ``decode`` around one hook point).
+
+Written once here, over any basis:
+
+* the **verbs** (:data:`VERBS`, :func:`new_activations`, :func:`steer_vector`): ``zero``
+  (activation := 0), ``mean`` (:= the unit's mean activation, given), ``clamp`` (:= value),
+  ``scale`` (x factor), ``steer`` (add value x the units' rows to the hook's value at the chosen
+  positions); the old names ``ablate`` / ``amplify`` map to ``zero`` / ``scale``
+  (:data:`RETIRED_VERBS`, :func:`canonical_verb`);
+* the **measurement** (:func:`intervene`): clean vs edited target probability / logit (difference)
+  with :mod:`tracekit.metrics` (:func:`output_metrics`), hooks optionally frozen at their clean values;
+* the **random controls** (:func:`random_units`);
+* the **readouts**: top-activating contexts (:func:`top_contexts`, a bounded running top-n with a
+  deterministic tie order) and the vocabulary projection of decoder rows (:func:`vocab_readout`,
+  Geva et al. 2022).
+
+The engines keep their public functions as thin wrappers: :func:`tracekit.neurons.neuron_intervention`,
+``random_neurons``, ``key_readout``, ``value_readout``; :func:`tracekit.sae.feature_intervention`,
+``random_features``, ``top_activating_contexts``, ``decoder_vocab``. Every function that adds hooks
+removes them whatever is raised (TransformerLens' ``hooks`` context manager and ``run_with_cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Iterable, Optional, Protocol, Sequence, Union, runtime_checkable
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float
+
+from .core.errors import AttributionError, SAEError
+from .hooks import check_hooks, enabled_hooks, hook_layer
+from .metrics import logit_diff, target_log_prob, target_prob
+from .model.readout import Readout
+from .tokens import Batch, forward_kwargs, run_with_cache, str_tokens
+
+__all__ = ["UnitError", "UnitBasis", "VERBS", "RETIRED_VERBS", "VERB_PARAM", "canonical_verb", "new_activations",
+           "steer_vector", "UnitEdit", "intervene", "output_metrics", "random_units", "hook_values", "RunningTop",
+           "TopContexts", "top_contexts", "vocab_readout"]
+
+#: The intervention verbs, one set for every basis.
+VERBS = ("zero", "mean", "clamp", "scale", "steer")
+#: Old verb names -> the verb they are now (SAE ``ablate``; the neuron kind's ``amplify`` factors).
+RETIRED_VERBS = {"ablate": "zero", "amplify": "scale"}
+#: The parameter each verb reads (named in errors): ``UnitEdit.value`` is the clamp value, the
+#: scale factor or the steering multiple; ``UnitEdit.means`` the per-unit means.
+VERB_PARAM = {"zero": None, "mean": "means", "clamp": "value", "scale": "factor", "steer": "value"}
+
+
+class UnitError(AttributionError, SAEError):
+    """Bad unit-intervention input (verb, units, values). Also each engine's own error type, so
+    ``except AttributionError`` (neurons) and ``except SAEError`` (SAE features) both catch it."""
+
+
+@runtime_checkable
+class UnitBasis(Protocol):
+    """A basis of units read and edited at one hook.
+
+    Attributes:
+        name: ``"neuron"`` or ``"sae_feature"`` (tables, errors).
+        hook: the TransformerLens hook whose value holds (or encodes) the activations.
+        n_units: number of units (``d_mlp`` / ``d_sae``).
+        verbs: the verbs of :data:`VERBS` this basis supports.
+    """
+
+    name: str
+    hook: str
+    n_units: int
+    verbs: tuple[str, ...]
+
+    def check(self, units: Sequence[int], field: str = "units") -> list[int]:
+        """The unit indices as ints. Raises (naming ``field``) for one outside ``[0, n_units)``."""
+        ...
+
+    def activations(self, value: torch.Tensor) -> Float[torch.Tensor, "... n_units"]:
+        """Every unit's activation from the hook's value (``[batch, pos, ...]``)."""
+        ...
+
+    def decoder_rows(self, units: Sequence[int]) -> Float[torch.Tensor, "k d_model"]:
+        """What one unit of each unit's activation writes into the residual stream (float32)."""
+        ...
+
+    def hook_rows(self, units: Sequence[int]) -> Float[torch.Tensor, "k d_hook"]:
+        """Each unit's direction in the hook's own space (what ``steer`` adds, per unit of value)."""
+        ...
+
+    def edit_hook(self, units: Sequence[int], edit: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                  add: Optional[Float[torch.Tensor, " d_hook"]], where: Bool[torch.Tensor, " pos"],
+                  start: Optional[torch.Tensor] = None) -> Callable:
+        """A forward hook: at the positions ``where``, set the units' activations ``cur``
+        (``[batch, n_where, k]``) to ``edit(cur)`` and add ``add`` to the hook's value; ``start``:
+        the value to edit instead of the hook's own (a frozen clean value)."""
+        ...
+
+
+def canonical_verb(verb: str, field: str = "mode") -> str:
+    """``verb`` as one of :data:`VERBS` (``ablate`` -> ``zero``, ``amplify`` -> ``scale``).
+
+    Raises:
+        UnitError: not a verb, naming ``field`` and the accepted ones.
+    """
+    v = RETIRED_VERBS.get(verb, verb)
+    if v not in VERBS:
+        raise UnitError(f"{field}: {verb!r} is not one of {', '.join(VERBS)}")
+    return v
+
+
+def new_activations(verb: str, cur: Float[torch.Tensor, "*shape k"], value: float = 0.0,
+                    means: Optional[Float[torch.Tensor, " k"]] = None) -> Float[torch.Tensor, "*shape k"]:
+    """The edited activations of ``k`` units for the activation-setting verbs.
+
+    ``zero``: 0; ``mean``: ``means`` (per unit); ``clamp``: ``value``; ``scale``: ``cur * value``.
+    ``steer`` does not set activations (it adds to the hook's value: :func:`steer_vector`).
+
+    Raises:
+        UnitError: ``steer`` or an unknown verb; ``mean`` without ``means``.
+    """
+    if verb == "zero":
+        return torch.zeros_like(cur)
+    if verb == "mean":
+        if means is None:
+            raise UnitError("means: verb 'mean' needs the mean activation of every unit")
+        return means.to(device=cur.device, dtype=cur.dtype).expand_as(cur).clone()
+    if verb == "clamp":
+        return torch.full_like(cur, float(value))
+    if verb == "scale":
+        return cur * value
+    raise UnitError(f"mode: {verb!r} does not set activations (steer adds to the hook's value)")
+
+
+def steer_vector(basis: UnitBasis, units: Sequence[int], value: float) -> Float[torch.Tensor, " d_hook"]:
+    """``value x`` the sum of the units' rows in the hook's space (what ``steer`` adds per position)."""
+    return basis.hook_rows(units).sum(0) * float(value)
+
+
+@dataclass
+class UnitEdit:
+    """One verb on some units of one basis.
+
+    Attributes:
+        basis: the :class:`UnitBasis`. units: unit indices (checked by the basis).
+        verb: one of :data:`VERBS` (or a name of :data:`RETIRED_VERBS`).
+        value: the clamp value, the scale factor, or the steering multiple (finite).
+        means: for ``mean``: one finite mean activation per unit.
+        field: the name of ``units`` in errors.
+
+    Raises:
+        UnitError: unknown or unsupported verb, non-finite value, missing / wrong-length /
+            non-finite means (each naming its field); the basis' error for a bad unit.
+    """
+
+    basis: UnitBasis
+    units: Sequence[int]
+    verb: str = "zero"
+    value: float = 0.0
+    means: Optional[Union[Sequence[float], torch.Tensor]] = None
+    field: str = "units"
+    VERB_FIELD: ClassVar[str] = "mode"
+
+    def __post_init__(self):
+        self.verb = canonical_verb(self.verb, self.VERB_FIELD)
+        if self.verb not in self.basis.verbs:
+            raise UnitError(f"{self.VERB_FIELD}: a {self.basis.name} basis cannot {self.verb!r} "
+                            f"(it supports {', '.join(self.basis.verbs)})")
+        self.units = self.basis.check(list(self.units), self.field)
+        param = VERB_PARAM[self.verb]
+        if param in ("value", "factor") and not np.isfinite(float(self.value)):
+            raise UnitError(f"{param}: {self.value!r} is not a finite number")
+        if self.verb == "mean":
+            if self.means is None:
+                raise UnitError("means: verb 'mean' needs the mean activation of every unit")
+            vals = self.means.flatten().tolist() if isinstance(self.means, torch.Tensor) else list(self.means)
+            m = torch.tensor([float(x) for x in vals])
+            if m.numel() != len(self.units):
+                raise UnitError(f"means: {m.numel()} means for {len(self.units)} units")
+            if not torch.isfinite(m).all():
+                raise UnitError(f"means: the mean activations of {self.basis.name}s {self.units} are not finite "
+                                f"({m.tolist()})")
+            self.means = m
+
+    def hook(self, where: Bool[torch.Tensor, " pos"], start: Optional[torch.Tensor] = None) -> Callable:
+        """The forward hook doing this edit at ``where`` (from ``start`` when given)."""
+        if self.verb == "steer":
+            return self.basis.edit_hook(self.units, None, steer_vector(self.basis, self.units, self.value), where, start)
+        verb, value, means = self.verb, self.value, self.means
+
+        def edit(cur):
+            return new_activations(verb, cur, value, means)  # type: ignore[arg-type]
+        return self.basis.edit_hook(self.units, edit, None, where, start)
+
+
+def output_metrics(logits: Float[torch.Tensor, " d_vocab"], tgt) -> dict:
+    """``target_prob`` (probability), ``target_log_prob`` (nats), ``target_logit`` and
+    ``logit_diff`` (logits: target - foil, or the target logit without a foil) and, with a foil,
+    ``foil_prob``, of one next-token logit vector, computed by :mod:`tracekit.metrics`.
+    ``tgt``: anything with ``target_id`` and ``foil_id`` (:class:`tracekit.dla.LogitTarget`)."""
+    lg = logits.float().reshape(1, -1)
+    t = torch.tensor([[tgt.target_id]], device=lg.device)
+    out = {"target_prob": float(target_prob(lg, t)[0]), "target_log_prob": float(target_log_prob(lg, t)[0]),
+           "target_logit": float(lg[0, tgt.target_id])}
+    if tgt.foil_id is not None:
+        f = torch.tensor([[tgt.foil_id]], device=lg.device)
+        out["foil_prob"] = float(target_prob(lg, f)[0])
+        out["logit_diff"] = float(logit_diff(lg, t, f)[0])
+    else:
+        out["logit_diff"] = out["target_logit"]
+    return out
+
+
+def _frozen(clean, name: str, act: torch.Tensor) -> torch.Tensor:
+    """The clean run's activation at hook ``name`` (``clean``: its cache), in ``act``'s dtype (a
+    freeze hook's output)."""
+    return clean[name].to(act.dtype)
+
+
+@torch.no_grad()
+def intervene(model, edits: Union[UnitEdit, Sequence[UnitEdit]], batch: Batch, read_at: int, target, *,
+              where: Optional[Bool[torch.Tensor, " pos"]] = None, freeze: Sequence[str] = (),
+              clean_metrics: Optional[dict] = None, field: str = "units") -> dict:
+    """Edit units and measure the target on prompt 0 of ``batch`` at padded position ``read_at``
+    (Geva et al. 2022's neuron interventions; SAE feature ablation / steering, Templeton et al. 2024).
+
+    Args:
+        edits: one :class:`UnitEdit` per hook (bases on different hooks).
+        target: ``target_id`` / ``foil_id`` (:class:`tracekit.dla.LogitTarget`).
+        where: ``[pos]`` bool, the positions edited (None: every position).
+        freeze: hooks held at their clean values in the edited run (an edited hook among them is
+            edited from its clean value), e.g. every later block's outputs and the final-norm scale
+            so only the direct path changes.
+        clean_metrics: the ``clean`` dict of an earlier call on the same batch/target/position, to
+            skip the clean forward pass (ignored with ``freeze``).
+
+    Returns:
+        ``{"clean": metrics, "patched": metrics, "delta": patched - clean}`` (:func:`output_metrics`).
+
+    Raises:
+        UnitError: two edits on one hook. HookError: a hook the model does not have.
+    """
+    edits = [edits] if isinstance(edits, UnitEdit) else list(edits)
+    names = [e.basis.hook for e in edits]
+    if len(set(names)) != len(names):
+        raise UnitError(f"{field}: give one edit per hook ({names})")
+    check_hooks(model, names + [n for n in freeze if n not in names], field)
+    mask = (torch.ones(batch.tokens.shape[1], dtype=torch.bool) if where is None else where.bool())
+    mask = mask.to(batch.tokens.device)
+    clean = {}  # the clean run's cache of the frozen hooks (an ActivationCache)
+    with enabled_hooks(model, names):
+        if freeze:
+            logits, clean = run_with_cache(model, batch, list(dict.fromkeys(freeze)))
+            clean_m = output_metrics(logits[0, read_at], target)
+        elif clean_metrics is not None:
+            clean_m = clean_metrics
+        else:
+            clean_m = output_metrics(model(batch.tokens, **forward_kwargs(batch))[0, read_at], target)
+
+        def freeze_hook(act, hook):
+            return _frozen(clean, hook.name, act)
+
+        hooks = [(e.basis.hook, e.hook(mask, clean[e.basis.hook] if e.basis.hook in freeze else None)) for e in edits]
+        hooks += [(n, freeze_hook) for n in dict.fromkeys(freeze) if n not in names]
+        with model.hooks(fwd_hooks=hooks):  # removes exactly these hooks on exit, whatever is raised
+            patched = model(batch.tokens, **forward_kwargs(batch))
+    pm = output_metrics(patched[0, read_at], target)
+    return {"clean": clean_m, "patched": pm, "delta": {k: pm[k] - clean_m[k] for k in pm}}
+
+
+def random_units(n_units: int, k: int, exclude: Iterable[int] = (), pool: Optional[Sequence[int]] = None,
+                 rng: Union[int, np.random.Generator] = 0) -> list[int]:
+    """``k`` distinct random units (a control set), none in ``exclude``, in draw order.
+
+    Drawn from ``pool`` (e.g. the units active on the prompt) when it has ``k`` units outside
+    ``exclude``, else from all of ``0 .. n_units - 1``; fewer when fewer remain. ``rng``: a seed or
+    a numpy ``Generator`` (shared across calls, e.g. one per layer); the same seed gives the same
+    units (numpy's ``Generator.choice`` without replacement).
+    """
+    g = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+    ex = {int(e) for e in exclude}
+    cands = [int(u) for u in (pool if pool is not None else range(n_units)) if int(u) not in ex]
+    if pool is not None and len(cands) < k:
+        cands = [u for u in range(n_units) if u not in ex]
+    return [int(u) for u in g.choice(np.array(cands), size=min(k, len(cands)), replace=False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# readouts
+
+
+@torch.no_grad()
+def hook_values(model, batch: Batch, names: list[str], stop_at_layer: Optional[int]) -> dict:
+    """The named hooks' values on ``batch``; the forward pass stops before block ``stop_at_layer``
+    (TransformerLens' ``run_with_cache(stop_at_layer=...)``: no later blocks, no unembedding; its
+    hooks are removed in a ``finally``).
+
+    Raises:
+        UnitError: a named hook never fired.
+    """
+    n_layers = int(model.cfg.n_layers)
+    stop = stop_at_layer if stop_at_layer is not None and stop_at_layer < n_layers else None
+    with enabled_hooks(model, names):
+        _, cache = model.run_with_cache(batch.tokens, names_filter=set(names).__contains__, stop_at_layer=stop,
+                                        **forward_kwargs(batch))
+    missing = [n for n in names if n not in cache]
+    if missing:
+        raise UnitError(f"the model never produced the activations {missing}")
+    return {n: cache[n] for n in names}
+
+
+class RunningTop:
+    """The running top ``top_n`` (value, window, position) of each of ``n`` units over batches;
+    ties ordered by window, then position (exact ties happen when two windows share a prefix), so
+    the result does not depend on how windows are batched."""
+
+    def __init__(self, n: int, top_n: int):
+        self.values = torch.full((n, top_n), float("-inf"))
+        self.windows = torch.full((n, top_n), -1, dtype=torch.long)
+        self.positions = torch.full((n, top_n), -1, dtype=torch.long)
+
+    def update(self, vals: Float[torch.Tensor, "batch pos n"], windows: Sequence[int]) -> None:
+        """Merge a batch: ``vals`` (``-inf`` where a token may not rank), ``windows`` its window ids."""
+        B, P, N = vals.shape
+        top_n = self.values.shape[1]
+        wid = torch.tensor(list(windows), dtype=torch.long).repeat_interleave(P)
+        pid = torch.arange(P).repeat(B)
+        cand_v = torch.cat([self.values, vals.reshape(B * P, N).T], 1)
+        cand_w = torch.cat([self.windows, wid.expand(N, -1)], 1)
+        cand_p = torch.cat([self.positions, pid.expand(N, -1)], 1)
+        width = int(cand_p.max()) + 2
+        o1 = torch.sort(cand_w * width + cand_p, dim=1, stable=True).indices
+        o2 = torch.sort(cand_v.gather(1, o1), dim=1, descending=True, stable=True).indices
+        order = o1.gather(1, o2)[:, :top_n]
+        self.values, self.windows = cand_v.gather(1, order), cand_w.gather(1, order)
+        self.positions = cand_p.gather(1, order)
+
+    def kept_windows(self) -> set[int]:
+        """Windows holding at least one ranked token."""
+        return set(self.windows[torch.isfinite(self.values)].tolist())
+
+
+@dataclass
+class TopContexts:
+    """What :func:`top_contexts` found.
+
+    Attributes:
+        top: the :class:`RunningTop` (values in the ranking direction: times ``signs``).
+        signs: ``[n]`` the ranking direction of each unit (+1 / -1).
+        sums / count: per unit, the sum of its activation over the valid tokens, and their number.
+        n_windows: windows read. rows: ``{(unit index, window): [pos] activations (0 where not
+            valid)}`` of the ranked windows, when asked.
+    """
+
+    top: RunningTop
+    signs: torch.Tensor
+    sums: torch.Tensor
+    count: int = 0
+    n_windows: int = 0
+    rows: dict = field(default_factory=dict)
+
+    def ranked(self, j: int) -> list[tuple[float, int, int]]:
+        """Unit ``j``'s ranked ``(activation, window, position)`` (activation in its own sign)."""
+        t = self.top
+        return [(float(t.values[j, r] * self.signs[j]), int(t.windows[j, r]), int(t.positions[j, r]))
+                for r in range(t.values.shape[1]) if torch.isfinite(t.values[j, r])]
+
+
+@torch.no_grad()
+def top_contexts(model, reads: Sequence[tuple[UnitBasis, int]],
+                 batches: Iterable[tuple[Batch, Sequence[int], Bool[torch.Tensor, "batch pos"]]], *, top_n: int = 10,
+                 signs: Optional[Sequence[float]] = None, positive_only: bool = False, keep_rows: bool = False,
+                 on_batch: Optional[Callable[[TopContexts, torch.Tensor, torch.Tensor], None]] = None,
+                 field: str = "units") -> TopContexts:
+    """Top-activating tokens of some units over a stream of batches (Geva et al. 2021's key readout;
+    SAE feature dashboards, Bricken et al. 2023). Memory is bounded: only the running top ``top_n``
+    per unit is kept; the forward pass stops after the deepest hook read.
+
+    Args:
+        reads: ``(basis, unit)`` pairs (bases may differ: neurons of several layers).
+        batches: ``(batch, window ids, valid [batch, pos])``; only valid tokens rank or count.
+        signs: per read, +1 ranks by the largest activation, -1 by the most negative (default +1).
+        positive_only: only activations > 0 rank (SAE features: inactive is 0).
+        keep_rows: keep each ranked window's activations (``TopContexts.rows``).
+        on_batch: called after each batch with the :class:`TopContexts` so far, the batch's
+            ``[batch, pos, n]`` activations (0 where not valid) and its ``valid`` mask.
+
+    Raises:
+        UnitError: no reads, or signs of the wrong length. HookError: a basis' hook is unknown.
+    """
+    if not reads:
+        raise UnitError(f"{field}: give at least one unit")
+    sg = torch.tensor([1.0 if (signs is None or s >= 0) else -1.0 for s in (signs or [1.0] * len(reads))])
+    if len(sg) != len(reads):
+        raise UnitError("signs: need one sign per unit")
+    bases: dict[str, UnitBasis] = {}
+    for b, _ in reads:
+        bases.setdefault(b.hook, b)
+    names = check_hooks(model, list(bases), field)
+    layers = [hook_layer(n) for n in names]
+    stop = None if any(L is None for L in layers) else max(L for L in layers if L is not None) + 1
+    out = TopContexts(RunningTop(len(reads), top_n), sg, torch.zeros(len(reads), dtype=torch.float64))
+    for batch, wins, valid in batches:
+        cache = hook_values(model, batch, names, stop)
+        acts_of = {n: bases[n].activations(cache[n]) for n in names}
+        acts = torch.stack([acts_of[b.hook][..., u].float().cpu() for b, u in reads], -1)  # [B, P, N]
+        valid = valid.bool().cpu()
+        masked = acts * valid[..., None]
+        out.sums += masked.sum((0, 1)).double()
+        out.count += int(valid.sum())
+        ok = valid[..., None] & (acts > 0) if positive_only else valid[..., None].expand_as(acts)
+        out.top.update((acts * sg).masked_fill(~ok, float("-inf")), wins)
+        if on_batch is not None:
+            on_batch(out, masked, valid)
+        if keep_rows:  # the rows of the ranked (unit, window) pairs: this batch's new ones, the others kept
+            here = {int(w): i for i, w in enumerate(wins)}
+            live = {(j, int(w)) for j in range(len(reads))
+                    for w in out.top.windows[j][torch.isfinite(out.top.values[j])].tolist()}
+            out.rows = {key: (masked[here[key[1]], :, key[0]] if key[1] in here else out.rows[key]) for key in live}
+        out.n_windows += len(wins)
+        del cache
+    return out
+
+
+@torch.no_grad()
+def vocab_readout(model, basis: UnitBasis, units: Sequence[int], k: int = 10,
+                  signs: Optional[Sequence[float]] = None) -> pd.DataFrame:
+    """Tokens each unit's decoder row promotes and suppresses most (Geva et al. 2022's value readout;
+    SAE decoder readout): the rows read through the final norm and unembedding at scale 1
+    (:meth:`tracekit.model.readout.Readout.vocab_projection`, centred over the vocabulary).
+
+    Args:
+        k: tokens per side (at most the vocabulary).
+        signs: per unit, ``-1`` flips the row (a unit active with a negative activation), so
+            ``promoted`` means promoted in that context.
+
+    Returns:
+        rows ``unit, side ('promoted'|'suppressed'), rank, token, token_id, score`` (``score``:
+        logits per unit activation at final-norm scale 1).
+    """
+    units = list(units)
+    scores = Readout(model).vocab_projection(basis.decoder_rows(units))
+    k = min(int(k), scores.shape[-1])
+    rows = []
+    for i, u in enumerate(units):
+        s = scores[i] * (1.0 if signs is None or signs[i] >= 0 else -1.0)
+        for side, vals in (("promoted", torch.topk(s, k)), ("suppressed", torch.topk(-s, k))):
+            toks = str_tokens(model, vals.indices.tolist())
+            for r, (tid, v, t) in enumerate(zip(vals.indices.tolist(), vals.values.tolist(), toks)):
+                rows.append({"unit": int(u), "side": side, "rank": r + 1, "token": t, "token_id": int(tid),
+                             "score": float(v if side == "promoted" else -v)})
+    return pd.DataFrame(rows, columns=["unit", "side", "rank", "token", "token_id", "score"])

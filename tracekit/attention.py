@@ -141,7 +141,7 @@ def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[S
     if not queries:
         queries = [0]
     row_of = dict(zip(queries, rows)) if rows is not None else {q: q for q in queries}
-    rows = []
+    table: list[dict] = []
     for h in range(H):
         s = f = pv = ent = mx = 0.0
         for q in queries:
@@ -153,16 +153,16 @@ def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[S
         n = len(queries)
         s, f, pv, ent, mx = s / n, f / n, pv / n, ent / n, mx / n
         cands = {"self": s, "first": f, "previous": pv}
-        best = max(cands, key=cands.get)
+        best = max(cands, key=cands.__getitem__)
         if cands[best] >= dominance:
             label = best
         elif ent >= spread_entropy:
             label = "spread"
         else:
             label = "content"
-        rows.append({"head": h, "self": s, "first": f, "previous": pv, "entropy_norm": ent,
-                     "max_key_weight": mx, "label": label})
-    return pd.DataFrame(rows)
+        table.append({"head": h, "self": s, "first": f, "previous": pv, "entropy_norm": ent,
+                      "max_key_weight": mx, "label": label})
+    return pd.DataFrame(table)
 
 
 def repeated_random_tokens(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0):

@@ -97,12 +97,15 @@ def _verify(args) -> int:
     transformers copy of the same weights; prints the table, writes verify.json; exit 0 when no
     check failed, 1 when one did, 2 when the model cannot be had."""
     import re
+    from typing import cast
 
-    from .errors import TracekitError
+    import torch
+
+    from .errors import ModelLoadError, TracekitError
     from .model.load import load_model
     from .model.source import _load_hf
     from .model.spec import DTYPES, ModelSpec, resolve_device
-    from .verify import HFReference, verify_model
+    from .verify import HFReference, _bridge_layers_path, verify_model
 
     try:
         spec = ModelSpec(name=args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
@@ -110,8 +113,12 @@ def _verify(args) -> int:
         model = load_model(spec)
         dev = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
         hf, _, _ = _load_hf(spec, DTYPES[spec.dtype], dev)
-        hf.to(next(model.parameters()).device)
-        ref = HFReference(hf, model.adapter.component_mapping["blocks"].name)
+        # transformers types PreTrainedModel.to as an unbound functools wrapper: call it as a Module's
+        cast(torch.nn.Module, hf).to(next(model.parameters()).device)
+        layers_path = _bridge_layers_path(model)
+        if layers_path is None:  # load_model refuses a bridge without blocks
+            raise ModelLoadError(f"{spec.name}: the bridge names no decoder layers (adapter.component_mapping['blocks'])")
+        ref = HFReference(hf, layers_path)
     except (TracekitError, ValueError) as e:
         _err(f"{type(e).__name__}: {e}")
         return 2

@@ -42,7 +42,7 @@ from .core import paths
 from .core.errors import ConfigError
 from .experiments.base import REGISTRY, Experiment, StrictModel
 from .model.spec import ModelSpec
-from .pipeline import check_references, make_step
+from .pipeline import PendingStep, check_references, make_step
 
 __all__ = ["ConfigError", "RunConfig", "parse_config", "apply_override", "load_raw", "load_config", "yaml_load"]
 
@@ -169,6 +169,7 @@ def _errors(e: ValidationError, prefix: tuple = ()) -> list[str]:
             found = [_RETIRED.match(p) for p in parts]
             if parts and all(found):
                 for m in found:
+                    assert m is not None  # all(found) above
                     at = loc + ((m["field"],) + ((int(m["i"]),) if m["i"] else ()) if m["field"] else (m["old"],))
                     text = m.group(0)[m.start("old") - 1:] if m["field"] else m.group(0)
                     msgs.append(f"{paths.fmt(at)}: {text}")
@@ -209,7 +210,7 @@ def parse_config(raw: Any, source: str = "<config>") -> RunConfig:
     except ValidationError as e:
         problems += [m for m in _errors(e) if not m.startswith("experiments")]
         head = None
-    steps: list[Experiment] = []
+    steps: list[Experiment | PendingStep] = []  # PendingStep: a step taking earlier steps' results
     for i, step in enumerate(steps_raw):
         where = f"experiments[{i}]"
         if not isinstance(step, dict):

@@ -48,7 +48,7 @@ from .fastpath import activations_at
 from .model.architectures import MethodRefused, architecture_name, require
 from .model.norms import run_sigma
 from .model.readout import Readout
-from .model.writepath import write_paths
+from .model.writepath import WritePath, write_paths
 from .tokens import Position, PositionSpec, parse_position, single_token_id, str_tokens, tokenize
 
 __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", "POSITION_FORMS",
@@ -240,6 +240,17 @@ def identity_tolerance(dtype: torch.dtype, magnitude: float, n_terms: int, atol3
     return base + float(n_terms) * u * float(magnitude)
 
 
+def _block_write_paths(model, kind: str, arch: str) -> list[WritePath]:
+    """Every block's write path for ``kind`` (``attn`` / ``mlp``); :func:`require` has checked
+    that each block writes one."""
+    paths = write_paths(model, kind)
+    missing = [L for L, wp in enumerate(paths) if wp is None]
+    if missing:
+        raise AttributionError(f"direct logit attribution is refused on {arch}: block {missing[0]} has no "
+                               f"{kind} write path (hook_{kind}_out)")
+    return [wp for wp in paths if wp is not None]
+
+
 def _dtype_of(model) -> torch.dtype:
     try:
         return next(model.parameters()).dtype
@@ -315,9 +326,9 @@ def logit_attribution(
         raise AttributionError(f"direct logit attribution is refused on {arch}: its final norm is not an "
                                f"elementwise affine norm (max deviation {fnorm.max_error:.3g}), so a frozen scale "
                                "does not make it linear")
-    apaths, mpaths = write_paths(model, "attn"), write_paths(model, "mlp")
+    apaths, mpaths = _block_write_paths(model, "attn", arch), _block_write_paths(model, "mlp", arch)
     for wp in [*apaths, *mpaths]:
-        if wp is not None and wp.norm is not None and not wp.norm.exact:
+        if wp.norm is not None and not wp.norm.exact:
             raise AttributionError(f"direct logit attribution is refused on {arch}: blocks.{wp.layer}.{wp.norm_name} "
                                    "is not an elementwise affine norm")
     has_pos = hook("pos_embed") in model.hook_dict

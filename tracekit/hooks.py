@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .errors import HookError
 
@@ -56,7 +56,7 @@ def hook_names(model) -> set[str]:
 
 def gated_setting(model, name: str) -> str | None:
     """The ``cfg.use_*`` setting that must be on for hook ``name`` to fire, when it is off."""
-    reason = getattr(model, "_gated_hook_reason", None)
+    reason: Callable[[str], str | None] | None = getattr(model, "_gated_hook_reason", None)
     if callable(reason):
         return reason(name)
     for suffix, flag in GATES.items():

@@ -122,7 +122,7 @@ def logit_lens(
     model,
     prompts: Sequence[str],
     targets: Sequence[str] = (),
-    position: Position | int | str | Sequence[int] = "last",
+    position: Position | int | str | list[int] | tuple[int, ...] | range = "last",
     layer_convention: LayerConvention = "hidden_states",
     top_k: int = 10,
     batch_size: int = 8,
@@ -151,9 +151,12 @@ def logit_lens(
     """
     from .fastpath import lens_readout, residual_stream
 
-    explicit = [int(i) for i in position] if isinstance(position, (list, tuple, range)) else None
-    pos = None if explicit is not None else (
-        position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS))
+    explicit: list[int] | None = None
+    pos: Position | None = None
+    if isinstance(position, (list, tuple, range)):
+        explicit = [int(i) for i in position]
+    else:
+        pos = position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS)
     n_layers = int(model.cfg.n_layers)
     points = lens_points(n_layers, layer_convention)
     hooks = [p.hook for p in points]
@@ -168,6 +171,7 @@ def logit_lens(
         if explicit is not None:  # token indices (negative from the end), e.g. the last 16 of a long prompt
             reads = [sorted({i % len(batch.ids[b]) for i in explicit}) for b in range(len(chunk))]
         else:
+            assert pos is not None  # parsed above when no explicit indices were given
             reads = [pos.resolve(model, p, batch.ids[b], field="position", skip_bos=False) for b, p in enumerate(chunk)]
         width = max(len(r) for r in reads)
         idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]

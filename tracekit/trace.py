@@ -29,7 +29,7 @@ import base64
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -255,8 +255,10 @@ def _attention_section(model, prompt: str, head: tuple[int, int]):
                                    "score": ap.scores[head[1], 0, : q + 1].numpy(),
                                    "weight": ap.weights[head[1], 0, : q + 1].numpy()})
     lab = pd.concat(labels, ignore_index=True)
-    lab["type"] = lab["label"].map({"self": "self", "first": "first-token", "previous": "previous-token",
-                                    "spread": "diffuse", "content": "content"})
+    lab["type"] = cast(pd.Series, lab["label"]).map({"self": "self", "first": "first-token",
+                                                     "previous": "previous-token", "spread": "diffuse",
+                                                     "content": "content"})
+    assert picked is not None, "the shown head's block is among every block"
     return pd.concat(rows, ignore_index=True), lab, picked
 
 
@@ -279,7 +281,7 @@ def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_
         signs = [1.0 if float(act[n]) >= 0 else -1.0 for n in order]
         kr = key_readout(model, [(layer, n) for n in order], corpus, top_n=key_top_n, max_tokens=max_tokens, signs=signs,
                      progress=False)
-        contexts = kr.contexts[["layer", "neuron", "rank", "activation", "token", "context"]]
+        contexts = cast(pd.DataFrame, kr.contexts[["layer", "neuron", "rank", "activation", "token", "context"]])
     return neurons, pd.concat(values, ignore_index=True) if values else pd.DataFrame(), contexts
 
 
@@ -288,17 +290,18 @@ def _sampling(model, logits: torch.Tensor, target_id: int, seed: int, n_samples:
 
     rows = []
     base = logits.float().reshape(1, -1)
+    no_ids = cast(torch.LongTensor, None)  # the warpers read only the scores; transformers types input_ids
     for name, temp, k, p in SAMPLING_SETTINGS:
         x = base.clone()
         if temp == 0.0:
             probs = torch.zeros_like(x)
             probs[0, int(x.argmax())] = 1.0
         else:
-            x = TemperatureLogitsWarper(temp)(None, x)
+            x = TemperatureLogitsWarper(temp)(no_ids, x)
             if k is not None:
-                x = TopKLogitsWarper(k)(None, x)
+                x = TopKLogitsWarper(k)(no_ids, x)
             if p is not None:
-                x = TopPLogitsWarper(p)(None, x)
+                x = TopPLogitsWarper(p)(no_ids, x)
             probs = x.softmax(-1)
         kept = int((probs > 0).sum())
         g = torch.Generator().manual_seed(seed)
@@ -450,7 +453,8 @@ def token_trace(
                                  positions=batch.last)[0]  # the last position only: no [pos, vocab] logits
     logits = Readout(model).logits(last_resid)[0].float().cpu()
     if target is None:
-        target = model.tokenizer.decode([int(logits.argmax())])
+        top1: str = model.tokenizer.decode([int(logits.argmax())])
+        target = top1
     target_id = single_token_id(model, target, field="target")
     foil_id = single_token_id(model, foil, field="foil") if foil is not None else None
     tables: dict[str, pd.DataFrame] = {}
@@ -497,11 +501,12 @@ def token_trace(
     dla = logit_attribution(model, [prompt], target, foil, position="last", neuron_layers=[ffn_layer])[0]
     comp = dla.components_frame().drop(columns=["prompt_idx", "position"])
     tables["components"] = comp
+    assert dla.attributed is not None, "DirectAttribution fills attributed (with the logit by default)"
     meta.update({"logit": float(dla.logit), "attributed": float(dla.attributed), "output_transform": dla.transform,
-                 "components_sum": float(comp["contribution"].sum()),
+                 "components_sum": float(cast(pd.Series, comp["contribution"]).sum()),
                  "ffn_layer": ffn_layer})
     hf = dla.heads_frame()
-    tables["heads_dla"] = hf[hf["head"] >= 0].drop(columns=["prompt_idx"]).reset_index(drop=True)
+    tables["heads_dla"] = cast(pd.DataFrame, hf[hf["head"] >= 0]).drop(columns=["prompt_idx"]).reset_index(drop=True)
     lap("residual")
     # 4. FFN neurons
     tables["neurons"], tables["neuron_values"], tables["neuron_contexts"] = _ffn_section(

@@ -50,11 +50,12 @@ import torch
 from jaxtyping import Float, Int
 
 from .core.sites import hook
-from .dla import logit_attribution
+from .dla import DirectAttribution, logit_attribution
 from .errors import AttentionError, TokenizationError, TracekitError
 from .fastpath import lens_readout, residual_stream
 from .model.architectures import MethodRefused, architecture_name
 from .model.checks import PROMPTS, Check, _dtype, _max, load_checks, probe_ids, tolerance  # noqa: F401 - re-exported
+from .model.info import HookedModel
 from .model.load import model_spec_of
 from .model.readout import output_transform
 from .model.writepath import write_paths
@@ -241,6 +242,12 @@ class HFReference:
         return out
 
 
+def _attributed(d: DirectAttribution) -> float:
+    """``d.attributed``, which ``DirectAttribution`` fills (with the logit by default)."""
+    assert d.attributed is not None, "DirectAttribution fills attributed"
+    return d.attributed
+
+
 def _bridge_layers_path(model) -> Optional[str]:
     try:
         return model.adapter.component_mapping["blocks"].name
@@ -288,7 +295,7 @@ def _run_check(checks: list[Check], name: str, method: str, fn: Callable[[], tup
 
 @torch.no_grad()
 def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequence[str] = PROMPTS,
-                 second_load: Optional[Callable[[], object]] = None, level: str = "full") -> VerifyReport:
+                 second_load: Optional[Callable[[], HookedModel]] = None, level: str = "full") -> VerifyReport:
     """Check every invariant of the module docstring on ``model``.
 
     Args:
@@ -325,6 +332,8 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
 
     # forward
     if reference is not None:
+        assert ref0 is not None  # run above whenever there is a reference
+
         def c_forward():
             err = _max(bridge_lp(ids0) - torch.log_softmax(ref0["logits"].to(dev), -1))
             return err, tol, "bridge vs transformers log-probs, every position of prompt 0"
@@ -344,6 +353,8 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     _run_check(checks, "lens_final", "logit_lens", c_lens_final)
 
     if reference is not None:
+        assert ref0 is not None
+
         def c_lens_hidden():
             resid = residual_stream(model, pad_ids(model, [first]), hooks, positions=None)[:, 0]
             r = lens_readout(model, resid, tgt_ids, top_k=5)
@@ -364,15 +375,16 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
         if len(picks) < 2:
             raise RuntimeError("no two single-token strings among the top predictions")
         d = logit_attribution(model, prompts[0], picks[0], picks[1])[0]
-        err = abs(d.total() - d.attributed)
+        attributed = _attributed(d)
+        err = abs(d.total() - attributed)
         detail = f"parts + biases vs {'logit difference' if d.transform == 'none' else d.transform + ' (pre-transform)'}"
-        if reference is not None:
+        if ref0 is not None:  # there is a reference
 
             want = ref0["logits"][0, -1] if output_transform(model).linear else ref0["pre_logits"][0, -1]
             t, f = (single_token_id(model, p) for p in picks)
-            err = max(err, abs(d.attributed - float(want[t] - want[f])))
+            err = max(err, abs(attributed - float(want[t] - want[f])))
             detail += "; vs transformers' logit difference"
-        return err, tolerance(dt, abs(d.attributed)), detail
+        return err, tolerance(dt, abs(attributed)), detail
     _run_check(checks, "dla_sum", "dla", c_dla)
 
     def c_heads():
@@ -403,6 +415,8 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     _run_check(checks, "patch_full_residual", "patching", c_full)
 
     if reference is not None:
+        assert ref0 is not None
+
         def c_vs_hf():
             import pandas as pd
 
@@ -429,6 +443,8 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
 
     # attention
     if reference is not None:
+        assert ref0 is not None
+
         def c_att():
 
             atts = ref0["attentions"]
@@ -473,7 +489,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
                 many = logit_attribution(model, prompts, picks[0], picks[1])
                 for i, p in enumerate(prompts):
                     one = logit_attribution(model, [p], picks[0], picks[1])[0]
-                    worst = max(worst, abs(one.attributed - many[i].attributed), _max(one.heads - many[i].heads))
+                    worst = max(worst, abs(_attributed(one) - _attributed(many[i])), _max(one.heads - many[i].heads))
                 detail += "; DLA heads"
             except Exception as e:  # noqa: BLE001 - a refused DLA is reported by dla_sum
                 if _refusal(e) is None:

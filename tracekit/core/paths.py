@@ -112,9 +112,10 @@ def set_path(obj: Any, path: Union[str, Loc], value: Any, copy_value: bool = Tru
                 raise PathError(f"index [{k}] does not exist (the list has {n} item{'' if n == 1 else 's'})")
         elif not isinstance(obj, dict):
             raise PathError(f"{k!r} is not inside a mapping")
+        node: Any = obj  # a list when k is an index, a mapping when it is a key (checked above)
         if last:
-            obj[k] = copy.deepcopy(value) if copy_value else value
+            node[k] = copy.deepcopy(value) if copy_value else value
         else:
-            if isinstance(obj, dict) and k not in obj:
-                obj[k] = [] if isinstance(keys[j + 1], int) else {}
-            obj = obj[k]
+            if isinstance(node, dict) and k not in node:
+                node[k] = [] if isinstance(keys[j + 1], int) else {}
+            obj = node[k]

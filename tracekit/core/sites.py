@@ -95,6 +95,11 @@ def _is_int(x: Any) -> bool:
     return not isinstance(x, bool) and hasattr(x, "__index__")
 
 
+def _items(x: Any) -> list[Any]:
+    """An int-like as a one-item list, anything else as the list of its items (checked by the caller)."""
+    return [x] if _is_int(x) else list(x)
+
+
 def check_layers(model, layers: Union[str, int, Sequence[int], None], field: str = "layers") -> list[int]:
     """Block indices: ``"all"``/None -> every block; ints checked (negative counts from the end);
     sorted and unique. ``model`` may be a model, a ``ModelInfo`` or the number of blocks.
@@ -107,7 +112,7 @@ def check_layers(model, layers: Union[str, int, Sequence[int], None], field: str
         return list(range(n))
     if isinstance(layers, str):
         raise SiteError(f"{field}: {layers!r} is not a layer list; give 'all' or block indices like [8, 9]")
-    items = [layers] if _is_int(layers) else list(layers)
+    items = _items(layers)
     out = set()
     for i, L in enumerate(items):
         where = f"{field}[{i}]" if not _is_int(layers) else field
@@ -163,7 +168,7 @@ def check_heads(model, heads: Union[str, int, Sequence[int], None], field: str =
     n = head_count(model, layer, kv)
     if heads is None or heads == "all":
         return list(range(n))
-    items = [heads] if _is_int(heads) else list(heads)  # type: ignore[arg-type]
+    items = _items(heads)
     for h in items:
         if not _is_int(h) or not 0 <= int(h) < n:
             what = "key/value" if kv else "(query)"

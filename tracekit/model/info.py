@@ -29,7 +29,9 @@ class HookedModel(Protocol):
 
     cfg: Any
     tokenizer: Any
-    hook_dict: dict
+
+    @property
+    def hook_dict(self) -> dict: ...  # read-only: a bridge's is a property, a ModelInfo's an attribute
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 

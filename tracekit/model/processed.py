@@ -203,8 +203,8 @@ def _patchable() -> bool:
         return False
     major = tl_version.split(".")[0]
     fn = ProcessWeights.__dict__.get("process_weights")
-    ok = major.isdigit() and int(major) in _SUPPORTED_TL_MAJOR and isinstance(fn, staticmethod)
-    if ok:
+    ok = False
+    if major.isdigit() and int(major) in _SUPPORTED_TL_MAJOR and isinstance(fn, staticmethod):
         params = list(inspect.signature(fn.__func__).parameters)
         ok = params[:2] == ["state_dict", "cfg"]
     if not ok:

@@ -40,7 +40,7 @@ probabilities and logit differences are unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from jaxtyping import Float
@@ -77,10 +77,19 @@ class OutputTransform:
         """True when attributions of the output logits add up exactly (identity or a multiplier)."""
         return self.kind != "nonlinear"
 
+    @property
+    def scale(self) -> float:
+        """The multiplier of a linear transform (1.0 for identity); 1.0 when nonlinear (attributions
+        are then in pre-transform logits)."""
+        if not self.linear:
+            return 1.0
+        assert self.multiplier is not None, "a linear output transform has a multiplier"
+        return float(self.multiplier)
 
-def _transform_fn(model):
+
+def _transform_fn(model) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     adapter = _attr(model, "adapter")
-    fn = _attr(adapter, "apply_output_logits_transform")
+    fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = _attr(adapter, "apply_output_logits_transform")
     if callable(fn):
         return fn
     cap = _attr(getattr(model, "cfg", None), "output_logits_soft_cap")
@@ -203,7 +212,7 @@ class Readout:
         b_U = _attr(self.model, "b_U")
         if isinstance(b_U, torch.Tensor):
             bias = float(b_U[int(target_id)]) - (float(b_U[int(foil_id)]) if foil_id is not None else 0.0)
-        m = self.transform.multiplier if self.transform.linear else 1.0
+        m = self.transform.scale
         return u * float(m), bias * float(m)
 
     @torch.no_grad()
@@ -234,7 +243,7 @@ class Readout:
         W_U = self.W_U
         scores = ((n.centre(v) * n.weight).to(W_U.dtype) @ W_U).float()
         if self.transform.linear:
-            scores = scores * float(self.transform.multiplier)
+            scores = scores * self.transform.scale
         return scores - scores.mean(-1, keepdim=True)
 
     @property

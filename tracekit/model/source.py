@@ -88,7 +88,8 @@ def builtin_tokenizer_dir(name: str) -> Optional[Path]:
 
 
 def _load_tokenizer(source: str, **kw):
-    from transformers import AutoTokenizer, GPT2TokenizerFast
+    # transformers 5 resolves the *TokenizerFast names lazily (to GPT2Tokenizer), unknown to its stubs
+    from transformers import AutoTokenizer, GPT2TokenizerFast  # pyright: ignore[reportAttributeAccessIssue]
 
     builtin = builtin_tokenizer_dir(source)
     if builtin is not None:
@@ -122,9 +123,9 @@ def _random_config(spec: ModelSpec):
     if arch == "gpt2":
         cfg = GPT2Config(**overrides)
     elif arch == "llama":
-        base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                    tie_word_embeddings=False)
+        base: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    tie_word_embeddings=False)
         base.update(overrides)
         cfg = LlamaConfig(**base)
     else:
@@ -306,7 +307,8 @@ def _load_gguf(path: Path, kw: dict, spec: ModelSpec | None = None):
     from transformers import AutoModelForCausalLM
 
 
-    own_tok = spec is None or spec.tokenizer is None
+    tokenizer = spec.tokenizer if spec is not None else None  # model.tokenizer replaces the GGUF's own
+    own_tok = tokenizer is None
 
     def convert():
         with warnings.catch_warnings():
@@ -321,7 +323,7 @@ def _load_gguf(path: Path, kw: dict, spec: ModelSpec | None = None):
         hf, tok = convert()
     else:
         hf, tok = cache.load_or_convert_gguf(path, kw["dtype"], convert, with_tokenizer=own_tok)
-    if not own_tok:
-        tok = _load_tokenizer(spec.tokenizer)
+    if tokenizer is not None:
+        tok = _load_tokenizer(tokenizer)
     return hf, tok
 

@@ -41,7 +41,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -246,7 +246,8 @@ def _mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
         except ValueError as e:
             raise _Invalid("weights header is not JSON") from e
     base = 8 + n
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    # torch types from_file on the storage base class; on UntypedStorage it returns an UntypedStorage
+    storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size))
     out: dict[str, torch.Tensor] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -266,7 +267,8 @@ def _mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if off % itemsize:  # not aligned for a view: copy this tensor
             t = torch.frombuffer(bytearray(storage[off:off + numel * itemsize]), dtype=dt).reshape(shape)
         else:
-            t = torch.empty(0, dtype=dt).set_(storage, off // itemsize, shape)
+            # torch's stubs lack set_(source, offset, size) (stride defaults to contiguous)
+            t = torch.empty(0, dtype=dt).set_(storage, off // itemsize, shape)  # pyright: ignore[reportCallIssue]
         out[name] = t
     return out
 

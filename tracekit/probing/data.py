@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -100,15 +100,16 @@ class ProbeDataset:
         if self.task == "regression":
             return self.frame["label"].to_numpy(float)
         idx = {c: i for i, c in enumerate(self.classes)}
-        return self.frame["label"].map(idx).to_numpy(np.int64)
+        return cast(pd.Series, self.frame["label"]).map(idx).to_numpy(np.int64)
 
     def drop_small_classes(self, min_groups: int = 2) -> "ProbeDataset":
         """Keep only classes with at least ``min_groups`` distinct groups (classification)."""
         if self.task != "classification":
             return self
-        n = self.frame.groupby("label")["group"].nunique()
-        keep = n[n >= min_groups].index
-        return ProbeDataset(self.frame[self.frame["label"].isin(keep)].copy(), self.task, self.name)
+        n = cast(pd.Series, self.frame.groupby("label")["group"].nunique())  # groups per class
+        keep = n.loc[n >= min_groups].index
+        labels = cast(pd.Series, self.frame["label"])
+        return ProbeDataset(self.frame.loc[labels.isin(keep)].copy(), self.task, self.name)
 
 
 def _cell(v: Any) -> Optional[str]:

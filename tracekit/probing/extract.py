@@ -147,6 +147,7 @@ class Activations:
             return
         from safetensors import safe_open
 
+        assert self.directory is not None, "activations not in memory are in a chunk directory"
         for f in self.files:
             with safe_open(str(self.directory / f), framework="pt") as h:
                 yield h.get_tensor(hook)
@@ -317,12 +318,12 @@ def extract_activations(
                 bar.update(batch.size)
         if writer is not None:
             writer.flush()
-            (Path(cache_dir) / "index.json").write_text(json.dumps(
+            (writer.dir / "index.json").write_text(json.dumps(
                 {"hooks": hooks, "rows": rows, "positions": positions, "files": writer.files,
                  "position": str(pos)}))
             if scratch is not None:
                 scratch.detach()  # the Activations owns it now (cleanup(); atexit/SIGTERM still cover it)
-            return Activations(hooks, np.array(rows), np.array(positions), None, Path(cache_dir), writer.files,
+            return Activations(hooks, np.array(rows), np.array(positions), None, writer.dir, writer.files,
                                scratch=scratch)
         return Activations(hooks, np.array(rows), np.array(positions), {h: torch.cat(v, 0) for h, v in mem.items()})
 

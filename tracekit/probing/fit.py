@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -187,6 +187,7 @@ def fit_probe(
                     return LogisticRegression(C=C, max_iter=max_iter, tol=1e-4)
 
                 if len(grid) > 1:
+                    assert splits is not None  # made above when the grid has several values
                     scores = []
                     for C in grid:
                         s = []
@@ -214,8 +215,8 @@ def fit_probe(
                     reg = float(grid[0])
                 else:
                     m = RidgeCV(alphas=grid, cv=cv, scoring="neg_mean_squared_error").fit(Zs, y_train)
-                    reg = float(m.alpha_)
-                coef, b = np.atleast_2d(m.coef_), np.atleast_1d(m.intercept_)
+                    reg = float(cast(float, m.alpha_))  # set by fit (sklearn's attributes are untyped)
+                coef, b = np.atleast_2d(cast(np.ndarray, m.coef_)), np.atleast_1d(m.intercept_)
                 pred = m.predict(Zt)
                 proba = None
                 ss = ((y_train - y_train.mean()) ** 2).sum()
@@ -346,7 +347,7 @@ def probe_layers(
         raise ProbingError(f"correction: unknown {correction!r}; use bonferroni or none")
     if bootstrap_unit not in ("group", "row"):
         raise ProbingError(f"bootstrap_unit: unknown {bootstrap_unit!r}; use group (the held-out unit) or row")
-    targets = [tuple(t) for t in targets]
+    targets = [(site, layer, hook) for site, layer, hook in targets]
     if EMBEDDING_HOOK not in [h for _, _, h in targets]:
         raise ProbingError(f"targets: the embedding baseline {EMBEDDING_HOOK} must be probed "
                            "(tracekit.probing.probe_hooks always adds it)")
@@ -394,7 +395,7 @@ def probe_layers(
     ones = np.ones((1, len(test_all)))
     # baseline: the training split's majority class (classification) / mean (regression)
     base_pred = np.concatenate([
-        np.full(len(te), np.bincount(y_ex[tr], minlength=K).argmax() if task == "classification"
+        np.full(len(te), np.bincount(y_ex[tr], minlength=len(classes)).argmax() if task == "classification"
                 else y_ex[tr].mean()) for tr, te in fold_ex])
     base_boot = bootstrap_metrics(y_test, base_pred, None, W, task, K)[metric]
     base_point = float(bootstrap_metrics(y_test, base_pred, None, ones, task, K)[metric][0])
@@ -478,6 +479,7 @@ def probe_layers(
                     pr = {"site": site, "layer": int(layer), "hook": hook, "example": int(e), "row": r,
                           "position": int(acts.positions[e]), "group": groups_ex[e]}
                     if task == "classification":
+                        assert proba is not None  # a classification probe returns probabilities
                         pr.update(y_true=inv[int(y_test[j])], y_pred=inv[int(pred[j])],
                                   correct=bool(y_test[j] == pred[j]), p_true=float(proba[j, int(y_test[j])]),
                                   shuffled_true=inv[int(yc_test[j])], shuffled_pred=inv[int(cpred[j])])

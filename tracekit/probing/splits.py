@@ -47,7 +47,7 @@ def _keys(frame: pd.DataFrame, group_by: str) -> np.ndarray:
     if group_by == "entity":
         return frame["group"].astype(str).to_numpy()
     if group_by == "template":
-        if frame["template"].isna().all():
+        if bool(frame["template"].isna().all()):
             raise ProbingError("group_by: 'template' needs a template column; set dataset.template "
                              "(or use group_by: entity)")
         return frame["template"].astype(str).to_numpy()
@@ -244,6 +244,7 @@ def control_labels(ds: ProbeDataset, mode: str = "auto", seed: int = 0,
         if used == "shuffle_rows":
             out[p] = y[p][rng.permutation(len(p))]
         else:
+            assert gl is not None  # shuffle_groups only when every group has one label
             gs = sorted(set(keys[p].tolist()))
             vals = np.array([gl[g] for g in gs])
             new = dict(zip(gs, vals[rng.permutation(len(gs))]))

@@ -12,7 +12,7 @@ import torch
 
 from ..core.errors import SAEError
 from ..model.info import HookedModel
-from ..model.load import model_device
+from ..model.load import model_device, model_parameters
 from .spec import SAEInfo, SAESpec, _cfg_info, _release_available, check_sae, sae_info
 from .train import train_sae
 
@@ -64,7 +64,7 @@ def _to_model(sae, model: HookedModel, field: str = "sae"):
     """``sae`` on the model's device and dtype, in eval mode, frozen (finite weights checked first)."""
     _check_finite(sae, field)
     dev = model_device(model)
-    dtype = next(model.parameters()).dtype
+    dtype = next(model_parameters(model)).dtype
     sae = sae.to(device=dev, dtype=dtype)
     sae.cfg.device = str(dev)
     sae.cfg.dtype = str(dtype).replace("torch.", "")
@@ -88,7 +88,7 @@ def _load_dir(path: Path, model: HookedModel, field: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+            dtype = str(next(model_parameters(model)).dtype).replace("torch.", "")
             sae = SAE.load_from_disk(str(path), device="cpu", dtype=dtype)
     except Exception as e:
         raise SAEError(f"{field}.path: SAELens cannot load {str(path)!r}: {type(e).__name__}: {e}") from e
@@ -108,6 +108,7 @@ def load_sae(spec: SAESpec, model: HookedModel, field: str = "sae", progress: bo
         p = Path(spec.path).expanduser()
         return LoadedSAE(_load_dir(p, model, field), info, spec, str(p))
     if spec.release is not None:
+        assert spec.id is not None, "SAESpec pairs release with id"
         _release_available(spec, field)
         from sae_lens import SAE  # lazy: sae_lens is heavy
 
@@ -120,6 +121,7 @@ def load_sae(spec: SAESpec, model: HookedModel, field: str = "sae", progress: bo
         info = _cfg_info(sae.cfg.to_dict(), spec.describe())
         check_sae(model, info, field)
         return LoadedSAE(_to_model(sae, model, field), info, spec)
+    assert spec.train is not None, "SAESpec has exactly one source: path, release + id, or train"
     info = sae_info(spec, model, field)
     check_sae(model, info, field)
     path, hit, stats = train_sae(model, spec.train, progress=progress, field=f"{field}.train")

@@ -188,6 +188,7 @@ def sae_quality(model: HookedModel, handle: LoadedSAE, windows: Sequence[Sequenc
             _clean_batch(model, handle, pad_ids(model, wins), special, tally)
         if tally.n_tok == 0:
             raise SAEError("the evaluation windows hold no token to evaluate (all padding or special tokens)")
+        assert tally.x_sum is not None, "pass 1 sums the activations of every counted token"
         mean_x = (tally.x_sum / tally.n_tok)
         for bi, wins in enumerate(batches):  # pass 2: spliced, zero- and mean-ablated runs
             _ablated_batch(model, handle, pad_ids(model, wins), special, mean_x, tally.clean[bi], tally)

@@ -35,7 +35,7 @@ from ..fastpath import residual_stream
 from ..hooks import enabled_hooks, state_guard
 from ..inputs import input_files
 from ..model.info import HookedModel
-from ..model.load import model_device, model_fingerprint, model_spec_of
+from ..model.load import model_device, model_fingerprint, model_parameters, model_spec_of
 from ..model.spec import ModelSpec
 from ..tokens import pad_ids
 from .spec import SAETrainSpec, hook_width
@@ -236,7 +236,7 @@ def _fit(model: HookedModel, t: SAETrainSpec, cfg: Any, ds: Any, wins: list[list
         with preserved_signal_handlers(_sae_lens_interrupts()):
             runner.run()
         # sae-lens' runner may leave the trainer's grad settings on: the model stays frozen.
-        for p in model.parameters():
+        for p in model_parameters(model):
             p.requires_grad_(False)
     return acts_done
 

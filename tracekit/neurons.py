@@ -106,7 +106,7 @@ class NeuronBasis:
     """
 
     name = "neuron"
-    verbs = VERBS
+    verbs: tuple[str, ...] = VERBS  # declared as UnitBasis does (a literal tuple type would not match it)
 
     def __init__(self, model, layer: int):
         self.model = model

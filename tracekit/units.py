@@ -192,10 +192,12 @@ class UnitEdit:
         """The forward hook doing this edit at ``where`` (from ``start`` when given)."""
         if self.verb == "steer":
             return self.basis.edit_hook(self.units, None, steer_vector(self.basis, self.units, self.value), where, start)
-        verb, value, means = self.verb, self.value, self.means
+        verb, value = self.verb, self.value
+        # __post_init__ made a 'mean' edit's means a tensor; the other verbs do not read them
+        means = self.means if isinstance(self.means, torch.Tensor) else None
 
         def edit(cur):
-            return new_activations(verb, cur, value, means)  # type: ignore[arg-type]
+            return new_activations(verb, cur, value, means)
         return self.basis.edit_hook(self.units, edit, None, where, start)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -37,7 +38,7 @@ def decoder_vocab(model: HookedModel, handle: LoadedSAE, features: Sequence[int]
     if handle.d_in != int(model.cfg.d_model) or not _direct_ok(handle.hook):
         return pd.DataFrame(columns=cols)
     df = vocab_readout(model, SAEBasis(handle), [int(f) for f in features], k)
-    return df.rename(columns={"unit": "feature", "score": "logit"})[cols]
+    return cast(pd.DataFrame, df.rename(columns={"unit": "feature", "score": "logit"})[cols])  # a column list: a DataFrame
 
 
 @torch.no_grad()
@@ -105,18 +106,18 @@ def feature_dashboard_html(feature: int, title: str, stats: dict, contexts: pd.D
     its statistics, top-activating contexts with each token shaded by the feature's activation,
     and the tokens its decoder row promotes / suppresses."""
     rows = []
-    for r in contexts.sort_values("rank").itertuples():
-        toks = json.loads(r.tokens)
-        vals = json.loads(r.token_acts)
+    for r in contexts.sort_values("rank").to_dict("records"):
+        toks = json.loads(r["tokens"])
+        vals = json.loads(r["token_acts"])
         mx = max([abs(v) for v in vals] + [1e-9])
         spans = []
         for t, v in zip(toks, vals):
             a = min(1.0, abs(v) / mx)
             spans.append(f'<span title="{v:.3f}" style="background: rgba(255,120,0,{a:.2f})">{_esc(t)}</span>')
-        rows.append(f"<tr><td>{r.rank}</td><td>{r.activation:.3f}</td><td class=ctx>{''.join(spans)}</td></tr>")
+        rows.append(f"<tr><td>{r['rank']}</td><td>{r['activation']:.3f}</td><td class=ctx>{''.join(spans)}</td></tr>")
     voc = []
     for side in ("promoted", "suppressed"):
-        v = vocab[vocab["side"] == side].sort_values("rank") if len(vocab) else vocab
+        v = cast(pd.DataFrame, vocab[vocab["side"] == side]).sort_values("rank") if len(vocab) else vocab  # a row mask: a DataFrame
         items = "".join(f"<li><code>{_esc(repr(t))}</code> {lg:+.3f}</li>" for t, lg in zip(v["token"], v["logit"]))
         voc.append(f"<div class=col><h3>{side}</h3><ol>{items or '<li>(not a residual-stream SAE)</li>'}</ol></div>")
     st = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in stats.items())

@@ -30,7 +30,7 @@ class SAEBasis:
     Supports every verb of :data:`tracekit.units.VERBS`."""
 
     name = "sae_feature"
-    verbs = VERBS
+    verbs: tuple[str, ...] = VERBS  # declared as UnitBasis does (a literal tuple type would not match it)
 
     def __init__(self, handle: LoadedSAE):
         self.handle = handle
@@ -75,13 +75,14 @@ class SAEBasis:
         """The SAE spliced in at its hook (error kept): the features ``units`` set to ``edit(acts)``
         at ``where``; ``add`` added to the hook's value at ``where``."""
         feats = torch.tensor(list(units), dtype=torch.long)
-        sae_edit = None
+        sae_edit: Callable[[torch.Tensor], torch.Tensor] | None = None
         if edit is not None:
-            def sae_edit(acts):
+            def edit_feats(acts):
                 f, w = feats.to(acts.device), where.to(acts.device)
                 sub = acts[..., f]
                 acts[..., f] = torch.where(w[:, None], edit(sub), sub)
                 return acts
+            sae_edit = edit_feats
         add_all = None
         if add is not None:
             add_all = torch.zeros(1, len(where), add.shape[-1], dtype=add.dtype, device=add.device)
@@ -128,7 +129,7 @@ def feature_intervention(model: HookedModel, handle: LoadedSAE, prompt: str, tar
     if intervene_at == "all":
         sel[:] = True
     else:
-        for q in intervene_at:  # type: ignore[union-attr]
+        for q in intervene_at:
             if not -n <= int(q) < n:
                 raise SAEError(f"intervene_at: {q} is out of range for a prompt of {n} tokens")
             sel[int(q) % n] = True

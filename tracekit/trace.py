@@ -315,21 +315,20 @@ def _sampling(model, logits: torch.Tensor, target_id: int, seed: int, n_samples:
     return pd.DataFrame(rows)
 
 
+#: Parameter-name patterns -> the part of the model they belong to (first match wins).
+_PARAM_PARTS = [
+    (r"wpe|pos_embed|position_embed", "pos_embed"),
+    (r"wte|embed_tokens|embed\.|w_e\b|word_embed", "embed"),
+    (r"lm_head|unembed|w_u\b", "unembed"),
+    (r"norm|ln_|\bln|layernorm", "norms"),
+    (r"attn|attention|self_attn|q_proj|k_proj|v_proj|o_proj", "attention"),
+    (r"mlp|ffn|fc|gate_proj|up_proj|down_proj", "mlp"),
+]
+
+
 def _param_part(name: str) -> str:
     n = name.lower()
-    if re.search(r"wpe|pos_embed|position_embed", n):
-        return "pos_embed"
-    if re.search(r"wte|embed_tokens|embed\.|w_e\b|word_embed", n):
-        return "embed"
-    if re.search(r"lm_head|unembed|w_u\b", n):
-        return "unembed"
-    if re.search(r"norm|ln_|\bln|layernorm", n):
-        return "norms"
-    if re.search(r"attn|attention|self_attn|q_proj|k_proj|v_proj|o_proj", n):
-        return "attention"
-    if re.search(r"mlp|ffn|fc|gate_proj|up_proj|down_proj", n):
-        return "mlp"
-    return "other"
+    return next((part for pat, part in _PARAM_PARTS if re.search(pat, n)), "other")
 
 
 def _tied(model) -> bool:

@@ -234,7 +234,7 @@ def fwd_hooks(model, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
         The model.
 
     Raises:
-        Whatever ``check_hooks_to_add`` raises for a hook that cannot be added (as ``model.hooks``).
+        Exception: whatever ``check_hooks_to_add`` raises for a hook that cannot be added (as ``model.hooks``).
     """
     hooks = list(hooks)
     if not hasattr(model, "check_hooks_to_add") or not hasattr(model, "compatibility_mode"):

@@ -217,7 +217,8 @@ def value_readout(model, layer: int, neuron: int, k: int = 10, sign: float = 1.0
     vocabulary so that ``process_weights`` does not change it.
 
     Args:
-        layer, neuron: which neuron (validated).
+        layer: the neuron's block (validated).
+        neuron: the neuron's index in that block's MLP (validated).
         k: tokens per side.
         sign: multiply by the sign of the neuron's activation in a context (``-1`` for a negative
             SwiGLU activation) so ``promoted`` means promoted in that context.
@@ -295,11 +296,13 @@ def key_readout(
         neurons: ``(layer, neuron)`` pairs or ``"L.N"`` strings.
         corpus: ``None``/``"stdlib"`` (offline default), a text/JSONL file, a directory, or a list.
         top_n: contexts per neuron.
-        seq_len, batch_size, max_tokens: window length (BOS included), windows per forward pass,
-            and the cap on text tokens read (None: the whole corpus).
+        seq_len: window length (BOS included).
+        batch_size: windows per forward pass.
+        max_tokens: the cap on text tokens read (None: the whole corpus).
         signs: per neuron, ``+1`` ranks by the largest activation, ``-1`` by the most negative
             (SwiGLU activations can be negative). Default all ``+1``.
-        context_before, context_after: tokens of text shown around the activating token.
+        context_before: tokens of text shown before the activating token.
+        context_after: tokens of text shown after it.
 
     Raises:
         AttributionError: bad neuron spec. CorpusError: unreadable corpus.
@@ -442,8 +445,8 @@ def neuron_intervention(
 
     Raises:
         AttributionError: bad neuron spec, ``mode``, ``intervene_at``, non-finite
-        ``factor``/``value``/means, or ``mode='mean'`` without ``means``. TokenizationError:
-        position not in the prompt.
+            ``factor``/``value``/means, or ``mode='mean'`` without ``means``.
+        TokenizationError: position not in the prompt.
     """
     tgt = resolve_target(model, target, foil)
     specs = [parse_neuron(model, n) for n in neurons]

@@ -51,7 +51,8 @@ def heatmap(grid, x_labels: Optional[Sequence] = None, y_labels: Optional[Sequen
 
     Args:
         grid: ``[rows, cols]`` numbers (NaN drawn blank).
-        x_labels, y_labels: tick labels (thinned to :data:`MAX_TICKS`).
+        x_labels: column tick labels (thinned to :data:`MAX_TICKS`).
+        y_labels: row tick labels (thinned likewise).
         diverging: symmetric colour scale around 0 (``RdBu``), else sequential (``Blues``).
         cell_text: optional text per cell (shown when the grid is small enough to read).
     """

@@ -189,8 +189,11 @@ def load_probe_dataset(path: str | Path, text: str = "text", label: str = "label
 
     Args:
         path: the file.
-        text, label, group, template: column names to use (``template`` optional). ``group=None``
-            makes every row its own group (only sensible when rows are truly independent).
+        text: the column holding the prompt.
+        label: the column holding the label.
+        group: the column holding the entity; ``None`` makes every row its own group (only
+            sensible when rows are truly independent).
+        template: the column holding the template id (optional).
         task: ``classification`` | ``regression``.
 
     Returns:

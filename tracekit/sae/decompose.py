@@ -145,7 +145,11 @@ class FeatureDecomposition:
     """One prompt read through the SAE.
 
     Attributes:
-        prompt, tokens (decoded), ids, position (the read position), special (bool per token).
+        prompt: the prompt.
+        tokens: its tokens, decoded.
+        ids: its token ids.
+        position: the read position.
+        special: per token, whether it is a special token.
         acts: ``[pos, d_sae]`` feature activations. error_norm / x_norm: ``[pos]``.
         metric: the model's target logit (or logit difference) at ``position``.
         direct: ``[d_sae]`` each feature's direct contribution (logits) at ``position`` through the

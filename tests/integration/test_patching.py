@@ -193,7 +193,7 @@ def test_length_mismatch_error_shows_both_tokenizations(tiny_gpt2):
 
 def test_length_mismatch_stops_before_model_work(tiny_gpt2, monkeypatch):
     called = []
-    monkeypatch.setattr(P, "cache_run", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(P.run, "cache_run", lambda *a, **k: called.append(1))
     with pytest.raises(TokenizationError):
         _exp(pairs=[PARIS, {**PARIS, "corrupted": "The capital of Kyrgyzstan is"}]).run(tiny_gpt2, progress=False)
     assert not called
@@ -515,7 +515,7 @@ def test_baseline_prompts_population(tiny_gpt2):
 
 def test_too_small_baseline_population_is_refused(tiny_gpt2, monkeypatch):
     called = []
-    monkeypatch.setattr(P, "cache_run", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(P.run, "cache_run", lambda *a, **k: called.append(1))
     cases = [([PARIS, SPAIN], "mean"),          # one other prompt: a 'mean' of one
              ([PARIS, IOI], "mean"),            # pairs alone in their length group
              ([PARIS], "resample"),              # nothing to draw from

@@ -308,6 +308,7 @@ def logit_attribution(
         MethodRefused: a block without attention heads / MLP writes (SSM layers), or MLP neurons
             asked for on a mixture-of-experts MLP.
     """
+    # Long (reason): one pass per batch whose terms (heads, biases, post-norm scales, neurons) share per-layer products computed once above the loop; the identity check needs them all in one place.
     tgt = resolve_target(model, target, foil)
     pos = as_position(position)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)

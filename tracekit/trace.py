@@ -434,6 +434,7 @@ def token_trace(
         TokenizationError: target/foil not one token, prompt too long. AttentionError: bad head.
         AttributionError: an architecture whose residual stream is not embed + attention + MLP.
     """
+    # Long (reason): one section of the report per block, in report order; each block is a few engine calls on the same cached run.
     import time
 
     clock = [time.perf_counter()]

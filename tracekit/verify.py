@@ -311,6 +311,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     Returns:
         A :class:`VerifyReport` (check ``report.passed``).
     """
+    # Long (reason): one closure per check (each reads the shared prompts, reference run and tolerance); the checks read top to bottom in the order the report lists them.
 
     spec = model_spec_of(model)
     dt = _dtype(model)

@@ -246,6 +246,7 @@ def extract_activations(
             a prompt longer than the context.
         ProbingError: no texts.
     """
+    # Long (reason): a context manager whose setup, batched reads and cleanup (scratch folder, hooks) must stay in one frame.
     from ..scratch import scratch_dir
 
     hooks = list(dict.fromkeys(hooks))

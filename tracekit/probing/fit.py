@@ -132,6 +132,7 @@ def fit_probe(
         ProbingError: fewer than two classes in the training rows, a single training group, or every
             inner fold lacking a class (the message names them and the fixes).
     """
+    # Long (reason): the inner CV, the refit and the metrics share the standardisation and the class mapping of one fit.
     from sklearn.linear_model import LogisticRegression, RidgeCV
     from sklearn.metrics import log_loss
     from threadpoolctl import threadpool_limits
@@ -340,6 +341,7 @@ def probe_layers(
         ProbingError: bad split settings, the embedding hook missing from ``targets``, a hook not in
             ``acts``, an unknown control / correction / bootstrap unit.
     """
+    # Long (reason): one loop over (site, layer) whose steps (fit, controls, selectivity, baselines) share the split, the inner CV folds and the control labels; splitting it is planned (house issue's closing note).
     from tqdm.auto import tqdm
 
     task = ds.task

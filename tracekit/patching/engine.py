@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -134,12 +135,15 @@ def cache_run(model: HookedModel, tokens: Int[torch.Tensor, "n pos"], hook_names
 
     handles = []
     names = set(hook_names)
+    # blocks / ln_final are a loaded bridge's modules, not part of HookedModel (which a weightless
+    # ModelInfo also satisfies)
+    modules = cast(Any, model)
     try:  # every hook is registered inside the try, so each one registered is removed
         for i in range(n_layers):
-            handles.append(model.blocks[i].register_forward_pre_hook(partial(_pre_adapter, fn=pre, i=i),
-                                                                     with_kwargs=True))
-        handles.append(model.ln_final.register_forward_pre_hook(partial(_pre_adapter, fn=pre, i=n_layers),
-                                                                with_kwargs=True))
+            handles.append(modules.blocks[i].register_forward_pre_hook(partial(_pre_adapter, fn=pre, i=i),
+                                                                       with_kwargs=True))
+        handles.append(modules.ln_final.register_forward_pre_hook(partial(_pre_adapter, fn=pre, i=n_layers),
+                                                                  with_kwargs=True))
         logits, cache = model.run_with_cache(tokens, names_filter=lambda nm: nm in names)
     finally:
         for h in handles:
@@ -316,7 +320,7 @@ def _replay(model: HookedModel, run: CachedRun, jobs: list[PatchJob], rows: list
             if L == n_layers:
                 break
             a, kw = run.block_call(L, base_order)
-            out = model.blocks[L](x, *a, **kw)
+            out = cast(Any, model).blocks[L](x, *a, **kw)  # a loaded bridge's block (not in HookedModel)
             x = out[0] if isinstance(out, tuple) else out
             for h in handles:
                 h.remove()
@@ -373,8 +377,9 @@ def patch_rows(
             idx = skip.nonzero().flatten()
             br = job.base_rows[idx.to(job.base_rows.device)].to(run.logits.device)
             vals = row_metric(run.logits[br], br).float().cpu()
-            results[j] = torch.full((len(job), vals.shape[-1]), float("nan"))
-            results[j][idx] = vals
+            res = torch.full((len(job), vals.shape[-1]), float("nan"))
+            res[idx] = vals
+            results[j] = res
             if progress:
                 progress(len(idx))
         for v in (~skip).nonzero().flatten().tolist():
@@ -387,9 +392,10 @@ def patch_rows(
         br = torch.tensor([int(jobs[j].base_rows[v]) for j, v in chunk], device=logits.device)
         vals = row_metric(logits, br).float().cpu()
         for r, (j, v) in enumerate(chunk):
-            if results[j] is None:
-                results[j] = torch.full((len(jobs[j]), vals.shape[-1]), float("nan"))
-            results[j][v] = vals[r]
+            res = results[j]
+            if res is None:
+                res = results[j] = torch.full((len(jobs[j]), vals.shape[-1]), float("nan"))
+            res[v] = vals[r]
         if progress:
             progress(len(chunk))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal, overload
 
 import pandas as pd
 import torch
@@ -315,6 +316,61 @@ def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos:
 # batched_activation_patch: one kind of site everywhere, for notebooks.
 # ---------------------------------------------------------------------------------------------
 
+@overload
+def batched_activation_patch(
+    model: HookedModel,
+    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
+    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
+    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    patch_setter: Callable,
+    activation_name: str,
+    index_df: pd.DataFrame | None = None,
+    layers: Sequence[int] | None = None,
+    neurons: Sequence[int] | None = None,
+    batch_size: int | str = "auto",
+    skip_unchanged: bool = True,
+    source: str | None = None,
+    return_index_df: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def batched_activation_patch(
+    model: HookedModel,
+    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
+    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
+    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    patch_setter: Callable,
+    activation_name: str,
+    index_df: pd.DataFrame | None = None,
+    layers: Sequence[int] | None = None,
+    neurons: Sequence[int] | None = None,
+    batch_size: int | str = "auto",
+    skip_unchanged: bool = True,
+    source: str | None = None,
+    *,
+    return_index_df: Literal[True],
+) -> tuple[torch.Tensor, pd.DataFrame]: ...
+
+
+@overload
+def batched_activation_patch(
+    model: HookedModel,
+    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
+    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
+    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    patch_setter: Callable,
+    activation_name: str,
+    index_df: pd.DataFrame | None = None,
+    layers: Sequence[int] | None = None,
+    neurons: Sequence[int] | None = None,
+    batch_size: int | str = "auto",
+    skip_unchanged: bool = True,
+    source: str | None = None,
+    return_index_df: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, pd.DataFrame]: ...
+
+
 @torch.no_grad()
 def batched_activation_patch(
     model: HookedModel,
@@ -330,7 +386,7 @@ def batched_activation_patch(
     skip_unchanged: bool = True,
     source: str | None = None,
     return_index_df: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, pd.DataFrame]:
     """Patch one kind of site everywhere, batched and layer-skipping; per-prompt values.
 
     Same purpose as TransformerLens' ``generic_activation_patch`` (which takes a clean cache and
@@ -381,7 +437,7 @@ def batched_activation_patch(
                              batch_size, skip_unchanged)
     out = vals[:, 0].reshape(len(idf), B).T.contiguous()
     if index_df is None:
-        out = out.reshape(B, *[idf[c].nunique() for c in idf.columns])
+        out = out.reshape(B, *[int(n) for n in idf.nunique()])  # per column, as index_df's axes
     return (out, idf) if return_index_df else out
 
 

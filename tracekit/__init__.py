@@ -1,12 +1,16 @@
 """tracekit: mechanistic-interpretability experiments as composable, YAML-driven classes.
 
-Notebook use::
+Notebook use (a doctest: ``tests/integration/test_doctests.py`` runs it on a tiny model)::
 
-    import tracekit as tk
-    model = tk.load_model()                       # embedded SmolLM2-135M (or "gpt2", a path, ...)
-    res = tk.LogitLens(prompts=["The capital of China is Beijing. The capital of France is"],
-                       target=" Paris").run(model)
-    res.to_frame(); res.summary(); res.plot()
+    >>> import tracekit as tk
+    >>> model = tk.load_model()                   # embedded SmolLM2-135M (or "gpt2", a path, ...)
+    >>> res = tk.LogitLens(prompts=["The capital of China is Beijing. The capital of France is"],
+    ...                    target=" Paris").run(model, progress=False)
+    >>> df = res.to_frame(); fig = res.plot()
+    >>> {"hidden_state", "target", "prob", "rank"} <= set(df.columns)
+    True
+    >>> 0.0 <= res.summary()["target_prob_final"] <= 1.0
+    True
 
 Modules, one stage of "how did the model compute this token?" each (docs/design.md has the map):
 ``models`` (loading), ``tokens`` (tokenization, positions, padding), ``readout`` (final norm +

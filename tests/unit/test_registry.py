@@ -47,3 +47,36 @@ def test_one_error_root():
         assert issubclass(cls, E.TracekitError)
         if cls is not E.TracekitError:
             assert len(cls.__mro__) > 3  # also a built-in type (ValueError, OSError, RuntimeError)
+
+
+def test_builtin_kind_table_matches_the_registry():
+    """tracekit.results.KINDS (kind -> "module:Class", imported on demand) names every registered kind."""
+    from tracekit.results import KINDS
+
+    assert sorted(KINDS) == sorted(REGISTRY)
+    for kind, target in KINDS.items():
+        cls = REGISTRY[kind]
+        assert f"{cls.__module__}:{cls.__name__}" == target, kind
+
+
+def test_loading_a_result_needs_no_kind_registered_first(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from tracekit.results import RESULTS
+
+    tk.Result(tk.LogitLens(prompts=["x"]), {"main": pd.DataFrame({"a": [1]})}).save(tmp_path / "r", figures=False)
+    monkeypatch.delitem(REGISTRY, "logit_lens")
+    monkeypatch.delitem(RESULTS, "logit_lens")
+    assert "logit_lens" not in REGISTRY
+    back = tk.Result.load(tmp_path / "r")
+    assert type(back) is tk.LogitLensResult and isinstance(back.config, tk.LogitLens)
+    assert REGISTRY["logit_lens"] is tk.LogitLens and RESULTS["logit_lens"] is tk.LogitLensResult
+
+
+def test_unknown_kinds_are_not_found():
+    from tracekit.results import RESULTS, experiment_class
+
+    assert REGISTRY.get("no_such_kind") is None and RESULTS.get("no_such_kind") is None
+    assert experiment_class(None) is None
+    with pytest.raises(KeyError):
+        REGISTRY["no_such_kind"]

@@ -1,7 +1,9 @@
-"""Experiment kinds, registered by name (see :mod:`tracekit.experiments.base`).
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+"""Experiment kinds, registered by name (see :mod:`tracekit.experiments.base` and :mod:`tracekit.results`).
 
 Each module defines one family of kinds and registers them with ``@register``; they are imported
-here explicitly (a new kind: a module here plus one import line).
+here explicitly (a new kind: a module here, one import line, and its entry in
+:data:`tracekit.results.KINDS`).
 """
 
 from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult

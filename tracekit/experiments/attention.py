@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Attention heads as experiment kinds.
 
 * ``kind: attention_pattern`` (:class:`AttentionPattern`): for each prompt, a layer and a query
@@ -16,6 +17,7 @@ softmax); ``weight`` is a probability (each query row sums to 1; future keys get
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import numpy as np
@@ -32,11 +34,32 @@ from ..attention import (
     head_scores,
     resolve_position,
 )
+from ..core.errors import AttentionError
 from ..core.sites import hook
-from ..tokens import PositionSpec, parse_position
-from .base import Experiment, Indices, OptionalPrompts, Prompts, Result, register
+from ..tokens import PositionSpec, context_length, pad_ids, parse_position, run_with_cache
+from .base import Experiment, Indices, OptionalPrompts, Prompts, Result, encode_prompts, register
 
-__all__ = ["AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult"]
+__all__ = ["AttentionPattern", "AttentionPatternInputs", "AttentionPatternResult", "HeadScan", "HeadScanInputs",
+           "HeadScanResult"]
+
+
+@dataclass(frozen=True)
+class AttentionPatternInputs:
+    """What :meth:`AttentionPattern.prepare` builds once: the layer, the heads listed (the shown
+    head first), per prompt its token ids and the query position."""
+
+    layer: int
+    heads: tuple[int, ...]
+    ids: tuple[tuple[int, ...], ...]
+    query_positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HeadScanInputs:
+    """What :meth:`HeadScan.prepare` builds once: the layers scanned and each prompt's token ids."""
+
+    layers: tuple[int, ...]
+    ids: tuple[tuple[int, ...], ...]
 
 #: Retired config keys of ``attention_pattern`` and the key that replaced each.
 RETIRED = {"prompt": "prompts", "query": "position; a token string is written 'token: is'"}
@@ -48,6 +71,7 @@ class AttentionPatternResult(Result):
     per head at the query position: self/first/previous mass, entropy), ``tokens``. The summary,
     report and figures show prompt 0."""
 
+    config: "AttentionPattern"
     main_table = "query"
 
     def _p0(self, name: str) -> pd.DataFrame:
@@ -167,29 +191,30 @@ class AttentionPattern(Experiment):
         parse_position(v, POSITION_FORMS, "position")
         return v
 
-    def check(self, model) -> None:
-        from ..tokens import check_length, encode
-
-        check_layer(model, self.layer)
-        check_heads(model, self.heads)
+    def prepare(self, model) -> AttentionPatternInputs:
+        """Check the layer and heads, tokenize the prompts and resolve the query position in each
+        (tokenizer and config only: works on a :class:`tracekit.model.ModelInfo`)."""
+        layer = check_layer(model, self.layer)
+        heads = check_heads(model, self.heads)
         if self.head is not None:
             check_heads(model, [self.head], "head")
-        for i, p in enumerate(self.prompts):
-            ids = encode(model, p)
-            check_length(model, ids, f"prompts[{i}]", p)
-            resolve_position(model, p, self.position, ids)
+            if self.head not in heads:
+                heads = [self.head] + heads
+        ids = encode_prompts(model, self.prompts)
+        qpos = tuple(resolve_position(model, p, self.position, seq) for p, seq in zip(self.prompts, ids))
+        return AttentionPatternInputs(layer, tuple(heads), ids, qpos)
 
-    def _run(self, model, progress: bool = True) -> AttentionPatternResult:
-        heads = check_heads(model, self.heads)
-        if self.head is not None and self.head not in heads:
-            heads = [self.head] + heads
+    def _run(self, model, inputs: AttentionPatternInputs, progress: bool = True) -> AttentionPatternResult:
+        # The engine (tracekit.attention.attention_pattern) takes the prompt string and tokenizes it
+        # itself (no ids parameter yet): each prompt is tokenized once more there.
+        heads = list(inputs.heads)
         show = [self.head if self.head is not None else heads[0]]
         parts: dict = {"query": [], "pattern": [], "heads": [], "tokens": []}
         qpos0, layer = None, None
         for pi, prompt in enumerate(self.prompts):
-            ap = attention_pattern(model, prompt, self.layer)
+            ap = attention_pattern(model, prompt, inputs.layer)
             layer = ap.layer
-            qpos = resolve_position(model, prompt, self.position)
+            qpos = inputs.query_positions[pi]
             qpos0 = qpos if qpos0 is None else qpos0
             lab = classify_heads(ap.weights, [qpos], self.dominance, self.spread_entropy)
             lab = lab[lab["head"].isin(heads)].copy()
@@ -210,6 +235,7 @@ class HeadScanResult(Result):
     ``tl_*`` scores on repeated random tokens), ``labels`` (per prompt x layer x head, averaged over
     query positions >= 1)."""
 
+    config: "HeadScan"
     main_table = "scores"
 
     def summary(self) -> dict:
@@ -292,27 +318,23 @@ class HeadScan(Experiment):
             return list(range(int(model.cfg.n_layers)))
         return [check_layer(model, L, f"layers[{i}]") for i, L in enumerate(self.layers)]
 
-    def check(self, model) -> None:
-        from ..attention import AttentionError
-        from ..tokens import check_length, context_length, encode
-
-        self._layers(model)
+    def prepare(self, model) -> HeadScanInputs:
+        """Check the layers and the sequence length against the context, tokenize the prompts
+        (tokenizer and config only: works on a :class:`tracekit.model.ModelInfo`)."""
+        layers = tuple(self._layers(model))
         n_ctx = context_length(model)
         if n_ctx is not None and 2 * self.seq_len + 1 > n_ctx:
             raise AttentionError(f"seq_len: 2 x {self.seq_len} + 1 tokens exceed the model's context of {n_ctx}; "
                                  "lower seq_len")
-        for i, p in enumerate(self.prompts):
-            check_length(model, encode(model, p), f"prompts[{i}]", p)
+        return HeadScanInputs(layers, encode_prompts(model, self.prompts))
 
-    def _run(self, model, progress: bool = True) -> HeadScanResult:
-        layers = self._layers(model)
+    def _run(self, model, inputs: HeadScanInputs, progress: bool = True) -> HeadScanResult:
+        layers = list(inputs.layers)
         tables = {"scores": head_scores(model, self.seq_len, self.n_seqs, self.seed, layers)}
         if self.prompts:
-            from ..tokens import run_with_cache, tokenize
-
             rows = []
-            for pi, prompt in enumerate(self.prompts):
-                batch = tokenize(model, [prompt])
+            for pi, ids in enumerate(inputs.ids):
+                batch = pad_ids(model, [ids])  # one prompt: no padding
                 _, cache = run_with_cache(model, batch, [hook("head_pattern", L) for L in layers])
                 for L in layers:
                     lab = classify_heads(cache[hook("head_pattern", L)][0].float().cpu(), None,

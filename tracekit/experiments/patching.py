@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Activation patching experiment: which activations carry the information that changes the answer?
 
 The method, the sites and the engine live in :mod:`tracekit.patching` (usable from notebooks on
@@ -29,137 +30,49 @@ Tables:
 
 from __future__ import annotations
 
-import csv
-import json
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from .. import patching as P
-from ..errors import ConfigError, PatchingError
-from ..metrics import normalize
-from ..tokens import check_length, encode, single_token_id, str_tokens
-from .base import Experiment, Indices, OptionalPrompts, Result, StrictModel, register
+from ..errors import PatchingError
+from ..tokens import check_length, encode, single_token_id
+from .base import Experiment, Indices, OptionalPrompts, Result, register
+from .pairs import PromptPair, load_pairs
+from .patching_tables import baselines_frame, job_frame, normalise, tokens_frame
 
-__all__ = ["ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs"]
+__all__ = ["ActivationPatching", "ActivationPatchingInputs", "ActivationPatchingResult", "PromptPair", "load_pairs"]
 
 Direction = Literal["denoising", "noising"]
 Ablation = Literal["zero", "mean", "resample"]
 
 
-#: Retired pair keys and their new names (docs/glossary.md).
-RETIRED_PAIR_KEYS = {"answer": "target", "wrong": "foil", "incorrect": "foil"}
+@dataclass(frozen=True)
+class ActivationPatchingInputs:
+    """What :meth:`ActivationPatching.prepare` builds once: the pairs (read once from a pairs file),
+    per pair the target ids and (when every pair has them) the foil ids, the clean and corrupted
+    token ids (equal lengths per pair), and the baseline population's ids (None: the clean prompts)
+    with its name in errors and in the result's meta."""
 
-
-class PromptPair(StrictModel):
-    """One clean/corrupted prompt pair.
-
-    Fields:
-        clean: the prompt with the answer (``"The capital of France is"``).
-        corrupted: the same prompt with the key detail changed; must tokenize to the same length.
-        target: the clean answer token (``" Paris"``), or a list of them (one per target/foil pair).
-        foil: the contrasting token, usually the corrupted prompt's answer (``" Rome"``), or a list
-            as long as ``target``; needed by the ``logit_diff`` metric.
-
-    ``answer``/``wrong`` are retired names: they fail with an error naming ``target``/``foil``.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    clean: str
-    corrupted: str
-    target: str | list[str]
-    foil: str | list[str] | None = None
-
-    retired = {old: f"{new}; pairs are {{clean, corrupted, target, foil}}" for old, new in RETIRED_PAIR_KEYS.items()}
-
-    @model_validator(mode="after")
-    def _target_differs_from_foil(self):
-        same = [x for x, y in zip(self.targets, self.foils) if x == y]
-        if same:
-            raise ValueError(f"target and foil must differ (both {same[0]!r}): the logit difference "
-                             "would be 0 for every run; set foil to the corrupted prompt's answer")
-        return self
-
-    @property
-    def targets(self) -> list[str]:
-        return [self.target] if isinstance(self.target, str) else list(self.target)
-
-    @property
-    def foils(self) -> list[str]:
-        if self.foil is None:
-            return []
-        return [self.foil] if isinstance(self.foil, str) else list(self.foil)
-
-
-def _maybe_list(v):
-    if isinstance(v, str) and v.strip().startswith("["):
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError:
-            return v
-    if isinstance(v, float) and np.isnan(v):
-        return None
-    return v
-
-
-def load_pairs(path: str | Path, field: str = "pairs_file") -> list[PromptPair]:
-    """Read prompt pairs from JSONL (one object per line), JSON (a list) or CSV (header row).
-
-    Keys/columns: ``clean``, ``corrupted``, ``target``, ``foil`` (a JSON list string such as
-    ``["' Paris'"]`` for several targets in CSV). The retired keys ``answer``/``wrong`` are refused
-    with an error naming the new key.
-
-    Raises:
-        ConfigError: missing file, unknown extension, or a record without the needed keys; the
-            message names ``field`` and the record.
-    """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{field}: no such file {str(path)!r} (paths are relative to the working directory)")
-    ext = p.suffix.lower()
-    if ext == ".jsonl":
-        recs = []
-        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{field}: {p} line {lineno} is not valid JSON ({e.msg}); "
-                                 "each line must be one object with clean, corrupted, target, foil") from e
-    elif ext == ".json":
-        try:
-            recs = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{field}: {p} is not valid JSON ({e})") from e
-        if not isinstance(recs, list):
-            raise ConfigError(f"{field}: {p} must hold a JSON list of pair objects")
-    elif ext == ".csv":
-        with p.open(newline="") as f:
-            recs = [{k: _maybe_list(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
-    else:
-        raise ConfigError(f"{field}: {p} must end in .jsonl, .json or .csv")
-    out = []
-    for i, r in enumerate(recs):
-        try:
-            out.append(PromptPair.model_validate(r))
-        except Exception as e:  # reported with the record
-            raise ConfigError(f"{field}: record {i} of {p} is not a pair with keys clean, corrupted, target, "
-                             f"foil: {e}") from e
-    if not out:
-        raise ConfigError(f"{field}: {p} holds no pairs")
-    return out
+    pairs: tuple[PromptPair, ...]
+    target_ids: tuple[tuple[int, ...], ...]
+    foil_ids: tuple[tuple[int, ...], ...] | None
+    clean_ids: tuple[tuple[int, ...], ...]
+    corrupted_ids: tuple[tuple[int, ...], ...]
+    baseline_ids: tuple[tuple[int, ...], ...] | None
+    population_name: str
+    population_source: str
 
 
 class ActivationPatchingResult(Result):
     """Result of :class:`ActivationPatching`: tables ``main``, ``baselines``, ``tokens``."""
 
+    config: "ActivationPatching"
     main_table = "main"
 
     # ---- helpers -------------------------------------------------------------------------
@@ -458,7 +371,7 @@ class ActivationPatching(Experiment):
             raise PatchingError("pairs[*].target: every pair needs the same number of target tokens")
         return tids, (fids if all(fids) else None)
 
-    def _population(self, model, clean_ids) -> tuple[list[list[int]] | None, str, str]:
+    def _population(self, model) -> tuple[tuple[tuple[int, ...], ...] | None, str, str]:
         """``(baseline ids or None, population name for errors, population name for meta)``."""
         if not self.baseline_prompts:
             return None, "the pairs' clean prompts", "pairs.clean"
@@ -466,17 +379,30 @@ class ActivationPatching(Experiment):
         for i, text in enumerate(self.baseline_prompts):
             seq = encode(model, text)
             check_length(model, seq, f"baseline_prompts[{i}]", text)
-            ids.append(seq)
-        return ids, "baseline_prompts", "baseline_prompts"
+            ids.append(tuple(seq))
+        return tuple(ids), "baseline_prompts", "baseline_prompts"
 
-    def check(self, model) -> None:
-        """Tokenizer/config checks (works on a :class:`tracekit.model.ModelInfo`)."""
+    def prepare(self, model) -> ActivationPatchingInputs:
+        """Load the pairs, resolve target/foil ids, tokenize every clean/corrupted prompt (equal
+        lengths required) and the baseline population (tokenizer only: works on a
+        :class:`tracekit.model.ModelInfo`)."""
         pairs = self.all_pairs()
         field = "pairs" if self.pairs else f"pairs_file ({self.pairs_file})"
-        self._token_ids(model, pairs)
+        tids, fids = self._token_ids(model, pairs)
         ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs], field=field)
         for i, (c, _) in enumerate(ids):
             check_length(model, c, f"{field}[{i}]", pairs[i].clean)
+        pop, pop_name, pop_meta = self._population(model)
+        return ActivationPatchingInputs(
+            pairs=tuple(pairs), target_ids=tuple(tuple(t) for t in tids),
+            foil_ids=None if fids is None else tuple(tuple(f) for f in fids),
+            clean_ids=tuple(tuple(c) for c, _ in ids), corrupted_ids=tuple(tuple(x) for _, x in ids),
+            baseline_ids=pop, population_name=pop_name, population_source=pop_meta)
+
+    def check(self, model) -> ActivationPatchingInputs:
+        """:meth:`prepare`, then the layers, neurons and baseline population (tokenizer and config
+        only: works on a :class:`tracekit.model.ModelInfo`)."""
+        inputs = self.prepare(model)
         n = int(model.cfg.n_layers)
         P.resolve_layers(n, self.layers, "layers")
         P.resolve_layers(n, self.neuron_layers or [], "neuron_layers")
@@ -484,20 +410,23 @@ class ActivationPatching(Experiment):
         for i, j in enumerate(self.neurons or []):
             if not 0 <= j < d_mlp:
                 raise PatchingError(f"neurons[{i}]: {j} is out of range (the MLP has {d_mlp} neurons)")
-        clean_ids = [c for c, _ in ids]
-        pop, pop_name, _ = self._population(model, clean_ids)
+        clean_ids = [list(c) for c in inputs.clean_ids]
+        pop = inputs.baseline_ids
         for mode in ("mean", "resample"):
             if mode in self.ablations:
-                P.baseline_members(clean_ids, pop if pop is not None else clean_ids, mode, pop_name)
+                P.baseline_members(clean_ids, [list(b) for b in pop] if pop is not None else clean_ids, mode,
+                                   inputs.population_name)
+        return inputs
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
-    def _run(self, model, progress: bool = True) -> ActivationPatchingResult:
-        pairs = self.all_pairs()
-        tids, fids = self._token_ids(model, pairs)
-        ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs])
-        clean_ids, corr_ids = [c for c, _ in ids], [x for _, x in ids]
-        pop, _, pop_meta = self._population(model, clean_ids)
+    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> ActivationPatchingResult:
+        tids = [list(t) for t in inputs.target_ids]
+        fids = None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids]
+        clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
+        ids = list(zip(clean_ids, corr_ids))
+        pop = None if inputs.baseline_ids is None else [list(b) for b in inputs.baseline_ids]
+        pop_meta = inputs.population_source
         sites = P.expand_sites(self.sites)
         n_layers = int(model.cfg.n_layers)
         modes = self.modes
@@ -512,22 +441,11 @@ class ActivationPatching(Experiment):
         finally:
             bar.close()
 
-        tok_rows = []
-        for i, (c, x) in enumerate(ids):
-            for nm, seq in (("clean", c), ("corrupted", x)):
-                for p, (t, tid) in enumerate(zip(str_tokens(model, seq), seq)):
-                    tok_rows.append({"pair": i, "prompt": nm, "position": p, "token": t, "token_id": int(tid)})
-        tokens_df = pd.DataFrame(tok_rows)
-        base_rows = []
-        for i in range(len(pairs)):
-            for k, m in enumerate(out.metrics):
-                c, x = float(out.clean[i, k]), float(out.corrupted[i, k])
-                base_rows.append({"pair": i, "metric": m, "clean": c, "corrupted": x, "denominator": c - x,
-                                  "flagged": bool(abs(c - x) < self.min_denominator)})
-        baselines = pd.DataFrame(base_rows).sort_values(["pair", "metric"]).reset_index(drop=True)
-        frames = [self._frame(job, tokens_df) for job in out.jobs]
+        tokens_df = tokens_frame(model, ids)
+        baselines = baselines_frame(out, len(inputs.pairs), self.min_denominator)
+        frames = [job_frame(job, tokens_df, list(self.metrics)) for job in out.jobs]
         equal = len(set(lengths)) == 1
-        main = self._normalise(pd.concat(frames, ignore_index=True), baselines, equal=equal)
+        main = normalise(pd.concat(frames, ignore_index=True), baselines, equal, self.min_denominator)
         meta = {"n_layers": n_layers, "sites": sites, "modes": modes, "lengths": lengths,
                 "equal_lengths": equal, "layers": P.resolve_layers(n_layers, self.layers),
                 "neuron_layers": P.resolve_layers(n_layers, self.neuron_layers or [], "neuron_layers"),
@@ -537,71 +455,3 @@ class ActivationPatching(Experiment):
                                            "min_mean": P.MIN_MEAN_POPULATION,
                                            "alignment": "position from the end; own clean prompt excluded"}
         return ActivationPatchingResult(self, {"main": main, "baselines": baselines, "tokens": tokens_df}, meta)
-
-    def _frame(self, job: P.JobResult, tokens_df: pd.DataFrame) -> pd.DataFrame:
-        members, site, idf = job.pairs, job.site, job.index
-        n, V, Mn = len(members), len(job.index), len(self.metrics)
-        rep = idf.loc[idf.index.repeat(n)].reset_index(drop=True)
-
-        def col(name):
-            return rep[name].astype("Int64") if name in rep else pd.array([pd.NA] * len(rep), dtype="Int64")
-
-        def per_pair(vals):
-            return pd.array(np.tile(np.asarray(vals), V) if vals is not None else [pd.NA] * (V * n), dtype="Int64")
-
-        df = pd.DataFrame({
-            "direction": job.mode, "site": site.name,
-            "hook": [site.hook_name(int(L)) for L in rep["layer"]],
-            "layer": rep["layer"].astype("int64"),
-            "position": col("pos"), "head": col("head"), "neuron": col("neuron"),
-            "pair": pd.array(np.tile(np.asarray(members), V), dtype="Int64"),
-            "baseline_n": per_pair(job.baseline_n), "baseline_source": per_pair(job.baseline_source),
-        })
-        df["pos_from_end"] = (df["position"] - job.n_pos).astype("Int64")
-        tk = tokens_df[tokens_df["prompt"] == "clean"][["pair", "position", "token"]].astype(
-            {"pair": "Int64", "position": "Int64"})
-        df = df.merge(tk, on=["pair", "position"], how="left")
-        v = job.values.numpy().reshape(V * n, Mn)
-        return pd.concat([df.assign(metric=m, value=v[:, k]) for k, m in enumerate(self.metrics)], ignore_index=True)
-
-    def _normalise(self, main: pd.DataFrame, baselines: pd.DataFrame, equal: bool) -> pd.DataFrame:
-        b = baselines.set_index(["pair", "metric"])
-        key = list(zip(main["pair"].astype(int), main["metric"]))
-        clean = b["clean"].reindex(key).to_numpy()
-        corr = b["corrupted"].reindex(key).to_numpy()
-        main["normalized"] = normalize(main["value"].to_numpy(), clean, corr, self.min_denominator)
-        main["flagged"] = b["flagged"].reindex(key).to_numpy()
-        main["scope"] = "pair"
-        # mean over unflagged pairs, normalising the averages
-        good = main[~main["flagged"]].copy()
-        good["_clean"] = clean[~main["flagged"].to_numpy()]
-        good["_corr"] = corr[~main["flagged"].to_numpy()]
-        keys = ["direction", "site", "hook", "layer", "pos_from_end", "head", "neuron", "metric"]
-        if good.empty:
-            mean = main.iloc[0:0].copy()
-        else:
-            agg = good.groupby(keys, dropna=False, sort=False).agg(
-                value=("value", "mean"), _clean=("_clean", "mean"), _corr=("_corr", "mean"),
-                position=("position", "first"), token=("token", "first")).reset_index()
-            agg["normalized"] = normalize(agg["value"].to_numpy(), agg["_clean"].to_numpy(),
-                                          agg["_corr"].to_numpy(), self.min_denominator)
-            mean_flag = np.abs(agg["_clean"].to_numpy() - agg["_corr"].to_numpy()) < self.min_denominator
-            mean = agg.drop(columns=["_clean", "_corr"])
-            if not equal:
-                mean["position"] = pd.array([pd.NA] * len(mean), dtype="Int64")
-                mean["token"] = None
-            mean["pair"] = pd.array([pd.NA] * len(mean), dtype="Int64")
-            mean["baseline_n"] = pd.array([pd.NA] * len(mean), dtype="Int64")
-            mean["baseline_source"] = pd.array([pd.NA] * len(mean), dtype="Int64")
-            # the averaged clean/corrupted gap can vanish even when no single pair's does
-            mean["flagged"] = mean_flag
-            mean["scope"] = "mean"
-        cols = ["scope", "direction", "site", "hook", "layer", "position", "pos_from_end", "token", "head", "neuron",
-                "pair", "metric", "value", "normalized", "flagged", "baseline_n", "baseline_source"]
-        out = pd.concat([main[cols], mean[cols]], ignore_index=True)
-        # effect: how far the patch moves the run it was applied to, towards the other run
-        # (denoising: normalized; noising and ablations of the clean run: 1 - normalized)
-        out["effect"] = np.where(out["direction"] == "denoising", out["normalized"], 1.0 - out["normalized"])
-        for c in ("position", "pos_from_end", "head", "neuron", "pair", "baseline_n", "baseline_source"):
-            out[c] = out[c].astype("Int64")
-        return out

@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Linear probing across layers, with honest controls (``kind: linear_probe``).
 
 Question: is property X (a label of each prompt) *linearly decodable* from layer L's activations
@@ -39,12 +40,14 @@ controls, baselines, chosen regularisation, decision), ``predictions`` (test pre
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import pandas as pd
 import torch
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from .. import plotting
 from ..errors import ProbingError
 from ..hooks import check_hooks
 from ..probing import (
@@ -66,7 +69,7 @@ from ..tokens import PositionSpec, encode, parse_position
 from .base import Experiment, Indices, Result, StrictModel, register
 
 # load_probe_directions is re-exported so that ``tracekit.load_probe_directions`` works.
-__all__ = ["LinearProbe", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions"]
+__all__ = ["LinearProbe", "LinearProbeInputs", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions"]
 
 CLASS_METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 REG_METRICS = ("r2", "pearson", "mse")
@@ -132,10 +135,24 @@ class ProbeDatasetSpec(StrictModel):
         return ds
 
 
+@dataclass(frozen=True)
+class LinearProbeInputs:
+    """What :meth:`LinearProbe.prepare` builds once: the dataset (read once), the probed hooks as
+    ``(site, layer, hook)``, the rows' ``field:<column>`` values (None for other positions), each
+    row's token ids and the positions read in it."""
+
+    dataset: ProbeDataset
+    targets: tuple[tuple[str, int, str], ...]
+    fields: Optional[tuple[str, ...]]
+    ids: tuple[tuple[int, ...], ...]
+    positions: tuple[tuple[int, ...], ...]
+
+
 class LinearProbeResult(Result):
     """Result of :class:`LinearProbe`: tables ``main``, ``predictions``, ``split``; arrays with the
     probe directions. ``summary()``/``figures()``/``report()`` read only the tables and meta."""
 
+    config: "LinearProbe"
     main_table = "main"
 
     # ---- helpers -------------------------------------------------------------------------
@@ -250,8 +267,6 @@ class LinearProbeResult(Result):
         return out
 
     def report(self) -> str:
-        from ..plotting import text_table
-
         m = self.metric
         cfg = self.config
         s = self.summary()
@@ -274,7 +289,7 @@ class LinearProbeResult(Result):
                              f"{r['shuffled_' + m]:.3f}", f"{r['vs_shuffled']:+.3f}", f"{r['vs_embedding']:+.3f}"]
                             + [f"{r[e]:.3f}" for e in extras] + ["yes" if r["beats_controls"] else ""])
             lines.append(f"site {site}:")
-            lines.append(text_table(rows, ["layer", "hook", short[m], "95% CI", "shuffled", "vs shuf", "vs emb"]
+            lines.append(plotting.text_table(rows, ["layer", "hook", short[m], "95% CI", "shuffled", "vs shuf", "vs emb"]
                                     + [short[e] for e in extras] + ["beats controls"]))
         base = f"baseline (majority class) {m}: {s[f'baseline_{m}']:.3f}" if m == "accuracy" else \
             f"baseline (training mean) {m}: {s[f'baseline_{m}']:.3f}"
@@ -293,9 +308,7 @@ class LinearProbeResult(Result):
 
     # ---- figures -------------------------------------------------------------------------
     def figures(self) -> dict:
-        from ..plotting import plt as _plt
-
-        plt = _plt()
+        plt = plotting.plt()
         m = self.metric
         primary = self.meta.get("primary_site", "resid_post")
         sites = [s for s in self.tables["main"]["site"].unique() if len(self._site(s))]
@@ -446,29 +459,43 @@ class LinearProbe(Experiment):
         layers = None if self.layers == "all" else self.layers
         return probe_hooks(int(model.cfg.n_layers), self.sites, layers, self.hooks)
 
-    def check(self, model) -> None:
-        """Load the dataset, check the split is possible, the hooks exist and every position resolves.
-        Needs only the tokenizer, ``cfg`` and hook names (works on a :class:`tracekit.model.ModelInfo`)."""
+    def prepare(self, model) -> LinearProbeInputs:
+        """Load the dataset, check the hooks exist, tokenize every row and resolve the position in
+        it. Needs only the tokenizer, ``cfg`` and hook names (works on a
+        :class:`tracekit.model.ModelInfo`)."""
         ds = self.dataset.load(self.task)
-        if self.cv_folds:
-            group_kfold(ds, self.cv_folds, self.group_by, self.seed)
-        else:
-            group_split(ds, self.group_by, self.test_size, self.seed)
         check_hooks(model, self.hooks, "hooks")
         targets = self._targets(model)
         check_hooks(model, [h for _, _, h in targets], "layers")
+        fields = self._fields(ds)
         ids = [encode(model, t) for t in ds.texts]
-        row_positions(model, ds.texts, ids, self.position, self._fields(ds))
+        positions = row_positions(model, ds.texts, ids, self.position, fields)
+        return LinearProbeInputs(ds, tuple(targets), None if fields is None else tuple(fields),
+                                 tuple(tuple(i) for i in ids), tuple(tuple(p) for p in positions))
+
+    def check(self, model) -> LinearProbeInputs:
+        """:meth:`prepare`, then check the split is possible (config only: works on a
+        :class:`tracekit.model.ModelInfo`)."""
+        inputs = self.prepare(model)
+        if self.cv_folds:
+            group_kfold(inputs.dataset, self.cv_folds, self.group_by, self.seed)
+        else:
+            group_split(inputs.dataset, self.group_by, self.test_size, self.seed)
+        return inputs
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
-    def _run(self, model, progress: bool = True) -> LinearProbeResult:
-        """Extract every hook's activations, then :func:`tracekit.probing.probe_layers`; shape the result."""
+    def _run(self, model, inputs: LinearProbeInputs, progress: bool = True) -> LinearProbeResult:
+        """Extract every hook's activations, then :func:`tracekit.probing.probe_layers`; shape the result.
+
+        The extraction (:func:`tracekit.probing.extract_activations`) takes the row texts and
+        tokenizes them itself (no ids parameter yet), so each row is tokenized again there."""
         t0 = time.time()
-        ds = self.dataset.load(self.task)
-        targets = self._targets(model)
+        ds = inputs.dataset
+        targets = list(inputs.targets)
+        fields = None if inputs.fields is None else list(inputs.fields)
         with extract_activations(model, ds.texts, [h for _, _, h in targets], self.position, self.batch_size,
-                                 fields=self._fields(ds), cache_dir=self.cache_dir,
+                                 fields=fields, cache_dir=self.cache_dir,
                                  max_memory_mb=self.max_memory_mb, progress=progress) as acts:
             t_extract = time.time() - t0
             out = probe_layers(acts, ds, targets, group_by=self.group_by, test_size=self.test_size,

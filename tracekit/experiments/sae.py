@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """SAE feature kinds over :mod:`tracekit.sae` (SAELens SAEs).
 
 * ``kind: sae_features`` (:class:`SAEFeatures`): decompose prompts into SAE features at the SAE's
@@ -11,6 +12,8 @@
 * ``kind: sae_train`` (:class:`SAETrain`): train (or find in the cache) the SAE of a ``sae.train``
   block with SAELens' runner and evaluate it on held-out text.
 
+``sae_eval`` and ``sae_train`` are defined in :mod:`tracekit.experiments.sae_quality` and re-exported here.
+
 Every kind takes the same ``sae:`` block (:class:`tracekit.sae.SAESpec`). Units: activations in
 the SAE's input units; ``direct``/``total``/``contribution`` in logits; losses in nats.
 """
@@ -21,15 +24,19 @@ import base64
 import io
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import pandas as pd
-from pydantic import Field, field_validator
+from pydantic import Field
 
+from .. import plotting
+from ..dla import LogitTarget, resolve_target
 from ..errors import SAEError
 from ..sae import (
+    SAEInfo,
     SAESpec,
     check_sae,
     decoder_vocab,
@@ -37,13 +44,13 @@ from ..sae import (
     feature_dashboard_html,
     feature_decomposition,
     feature_intervention,
-    load_sae,
     random_features,
     sae_info,
-    sae_quality,
     top_activating_contexts,
 )
+from ..tokens import check_length, encode
 from .base import Experiment, Indices, Prompts, Result, StrictModel, register
+from .sae_quality import SAEEval, SAEEvalResult, SAETrain, SAETrainResult, load_handle, rounded
 
 
 def _worse(a: float, b: float) -> float:
@@ -51,25 +58,18 @@ def _worse(a: float, b: float) -> float:
     return float("nan") if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
+# SAEEval / SAETrain live in .sae_quality and are re-exported here (one import path for the SAE kinds).
 __all__ = [
     "SAEDashboardConfig",
     "SAEEval",
     "SAEEvalResult",
     "SAEFeatures",
+    "SAEFeaturesInputs",
     "SAEFeaturesResult",
     "SAEInterventionConfig",
     "SAETrain",
     "SAETrainResult",
 ]
-
-
-def _check_common(exp, model) -> None:
-    info = sae_info(exp.sae, model, "sae")
-    check_sae(model, info, "sae")
-
-
-def _load(exp, model, progress):
-    return load_sae(exp.sae, model, "sae", progress=progress)
 
 
 # =============================================================================================
@@ -128,9 +128,7 @@ class SAEDashboardConfig(StrictModel):
 
 
 def _density_png(values: np.ndarray, feature: int) -> str:
-    from ..plotting import plt
-
-    p = plt()
+    p = plotting.plt()
     fig, ax = p.subplots(figsize=(5, 2.4))
     if len(values):
         ax.hist(values, bins=30, color="C1")
@@ -144,6 +142,16 @@ def _density_png(values: np.ndarray, feature: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+@dataclass(frozen=True)
+class SAEFeaturesInputs:
+    """What :meth:`SAEFeatures.prepare` builds once: the target (and foil) token ids, the SAE's
+    identity (hook, BOS setting, training context; no weights) and each prompt's token ids."""
+
+    target: LogitTarget
+    info: SAEInfo
+    ids: tuple[tuple[int, ...], ...]
+
+
 class SAEFeaturesResult(Result):
     """Tables: ``features`` (per prompt, each feature active on the prompt: activation at the read
     position, direct contribution there, total attribution over positions, rank by |direct| (or
@@ -152,6 +160,7 @@ class SAEFeaturesResult(Result):
     (per prompt and position: token, special, L0, ||x||, ||error||, top features), and, when asked,
     ``interventions``, ``vocab``, ``contexts`` and ``density`` (activation histograms)."""
 
+    config: "SAEFeatures"
     main_table = "features"
 
     def _rank_col(self) -> str:
@@ -191,8 +200,8 @@ class SAEFeaturesResult(Result):
             "target": cfg.target, "foil": cfg.foil, "metric": self.meta.get("metrics", [None])[0],
             "logit": self.meta.get("logits", [None])[0], "position": self.meta.get("positions", [None])[0],
             "rank_by": self._rank_col(), "top_features": tops,
-            "direct": {k: _r(t0.loc[k, "direct"]) for k in t0.index},
-            "total": {k: _r(t0.loc[k, "total"]) for k in t0.index},
+            "direct": {k: rounded(t0.loc[k, "direct"]) for k in t0.index},
+            "total": {k: rounded(t0.loc[k, "total"]) for k in t0.index},
             "max_sum_error": float(self.meta.get("max_sum_error", float("nan"))),
             "l0_mean": round(float(tk0["l0"].mean()), 4) if len(tk0) else None,
             "relative_error_norm": round(float((tk0["error_norm"] / tk0["x_norm"]).mean()), 5) if len(tk0) else None,
@@ -205,23 +214,21 @@ class SAEFeaturesResult(Result):
                 key = mode if mode != "steer" else f"steer_x{value:g}"
                 top = g[g["set"] == "top"]
                 rnd = g[g["set"] == "random"]
-                agg[key] = {"top_delta_prob": _r(top["delta_prob"].mean(), 6),
-                            "top_delta_logit": _r(top["delta_logit"].mean()),
-                            "random_delta_prob_mean": _r(rnd["delta_prob"].mean(), 6) if len(rnd) else None,
-                            "random_delta_logit_mean": _r(rnd["delta_logit"].mean()) if len(rnd) else None,
-                            "clean_prob": _r(top["clean_prob"].mean(), 6), "prob": _r(top["prob"].mean(), 6)}
+                agg[key] = {"top_delta_prob": rounded(top["delta_prob"].mean(), 6),
+                            "top_delta_logit": rounded(top["delta_logit"].mean()),
+                            "random_delta_prob_mean": rounded(rnd["delta_prob"].mean(), 6) if len(rnd) else None,
+                            "random_delta_logit_mean": rounded(rnd["delta_logit"].mean()) if len(rnd) else None,
+                            "clean_prob": rounded(top["clean_prob"].mean(), 6), "prob": rounded(top["prob"].mean(), 6)}
             out["interventions"] = agg
         return out
 
     def report(self) -> str:
-        from ..plotting import text_table
-
         s = self.summary()
         lines = [(f"SAE features [{self.config.step_name}] {s['sae']} at {s['hook']} (d_sae {s['d_sae']}); "
                   f"{s['metric']} = {s['logit']:.4f} at position {s['position']}; ranked by |{s['rank_by']}|")]
         rows = [[t["feature"], f"{t['activation']:.3f}", "-" if t["direct"] is None else f"{t['direct']:+.4f}",
                  f"{t['total']:+.4f}", " ".join(repr(x) for x in t.get("promotes", [])[:5])] for t in s["top_features"]]
-        lines.append(text_table(rows, ["feature", "activation", "direct", "total", "promotes"], "><>><"))
+        lines.append(plotting.text_table(rows, ["feature", "activation", "direct", "total", "promotes"], "><>><"))
         lines.append("terms (direct | total): " + ", ".join(
             f"{k} {s['direct'][k] if s['direct'][k] is not None else float('nan'):+.4f} | {s['total'][k]:+.4f}"
             for k in s["total"]))
@@ -232,16 +239,14 @@ class SAEFeaturesResult(Result):
         return "\n".join(lines)
 
     def figures(self) -> dict:
-        from ..plotting import bars
-
         col = self._rank_col()
         top = self.top(0)
-        figs = {"top_features": bars({f"f{int(r.feature)}": float(getattr(r, col)) for r in top.itertuples()},
+        figs = {"top_features": plotting.bars({f"f{int(r.feature)}": float(getattr(r, col)) for r in top.itertuples()},
                                      title=f"Top SAE features ({col} attribution), prompt 0",
                                      ylabel=f"{col} attribution (logits)", xlabel="feature")}
         t = self.tables["terms"]
         t0 = t[(t["prompt_idx"] == 0) & (t["term"] != "activation")]
-        figs["terms"] = bars({r.term: float(r.total) for r in t0.itertuples()},
+        figs["terms"] = plotting.bars({r.term: float(r.total) for r in t0.itertuples()},
                              title="Total attribution by term (prompt 0)", ylabel="logits", rotate=False)
         return figs
 
@@ -259,11 +264,11 @@ class SAEFeaturesResult(Result):
             vals = dens[dens["feature"] == f]["activation"].to_numpy()
             n_tok = int(self.meta.get("dashboard_tokens", 0))
             stats = {"hook": self.meta.get("hook"), "SAE": self.meta.get("sae"),
-                     "activation on prompt 0 (read position)": _r(row["activation"].iloc[0]) if len(row) else None,
-                     "direct contribution (logits)": _r(row["direct"].iloc[0]) if len(row) else None,
-                     "total attribution (logits)": _r(row["total"].iloc[0]) if len(row) else None,
+                     "activation on prompt 0 (read position)": rounded(row["activation"].iloc[0]) if len(row) else None,
+                     "direct contribution (logits)": rounded(row["direct"].iloc[0]) if len(row) else None,
+                     "total attribution (logits)": rounded(row["total"].iloc[0]) if len(row) else None,
                      "corpus tokens scanned": n_tok,
-                     "activation density": _r(len(vals) / n_tok, 6) if n_tok else None}
+                     "activation density": rounded(len(vals) / n_tok, 6) if n_tok else None}
             out[int(f)] = feature_dashboard_html(
                 int(f), f"Feature {f} of {self.meta.get('sae')} ({self.meta.get('hook')})", stats,
                 ctx[ctx["feature"] == f], vocab[vocab["feature"] == f], _density_png(vals, int(f)))
@@ -275,14 +280,6 @@ class SAEFeaturesResult(Result):
         for f, html in self.dashboards().items():
             (Path(d) / f"dashboard_feature_{f}.html").write_text(html, encoding="utf-8")
         return d
-
-
-def _r(x, nd: int = 5):
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return None if not np.isfinite(v) else round(v, nd)
 
 
 @register
@@ -320,22 +317,34 @@ class SAEFeatures(Experiment):
 
     retired = {"answer": "target", "wrong": "foil", "prompt": "prompts"}
 
-    def check(self, model) -> None:
-        from ..dla import resolve_target
-        from ..tokens import check_length, encode
-
-        resolve_target(model, self.target, self.foil)
+    def prepare(self, model) -> SAEFeaturesInputs:
+        """Resolve target/foil ids and the SAE's identity (no weights), tokenize the prompts with
+        the SAE's BOS setting and check them against the model's and the SAE's context (works on a
+        :class:`tracekit.model.ModelInfo`)."""
+        target = resolve_target(model, self.target, self.foil)
         info = sae_info(self.sae, model, "sae")
-        check_sae(model, info, "sae")
+        ids = []
         for i, p in enumerate(self.prompts):
-            ids = encode(model, p, prepend_bos=info.prepend_bos)
-            check_length(model, ids, f"prompts[{i}]", p)
-            if info.context_size and len(ids) > int(info.context_size):
-                raise SAEError(f"prompts[{i}] is {len(ids)} tokens, longer than the SAE's training context "
+            seq = encode(model, p, prepend_bos=info.prepend_bos)
+            check_length(model, seq, f"prompts[{i}]", p)
+            if info.context_size and len(seq) > int(info.context_size):
+                raise SAEError(f"prompts[{i}] is {len(seq)} tokens, longer than the SAE's training context "
                                f"({info.context_size})")
+            ids.append(tuple(seq))
+        return SAEFeaturesInputs(target, info, tuple(ids))
 
-    def _run(self, model, progress: bool = True) -> SAEFeaturesResult:
-        h = _load(self, model, progress)
+    def check(self, model) -> SAEFeaturesInputs:
+        """:meth:`prepare`, then the SAE against the model (:func:`tracekit.sae.check_sae`: hook,
+        width, model, activation basis)."""
+        inputs = self.prepare(model)
+        check_sae(model, inputs.info, "sae")
+        return inputs
+
+    def _run(self, model, inputs: SAEFeaturesInputs, progress: bool = True) -> SAEFeaturesResult:
+        # The engines (tracekit.sae.feature_decomposition, feature_intervention) take the prompt
+        # strings and tokenize them themselves (no ids parameter yet): each prompt is tokenized
+        # again by its decomposition and by every intervention.
+        h = load_handle(self, model, progress)
         feats, terms, toks, metas = [], [], [], {"logits": [], "metrics": [], "positions": []}
         max_err = 0.0
         decs = []
@@ -444,168 +453,3 @@ def torch_topk(a, k: int):
 
     v, i = torch.topk(a, k)
     return list(zip(i.tolist(), v.tolist()))
-
-
-# =============================================================================================
-# sae_eval
-
-
-class SAEEvalResult(Result):
-    """Tables: ``metrics`` (one row: every quality number, SAELens' definitions), ``features``
-    (per feature: density, max activation, dead, dense)."""
-
-    main_table = "metrics"
-
-    def summary(self) -> dict:
-        m = self.tables["metrics"].to_dict("records")[0]  # per-column types (counts stay ints)
-        counts = {"n_dead", "n_dense", "n_tokens", "n_ce_tokens", "n_windows"}
-        out = {k: (int(v) if k in counts and v == v else _r(v, 6) if isinstance(v, (float, np.floating))
-                   else (int(v) if isinstance(v, (np.integer,)) else v))
-               for k, v in m.items()}
-        f = self.tables["features"]
-        out["dead_features"] = f[f["dead"]]["feature"].head(50).tolist()
-        out["dense_features"] = f[f["dense"]]["feature"].head(50).tolist()
-        out["hook"] = self.meta.get("hook")
-        out["sae"] = self.meta.get("sae")
-        return out
-
-    def report(self) -> str:
-        s = self.summary()
-        return (f"SAE eval [{self.config.step_name}] {s['sae']} at {s['hook']} on {s['n_tokens']} tokens: "
-                f"explained variance {s['explained_variance']}, L0 {s['l0']}, MSE {s['mse']}, CE loss recovered "
-                f"{s['ce_loss_recovered']} (zero abl.) / {s['ce_loss_recovered_mean']} (mean abl.), KL {s['kl']} nats, "
-                f"dead {s['n_dead']}, dense {s['n_dense']} (> {s['dense_threshold']})\n"
-                f"CE loss: clean {s['ce_loss_clean']}, SAE {s['ce_loss_sae']}, zero {s['ce_loss_zero']}, "
-                f"mean {s['ce_loss_mean']} nats")
-
-    def figures(self) -> dict:
-        from ..plotting import plt
-
-        p = plt()
-        f = self.tables["features"]
-        dens = f["density"].to_numpy()
-        fig, ax = p.subplots(figsize=(6, 3.2))
-        live = dens[dens > 0]
-        if len(live):
-            ax.hist(np.log10(live), bins=40)
-        ax.set_xlabel("log10 feature density (dead features omitted)")
-        ax.set_ylabel("features")
-        ax.set_title(f"Feature density ({int((dens == 0).sum())} dead of {len(dens)})")
-        fig.tight_layout()
-        return {"density": fig}
-
-
-@register
-class SAEEval(Experiment):
-    """Splice the SAE in and measure its quality on corpus windows (SAELens' metrics).
-
-    Fields:
-        sae: the SAE.
-        corpus: text to evaluate on: ``stdlib``, a text/JSONL file or directory path, or a list of
-            paths (default: an SAE trained here is evaluated on its held-out tokens, any other on ``stdlib``).
-        max_tokens: corpus tokens evaluated (the first ``max_tokens``; default 4096; for an SAE trained
-            here, at most its ``eval_tokens``).
-        seq_len: window length (default: the SAE's context size, else 64).
-        batch_size: token windows per forward pass (default 8).
-        dense_threshold: a feature active on more than this fraction of tokens is ``dense``.
-    """
-
-    kind: Literal["sae_eval"] = "sae_eval"
-    sae: SAESpec
-    corpus: str | list[str] | None = None
-    max_tokens: int = Field(default=4096, ge=16)
-    seq_len: int | None = Field(default=None, ge=4)
-    batch_size: int = Field(default=8, ge=1)
-    dense_threshold: float = Field(default=0.1, gt=0, le=1)
-
-    result_class = SAEEvalResult
-
-    def check(self, model) -> None:
-        _check_common(self, model)
-
-    def _run(self, model, progress: bool = True) -> SAEEvalResult:
-        h = _load(self, model, progress)
-        wins = eval_windows(model, h, self.corpus, self.max_tokens, self.seq_len)
-        q = sae_quality(model, h, wins, self.batch_size, self.dense_threshold, progress)
-        return _eval_result(self, h, q, wins)
-
-
-def _eval_result(exp, h, q, wins):
-    dens = q.density.numpy()
-    feats = pd.DataFrame({"feature": np.arange(len(dens)), "density": dens, "max_activation": q.max_act.numpy(),
-                          "dead": dens == 0, "dense": dens > q.metrics["dense_threshold"]})
-    meta = {"hook": h.hook, "sae": h.info.source, "d_sae": h.d_sae, "sae_path": h.path,
-            "eval_text": "held-out corpus tokens" if (h.spec and h.spec.train and exp.corpus is None) else
-            str(exp.corpus or "stdlib"),
-            "definitions": "sae_lens.evals: mse = mean_t ||x - x_hat||^2; explained_variance = 1 - E||x - x_hat||^2 / "
-                           "(E||x||^2 - ||E x||^2); ce_loss_recovered = (ce_zero - ce_sae) / (ce_zero - ce_clean)"}
-    return SAEEvalResult(exp, {"metrics": pd.DataFrame([q.metrics]), "features": feats}, meta)
-
-
-# =============================================================================================
-# sae_train
-
-
-class SAETrainResult(SAEEvalResult):
-    """Tables: ``training`` (one row: directory, cache hit, time, tokens), plus ``metrics`` /
-    ``features`` on the held-out tokens (as :class:`SAEEvalResult`)."""
-
-    def summary(self) -> dict:
-        out = super().summary()
-        t = self.tables["training"].iloc[0].to_dict()
-        out.update({k: (_r(v, 3) if isinstance(v, float) else v) for k, v in t.items()})
-        return out
-
-    def report(self) -> str:
-        s = self.summary()
-        head = (f"SAE train [{self.config.step_name}] {'cache hit' if s['cache_hit'] else 'trained'} -> {s['path']} "
-                f"({s.get('train_tokens')} tokens, {s.get('train_seconds')} s)")
-        return head + "\n" + super().report()
-
-
-@register
-class SAETrain(Experiment):
-    """Train an SAE with SAELens' runner on this model (or load it from the cache) and evaluate it
-    on held-out corpus tokens.
-
-    Fields:
-        sae: must be a ``train:`` block.
-        max_tokens: held-out corpus tokens the trained SAE is evaluated on (default 4096; at most
-            ``sae.train.eval_tokens``).
-        batch_size: evaluation token windows per forward pass (default 8).
-        dense_threshold: a feature active on more than this fraction of evaluation tokens is
-            ``dense`` (in (0, 1]; default 0.1).
-    """
-
-    kind: Literal["sae_train"] = "sae_train"
-    sae: SAESpec
-    max_tokens: int = Field(default=4096, ge=16)
-    batch_size: int = Field(default=8, ge=1)
-    dense_threshold: float = Field(default=0.1, gt=0, le=1)
-
-    result_class = SAETrainResult
-
-    @field_validator("sae")
-    @classmethod
-    def _needs_train(cls, v: SAESpec):
-        if v.train is None:
-            raise ValueError("sae_train needs a train: block (sae: {train: {hook: blocks.L.hook_resid_pre}})")
-        return v
-
-    @property
-    def corpus(self):
-        return None
-
-    def check(self, model) -> None:
-        _check_common(self, model)
-
-    def _run(self, model, progress: bool = True) -> SAETrainResult:
-        h = _load(self, model, progress)
-        wins = eval_windows(model, h, None, self.max_tokens)
-        q = sae_quality(model, h, wins, self.batch_size, self.dense_threshold, progress)
-        base = _eval_result(self, h, q, wins)
-        stats = dict(h.train_stats)
-        stats.pop("train", None)
-        row = {"path": h.path, "cache_hit": bool(h.cache_hit), **stats}
-        tables = {**base.tables, "training": pd.DataFrame([row])}
-        return SAETrainResult(self, tables, base.meta)

@@ -1,3 +1,4 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """``kind: token_trace`` -- the "Life of a Token" report: one prompt through every stage.
 
 The engine is :func:`tracekit.trace.token_trace` (it calls the lens, attention, attribution and
@@ -15,6 +16,7 @@ attribution, sums to the logit), ``heads_dla``, ``lens``, ``lens_grid``, ``final
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -22,7 +24,8 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from .. import plotting
-from ..tokens import check_length, encode, single_token_id
+from ..model.load import bos_info, model_spec_of
+from ..tokens import single_token_id
 from ..trace import (
     ARTICLE,
     SECTIONS,
@@ -33,9 +36,9 @@ from ..trace import (
     table_rows,
     token_trace,
 )
-from .base import Experiment, Prompts, Result, jsonable, register
+from .base import Experiment, Prompts, Result, encode_prompts, jsonable, register
 
-__all__ = ["TokenTrace", "TokenTraceResult"]
+__all__ = ["TokenTrace", "TokenTraceInputs", "TokenTraceResult"]
 
 _HS = "hidden state (0 = embeddings, h = output of block h-1)"
 
@@ -44,9 +47,21 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{float(x):.2%}"
 
 
+@dataclass(frozen=True)
+class TokenTraceInputs:
+    """What :meth:`TokenTrace.prepare` builds once: the prompt's token ids, the target and foil ids
+    (None: the model's top-1 / no foil) and the head shown as ``(layer, head)``."""
+
+    ids: tuple[int, ...]
+    target_id: Optional[int]
+    foil_id: Optional[int]
+    head: tuple[int, int]
+
+
 class TokenTraceResult(Result):
     """Result of :class:`TokenTrace`; ``html()`` / ``markdown()`` render the report."""
 
+    config: "TokenTrace"
     main_table = "lens"
 
     def summary(self) -> dict:
@@ -164,6 +179,7 @@ class TokenTraceResult(Result):
 
     # ---- report ------------------------------------------------------------------------------
     def _context(self, fig_ref: dict) -> dict:
+        # long: one flat template context, built section by section in the report's order
         """Template context; ``fig_ref``: figure name -> image source (data URI or file name)."""
         t, m = self.tables, self.meta
         model = (m.get("model") or {}).get("name", "")
@@ -377,20 +393,19 @@ class TokenTrace(Experiment):
             raise ValueError("give a head as 'L0H6' or [layer, head]")
         return v
 
-    def check(self, model) -> None:
-        ids = encode(model, self.prompt)
-        check_length(model, ids, "prompts[0]", self.prompt)
-        if self.target is not None:
-            single_token_id(model, self.target, field="target")
-        if self.foil is not None:
-            single_token_id(model, self.foil, field="foil")
-        parse_head(self.head, model)
+    def prepare(self, model) -> TokenTraceInputs:
+        """Tokenize the prompt, resolve the target/foil ids and the head shown (tokenizer and config
+        only: works on a :class:`tracekit.model.ModelInfo`)."""
+        ids = encode_prompts(model, [self.prompt])[0]
+        target_id = single_token_id(model, self.target, field="target") if self.target is not None else None
+        foil_id = single_token_id(model, self.foil, field="foil") if self.foil is not None else None
+        return TokenTraceInputs(ids, target_id, foil_id, parse_head(self.head, model))
 
-    def _run(self, model, progress: bool = True) -> TokenTraceResult:
+    def _run(self, model, inputs: TokenTraceInputs, progress: bool = True) -> TokenTraceResult:
+        # The engine (tracekit.trace.token_trace) takes the prompt string and tokenizes it in each of
+        # its stages (lens, attribution, attention; no ids parameter yet).
         tr = token_trace(model, self.prompt, self.target, self.foil, self.head, self.top_neurons, self.value_tokens,
                          self.key_contexts, self.key_max_tokens, top_k=self.top_k, seed=self.seed,
                          n_samples=self.n_samples)
-        from ..model.load import bos_info, model_spec_of
-
         meta = {**tr.meta, "model": model_spec_of(model).model_dump(mode="json"), "tokenization": bos_info(model)}
         return TokenTraceResult(self, tr.tables, meta)

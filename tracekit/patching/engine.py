@@ -178,7 +178,7 @@ def run_chunked(fn: Callable[[slice], None], n: int, batch_size: int, align: int
     (keeping it a multiple of ``align``) and retry the same chunk. Returns the final chunk size.
 
     Raises:
-        the OOM error itself when a chunk of ``align`` rows does not fit.
+        torch.OutOfMemoryError: the OOM error itself when a chunk of ``align`` rows does not fit.
     """
     bs = max(align, (int(batch_size) // align) * align)
     i = 0

@@ -156,8 +156,8 @@ def run_patching(
 
     Args:
         model: a hooked model (TransformerBridge).
-        clean_ids, corrupted_ids: per pair the token ids (BOS included as the model spec says); a
-            pair's two prompts have the same length.
+        clean_ids: per pair the clean prompt's token ids (BOS included as the model spec says).
+        corrupted_ids: per pair the corrupted prompt's ids, of the clean prompt's length.
         sites: site names or groups (:data:`SITES`, :data:`SITE_GROUPS`).
         modes: any of :data:`DIRECTIONS` and :data:`ABLATIONS`.
         metrics: names in :data:`tracekit.metrics.METRICS`.
@@ -406,7 +406,8 @@ def batched_activation_patch(
         patch_setter: a setter (``layer_pos_setter``, ...); used with the site's activation.
         activation_name: the site name (``resid_pre``, ``head_out``, ... see ``SITES``).
         index_df: explicit index rows (columns ``layer`` + the site's axes); default: every index.
-        layers, neurons: restrict the default index (block indices, negative from the end).
+        layers: restrict the default index to these blocks (negative from the end).
+        neurons: restrict the default index to these neurons.
         batch_size: variants (x prompts) per replay batch, or ``auto``.
         skip_unchanged: bit-exact no-op patches take the base run's value without replay.
         source: ``zero``, or ``mean``: each prompt's site replaced by the mean over the *other*

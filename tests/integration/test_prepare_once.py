@@ -1,0 +1,127 @@
+"""Every kind tokenizes its prompts once, in ``prepare``; ``_run`` reuses the prepared ids.
+
+Each call of :func:`tracekit.tokens.encode` (which ``tokenize`` and ``single_token_id`` go through)
+is counted per text, with where it came from: inside a kind's ``prepare``, or later in the run,
+from a kind module itself or from an engine. Where an engine takes prompt strings and tokenizes
+them itself (it has no ids parameter yet), the kind keeps the engine call and says so in ``_run``;
+:data:`ENGINE_TOKENIZES` names those engines. The kind modules never tokenize a prompt again.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+import tracekit as tk
+import tracekit.tokens as T
+from helpers import KIND_EXAMPLES, make_tiny
+from tracekit.experiments.base import REGISTRY
+
+#: Kinds whose engine still takes prompt strings (each prompt is tokenized there once more per call).
+ENGINE_TOKENIZES = {
+    "logit_lens": "tracekit.logit_lens.logit_lens",
+    "direct_logit_attribution": "tracekit.dla.logit_attribution",
+    "neuron_attribution": "tracekit.neurons.neuron_contributions / neuron_intervention",
+    "attention_pattern": "tracekit.attention.attention_pattern",
+    "linear_probe": "tracekit.probing.extract_activations",
+    "sae_features": "tracekit.sae.feature_decomposition / feature_intervention",
+    "token_trace": "tracekit.trace.token_trace",
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = make_tiny("gpt2")
+    m(torch.tensor([[464, 3139]]))  # the bridge wires its own capture hooks on a first forward
+    return m
+
+
+def _prompts(exp) -> list[str]:
+    """Every prompt text a kind tokenizes (pairs: clean and corrupted; probes: the dataset rows)."""
+    if exp.kind == "activation_patching":
+        return [t for p in exp.all_pairs() for t in (p.clean, p.corrupted)] + list(exp.baseline_prompts)
+    if exp.kind == "linear_probe":
+        return list(exp.dataset.load(exp.task).texts)
+    return list(getattr(exp, "prompts", None) or [])
+
+
+def _where() -> tuple[bool, str]:
+    """``(inside a kind's prepare, module of the first caller outside tracekit.tokens)``."""
+    f = sys._getframe(2)
+    caller = None
+    in_prepare = False
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if caller is None and mod != "tracekit.tokens":
+            caller = mod
+        if f.f_code.co_name == "prepare" and mod.startswith("tracekit.experiments"):
+            in_prepare = True
+        f = f.f_back
+    return in_prepare, caller or "?"
+
+
+@pytest.fixture()
+def encodes(monkeypatch):
+    """A list of ``(text, in_prepare, caller module)``, one per ``tracekit.tokens.encode`` call."""
+    orig = T.encode
+    calls: list[tuple[str, bool, str]] = []
+
+    def counting(model, text, *args, **kwargs):
+        calls.append((text, *_where()))
+        return orig(model, text, *args, **kwargs)
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("tracekit") and getattr(mod, "encode", None) is orig:
+            monkeypatch.setattr(mod, "encode", counting)
+    return calls
+
+
+def _exp(kind: str):
+    return REGISTRY[kind].model_validate({"kind": kind, **KIND_EXAMPLES[kind]})
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRY))
+def test_run_tokenizes_each_prompt_once(kind, model, encodes):
+    exp = _exp(kind)
+    prompts = _prompts(exp)
+    exp.run(model, progress=False)
+    prepared = Counter(t for t, in_prepare, _ in encodes if in_prepare)
+    later = [(t, caller) for t, in_prepare, caller in encodes if not in_prepare and t in prompts]
+    for p in prompts:
+        assert prepared[p] == 1, f"{kind}: prepare tokenized {p!r} {prepared[p]} times"
+    kind_calls = [(t, c) for t, c in later if c.startswith("tracekit.experiments")]
+    assert not kind_calls, f"{kind}: the kind tokenized prompts again after prepare: {kind_calls}"
+    if kind not in ENGINE_TOKENIZES:
+        assert not later, f"{kind}: prompts tokenized again during the run: {later}"
+    else:  # documented: the engine takes strings; nothing else tokenizes the prompts again
+        assert all(not c.startswith("tracekit.experiments") for _, c in later)
+
+
+def test_runner_path_prepares_once(model, encodes):
+    """``run(check=False)`` (the runner's call, after checking on a ModelInfo) prepares once too."""
+    exp = _exp("activation_patching")
+    exp.run(model, progress=False, check=False)
+    counts = Counter(t for t, _, _ in encodes)
+    assert all(counts[p] == 1 for p in _prompts(exp)), counts
+
+
+@pytest.mark.parametrize("kind", sorted(k for k in REGISTRY if k not in ("sae_eval", "sae_train")))
+def test_check_on_model_info_prepares_the_same_ids(kind, model):
+    """``check`` returns the prepared inputs; on a ModelInfo (no weights) they equal the loaded model's."""
+    exp = _exp(kind)
+    info = tk.load_model_info(tk.model_spec_of(model).model_copy())
+    from_info, from_model = exp.check(info), exp.prepare(model)
+    assert type(from_info) is type(from_model)
+    assert _ids(from_info) == _ids(from_model) and len(_ids(from_model)) > 0
+
+
+def _ids(inputs) -> tuple:
+    return inputs.clean_ids + inputs.corrupted_ids if hasattr(inputs, "clean_ids") else inputs.ids
+
+
+@pytest.mark.parametrize("kind", ["sae_eval", "sae_train"])
+def test_kinds_without_prompts_prepare_nothing(kind, model):
+    assert _exp(kind).prepare(model) is None

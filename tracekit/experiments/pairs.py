@@ -1,0 +1,125 @@
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+"""Prompt pairs of activation patching: the clean/corrupted pair config class and the pairs-file reader.
+
+A pair is ``{clean, corrupted, target, foil}`` (:class:`PromptPair`), given inline in a config's
+``pairs`` or in a ``pairs_file`` (JSONL, JSON or CSV; :func:`load_pairs`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+from pydantic import ConfigDict, model_validator
+
+from ..core.errors import ConfigError
+from ..core.strict import StrictModel
+
+__all__ = ["PromptPair", "load_pairs", "RETIRED_PAIR_KEYS"]
+
+
+#: Retired pair keys and their new names (docs/glossary.md).
+RETIRED_PAIR_KEYS = {"answer": "target", "wrong": "foil", "incorrect": "foil"}
+
+
+class PromptPair(StrictModel):
+    """One clean/corrupted prompt pair.
+
+    Fields:
+        clean: the prompt with the answer (``"The capital of France is"``).
+        corrupted: the same prompt with the key detail changed; must tokenize to the same length.
+        target: the clean answer token (``" Paris"``), or a list of them (one per target/foil pair).
+        foil: the contrasting token, usually the corrupted prompt's answer (``" Rome"``), or a list
+            as long as ``target``; needed by the ``logit_diff`` metric.
+
+    ``answer``/``wrong`` are retired names: they fail with an error naming ``target``/``foil``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    clean: str
+    corrupted: str
+    target: str | list[str]
+    foil: str | list[str] | None = None
+
+    retired = {old: f"{new}; pairs are {{clean, corrupted, target, foil}}" for old, new in RETIRED_PAIR_KEYS.items()}
+
+    @model_validator(mode="after")
+    def _target_differs_from_foil(self):
+        same = [x for x, y in zip(self.targets, self.foils) if x == y]
+        if same:
+            raise ValueError(f"target and foil must differ (both {same[0]!r}): the logit difference "
+                             "would be 0 for every run; set foil to the corrupted prompt's answer")
+        return self
+
+    @property
+    def targets(self) -> list[str]:
+        return [self.target] if isinstance(self.target, str) else list(self.target)
+
+    @property
+    def foils(self) -> list[str]:
+        if self.foil is None:
+            return []
+        return [self.foil] if isinstance(self.foil, str) else list(self.foil)
+
+
+def _maybe_list(v):
+    if isinstance(v, str) and v.strip().startswith("["):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    if isinstance(v, float) and np.isnan(v):
+        return None
+    return v
+
+
+def load_pairs(path: str | Path, field: str = "pairs_file") -> list[PromptPair]:
+    """Read prompt pairs from JSONL (one object per line), JSON (a list) or CSV (header row).
+
+    Keys/columns: ``clean``, ``corrupted``, ``target``, ``foil`` (a JSON list string such as
+    ``["' Paris'"]`` for several targets in CSV). The retired keys ``answer``/``wrong`` are refused
+    with an error naming the new key.
+
+    Raises:
+        ConfigError: missing file, unknown extension, or a record without the needed keys; the
+            message names ``field`` and the record.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{field}: no such file {str(path)!r} (paths are relative to the working directory)")
+    ext = p.suffix.lower()
+    if ext == ".jsonl":
+        recs = []
+        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{field}: {p} line {lineno} is not valid JSON ({e.msg}); "
+                                 "each line must be one object with clean, corrupted, target, foil") from e
+    elif ext == ".json":
+        try:
+            recs = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{field}: {p} is not valid JSON ({e})") from e
+        if not isinstance(recs, list):
+            raise ConfigError(f"{field}: {p} must hold a JSON list of pair objects")
+    elif ext == ".csv":
+        with p.open(newline="") as f:
+            recs = [{k: _maybe_list(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
+    else:
+        raise ConfigError(f"{field}: {p} must end in .jsonl, .json or .csv")
+    out = []
+    for i, r in enumerate(recs):
+        try:
+            out.append(PromptPair.model_validate(r))
+        except Exception as e:  # reported with the record
+            raise ConfigError(f"{field}: record {i} of {p} is not a pair with keys clean, corrupted, target, "
+                             f"foil: {e}") from e
+    if not out:
+        raise ConfigError(f"{field}: {p} holds no pairs")
+    return out

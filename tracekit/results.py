@@ -1,0 +1,384 @@
+"""Results, the registry of experiment kinds and expectations: what a saved result needs, nothing more.
+
+A :class:`Result` holds tidy tables (pandas) plus JSON-able metadata and tensors; ``summary()`` and
+the figures are computed from those, so ``Result.load(dir)`` gives back exactly what was saved.
+Saving is atomic: a result folder is written under a temporary name, with a ``manifest.json``
+listing every file last, and renamed into place; ``Result.load`` refuses a folder without a
+complete manifest.
+
+Kinds are registered by name (:func:`register`, refusing duplicates), as SAELens registers SAE
+architectures, so a YAML ``kind: logit_lens`` finds its class without an if-chain.
+
+Design (why this module sits low, under the kinds): it imports only :mod:`tracekit.core`, never a
+kind or an engine. Loading a result needs the kind's config class (to validate ``config.json``)
+and its result class (``result_class``); :data:`REGISTRY` finds both by kind name. A kind already
+registered (its module imported) is found directly; a built-in kind that is not yet registered is
+imported on demand from :data:`KINDS`, a table of ``kind -> "module:Class"`` strings. So
+:meth:`Result.load` never depends on which kind modules happen to be imported, and loading one
+kind's result imports that kind's module only (``import tracekit`` itself still imports every
+kind, for the notebook API). A kind from outside tracekit registers with ``@register`` when its
+module is imported, as before.
+
+To add a built-in kind: subclass ``tracekit.experiments.base.Experiment`` and :class:`Result`,
+decorate the experiment with ``@register``, import its module in
+``tracekit/experiments/__init__.py`` and add one line to :data:`KINDS` (a test checks the table
+against the registry).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Optional, TypeVar, Union
+
+import pandas as pd
+from pydantic import Field, field_validator, model_validator
+
+from .core import paths
+from .core.errors import OutputError, ResultLoadError
+from .core.io import atomic_folder, jsonable
+from .core.strict import StrictModel
+
+#: An experiment config (a ``tracekit.experiments.base.Experiment``, which sits above this module
+#: and so cannot be imported here; results read its ``kind``, ``expect`` and ``result_class``).
+ExperimentConfig = Any
+
+_E = TypeVar("_E", bound=type)
+
+__all__ = ["KINDS", "REGISTRY", "RESULTS", "register", "experiment_class", "known_kinds", "Expectation",
+           "Result", "lookup", "MANIFEST"]
+
+#: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`.
+KINDS: dict[str, str] = {
+    "logit_lens": "tracekit.experiments.logit_lens:LogitLens",
+    "direct_logit_attribution": "tracekit.experiments.dla:DirectLogitAttribution",
+    "neuron_attribution": "tracekit.experiments.neurons:NeuronAttribution",
+    "attention_pattern": "tracekit.experiments.attention:AttentionPattern",
+    "head_scan": "tracekit.experiments.attention:HeadScan",
+    "activation_patching": "tracekit.experiments.patching:ActivationPatching",
+    "linear_probe": "tracekit.experiments.probing:LinearProbe",
+    "sae_features": "tracekit.experiments.sae:SAEFeatures",
+    "sae_eval": "tracekit.experiments.sae_quality:SAEEval",
+    "sae_train": "tracekit.experiments.sae_quality:SAETrain",
+    "token_trace": "tracekit.experiments.trace:TokenTrace",
+}
+
+MANIFEST = "manifest.json"
+
+
+class _Registry(dict):
+    """``kind -> class``; a built-in kind not registered yet is imported from :data:`KINDS` on lookup
+    (``[]`` and ``get``; iteration and ``in`` see the registered kinds only)."""
+
+    def __missing__(self, kind: str):
+        if kind not in KINDS:
+            raise KeyError(kind)
+        _import_kind(kind)
+        return dict.__getitem__(self, kind)
+
+    def get(self, kind, default=None):
+        try:
+            return self[kind]
+        except KeyError:
+            return default
+
+
+def _import_kind(kind: str) -> None:
+    """Import a built-in kind's module and make sure its class is registered (its ``@register`` ran
+    when the module was first imported; a class taken out of the registry since is put back)."""
+    module, _, name = KINDS[kind].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if dict.get(REGISTRY, kind) is not cls or dict.get(RESULTS, kind) is not cls.result_class:
+        dict.pop(REGISTRY, kind, None)
+        register(cls)
+
+
+#: Experiment classes by kind name (``REGISTRY["logit_lens"]`` is :class:`tracekit.LogitLens`).
+REGISTRY: dict[str, type[ExperimentConfig]] = _Registry()
+#: Result classes by kind name (each kind's ``result_class``).
+RESULTS: dict[str, type["Result"]] = _Registry()
+
+
+def register(cls: _E) -> _E:
+    """Class decorator: make an experiment kind available to configs under its ``kind`` name.
+
+    Raises:
+        ValueError: another class is already registered under that kind (two kinds cannot share
+            a name; the second would silently replace the first).
+        TypeError: the class has no string default for ``kind`` or overrides ``run``.
+    """
+    kind = cls.model_fields["kind"].default
+    if not isinstance(kind, str):
+        raise TypeError(f"{cls.__name__} needs a string default for field 'kind'")
+    old = dict.get(REGISTRY, kind)
+    if old is not None and old is not cls:
+        raise ValueError(f"experiment kind {kind!r} is already registered by {old.__qualname__}; "
+                         f"{cls.__qualname__} needs another kind name")
+    if "run" in cls.__dict__:
+        raise TypeError(f"{cls.__name__} overrides run(); implement _run(model, inputs, progress) instead")
+    REGISTRY[kind] = cls
+    RESULTS[kind] = cls.result_class
+    return cls
+
+
+def known_kinds() -> list[str]:
+    """Every kind name: the built-in ones and any registered from outside tracekit."""
+    return sorted(set(KINDS) | set(REGISTRY))
+
+
+def experiment_class(kind: Any) -> Optional[type[ExperimentConfig]]:
+    """The experiment class of a kind name (imported on demand), or None for an unknown kind."""
+    return REGISTRY.get(kind) if isinstance(kind, str) else None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def lookup(obj: Any, path: str) -> Any:
+    """``a.b[3]`` / ``a['x y']`` lookup in nested dicts/lists (:func:`tracekit.core.paths.get`)."""
+    return paths.get(obj, path)
+
+
+class Expectation(StrictModel):
+    """A reference value a run checks, e.g. the seed article's numbers.
+
+    ``metric`` is a key of the step's ``summary()``, optionally indexed: ``target_prob_by_layer[8]``.
+    Met when ``|observed - value| <= atol`` (if ``value`` is a number), ``observed == value`` (if
+    ``value`` is a string or bool), and within ``[min, max]``. ``atol``, ``min`` and ``max`` must be
+    finite numbers; ``atol`` needs a numeric ``value``.
+
+    Fields:
+        metric: the ``summary()`` key to check, optionally indexed (``target_prob_by_layer[8]``); required.
+        value: the expected value: a number (compared with ``atol``), a string or a bool (compared
+            exactly); default none (then ``min`` and/or ``max`` must be given).
+        atol: absolute tolerance for a numeric ``value``, in the metric's units (>= 0; default 0 = exact).
+        min: inclusive lower bound on the observed value (default none: no lower bound).
+        max: inclusive upper bound on the observed value (default none: no upper bound).
+        note: free text shown with the check's report row (e.g. the source of the reference value).
+    """
+
+    metric: str
+    value: Optional[Union[bool, int, float, str]] = None
+    atol: float = Field(default=0.0, ge=0)
+    min: Optional[float] = None
+    max: Optional[float] = None
+    note: Optional[str] = None
+
+    @field_validator("atol", "min", "max", mode="before")
+    @classmethod
+    def _numeric(cls, v):
+        if v is not None and not _is_number(v):
+            raise ValueError(f"must be a number, got {v!r} ({type(v).__name__})")
+        return v
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _finite_value(cls, v):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"must be a finite number, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_bound(self):
+        if self.value is None and self.min is None and self.max is None:
+            raise ValueError("an expectation needs 'value' (with 'atol'), 'min' or 'max'")
+        if self.atol and not _is_number(self.value):
+            raise ValueError(f"atol: a tolerance needs a numeric value, but value is {self.value!r}")
+        return self
+
+    def check(self, summary: dict) -> dict:
+        """Evaluate against a summary dict; returns a JSON-able report row."""
+        row: dict[str, Any] = {"metric": self.metric, "expected": self.value, "atol": self.atol,
+                               "min": self.min, "max": self.max, "note": self.note}
+        try:
+            obs = lookup(summary, self.metric)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            keys = sorted(k for k in summary if k != "expectations")
+            row.update(observed=None, met=False,
+                       error=f"no such summary metric {self.metric!r} ({type(e).__name__}: {e}); "
+                             f"available: {keys}")
+            return row
+        row["observed"] = obs
+        numeric = _is_number(self.value) or self.min is not None or self.max is not None
+        if numeric and not (_is_number(obs) and math.isfinite(float(obs))):
+            # NaN compares false with every bound (a NaN error is never "greater" than a tolerance):
+            # a non-finite or missing number never meets a numeric expectation
+            row.update(met=False, error=f"observed {obs!r} is not a finite number")
+            return row
+        met = True
+        if self.value is not None:
+            if _is_number(self.value) and _is_number(obs):
+                met &= math.isfinite(float(obs)) and abs(float(obs) - float(self.value)) <= self.atol + 1e-12
+            else:
+                met &= obs == self.value
+        if self.min is not None:
+            met &= _is_number(obs) and obs >= self.min
+        if self.max is not None:
+            met &= _is_number(obs) and obs <= self.max
+        row["met"] = bool(met)
+        return row
+
+
+class Result:
+    """Outcome of an experiment: named tidy tables + metadata (JSON-able) + tensors.
+
+    Subclasses implement ``summary()`` and ``figures()`` from ``self.tables`` / ``self.meta``
+    (never from live tensors), so a loaded result behaves like the original.
+    """
+
+    main_table: ClassVar[str] = "main"
+
+    def __init__(self, config: ExperimentConfig, tables: dict[str, pd.DataFrame], meta: Optional[dict] = None,
+                 arrays: Optional[dict] = None):
+        self.config = config
+        self.tables = tables
+        self.meta = meta or {}
+        self.arrays = arrays or {}  # name -> torch.Tensor, saved as safetensors
+
+    def to_frame(self, name: Optional[str] = None) -> pd.DataFrame:
+        """The main tidy table (or the named one)."""
+        return self.tables[name or self.main_table]
+
+    def summary(self) -> dict:
+        """Headline numbers (JSON-able)."""
+        return {}
+
+    def figures(self) -> dict:
+        """Named matplotlib figures (the caller closes them)."""
+        return {}
+
+    def plot(self, name: Optional[str] = None):
+        """The main figure (or the named one) as a matplotlib ``Figure``; every other figure the
+        result drew is closed, so repeated calls in a notebook do not pile up open figures."""
+        import matplotlib.pyplot as plt
+
+        figs = self.figures()
+        if not figs:
+            raise ValueError(f"{type(self).__name__} has no figures")
+        key = name or next(iter(figs))
+        if key not in figs:
+            for f in figs.values():
+                plt.close(f)
+            raise KeyError(f"no figure {key!r}; this result has {list(figs)}")
+        for k, f in figs.items():
+            if k != key:
+                plt.close(f)
+        return figs[key]
+
+    def report(self) -> str:
+        """Human-readable text printed by ``tracekit run`` (default: the summary as JSON)."""
+        return json.dumps(jsonable(self.summary()), indent=2)
+
+    def check_expectations(self) -> list[dict]:
+        """Every expectation of the config checked against :meth:`summary` (report rows)."""
+        s = self.summary()
+        return [e.check(s) for e in self.config.expect]
+
+    def save(self, directory: str | Path, figures: bool = True) -> Path:
+        """Write the result into ``directory``, atomically.
+
+        Files: ``config.json``, ``meta.json``, ``summary.json``, ``<table>.parquet``, figures
+        (PNG), ``arrays.safetensors``, and ``manifest.json`` (every file with its size), written
+        last. Everything goes to a temporary sibling folder that is renamed into place when
+        complete; an existing ``directory`` is replaced as a whole (no stale files survive).
+
+        Returns:
+            The directory.
+
+        Raises:
+            OutputError: the folder cannot be written (the message names it; the result stays in
+                memory).
+        """
+        d = Path(directory)
+        try:
+            with atomic_folder(d) as tmp:
+                self._write(tmp, figures)
+        except OSError as e:
+            raise OutputError(f"cannot write the result to {d}: {e.strerror or e}") from e
+        return d
+
+    def _write(self, tmp: Path, figures: bool) -> None:
+        """The files of :meth:`save`, into the (temporary) folder ``tmp``; the manifest last."""
+        import matplotlib.pyplot as plt
+
+        (tmp / "config.json").write_text(json.dumps(self.config.model_dump(mode="json"), indent=2))
+        (tmp / "meta.json").write_text(json.dumps(jsonable(self.meta), indent=2))
+        for name, df in self.tables.items():
+            df.to_parquet(tmp / f"{name}.parquet", index=False)
+        if self.arrays:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.arrays.items()},
+                      str(tmp / "arrays.safetensors"))
+        summary = self.summary()
+        if self.config.expect:
+            summary = {**summary, "expectations": self.check_expectations()}
+        (tmp / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
+        if figures:
+            for name, fig in self.figures().items():
+                try:
+                    fig.savefig(tmp / f"{name}.png", dpi=110, bbox_inches="tight")
+                finally:
+                    plt.close(fig)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"kind": self.config.kind, "files": files, "tables": sorted(self.tables),
+                    "arrays": sorted(self.arrays), "figures": figures}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Result":
+        """Load a result saved by :meth:`save` (the right subclass is found from ``config.json``,
+        through :data:`REGISTRY`: the kind's module is imported if it is not yet).
+
+        Raises:
+            ResultLoadError: the folder is not a complete saved result (no manifest: the save was
+                interrupted, or it is not a step folder; a listed file missing or truncated), or
+                its kind is unknown.
+        """
+        d = Path(directory)
+        manifest = _read_manifest(d)
+        cfg = json.loads((d / "config.json").read_text())
+        kind = cfg.get("kind")
+        exp_cls = experiment_class(kind)
+        if exp_cls is None:
+            raise ResultLoadError(f"{d}: unknown experiment kind {kind!r}; known: {known_kinds()}")
+        exp = exp_cls.model_validate(cfg)
+        tables = {t: pd.read_parquet(d / f"{t}.parquet") for t in manifest.get("tables", [])}
+        meta = json.loads((d / "meta.json").read_text())
+        arrays = {}
+        if (d / "arrays.safetensors").exists():
+            from safetensors.torch import load_file
+
+            arrays = load_file(str(d / "arrays.safetensors"))
+        return RESULTS[kind](exp, tables, meta, arrays)
+
+
+def _read_manifest(d: Path) -> dict:
+    """The manifest of a complete saved result folder.
+
+    Raises:
+        ResultLoadError: no or unreadable manifest, or a listed file missing or of another size.
+    """
+    man = d / MANIFEST
+    if not man.is_file():
+        hint = ("pass a step's folder inside a run directory, e.g. results/<run>/<step name>"
+                if not (d / "config.json").is_file() else
+                "its save did not finish (interrupted?); rerun the step")
+        raise ResultLoadError(f"{d} is not a complete saved tracekit result (no {MANIFEST}); {hint}")
+    try:
+        manifest = json.loads(man.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultLoadError(f"{d}: unreadable {MANIFEST} ({e}); rerun the step") from e
+    problems = []
+    for name, size in manifest.get("files", {}).items():
+        p = d / name
+        if not p.is_file():
+            problems.append(f"{name} is missing")
+        elif p.stat().st_size != size:
+            problems.append(f"{name} has {p.stat().st_size} bytes, {size} were written")
+    if problems:
+        raise ResultLoadError(f"{d} is incomplete: " + "; ".join(problems) + "; rerun the step")
+    return manifest

@@ -1,3 +1,4 @@
+# Over 600 lines (reason): one report, section by section; splitting sections from their render helpers is planned with the results/UX issue (#24), which rewrites this report.
 """The "Life of a Token" trace: one prompt through every stage of the model, one report.
 
 Like the article "Life of a Token" (after Chrome's "Life of a Pixel"), :func:`token_trace` follows

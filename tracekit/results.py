@@ -47,7 +47,7 @@ ExperimentConfig = Any
 
 _E = TypeVar("_E", bound=type)
 
-__all__ = ["KINDS", "REGISTRY", "RESULTS", "register", "experiment_class", "known_kinds", "Expectation",
+__all__ = ["KINDS", "REGISTRY", "RESULTS", "RENAMED_COLUMNS", "shadowing_columns", "register", "experiment_class", "known_kinds", "Expectation",
            "Result", "lookup", "MANIFEST"]
 
 #: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`.
@@ -222,6 +222,21 @@ class Expectation(StrictModel):
         return row
 
 
+#: Table columns renamed so that none shadows a DataFrame method (``df.head`` is a method, so
+#: ``df[df.head == 3]`` was silently an empty frame): old -> new, for every kind. A result class adds
+#: its own in :attr:`Result.renamed_columns` (``"rank"``, or ``"table.rank"`` for one table).
+RENAMED_COLUMNS: dict[str, str] = {"head": "head_idx", "mode": "verb"}
+
+
+def shadowing_columns(df: pd.DataFrame) -> list[str]:
+    """Columns of ``df`` named like a DataFrame attribute (``head``, ``rank``, ``index``, ``count``...):
+    ``df.<name>`` would give the method, not the column."""
+    return [str(c) for c in df.columns if str(c) in _FRAME_ATTRS]
+
+
+_FRAME_ATTRS = frozenset(dir(pd.DataFrame))
+
+
 class Result:
     """Outcome of an experiment: named tidy tables + metadata (JSON-able) + tensors.
 
@@ -230,6 +245,23 @@ class Result:
     """
 
     main_table: ClassVar[str] = "main"
+    #: This kind's renamed columns beyond :data:`RENAMED_COLUMNS` (``old`` or ``table.old`` -> new).
+    renamed_columns: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def renamed_column(cls, table: str, column: str) -> Optional[str]:
+        """The new name of a retired column of ``table`` (None when ``column`` is not retired)."""
+        table_map = {**RENAMED_COLUMNS, **cls.renamed_columns}
+        return table_map.get(f"{table}.{column}", table_map.get(column))
+
+    @classmethod
+    def _rename_old_columns(cls, tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+        """Tables saved before a rename, with today's column names."""
+        out = {}
+        for name, df in tables.items():
+            ren = {c: new for c in df.columns if (new := cls.renamed_column(name, str(c))) and new not in df.columns}
+            out[name] = df.rename(columns=ren) if ren else df
+        return out
 
     def __init__(self, config: ExperimentConfig, tables: dict[str, pd.DataFrame], meta: Optional[dict] = None,
                  arrays: Optional[dict] = None):
@@ -347,6 +379,7 @@ class Result:
             raise ResultLoadError(f"{d}: unknown experiment kind {kind!r}; known: {known_kinds()}")
         exp = exp_cls.model_validate(cfg)
         tables = {t: pd.read_parquet(d / f"{t}.parquet") for t in manifest.get("tables", [])}
+        tables = RESULTS[kind]._rename_old_columns(tables)
         meta = json.loads((d / "meta.json").read_text())
         arrays = {}
         if (d / "arrays.safetensors").exists():

@@ -206,9 +206,10 @@ POSITION_FORMS: dict[str, str] = {
     "mean": "the mean over the real tokens, BOS excluded",
     "token:<text>": "the token holding the last character of the last occurrence of <text> in the prompt",
     "field:<column>": "like token:, with <text> taken from the row's <column> (probing datasets)",
+    "name": "a named position of the dataset's rows (IO, S1, S2, END...: tracekit.dataset), resolved per row",
 }
 
-PositionKind = Literal["index", "last", "all", "mean", "token", "field"]
+PositionKind = Literal["index", "last", "all", "mean", "token", "field", "name"]
 #: The config type of a ``position`` field (validated by :func:`parse_position`).
 PositionSpec = Union[int, str]
 
@@ -226,12 +227,14 @@ class Position:
             return str(self.index)
         if self.kind in ("token", "field"):
             return f"{self.kind}:{self.text}"
+        if self.kind == "name":
+            return str(self.text)
         return self.kind
 
     @property
     def single(self) -> bool:
         """True when the position names one token per prompt."""
-        return self.kind in ("index", "last", "token", "field")
+        return self.kind in ("index", "last", "token", "field", "name")
 
     def resolve(self, model, text: str, ids: Sequence[int], field: str = "position",
                 field_value: Optional[str] = None, skip_bos: Optional[bool] = None) -> list[int]:
@@ -261,6 +264,9 @@ class Position:
             drop = skip_bos if skip_bos is not None else (n > 1 and bos is not None and ids[0] == bos
                                                           and model_spec_of(model).resolved_prepend_bos(_tok(model)))
             return list(range(1 if drop else 0, n))
+        if self.kind == "name":
+            raise TokenizationError(f"{field}: {self.text!r} names a dataset position; it is resolved per row from "
+                                    "the dataset (tracekit.dataset.PreparedDataset.position), not from a prompt alone")
         sub = self.text if self.kind == "token" else field_value
         if sub is None:
             raise TokenizationError(f"{field}: {self} needs the row's {self.text!r} value")
@@ -304,6 +310,8 @@ def parse_position(spec: PositionSpec, allowed: Sequence[str] = tuple(POSITION_F
             if arg.strip() == "":
                 raise bad(f"{spec!r} has an empty {kind}")
             pos, key = Position(kind, text=arg), f"{kind}:<{'text' if kind == 'token' else 'column'}>"  # type: ignore[arg-type]
+        elif s.isidentifier() and "name" in allowed:
+            pos, key = Position("name", text=s), "name"
         else:
             raise bad(f"unknown position {spec!r} (a token string is written 'token:{spec}')")
     else:
@@ -314,20 +322,25 @@ def parse_position(spec: PositionSpec, allowed: Sequence[str] = tuple(POSITION_F
 
 
 def token_index_of_substring(model, text: str, sub: str, ids: Optional[Sequence[int]] = None,
-                             field: str = "position") -> int:
+                             field: str = "position", occurrence: int = -1) -> int:
     """Index (into ``encode(model, text)``, BOS included) of the token holding the last character
-    of the last occurrence of ``sub`` in ``text``.
+    of an occurrence of ``sub`` in ``text`` (default the last; ``occurrence=0`` the first, ``1`` the
+    second, ``-2`` the one before the last).
 
     Uses the fast tokenizer's character offsets and checks they describe the same tokens as
     :func:`encode`.
 
     Raises:
-        TokenizationError: ``sub`` does not occur in ``text``, or the tokenizer gives no offsets /
-            disagrees with :func:`encode`.
+        TokenizationError: ``sub`` does not occur in ``text`` (that often), or the tokenizer gives no
+            offsets / disagrees with :func:`encode`.
     """
-    start = text.rfind(sub)
-    if start < 0 or sub == "":
+    starts = [] if sub == "" else [i for i in range(len(text)) if text.startswith(sub, i)]
+    if not starts:
         raise TokenizationError(f"{field}: {sub!r} does not occur in the prompt {text!r}")
+    if not -len(starts) <= occurrence < len(starts):
+        raise TokenizationError(f"{field}: occurrence {occurrence} of {sub!r}, but it occurs {len(starts)} "
+                                f"time(s) in the prompt {text!r} (0 = first, -1 = last)")
+    start = starts[occurrence]
     end = start + len(sub)
     tok = _tok(model)
     try:

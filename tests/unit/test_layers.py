@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[2] / "tracekit"
 LAYERS: list[tuple[str, ...]] = [
     ("tracekit.core", "tracekit.errors"),  # tracekit.errors: the old path of core.errors (a re-export)
     ("tracekit.model",),
-    ("tracekit.tokens", "tracekit.hooks", "tracekit.metrics", "tracekit.fastpath", "tracekit.corpus",
+    ("tracekit.tokens", "tracekit.hooks", "tracekit.dataset", "tracekit.metrics", "tracekit.fastpath", "tracekit.corpus",
      "tracekit.resources", "tracekit.scratch", "tracekit.plotting", "tracekit.inputs", "tracekit.units"),
     ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.neurons", "tracekit.patching",
      "tracekit.sae", "tracekit.probing", "tracekit.trace", "tracekit.verify", "tracekit.results"),

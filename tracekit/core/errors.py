@@ -16,7 +16,7 @@ from __future__ import annotations
 __all__ = [
     "TracekitError", "ConfigError", "ModelLoadError", "TokenizationError", "HookError", "PatchingError",
     "AttributionError", "AttentionError", "CorpusError", "ProbingError", "SAEError", "ResultLoadError",
-    "OutputError", "MethodRefused",
+    "OutputError", "MethodRefused", "DatasetError",
 ]
 
 
@@ -59,6 +59,10 @@ class AttentionError(TracekitError, ValueError):
 
 class CorpusError(TracekitError, ValueError):
     """A corpus source cannot be read; the message names the field and the fix."""
+
+
+class DatasetError(TracekitError, ValueError):
+    """A dataset (rows, file, generator or filter) cannot be used; the message names the row and field."""
 
 
 class ProbingError(TracekitError, ValueError):

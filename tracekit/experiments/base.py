@@ -36,6 +36,7 @@ from pydantic import Field, field_validator
 from ..core.errors import TokenizationError
 from ..core.io import jsonable
 from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retired_message
+from ..dataset import DatasetSpec, PreparedDataset, prepare_rows, rows_from_prompts
 from ..hooks import state_guard
 from ..model.load import bos_info, load_model, model_fingerprint, model_spec_of
 from ..model.spec import ModelSpec
@@ -44,7 +45,8 @@ from ..tokens import check_length, encode
 
 __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts", "Indices",
            "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message",
-           "RESERVED_NAMES", "encode_prompts"]
+           "RESERVED_NAMES", "encode_prompts", "kind_dataset", "check_dataset_fields", "DatasetSpec",
+           "PreparedDataset"]
 
 
 def as_model(model):
@@ -70,6 +72,41 @@ def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
             raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
         out.append(tuple(ids))
     return tuple(out)
+
+
+def check_dataset_fields(prompts: Sequence[str] | None, dataset: Optional[DatasetSpec], target: Any = None,
+                         foil: Any = None) -> None:
+    """A kind's rows come from ``prompts`` (+ ``target``/``foil``) or from ``dataset``, never both.
+
+    Raises:
+        ValueError: both or neither given, or ``target``/``foil`` beside a ``dataset`` (its rows carry
+            their own); pydantic reports it at the kind's YAML path.
+    """
+    if dataset is not None and prompts:
+        raise ValueError("give prompts or dataset, not both (a dataset's rows hold their prompts)")
+    if dataset is None and not prompts:
+        raise ValueError("give prompts (a string or a list) or a dataset ({rows: ...}, {path: ...} or "
+                         "{generator: ioi})")
+    if dataset is not None and (target is not None or foil is not None):
+        raise ValueError("target/foil beside a dataset: each row carries its own target and foil (set them in "
+                         "the rows); to follow the same tokens on every row use track")
+
+
+def kind_dataset(model, prompts: Sequence[str] | None, dataset: Optional[DatasetSpec], target: Any = None,
+                 foil: Any = None, batch_size: int = 16) -> PreparedDataset:
+    """The rows a kind runs on, prepared for ``model`` once: the ``dataset`` (generated, read,
+    filtered), or one row per prompt with ``target``/``foil`` (a string: every row's; a list: one
+    per prompt, see :func:`tracekit.dataset.rows_from_prompts`).
+
+    Raises:
+        DatasetError / TokenizationError: a row that cannot be used, naming it (``dataset.rows[3].target``
+            or ``target[3]``).
+    """
+    if dataset is not None:
+        return dataset.prepare(model, "dataset", batch_size=batch_size)
+    assert prompts
+    rows = rows_from_prompts(list(prompts), target, foil)
+    return prepare_rows(model, rows, where="prompts", source="prompts")
 
 
 _NAME = re.compile(r"[^\W][\w.-]*", re.UNICODE)

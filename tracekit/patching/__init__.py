@@ -99,85 +99,18 @@ and :mod:`.run` (:func:`run_patching`, :func:`batched_activation_patch`, ``batch
 """
 
 from ..errors import PatchingError
-from .ablation import (
-    ABLATIONS,
-    MIN_MEAN_POPULATION,
-    MIN_RESAMPLE_POPULATION,  # noqa: F401 - importable as before, not in __all__
-    baseline_members,
-)
-from .checks import check_same_length, check_unpadded, resolve_layers
-from .engine import CachedRun, PatchJob, auto_batch_size, cache_run, is_oom, patch_rows, run_chunked
-from .jobs import DIRECTIONS, count_variants
-from .run import (
-    JobResult,
-    PatchingRun,
-    batched_act_patch_attn_head_out_all_pos,
-    batched_act_patch_attn_head_out_by_pos,
-    batched_act_patch_attn_head_pattern_all_pos,
-    batched_act_patch_attn_out,
-    batched_act_patch_mlp_neuron,
-    batched_act_patch_mlp_out,
-    batched_act_patch_resid_mid,
-    batched_act_patch_resid_post,
-    batched_act_patch_resid_pre,
-    batched_activation_patch,
-    run_patching,
-)
-from .setters import (
-    SITE_GROUPS,
-    SITES,
-    Site,
-    expand_sites,
-    layer_head_pattern_setter,
-    layer_head_pos_pattern_setter,
-    layer_head_vector_setter,
-    layer_neuron_setter,
-    layer_pos_head_vector_setter,
-    layer_pos_neuron_setter,
-    layer_pos_setter,
-    layer_setter,
-)
+from . import ablation, checks, engine, jobs, run, setters
+from .ablation import *  # noqa: F403 - the package re-exports each module's __all__
+from .checks import *  # noqa: F403
+from .engine import *  # noqa: F403
+from .jobs import *  # noqa: F403
+from .run import *  # noqa: F403
+from .setters import *  # noqa: F403
 
-__all__ = [
-    "ABLATIONS",
-    "DIRECTIONS",
-    "MIN_MEAN_POPULATION",
-    "SITES",
-    "SITE_GROUPS",
-    "CachedRun",
-    "JobResult",
-    "PatchJob",
-    "PatchingError",
-    "PatchingRun",
-    "Site",
-    "auto_batch_size",
-    "baseline_members",
-    "batched_act_patch_attn_head_out_all_pos",
-    "batched_act_patch_attn_head_out_by_pos",
-    "batched_act_patch_attn_head_pattern_all_pos",
-    "batched_act_patch_attn_out",
-    "batched_act_patch_mlp_neuron",
-    "batched_act_patch_mlp_out",
-    "batched_act_patch_resid_mid",
-    "batched_act_patch_resid_post",
-    "batched_act_patch_resid_pre",
-    "batched_activation_patch",
-    "cache_run",
-    "check_same_length",
-    "check_unpadded",
-    "count_variants",
-    "expand_sites",
-    "is_oom",
-    "layer_head_pattern_setter",
-    "layer_head_pos_pattern_setter",
-    "layer_head_vector_setter",
-    "layer_neuron_setter",
-    "layer_pos_head_vector_setter",
-    "layer_pos_neuron_setter",
-    "layer_pos_setter",
-    "layer_setter",
-    "patch_rows",
-    "resolve_layers",
-    "run_chunked",
-    "run_patching",
-]
+__all__ = ["PatchingError"]
+__all__ += ablation.__all__
+__all__ += checks.__all__
+__all__ += engine.__all__
+__all__ += jobs.__all__
+__all__ += run.__all__
+__all__ += setters.__all__

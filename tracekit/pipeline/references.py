@@ -20,7 +20,7 @@ from ..core import paths
 from ..core.errors import ConfigError
 from ..core.io import jsonable
 from ..core.strict import StrictModel
-from ..results import MANIFEST, REGISTRY
+from ..results import MANIFEST, REGISTRY, RESULTS
 
 __all__ = ["Reference", "check_references", "find_references", "is_reference", "lookup_path", "resolve_reference"]
 
@@ -259,19 +259,32 @@ def _read_tables(folder: Path, ref: Reference, where: str):
         raise ConfigError(f"{where}.table: step {ref.from_!r} saved no table {ref.table!r}; its tables: {tables}")
     df = pd.read_parquet(folder / f"{ref.table}.parquet")
     cols = list(df.columns)
+
+    def renamed(names: list[str]) -> str:
+        """`` ('head' was renamed to 'head_idx')`` for retired column names among ``names``."""
+        try:
+            cls = RESULTS[json.loads((folder / "config.json").read_text()).get("kind")]
+        except Exception:  # noqa: BLE001 - no hint without the kind
+            return ""
+        hits = [(n, new) for n in names if n not in cols and (new := cls.renamed_column(str(ref.table), n))]
+        return "".join(f" ({n!r} was renamed to {new!r})" for n, new in hits)
+
     if ref.where:
         try:
             df = df.query(ref.where)
         except Exception as e:
+            words = re.findall(r"[A-Za-z_]\w*", ref.where)
             raise ConfigError(f"{where}.where: {ref.where!r} cannot filter table {ref.table!r} "
-                              f"({type(e).__name__}: {e}); columns: {cols}") from e
+                              f"({type(e).__name__}: {e}){renamed(words)}; columns: {cols}") from e
     if ref.order_by:
         if ref.order_by not in df.columns:
-            raise ConfigError(f"{where}.order_by: table {ref.table!r} has no column {ref.order_by!r}; columns: {cols}")
+            raise ConfigError(f"{where}.order_by: table {ref.table!r} has no column {ref.order_by!r}"
+                              f"{renamed([ref.order_by])}; columns: {cols}")
         key = (lambda s: s.abs()) if ref.abs_ else None
         df = df.sort_values(ref.order_by, ascending=not ref.descending, key=key, kind="stable")
     if ref.column not in df.columns:
-        raise ConfigError(f"{where}.column: table {ref.table!r} has no column {ref.column!r}; columns: {cols}")
+        raise ConfigError(f"{where}.column: table {ref.table!r} has no column {ref.column!r}"
+                          f"{renamed([str(ref.column)])}; columns: {cols}")
     values = df[ref.column].tolist()
     if ref.unique:
         values = list(dict.fromkeys(values))

@@ -1,0 +1,196 @@
+"""tracekit.dataset: rows, named positions under BOS and padding, generators, files, filter: correct."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from helpers import make_tiny
+from tracekit.core.errors import DatasetError
+from tracekit.dataset import (
+    IOI_NAMES,
+    DatasetSpec,
+    Row,
+    filter_correct,
+    prepare_rows,
+    rows_from_prompts,
+)
+from tracekit.tokens import encode, pad_ids, str_tokens
+
+IOI_ROW = {"prompt": "When Mary and John went to the store, John gave a drink to", "target": " Mary",
+           "foil": " John", "positions": {"IO": " Mary", "S1": {"text": " John", "occurrence": 0},
+                                          "S2": {"text": " John", "occurrence": -1}, "END": -1, "FIRST": 0}}
+SHORT_ROW = {"prompt": "Then, John and Mary met. John said to", "target": " Mary", "foil": " John",
+             "positions": {"IO": " Mary", "S1": {"text": " John", "occurrence": 0}, "S2": " John", "END": -1,
+                           "FIRST": 0}}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["bos", "no_bos"])
+def model(request):
+    return make_tiny("gpt2", prepend_bos=request.param)
+
+
+def _tok(model, ids, i):
+    return str_tokens(model, [ids[i]])[0]
+
+
+def test_named_positions_point_at_their_tokens(model):
+    data = prepare_rows(model, [Row.model_validate(IOI_ROW), Row.model_validate(SHORT_ROW)])
+    for e in data.examples:
+        toks = str_tokens(model, list(e.ids))
+        assert toks[e.positions["IO"]] == " Mary"
+        assert toks[e.positions["S1"]] == " John" and toks[e.positions["S2"]] == " John"
+        assert e.positions["S1"] < e.positions["IO"] or e.positions["S1"] > e.positions["IO"]
+        assert e.positions["S1"] < e.positions["S2"]
+        assert e.positions["END"] == len(e.ids) - 1
+        # an int counts the text's tokens: 0 is the first text token whether or not a BOS is prepended
+        assert e.positions["FIRST"] == e.n_bos
+        assert toks[e.positions["FIRST"]] == str_tokens(model, encode(model, e.prompt, prepend_bos=False)[:1])[0]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_index_reads_each_rows_own_token(model, side):
+    data = prepare_rows(model, [Row.model_validate(IOI_ROW), Row.model_validate(SHORT_ROW)])
+    assert len(data.examples[0].ids) != len(data.examples[1].ids)
+    batch = pad_ids(model, data.ids, side)
+    for name, want in (("IO", " Mary"), ("S2", " John"), ("END", " to")):
+        idx = data.padded_index(batch, [0, 1], name)
+        got = [str_tokens(model, [int(batch.tokens[r, idx[r]])])[0] for r in range(2)]
+        assert got == [want, want], (name, side)
+    # counted from the padded start, the shorter row's END would not be its last token under left padding
+    if side == "left":
+        naive = torch.tensor(data.position("END"))
+        assert int(naive[1]) != int(data.padded_index(batch, [0, 1], "END")[1])
+
+
+def test_row_errors_name_the_row_and_the_fix(model):
+    rows = [Row(prompt="The capital of France is", target=" Paris"),
+            Row(prompt="The capital of Spain is", target=" Madridxyzq")]
+    with pytest.raises(DatasetError, match=r"dataset\.rows\[1\]\.target: ' Madridxyzq' is \d+ tokens"):
+        prepare_rows(model, rows)
+    with pytest.raises(DatasetError, match=r"rows\[0\]: target and foil are the same token"):
+        prepare_rows(model, [Row(prompt="a b", target=" b", foil=" b")])
+    with pytest.raises(DatasetError, match=r"rows\[0\]\.positions\.X: index 9 is out of range .*BOS\s+not counted"):
+        prepare_rows(model, [Row(prompt="a b", positions={"X": 9})])
+    with pytest.raises(DatasetError, match=r"positions\.X: ' zebra' does not occur"):
+        prepare_rows(model, [Row(prompt="a b", positions={"X": " zebra"})])
+    with pytest.raises(DatasetError, match=r"positions\.X: occurrence 2 of ' b', but it occurs 1 time"):
+        prepare_rows(model, [Row(prompt="a b", positions={"X": {"text": " b", "occurrence": 2}})])
+    with pytest.raises(DatasetError, match=r"rows\[0\]\.corrupted: \d+ tokens, the prompt \d+"):
+        prepare_rows(model, [Row(prompt="a b c", corrupted="a b c d e")])
+    with pytest.raises(DatasetError, match=r"not a named position of row 0"):
+        prepare_rows(model, [Row(prompt="a b")]).position("END")
+    with pytest.raises(ValueError, match="must be an identifier"):
+        Row(prompt="a", positions={"the end": -1})
+    with pytest.raises(ValueError, match="'answer' was renamed to 'target'"):
+        Row.model_validate({"prompt": "a", "answer": " b"})
+
+
+def test_target_list_is_one_per_prompt_and_track_is_named():
+    rows = rows_from_prompts(["a", "b"], [" x", " y"], " z")
+    assert [(r.target, r.foil) for r in rows] == [(" x", " z"), (" y", " z")]
+    with pytest.raises(DatasetError, match=r"target: 3 tokens for 2 prompt\(s\).*track: \[' x', ' y', ' w'\]"):
+        rows_from_prompts(["a", "b"], [" x", " y", " w"])
+
+
+def test_spec_needs_exactly_one_source_and_fitting_options():
+    with pytest.raises(ValueError, match="exactly one of rows, path, generator"):
+        DatasetSpec()
+    with pytest.raises(ValueError, match="exactly one of rows, path, generator"):
+        DatasetSpec(rows=[{"prompt": "a"}], generator="ioi")
+    with pytest.raises(ValueError, match="generator 'capitals' takes no corrupt"):
+        DatasetSpec(generator={"name": "capitals", "corrupt": "abc"})
+    with pytest.raises(ValueError, match="unknown generator 'iio'"):
+        DatasetSpec(generator="iio")
+    with pytest.raises(ValueError, match="columns: \\['label'\\] are not row fields"):
+        DatasetSpec(path="x.csv", columns={"label": "y"})
+
+
+@pytest.mark.parametrize("corrupt", ["swap_s2", "abc"])
+def test_ioi_generator(model, corrupt):
+    data = DatasetSpec(generator={"name": "ioi", "n": 24, "seed": 3, "corrupt": corrupt}).prepare(model)
+    assert len(data) == 24
+    single = [n for n in IOI_NAMES if len(encode(model, " " + n, prepend_bos=False)) == 1]
+    assert data.dropped["names not one token"] == len(IOI_NAMES) - len(single)
+    groups = [e.row.group for e in data.examples]
+    assert groups.count("ABBA") == groups.count("BABA") == 12
+    for e in data.examples:
+        toks = str_tokens(model, list(e.ids))
+        assert e.row.target and e.row.foil and e.row.target != e.row.foil
+        assert toks[e.positions["IO"]] == e.row.target and toks[-1] == toks[e.positions["END"]]
+        assert toks[e.positions["S1"]] == e.row.foil == toks[e.positions["S2"]]
+        assert e.positions["S1"] < e.positions["S2"]
+        io_first = e.positions["IO"] < e.positions["S1"]
+        assert io_first == (e.row.group == "ABBA")
+        # the corrupted prompt differs from the clean one exactly at S2
+        assert e.corrupted_ids is not None
+        diff = [i for i, (a, b) in enumerate(zip(e.ids, e.corrupted_ids)) if a != b]
+        assert diff == [e.positions["S2"]]
+        c = str_tokens(model, [e.corrupted_ids[diff[0]]])[0]
+        assert (c == e.row.target) if corrupt == "swap_s2" else (c not in (e.row.target, e.row.foil))
+    again = DatasetSpec(generator={"name": "ioi", "n": 24, "seed": 3, "corrupt": corrupt}).prepare(model)
+    assert again.prompts == data.prompts
+    assert DatasetSpec(generator={"name": "ioi", "n": 24, "seed": 4}).prepare(model).prompts != data.prompts
+
+
+def test_capitals_and_induction_generators(model):
+    cap = DatasetSpec(generator={"name": "capitals", "few_shot": True}).prepare(model)
+    assert all(e.prompt.startswith("The capital of China is Beijing. ") for e in cap.examples)
+    assert "China" not in [e.row.extra["country"] for e in cap.examples]
+    for e in cap.examples:
+        toks = str_tokens(model, list(e.ids))
+        assert e.row.extra["country"].split()[-1].endswith(toks[e.positions["SUBJ"]].strip())
+        assert len(encode(model, e.row.target, prepend_bos=False)) == 1
+    ind = DatasetSpec(generator={"name": "induction", "n": 5, "seq_len": 6}).prepare(model)
+    for e in ind.examples:
+        toks = str_tokens(model, list(e.ids))
+        assert toks[e.positions["SRC"]] == e.row.target
+        assert toks[e.positions["PREV"]] == toks[e.positions["END"]]
+        assert len(e.ids) == e.n_bos + 11
+
+
+def test_files_read_the_same_rows(model, tmp_path):
+    recs = [IOI_ROW, {**SHORT_ROW, "group": "g7", "extra_col": "x"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    flat = [{"group": None, "extra_col": None, **r, "positions": json.dumps(r["positions"])} for r in recs]
+    pd.DataFrame(flat).to_csv(tmp_path / "d.csv", index=False)
+    pd.DataFrame(flat).to_parquet(tmp_path / "d.parquet")
+    import datasets
+
+    datasets.Dataset.from_list(flat).save_to_disk(str(tmp_path / "hf"))
+    renamed = [{("text" if k == "prompt" else k): v for k, v in r.items()} for r in recs]
+    (tmp_path / "r.json").write_text(json.dumps(renamed))
+    want = prepare_rows(model, [Row.model_validate(r) for r in recs])
+    for spec in ({"path": str(tmp_path / "d.jsonl")}, {"path": str(tmp_path / "d.csv")},
+                 {"path": str(tmp_path / "d.parquet")}, {"path": str(tmp_path / "hf")},
+                 {"path": str(tmp_path / "r.json"), "columns": {"prompt": "text"}}):
+        got = DatasetSpec.model_validate(spec).prepare(model)
+        assert got.ids == want.ids, spec
+        assert [dict(e.positions) for e in got.examples] == [dict(e.positions) for e in want.examples], spec
+        assert [e.row.group for e in got.examples] == [None, "g7"], spec
+    with pytest.raises(DatasetError, match=r"dataset\.path: row 0 \(line 1\) of bad\.jsonl"):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"target": " x"}))
+        DatasetSpec(path=str(tmp_path / "bad.jsonl")).prepare(model)
+    with pytest.raises(DatasetError, match="columns.prompt: r.json has no column 'sentence'"):
+        DatasetSpec(path=str(tmp_path / "r.json"), columns={"prompt": "sentence"}).prepare(model)
+
+
+def test_filter_correct_keeps_the_rows_the_model_gets_right(model):
+    rows = [Row(prompt=f"The {w} of the", target=t, foil=f) for w in ("cat", "dog", "city", "king", "river")
+            for t, f in ((" house", " same"), (" same", " house"))]
+    rows += [Row(prompt="One two three", target=" four")]  # no foil: the target must be top-1
+    data = prepare_rows(model, rows)
+    kept = filter_correct(model, data, batch_size=3)
+    want = []
+    for i, e in enumerate(data.examples):
+        logits = model(torch.tensor([list(e.ids)]))[0, -1]
+        ok = logits[e.target_id] > logits[e.foil_id] if e.foil_id is not None else int(logits.argmax()) == e.target_id
+        want.append(i) if ok else None
+    if not want:
+        pytest.skip("the random model gets no row right")
+    assert [e.row_id for e in kept.examples] == want
+    assert kept.dropped["filter: correct"] == len(rows) - len(want)
+    assert 0 < len(want) < len(rows)  # each pair of rows with swapped target/foil has exactly one right

@@ -1,0 +1,194 @@
+"""Built-in dataset generators: ``ioi``, ``capitals``, ``induction``.
+
+Each is seeded, builds :class:`~tracekit.dataset.rows.Row` s for the model in use and keeps only
+rows whose names and answers are single tokens for that model's tokenizer, counting what it drops
+(``dropped`` in the result).
+
+* ``ioi`` (indirect object identification; Wang et al. 2022, "Interpretability in the Wild", their
+  ``ioi_dataset.py`` templates, names, places and objects): "When Mary and John went to the store,
+  John gave a drink to" -> target `` Mary`` (the indirect object, IO), foil `` John`` (the subject,
+  S). Rows alternate ABBA (IO named first) and BABA (S named first), so the two orders are balanced
+  (``group``). Named positions: ``IO``, ``S1`` (first mention of S), ``S2`` (second), ``END`` (last
+  token). Corrupted counterpart (``corrupt``): ``swap_s2`` (S2 replaced by the IO name: the
+  corrupted prompt's answer is the clean foil), ``abc`` (S2 replaced by a third name C, Wang et al.'s
+  ABC distribution), or ``none``.
+* ``capitals``: "The capital of France is" -> `` Paris`` for the built-in countries table; foil:
+  another row's capital; ``few_shot: true`` prefixes the seed article's "The capital of China is
+  Beijing. " (China itself is then left out). Positions ``SUBJ`` (last token of the country), ``END``.
+* ``induction``: ``seq_len`` random single-token words, then the same words again without the last:
+  the answer is the last word (an induction head at ``END`` attends to ``SRC``, the first copy of
+  the answer, after ``PREV``, the first copy of the current token). Foil: a word not in the row.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from importlib import resources
+
+from ..tokens import encode
+from .rows import At, Row
+
+__all__ = ["IOI_TEMPLATES", "IOI_NAMES", "generate", "GENERATORS", "ioi", "capitals", "induction"]
+
+#: Wang et al. 2022's BABA templates (``[B]`` = S, ``[A]`` = IO), the answer " [A]" removed.
+#: ABBA rows swap the first two names.
+IOI_TEMPLATES: tuple[str, ...] = (
+    "Then, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to",
+    "Then, [B] and [A] had a lot of fun at the [PLACE]. [B] gave a [OBJECT] to",
+    "Then, [B] and [A] were working at the [PLACE]. [B] decided to give a [OBJECT] to",
+    "Then, [B] and [A] were thinking about going to the [PLACE]. [B] wanted to give a [OBJECT] to",
+    "Then, [B] and [A] had a long argument, and afterwards [B] said to",
+    "After [B] and [A] went to the [PLACE], [B] gave a [OBJECT] to",
+    "When [B] and [A] got a [OBJECT] at the [PLACE], [B] decided to give it to",
+    "When [B] and [A] got a [OBJECT] at the [PLACE], [B] decided to give the [OBJECT] to",
+    "While [B] and [A] were working at the [PLACE], [B] gave a [OBJECT] to",
+    "While [B] and [A] were commuting to the [PLACE], [B] gave a [OBJECT] to",
+    "After the lunch, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to",
+    "Afterwards, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to",
+    "Then, [B] and [A] had a long argument. Afterwards [B] said to",
+    "The [PLACE] [B] and [A] went to had a [OBJECT]. [B] gave it to",
+    "Friends [B] and [A] found a [OBJECT] at the [PLACE]. [B] gave it to",
+)
+#: Wang et al. 2022's first names (kept per model when `` Name`` is one token).
+IOI_NAMES: tuple[str, ...] = (
+    "Michael", "Christopher", "Jessica", "Matthew", "Ashley", "Jennifer", "Joshua", "Amanda", "Daniel", "David",
+    "James", "Robert", "John", "Joseph", "Andrew", "Ryan", "Brandon", "Jason", "Justin", "Sarah", "William",
+    "Jonathan", "Stephanie", "Brian", "Nicole", "Nicholas", "Anthony", "Heather", "Eric", "Elizabeth", "Adam",
+    "Megan", "Melissa", "Kevin", "Steven", "Thomas", "Timothy", "Christina", "Kyle", "Rachel", "Laura", "Lauren",
+    "Amber", "Brittany", "Danielle", "Richard", "Kimberly", "Jeffrey", "Amy", "Crystal", "Michelle", "Tiffany",
+    "Jeremy", "Benjamin", "Mark", "Emily", "Aaron", "Charles", "Rebecca", "Jacob", "Stephen", "Patrick", "Sean",
+    "Erin", "Jamie", "Kelly", "Samantha", "Nathan", "Sara", "Dustin", "Paul", "Angela", "Tyler", "Scott",
+    "Katherine", "Andrea", "Gregory", "Erica", "Mary", "Travis", "Lisa", "Kenneth", "Bryan", "Lindsey", "Kristen",
+    "Jose", "Alexander", "Jesse", "Katie", "Lindsay", "Shannon", "Vanessa", "Courtney", "Christine", "Alicia",
+    "Cody", "Allison", "Bradley", "Samuel",
+)
+_PLACES = ("store", "garden", "restaurant", "school", "hospital", "office", "house", "station")
+_OBJECTS = ("ring", "kiss", "bone", "basketball", "computer", "necklace", "drink", "snack")
+#: Common nouns for ``induction`` rows (kept per model when `` word`` is one token).
+_WORDS = (
+    "apple", "table", "river", "house", "music", "paper", "stone", "water", "light", "chair", "green", "money",
+    "horse", "night", "world", "power", "field", "glass", "plant", "heart", "board", "train", "cloud", "bread",
+    "story", "voice", "phone", "dream", "earth", "metal", "ocean", "smile", "sugar", "truth", "video", "wheel",
+    "forest", "garden", "window", "doctor", "market", "bridge", "island", "castle", "letter", "silver", "winter",
+    "summer", "animal", "school", "family", "friend", "number", "camera", "dinner", "engine", "flower", "guitar",
+    "hammer", "jacket", "kitten", "ladder", "mirror", "pepper", "rocket", "tunnel", "planet", "circle", "butter",
+    "carpet", "coffee", "desert", "finger", "hunter", "lemon", "tiger", "zebra", "piano", "robot", "queen",
+)
+FEW_SHOT_CAPITALS = "The capital of China is Beijing. "
+
+
+def _one_token(model, word: str) -> bool:
+    return len(encode(model, word, prepend_bos=False)) == 1
+
+
+def ioi(model, n: int = 64, seed: int = 0, corrupt: str = "swap_s2",
+        names: Sequence[str] | None = None) -> tuple[list[Row], dict[str, int]]:
+    """IOI rows (see the module docstring). Returns ``(rows, dropped)``.
+
+    Args:
+        model: the model whose tokenizer decides which names are one token.
+        n: number of rows (ABBA and BABA alternate: ``n`` even gives an exact balance).
+        seed: seeds the names, templates, places and objects drawn.
+        corrupt: ``swap_s2`` | ``abc`` | ``none``.
+        names: the first names to draw from (default :data:`IOI_NAMES`).
+
+    Raises:
+        ValueError: fewer than 3 usable names (the message says how many were dropped).
+    """
+    pool = list(names) if names is not None else list(IOI_NAMES)
+    usable = [x for x in pool if _one_token(model, " " + x)]
+    dropped = {"names not one token": len(pool) - len(usable)}
+    if len(usable) < 3:
+        raise ValueError(f"ioi: only {len(usable)} of {len(pool)} names are one token (with a leading space) for this "
+                         "model; give names that are")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        while True:
+            io, s, c = rng.sample(usable, 3)
+            ws = (" " + io, " " + s, " " + c)
+            if not any(a != b and b.startswith(a) for a in ws for b in ws):
+                break  # no name is a prefix of another (" Sara" in " Sarah") so text positions are exact
+        tpl = IOI_TEMPLATES[rng.randrange(len(IOI_TEMPLATES))]
+        place, obj = rng.choice(_PLACES), rng.choice(_OBJECTS)
+        order = "ABBA" if i % 2 == 0 else "BABA"
+        first, second = (io, s) if order == "ABBA" else (s, io)
+        head, _, tail = tpl.partition("[B] and [A]")
+        text = (head + f"{first} and {second}" + tail).replace("[PLACE]", place).replace("[OBJECT]", obj)
+        prompt = text.replace("[B]", s)
+        corrupted = {"swap_s2": text.replace("[B]", io), "abc": text.replace("[B]", c), "none": None}[corrupt]
+        rows.append(Row(prompt=prompt, target=" " + io, foil=" " + s, group=order, corrupted=corrupted,
+                        positions={"IO": At(text=" " + io, occurrence=0), "S1": At(text=" " + s, occurrence=0),
+                                   "S2": At(text=" " + s, occurrence=-1), "END": -1},
+                        template=IOI_TEMPLATES.index(tpl), io_name=io, s_name=s))  # type: ignore[call-arg]
+    return rows, dropped
+
+
+def _countries() -> list[dict[str, str]]:
+    import csv
+
+    with resources.files("tracekit").joinpath("data/countries.csv").open("r", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def capitals(model, n: int | None = None, seed: int = 0, few_shot: bool = False) -> tuple[list[Row], dict[str, int]]:
+    """Capital-city rows from the built-in countries table (see the module docstring).
+
+    Args:
+        n: keep at most this many rows (a seeded sample); default all usable rows.
+        few_shot: prefix :data:`FEW_SHOT_CAPITALS` (China is then left out).
+    """
+    table = [r for r in _countries() if not (few_shot and r["country"] == "China")]
+    usable = [r for r in table if _one_token(model, " " + r["capital"])]
+    dropped = {"capital not one token": len(table) - len(usable)}
+    rng = random.Random(seed)
+    if n is not None and n < len(usable):
+        usable = sorted(rng.sample(usable, n), key=usable.index)
+    if len(usable) < 2:
+        raise ValueError(f"capitals: only {len(usable)} capitals are one token for this model; need 2 (a row's foil is "
+                         "another row's capital)")
+    rows = []
+    prefix = FEW_SHOT_CAPITALS if few_shot else ""
+    for i, r in enumerate(usable):
+        foil = usable[(i + 1 + rng.randrange(len(usable) - 1)) % len(usable)]["capital"]
+        rows.append(Row(prompt=f"{prefix}The capital of {r['phrase']} is", target=" " + r["capital"], foil=" " + foil,
+                        group=r["continent"], positions={"SUBJ": At(text=r["phrase"]), "END": -1},
+                        country=r["country"]))  # type: ignore[call-arg]
+    return rows, dropped
+
+
+def induction(model, n: int = 32, seed: int = 0, seq_len: int = 10) -> tuple[list[Row], dict[str, int]]:
+    """Repeated random-word rows (see the module docstring).
+
+    Args:
+        n: number of rows; seq_len: words per copy (>= 2).
+    """
+    words = [w for w in _WORDS if _one_token(model, " " + w)]
+    dropped = {"words not one token": len(_WORDS) - len(words), "rows that do not tokenize word by word": 0}
+    if len(words) < seq_len + 1:
+        raise ValueError(f"induction: only {len(words)} built-in words are one token for this model; use "
+                         f"seq_len <= {len(words) - 1}")
+    rng = random.Random(seed)
+    rows: list[Row] = []
+    tries = 0
+    while len(rows) < n and tries < 20 * n:
+        tries += 1
+        seq = rng.sample(words, seq_len + 1)
+        body, foil = seq[:seq_len], seq[seq_len]
+        prompt = "".join(" " + w for w in body + body[:-1])
+        if len(encode(model, prompt, prepend_bos=False)) != 2 * seq_len - 1:
+            dropped["rows that do not tokenize word by word"] += 1
+            continue
+        rows.append(Row(prompt=prompt, target=" " + body[-1], foil=" " + foil,
+                        positions={"SRC": seq_len - 1, "PREV": seq_len - 2, "END": -1}))
+    return rows, dropped
+
+
+#: name -> generator function.
+GENERATORS = {"ioi": ioi, "capitals": capitals, "induction": induction}
+
+
+def generate(model, name: str, **options) -> tuple[list[Row], dict[str, int]]:
+    """Rows of the built-in generator ``name`` (one of :data:`GENERATORS`) for ``model``."""
+    return GENERATORS[name](model, **options)

@@ -1,0 +1,343 @@
+"""Dataset rows and their preparation against a model: token ids, per-row target/foil ids, named
+positions resolved per row.
+
+A row (:class:`Row`) is what a user writes: ``prompt``, optional ``target`` / ``foil`` (single
+tokens), optional named ``positions``, optional ``corrupted`` prompt (patching pairs), ``group`` and
+any extra columns. :func:`prepare_rows` turns rows into a :class:`PreparedDataset` of
+:class:`Example` s for one model: each prompt tokenized once (BOS as the model spec says), each
+target/foil checked to be one token *with the row named in the error*, each named position resolved
+to an index into that row's own tokens (BOS counted). :meth:`PreparedDataset.padded_index` maps a
+named position into a padded batch (left or right padding), so no kind counts from the padded
+start.
+
+Position values in a row (``positions: {IO: " Mary", S1: {text: " John", occurrence: 0}, END: -1}``):
+
+* an ``int``: an index into the prompt's **text tokens** (BOS *not* counted, so the same row works
+  with BOS on and off); negative counts from the end (``-1`` = the last token);
+* a ``str``: the token holding the last character of the **last** occurrence of that text;
+* ``{text, occurrence}``: the same for occurrence ``occurrence`` (0 = first, -1 = last).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from pydantic import ConfigDict, Field, field_validator
+
+from ..core.errors import DatasetError, TokenizationError
+from ..core.strict import StrictModel
+from ..tokens import Batch, check_length, encode, single_token_id, str_tokens, token_index_of_substring
+
+__all__ = ["At", "PositionValue", "Row", "Example", "PreparedDataset", "prepare_rows", "rows_from_prompts",
+           "RESERVED_COLUMNS"]
+
+#: Row fields with a meaning; every other key of a row is an extra column, kept as it is.
+RESERVED_COLUMNS = ("row_id", "prompt", "target", "foil", "positions", "corrupted", "group")
+
+
+class At(StrictModel):
+    """A position given as text: the token holding the last character of occurrence ``occurrence``
+    of ``text`` in the prompt (0 = first, -1 = last)."""
+
+    text: str = Field(min_length=1)
+    occurrence: int = -1
+
+
+PositionValue = Union[int, str, At]
+
+
+def _json_cell(v: Any) -> Any:
+    """A CSV cell holding JSON (``{"IO": 2}``) decoded; anything else as it is."""
+    if isinstance(v, str) and v.strip()[:1] in ("{", "["):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    return v
+
+
+class Row(StrictModel):
+    """One dataset row as written (inline YAML, a file record or a generator's output).
+
+    Fields:
+        prompt: the text the model reads.
+        target: the row's answer token (one token, leading space included), optional.
+        foil: the contrasting token (e.g. the corrupted prompt's answer), optional.
+        positions: named positions (see the module docstring for the value forms).
+        corrupted: the corrupted counterpart of ``prompt`` (activation patching), optional.
+        group: a group label (for summaries by group and for grouped splits), optional.
+
+    Any other key is an extra column, kept in :attr:`extra` and in every per-row table.
+    """
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    prompt: str = Field(min_length=1)
+    target: Optional[str] = None
+    foil: Optional[str] = None
+    positions: dict[str, PositionValue] = Field(default_factory=dict)
+    corrupted: Optional[str] = None
+    group: Optional[str] = None
+
+    retired = {"answer": "target", "wrong": "foil", "clean": "prompt", "text": "prompt"}
+
+    @field_validator("positions", mode="before")
+    @classmethod
+    def _positions(cls, v):
+        v = _json_cell(v)
+        if v is None:
+            return {}
+        if isinstance(v, dict):
+            for name in v:
+                if not str(name).isidentifier():
+                    raise ValueError(f"position name {name!r} must be an identifier (letters, digits, _), e.g. IO, "
+                                     "S1, END: kinds refer to it by name (position: END)")
+        return v
+
+    @field_validator("group", mode="before")
+    @classmethod
+    def _group_text(cls, v):
+        return None if v is None else str(v)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prepared row: the row as given plus what the model's tokenizer makes of it.
+
+    Attributes:
+        row_id: the row's index in the dataset (after generators and filters: stable ids are kept
+            from the source, so a filtered dataset keeps the ids of its rows).
+        ids: the prompt's token ids (BOS included when the model spec prepends one).
+        target_id / foil_id: token ids of ``row.target`` / ``row.foil`` (None when not given).
+        positions: each named position as an index into ``ids`` (BOS counted), non-negative.
+        corrupted_ids: the corrupted prompt's ids (None when not given).
+        n_bos: 1 when ``ids`` starts with a prepended BOS.
+    """
+
+    row_id: int
+    row: Row
+    ids: tuple[int, ...]
+    target_id: Optional[int] = None
+    foil_id: Optional[int] = None
+    positions: Mapping[str, int] = field(default_factory=dict)
+    corrupted_ids: Optional[tuple[int, ...]] = None
+    #: 1 when ``ids`` starts with a prepended BOS, else 0.
+    n_bos: int = 0
+
+    @property
+    def prompt(self) -> str:
+        return self.row.prompt
+
+
+
+@dataclass(frozen=True)
+class PreparedDataset:
+    """Rows prepared for one model (see :func:`prepare_rows`).
+
+    Attributes:
+        examples: the prepared rows, in dataset order.
+        source: where the rows came from (``rows``, a file path, ``generator ioi (seed 0)``).
+        dropped: why rows were dropped and how many (generators: names or answers that are not one
+            token for this model; ``filter: correct``: rows the model gets wrong).
+    """
+
+    examples: tuple[Example, ...]
+    source: str = "rows"
+    dropped: Mapping[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def prompts(self) -> list[str]:
+        return [e.prompt for e in self.examples]
+
+    @property
+    def ids(self) -> list[tuple[int, ...]]:
+        return [e.ids for e in self.examples]
+
+    @property
+    def has_targets(self) -> bool:
+        return any(e.target_id is not None for e in self.examples)
+
+    @property
+    def has_foils(self) -> bool:
+        return any(e.foil_id is not None for e in self.examples)
+
+    @property
+    def position_names(self) -> list[str]:
+        """Names of the positions every row has (in first-row order)."""
+        if not self.examples:
+            return []
+        names = list(self.examples[0].positions)
+        return [n for n in names if all(n in e.positions for e in self.examples)]
+
+    def target_ids(self) -> Int[torch.Tensor, " row"]:
+        """``[row]`` target ids (-1 where a row has none)."""
+        return torch.tensor([-1 if e.target_id is None else e.target_id for e in self.examples], dtype=torch.long)
+
+    def foil_ids(self) -> Int[torch.Tensor, " row"]:
+        """``[row]`` foil ids (-1 where a row has none)."""
+        return torch.tensor([-1 if e.foil_id is None else e.foil_id for e in self.examples], dtype=torch.long)
+
+    def position(self, name: str, field: str = "position") -> list[int]:
+        """Each row's index (into its own ids, BOS counted) of the named position.
+
+        Raises:
+            DatasetError: a row without that name (the message lists the names the rows have).
+        """
+        out = []
+        for e in self.examples:
+            if name not in e.positions:
+                raise DatasetError(f"{field}: {name!r} is not a named position of row {e.row_id} (its positions: "
+                                   f"{sorted(e.positions) or 'none'}); name one of the dataset's positions or use "
+                                   "last / an index")
+            out.append(e.positions[name])
+        return out
+
+    def padded_index(self, batch: Batch, rows: Sequence[int], name: str, field: str = "position"
+                     ) -> Int[torch.Tensor, " batch"]:
+        """``[batch]`` index of the named position in a padded batch of the examples ``rows``
+        (left padding shifts each row by its own pad count; right padding by none).
+
+        Raises:
+            DatasetError: a row without that name.
+        """
+        sub = PreparedDataset(tuple(self.examples[i] for i in rows))
+        at = sub.position(name, field)
+        return torch.tensor([o + a for o, a in zip(batch.offsets, at)], dtype=torch.long,
+                            device=batch.tokens.device)
+
+    def frame(self) -> pd.DataFrame:
+        """One row per example: ``row_id``, ``prompt``, ``target``, ``foil``, ``corrupted``,
+        ``group``, ``pos_<NAME>`` (index into the row's tokens, BOS counted) and extra columns."""
+        recs = []
+        for e in self.examples:
+            r = e.row
+            rec: dict[str, Any] = {"row_id": e.row_id, "prompt": r.prompt, "target": r.target, "foil": r.foil,
+                                   "corrupted": r.corrupted, "group": r.group}
+            rec.update({f"pos_{k}": v for k, v in e.positions.items()})
+            rec.update({k: v for k, v in r.extra.items() if k not in rec})
+            recs.append(rec)
+        return pd.DataFrame(recs)
+
+    def select(self, keep: Sequence[int], reason: Optional[str] = None) -> "PreparedDataset":
+        """The examples at indices ``keep`` (their row ids unchanged); the rest counted under
+        ``reason`` in :attr:`dropped`."""
+        kept = tuple(self.examples[i] for i in keep)
+        dropped = dict(self.dropped)
+        if reason is not None:
+            dropped[reason] = dropped.get(reason, 0) + len(self.examples) - len(kept)
+        return PreparedDataset(kept, self.source, dropped)
+
+
+def _resolve_position(model, ex_ids: Sequence[int], n_bos: int, prompt: str, value: PositionValue,
+                      where: str) -> int:
+    n_text = len(ex_ids) - n_bos
+    if isinstance(value, bool):
+        raise DatasetError(f"{where}: {value!r} is not a position (an index, a text, or {{text, occurrence}})")
+    if isinstance(value, int):
+        if not -n_text <= value < n_text:
+            raise DatasetError(f"{where}: index {value} is out of range for a prompt of {n_text} text tokens "
+                               f"{str_tokens(model, list(ex_ids[n_bos:]))} (indices count the text's tokens, BOS "
+                               "not counted; -1 = the last)")
+        return n_bos + value % n_text
+    text, occ = (value, -1) if isinstance(value, str) else (value.text, value.occurrence)
+    try:
+        return token_index_of_substring(model, prompt, text, ex_ids, field=where, occurrence=occ)
+    except TokenizationError as e:
+        raise DatasetError(str(e)) from None
+
+
+def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source: str = "rows",
+                 dropped: Optional[Mapping[str, int]] = None, row_ids: Optional[Sequence[int]] = None
+                 ) -> PreparedDataset:
+    """Tokenize every row once and resolve its target, foil and named positions for ``model``.
+
+    Args:
+        model: a loaded model or a :class:`tracekit.model.ModelInfo` (tokenizer and config only).
+        rows: the rows.
+        where: how errors name a row: ``f"{where}[{i}].target"``.
+        source, dropped: recorded on the result (see :class:`PreparedDataset`).
+        row_ids: the rows' ids (default ``0..n-1``).
+
+    Returns:
+        A :class:`PreparedDataset`.
+
+    Raises:
+        DatasetError: no rows, a target or foil that is not one token (with its tokenization), target
+            equal to foil, a position that does not resolve, a corrupted prompt of another length; each
+            names the row (``dataset.rows[3].target``).
+        TokenizationError: a prompt longer than the model's context.
+    """
+    if not rows:
+        raise DatasetError(f"{where}: the dataset has no rows")
+    ids_of = list(row_ids) if row_ids is not None else list(range(len(rows)))
+    out = []
+    for i, (rid, r) in enumerate(zip(ids_of, rows)):
+        at = f"{where}[{i}]"
+        ids = tuple(encode(model, r.prompt))
+        n_text = len(encode(model, r.prompt, prepend_bos=False))
+        if n_text == 0:
+            raise DatasetError(f"{at}.prompt: {r.prompt!r} tokenizes to nothing; give a non-empty prompt")
+        check_length(model, ids, f"{at}.prompt", r.prompt)
+        n_bos = len(ids) - n_text
+        tid = fid = None
+        try:
+            if r.target is not None:
+                tid = single_token_id(model, r.target, field=f"{at}.target")
+            if r.foil is not None:
+                fid = single_token_id(model, r.foil, field=f"{at}.foil")
+        except TokenizationError as e:
+            raise DatasetError(str(e)) from None
+        if tid is not None and tid == fid:
+            raise DatasetError(f"{at}: target and foil are the same token {r.target!r}; the logit difference would "
+                               "be 0; set foil to the contrasting answer")
+        pos = {name: _resolve_position(model, ids, n_bos, r.prompt, v, f"{at}.positions.{name}")
+               for name, v in r.positions.items()}
+        cids = None
+        if r.corrupted is not None:
+            cids = tuple(encode(model, r.corrupted))
+            if len(cids) != len(ids):
+                raise DatasetError(f"{at}.corrupted: {len(cids)} tokens, the prompt {len(ids)}; a corrupted prompt "
+                                   f"must tokenize to the same length (prompt {str_tokens(model, list(ids))}, "
+                                   f"corrupted {str_tokens(model, list(cids))})")
+        out.append(Example(rid, r, ids, tid, fid, pos, cids, n_bos))
+    return PreparedDataset(tuple(out), source, dict(dropped or {}))
+
+
+def rows_from_prompts(prompts: Sequence[str], target: Union[str, Sequence[str], None] = None,
+                      foil: Union[str, Sequence[str], None] = None, field: str = "target") -> list[Row]:
+    """Rows from a kind's ``prompts`` / ``target`` / ``foil`` fields: a single string is every
+    row's answer; a list is **one answer per prompt** (its length must equal the number of prompts).
+    Tokens followed on every row are a kind's ``track`` field, never a ``target`` list.
+
+    Raises:
+        DatasetError: a ``target``/``foil`` list whose length differs from the number of prompts (the
+            message names ``track``).
+    """
+    n = len(prompts)
+
+    def per_row(v, name: str) -> list[Optional[str]]:
+        if v is None or isinstance(v, str):
+            return [v] * n
+        v = list(v)
+        if len(v) != n:
+            raise DatasetError(f"{name}: {len(v)} tokens for {n} prompt(s); a {name} list gives each prompt its own "
+                               f"answer (one per prompt). To follow the same tokens on every prompt use "
+                               f"track: {v!r}")
+        return v
+
+    ts = per_row(target, field)
+    fs = per_row(foil, "foil")
+    return [Row(prompt=p, target=t, foil=f) for p, t, f in zip(prompts, ts, fs)]

@@ -1,0 +1,223 @@
+"""The ``dataset:`` config block every kind takes, and ``filter: correct``.
+
+Exactly one source::
+
+    dataset: {rows: [{prompt: ..., target: ..., foil: ..., positions: {END: -1}}]}   # inline
+    dataset: {path: ioi.jsonl, columns: {prompt: text}}       # JSONL/JSON/CSV/TSV/Parquet/datasets folder
+    dataset: {generator: {name: ioi, n: 64, seed: 0, corrupt: swap_s2}, filter: correct}
+
+:meth:`DatasetSpec.prepare` reads or generates the rows, prepares them for the model
+(:func:`tracekit.dataset.rows.prepare_rows`) and, with ``filter: correct`` and a model that can
+run, keeps only the rows the model gets right (:func:`filter_correct`), counting the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from ..core.errors import DatasetError
+from ..core.strict import StrictModel
+from ..tokens import pad_ids
+from .generators import GENERATORS, generate
+from .read import read_records
+from .rows import RESERVED_COLUMNS, PreparedDataset, Row, _json_cell, prepare_rows
+
+__all__ = ["GeneratorSpec", "DatasetSpec", "filter_correct", "FILTERS"]
+
+#: ``filter`` values and what each keeps.
+FILTERS = {
+    "none": "every row",
+    "correct": "rows the model gets right: logit(target) - logit(foil) > 0 at the last token where the row has a "
+               "foil, else the target is the model's top-1 next token",
+}
+
+#: Generator options and the generators that take them.
+_OPTIONS = {"n": ("ioi", "capitals", "induction"), "seed": ("ioi", "capitals", "induction"),
+            "corrupt": ("ioi",), "names": ("ioi",), "few_shot": ("capitals",), "seq_len": ("induction",)}
+
+
+class GeneratorSpec(StrictModel):
+    """A built-in generator and its options (:mod:`tracekit.dataset.generators`).
+
+    Fields:
+        name: ``ioi`` | ``capitals`` | ``induction``.
+        n: rows (ioi default 64, induction 32, capitals all usable).
+        seed: the draw's seed.
+        corrupt: ioi's corrupted counterpart: ``swap_s2`` (default), ``abc`` or ``none``.
+        names: ioi's name list (default Wang et al.'s).
+        few_shot: capitals: prefix the seed article's "The capital of China is Beijing. ".
+        seq_len: induction: words per copy (default 10).
+    """
+
+    name: Literal["ioi", "capitals", "induction"]
+    n: Optional[int] = Field(default=None, ge=1)
+    seed: int = 0
+    corrupt: Literal["swap_s2", "abc", "none"] = "swap_s2"
+    names: Optional[list[str]] = None
+    few_shot: bool = False
+    seq_len: int = Field(default=10, ge=2)
+
+    @model_validator(mode="after")
+    def _options_fit(self):
+        bad = [k for k in self.model_fields_set if k in _OPTIONS and self.name not in _OPTIONS[k]]
+        if bad:
+            raise ValueError(f"generator {self.name!r} takes no {', '.join(bad)} (that option is "
+                             f"{' / '.join(_OPTIONS[bad[0]])}'s)")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _OPTIONS if self.name in _OPTIONS[k]
+                and (k != "n" or self.n is not None)}
+
+
+class DatasetSpec(StrictModel):
+    """The rows a kind runs on: inline, from a file, or generated; optionally filtered.
+
+    Fields:
+        rows: inline rows (:class:`~tracekit.dataset.rows.Row`: ``prompt``, ``target``, ``foil``,
+            ``positions``, ``corrupted``, ``group``, extra columns).
+        path: a ``.jsonl`` / ``.json`` / ``.csv`` / ``.tsv`` / ``.parquet`` file or a folder saved by
+            ``datasets``' ``save_to_disk``.
+        columns: for ``path``: row field -> the file's column (``{prompt: text, target: answer}``).
+        generator: a built-in generator (``ioi``, ``capitals``, ``induction``, or ``{name, ...}``).
+        filter: ``none`` (default) or ``correct`` (see :data:`FILTERS`).
+        limit: keep the first ``limit`` rows (after the filter).
+    """
+
+    rows: Optional[list[Row]] = None
+    path: Optional[str] = None
+    columns: dict[str, str] = Field(default_factory=dict)
+    generator: Optional[GeneratorSpec] = None
+    filter: Literal["none", "correct"] = "none"
+    limit: Optional[int] = Field(default=None, ge=1)
+
+    @field_validator("generator", mode="before")
+    @classmethod
+    def _generator_name(cls, v):
+        if isinstance(v, str):
+            if v not in GENERATORS:
+                raise ValueError(f"unknown generator {v!r}; use one of {sorted(GENERATORS)}")
+            return {"name": v}
+        return v
+
+    @field_validator("rows", mode="before")
+    @classmethod
+    def _nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("rows is empty; give at least one row ({prompt: ..., target: ...})")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("rows", "path", "generator") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of rows, path, generator (got {given or 'none'})")
+        if self.columns and self.path is None:
+            raise ValueError("columns maps a file's columns; it needs path")
+        bad = [k for k in self.columns if k not in RESERVED_COLUMNS[1:]]
+        if bad:
+            raise ValueError(f"columns: {bad} are not row fields; map {', '.join(RESERVED_COLUMNS[1:])}")
+        return self
+
+    def source(self) -> str:
+        if self.rows is not None:
+            return "rows"
+        if self.path is not None:
+            return str(self.path)
+        g = self.generator
+        assert g is not None
+        return f"generator {g.name} (seed {g.seed})"
+
+    def load_rows(self, model, field: str = "dataset") -> tuple[list[Row], dict[str, int], str]:
+        """``(rows, dropped, where)``: the rows as given, generated or read (``where`` names a row
+        in errors)."""
+        if self.rows is not None:
+            return list(self.rows), {}, f"{field}.rows"
+        if self.generator is not None:
+            try:
+                rows, dropped = generate(model, self.generator.name, **self.generator.options())
+            except ValueError as e:
+                raise DatasetError(f"{field}.generator: {e}") from None
+            return rows, dropped, f"{field} (generator {self.generator.name}) row"
+        assert self.path is not None
+        recs, first = read_records(self.path, f"{field}.path")
+        name = Path(self.path).name
+        rows = []
+        for i, r in enumerate(recs):
+            rec = {k: _json_cell(v) for k, v in r.items()}
+            for fld, col in self.columns.items():
+                if col not in rec:
+                    raise DatasetError(f"{field}.columns.{fld}: {name} has no column {col!r} (its columns: "
+                                       f"{list(r)})")
+                rec[fld] = rec.pop(col)
+            try:
+                rows.append(Row.model_validate({k: v for k, v in rec.items() if v is not None}))
+            except ValueError as e:
+                line = f" (line {i + first})" if first else ""
+                raise DatasetError(f"{field}.path: row {i}{line} of {name}: {e}") from None
+        if not rows:
+            raise DatasetError(f"{field}.path: {name} has no rows")
+        return rows, {}, f"{field}.path row"
+
+    def prepare(self, model, field: str = "dataset", batch_size: int = 16) -> PreparedDataset:
+        """The rows prepared for ``model``; ``filter: correct`` runs the model when it can (a
+        :class:`tracekit.model.ModelInfo` has no weights: there the filter is left to the run).
+
+        Raises:
+            DatasetError: see :func:`tracekit.dataset.rows.prepare_rows`, plus a filter that keeps
+                no row or needs targets the rows do not have.
+        """
+        rows, dropped, where = self.load_rows(model, field)
+        data = prepare_rows(model, rows, where, self.source(), dropped)
+        if self.filter == "correct" and _can_run(model):
+            data = filter_correct(model, data, batch_size=batch_size, field=f"{field}.filter")
+        elif self.filter == "correct" and not data.has_targets:
+            raise DatasetError(f"{field}.filter: 'correct' needs each row's target")
+        if self.limit is not None and len(data) > self.limit:
+            data = data.select(range(self.limit), reason="beyond limit")
+        return data
+
+
+def _can_run(model) -> bool:
+    from ..model.info import ModelInfo
+
+    return not isinstance(model, ModelInfo)
+
+
+@torch.no_grad()
+def filter_correct(model, data: PreparedDataset, batch_size: int = 16, field: str = "dataset.filter"
+                   ) -> PreparedDataset:
+    """The rows the model gets right (see :data:`FILTERS`), one batched forward pass per
+    ``batch_size`` rows of equal length (no padding), read at each row's last token; the others are counted in ``dropped``
+    under ``"filter: correct"``.
+
+    Raises:
+        DatasetError: a row without a target, or no row left.
+    """
+    missing = [e.row_id for e in data.examples if e.target_id is None]
+    if missing:
+        raise DatasetError(f"{field}: 'correct' needs each row's target; rows {missing[:5]} have none")
+    keep = []
+    by_len: dict[int, list[int]] = {}
+    for i, e in enumerate(data.examples):
+        by_len.setdefault(len(e.ids), []).append(i)
+    for members in by_len.values():  # equal lengths: no padding, exact on every architecture
+        for s in range(0, len(members), batch_size):
+            idx = members[s:s + batch_size]
+            batch = pad_ids(model, [data.examples[i].ids for i in idx], "right")
+            last = model(batch.tokens)[:, -1].float()
+            for j, i in enumerate(idx):
+                e, lg = data.examples[i], last[j]
+                ok = (bool(lg[e.target_id] > lg[e.foil_id]) if e.foil_id is not None
+                      else int(lg.argmax()) == e.target_id)
+                if ok:
+                    keep.append(i)
+    keep.sort()
+    if not keep:
+        raise DatasetError(f"{field}: the model gets none of the {len(data)} rows right; nothing is left to study "
+                           "(check targets, or set filter: none)")
+    return data.select(keep, reason="filter: correct")

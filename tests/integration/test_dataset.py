@@ -194,3 +194,22 @@ def test_filter_correct_keeps_the_rows_the_model_gets_right(model):
     assert [e.row_id for e in kept.examples] == want
     assert kept.dropped["filter: correct"] == len(rows) - len(want)
     assert 0 < len(want) < len(rows)  # each pair of rows with swapped target/foil has exactly one right
+
+
+def test_probing_reads_the_shared_rows_at_a_named_position():
+    from tracekit.experiments.probing import LinearProbe
+
+    m = make_tiny("gpt2", prepend_bos=True, padding_side="left")
+    spec = {"generator": "capitals", "label": "group", "group": "country", "drop_small_classes": True}
+    exp = LinearProbe(kind="linear_probe", dataset=spec, position="SUBJ", layers=[0, 2])
+    inputs = exp.prepare(m)
+    frame = inputs.dataset.frame
+    assert len(frame) == len(inputs.ids) > 10
+    for ids, pos, phrase in zip(inputs.ids, inputs.positions, frame["country"]):
+        assert len(pos) == 1
+        # the token read ends the country's name in that row's own tokens (BOS counted)
+        assert phrase.endswith(str_tokens(m, [ids[pos[0]]])[0].strip())
+    assert set(frame["label"]) <= {"Europe", "Asia", "Africa", "North America", "South America", "Oceania"}
+    assert list(frame["group"]) == list(frame["country"])  # group: country -> splits hold countries out
+    with pytest.raises(Exception, match="'NOPE' is not a named position of the dataset's rows"):
+        LinearProbe(kind="linear_probe", dataset=spec, position="NOPE").prepare(m)

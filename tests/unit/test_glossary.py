@@ -16,14 +16,17 @@ RETIRED_DEFS = {"generic_activation_patch", "direct_logit_attribution", "Attenti
                 "answer_prob", "answer_log_prob", "resolve_query"}
 
 
-def _keys(obj, out):
+def _keys(obj, out, in_rows: bool = False):
+    """Every key used; a dataset row's ``positions`` (named positions, tracekit.dataset) is not the
+    retired ``positions`` of the lens and ablation fields."""
     if isinstance(obj, dict):
         for k, v in obj.items():
-            out.add(k)
-            _keys(v, out)
+            if not (in_rows and k == "positions"):
+                out.add(k)
+            _keys(v, out, in_rows=k == "rows" and isinstance(v, list))
     elif isinstance(obj, list):
         for v in obj:
-            _keys(v, out)
+            _keys(v, out, in_rows)
     return out
 
 

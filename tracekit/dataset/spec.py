@@ -61,6 +61,16 @@ class GeneratorSpec(StrictModel):
     few_shot: bool = False
     seq_len: int = Field(default=10, ge=2)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, v):
+        """``generator: ioi`` is ``generator: {name: ioi}``."""
+        if isinstance(v, str):
+            if v not in GENERATORS:
+                raise ValueError(f"unknown generator {v!r}; use one of {sorted(GENERATORS)}")
+            return {"name": v}
+        return v
+
     @model_validator(mode="after")
     def _options_fit(self):
         bad = [k for k in self.model_fields_set if k in _OPTIONS and self.name not in _OPTIONS[k]]
@@ -94,15 +104,6 @@ class DatasetSpec(StrictModel):
     generator: Optional[GeneratorSpec] = None
     filter: Literal["none", "correct"] = "none"
     limit: Optional[int] = Field(default=None, ge=1)
-
-    @field_validator("generator", mode="before")
-    @classmethod
-    def _generator_name(cls, v):
-        if isinstance(v, str):
-            if v not in GENERATORS:
-                raise ValueError(f"unknown generator {v!r}; use one of {sorted(GENERATORS)}")
-            return {"name": v}
-        return v
 
     @field_validator("rows", mode="before")
     @classmethod

@@ -48,6 +48,7 @@ import torch
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .. import plotting
+from ..dataset import DatasetSpec, GeneratorSpec, Row
 from ..errors import ProbingError
 from ..hooks import check_hooks
 from ..probing import (
@@ -60,6 +61,7 @@ from ..probing import (
     group_split,
     load_probe_dataset,
     load_probe_directions,
+    probe_dataset_from_frame,
     probe_hooks,
     probe_layers,
     row_positions,
@@ -101,12 +103,18 @@ class ProbeDatasetSpec(StrictModel):
             (default ``group``); null makes every row its own group (only for truly independent rows).
         template: (file) optional column naming each row's template, used by ``group_by: template``
             / ``both`` (default none).
+        rows / generator: the shared dataset rows (:mod:`tracekit.dataset`: inline rows or a built-in
+            generator such as ``capitals``); ``text`` defaults to each row's ``prompt``, ``label`` /
+            ``group`` / ``template`` name row fields or extra columns (``capitals``: ``label: group``
+            is the continent, ``group: country``), and ``position`` may name a row position (``END``).
         drop_small_classes: drop classes with fewer than two groups instead of failing (default false).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     builtin: Optional[Literal["countries"]] = None
+    rows: Optional[list[Row]] = None
+    generator: Optional[GeneratorSpec] = None
     target: str = "continent"
     templates: Optional[list[str]] = None
     path: Optional[str] = None
@@ -118,13 +126,30 @@ class ProbeDatasetSpec(StrictModel):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.builtin is None) == (self.path is None):
-            raise ValueError("dataset: give exactly one of 'builtin: countries' or 'path: <file>'")
+        given = [k for k in ("builtin", "path", "rows", "generator") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("dataset: give exactly one of 'builtin: countries', 'path: <file>', 'rows: [...]' or "
+                             f"'generator: <name>' (got {given or 'none'})")
         return self
 
-    def load(self, task: str = "classification") -> ProbeDataset:
-        """Build the :class:`~tracekit.probing.ProbeDataset` (errors name the ``dataset.*`` field)."""
-        if self.builtin == "countries":
+    def load(self, task: str = "classification", model=None) -> ProbeDataset:
+        """Build the :class:`~tracekit.probing.ProbeDataset` (errors name the ``dataset.*`` field).
+
+        ``rows`` / ``generator`` (the shared dataset rows, :mod:`tracekit.dataset`) need ``model``
+        (generators keep single-token rows for it); their ``prompt`` is the text, ``label`` /
+        ``group`` / ``template`` name row fields or extra columns, and each named position is a
+        ``pos_<NAME>`` column (``position: END``)."""
+        if self.rows is not None or self.generator is not None:
+            if model is None:
+                raise ProbingError("dataset: rows / generator datasets are prepared for a model; pass model")
+            data = DatasetSpec(rows=self.rows, generator=self.generator).prepare(model)
+            frame = data.frame()
+            if self.text not in frame.columns:
+                frame[self.text] = frame["prompt"]
+            frame = frame.astype(object).where(frame.notna(), None)
+            ds = probe_dataset_from_frame(frame, self.text, self.label, self.group, self.template, task,
+                                          name=data.source)
+        elif self.builtin == "countries":
             if task != "classification":
                 raise ProbingError("task: the builtin countries dataset is a classification task")
             ds = country_dataset(self.target, self.templates)
@@ -448,6 +473,13 @@ class LinearProbe(Experiment):
     # ---- validation ----------------------------------------------------------------------
     def _fields(self, ds: ProbeDataset) -> Optional[list[str]]:
         pos = parse_position(self.position, POSITION_FORMS_PROBING, "position")
+        if pos.kind == "name":
+            col = f"pos_{pos.text}"
+            if col not in ds.frame.columns:
+                names = [c[4:] for c in ds.frame.columns if str(c).startswith("pos_")]
+                raise ProbingError(f"position: {pos.text!r} is not a named position of the dataset's rows (they name "
+                                   f"{names or 'none'}); use one of them or last / mean / an index")
+            return [str(int(v)) for v in ds.frame[col]]
         if pos.kind != "field":
             return None
         if pos.text not in ds.frame.columns:
@@ -463,7 +495,7 @@ class LinearProbe(Experiment):
         """Load the dataset, check the hooks exist, tokenize every row and resolve the position in
         it. Needs only the tokenizer, ``cfg`` and hook names (works on a
         :class:`tracekit.model.ModelInfo`)."""
-        ds = self.dataset.load(self.task)
+        ds = self.dataset.load(self.task, model)
         check_hooks(model, self.hooks, "hooks")
         targets = self._targets(model)
         check_hooks(model, [h for _, _, h in targets], "layers")

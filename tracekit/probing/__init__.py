@@ -32,7 +32,15 @@ Notebook use (a doctest, run on a tiny model)::
     True
 """
 
-from .data import COUNTRY_TEMPLATES, ProbeDataset, country_dataset, load_countries, load_probe_dataset, read_table
+from .data import (
+    COUNTRY_TEMPLATES,
+    ProbeDataset,
+    country_dataset,
+    load_countries,
+    load_probe_dataset,
+    probe_dataset_from_frame,
+    read_table,
+)
 from .directions import load_probe_directions
 from .extract import EMBEDDING_HOOK, SITES, Activations, extract_activations, probe_hooks, row_positions
 from .fit import FittedProbe, LayerProbes, ProbingWarning, fit_probe, probe_layers
@@ -49,7 +57,7 @@ from .splits import (
 )
 
 __all__ = [
-    "ProbeDataset", "load_probe_dataset", "read_table", "country_dataset", "load_countries", "COUNTRY_TEMPLATES",
+    "ProbeDataset", "load_probe_dataset", "probe_dataset_from_frame", "read_table", "country_dataset", "load_countries", "COUNTRY_TEMPLATES",
     "SITES", "EMBEDDING_HOOK", "probe_hooks", "row_positions", "Activations", "extract_activations",
     "Split", "SplitLeakError", "group_split", "group_kfold", "check_no_overlap", "control_labels", "inner_splits",
     "held_out_units",

@@ -10,8 +10,6 @@ JSONL loads identically.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import re
 from dataclasses import dataclass
@@ -22,9 +20,10 @@ from typing import Any, Optional, Sequence, cast
 import numpy as np
 import pandas as pd
 
+from ..dataset.read import read_records
 from ..errors import ProbingError
 
-__all__ = ["ProbeDataset", "load_probe_dataset", "read_table", "load_countries", "country_dataset",
+__all__ = ["ProbeDataset", "load_probe_dataset", "probe_dataset_from_frame", "read_table", "load_countries", "country_dataset",
            "COUNTRY_TEMPLATES"]
 
 #: The built-in templates for :func:`country_dataset`. ``{country}`` is the country as written in
@@ -126,58 +125,23 @@ def _cell(v: Any) -> Optional[str]:
 
 
 def read_table(path: str | Path) -> tuple[pd.DataFrame, int]:
-    """Read a ``.jsonl`` / ``.json`` / ``.csv`` / ``.tsv`` file as text cells.
+    """Read a data file (:func:`tracekit.dataset.read_records`: ``.jsonl`` / ``.json`` / ``.csv`` /
+    ``.tsv`` / ``.parquet`` / a saved ``datasets`` folder) as text cells.
 
     Returns:
         ``(frame, first_line)``: every cell a ``str``, or None where the cell is empty (CSV/TSV: an
-        empty field; JSON: ``null`` or a missing key); ``first_line`` is the file line of data row 0
-        (for error messages).
+        empty field; JSON/Parquet: ``null`` or a missing key); ``first_line`` is the file line of data
+        row 0 (for error messages; 0 where lines mean nothing).
 
     Raises:
         ProbingError: no such file, an unknown file type, a line that is not JSON.
     """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ProbingError(f"dataset.path: no such file {str(p)!r}")
-    suf = p.suffix.lower()
-    text = p.read_text(encoding="utf-8-sig")
-    if suf in (".csv", ".tsv"):
-        reader = csv.reader(io.StringIO(text), delimiter="\t" if suf == ".tsv" else ",")
-        rows = [r for r in reader]
-        if not rows:
-            raise ProbingError(f"dataset.path: {p.name} is empty")
-        header, body = rows[0], [r for r in rows[1:] if r]
-        for i, r in enumerate(body):
-            if len(r) != len(header):
-                raise ProbingError(f"dataset.path: {p.name} data row {i} has {len(r)} fields, the header "
-                                   f"{len(header)}")
-        recs = [{h: (v if v != "" else None) for h, v in zip(header, r)} for r in body]
-        return pd.DataFrame(recs, columns=header, dtype=object), 2
-    if suf == ".jsonl":
-        recs = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ProbingError(f"dataset.path: {p.name} line {n} is not JSON ({e})") from None
-    elif suf == ".json":
-        try:
-            recs = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProbingError(f"dataset.path: {p.name} is not JSON ({e})") from None
-        if not isinstance(recs, list):
-            raise ProbingError(f"dataset.path: {p.name} must hold a list of records")
-    else:
-        raise ProbingError(f"dataset.path: unknown file type {suf!r}; use .jsonl, .json, .csv or .tsv")
+    recs, first = read_records(path, "dataset.path", ProbingError)
     cols: list[str] = []
     for r in recs:
-        if not isinstance(r, dict):
-            raise ProbingError(f"dataset.path: {p.name}: every record must be a JSON object, got {r!r}")
         cols += [k for k in r if k not in cols]
     frame = pd.DataFrame([{c: _cell(r.get(c)) for c in cols} for r in recs], columns=cols, dtype=object)
-    return frame, 1
+    return frame, first or 1  # JSON/Parquet rows are numbered from line 1, as before
 
 
 def load_probe_dataset(path: str | Path, text: str = "text", label: str = "label", group: Optional[str] = "group",
@@ -205,7 +169,21 @@ def load_probe_dataset(path: str | Path, text: str = "text", label: str = "label
             named column (the message names the row and its file line).
     """
     df, first_line = read_table(path)
-    name = Path(path).name
+    return probe_dataset_from_frame(df, text, label, group, template, task, Path(path).name, first_line)
+
+
+def probe_dataset_from_frame(df: pd.DataFrame, text: str = "text", label: str = "label",
+                             group: Optional[str] = "group", template: Optional[str] = None,
+                             task: str = "classification", name: str = "dataset", first_line: int = 0
+                             ) -> ProbeDataset:
+    """A :class:`ProbeDataset` from a table of rows (a read file, or the shared dataset rows'
+    :meth:`tracekit.dataset.PreparedDataset.frame`); the columns named by ``text``, ``label``,
+    ``group``, ``template`` must exist and have no empty cell.
+
+    Raises:
+        ProbingError: a named column is missing (the message lists the columns and the field to set)
+            or has an empty cell (naming the row, and its file line when ``first_line`` is given).
+    """
     cols = list(df.columns)
     for fld, col in (("text", text), ("label", label), ("group", group), ("template", template)):
         if col is not None and col not in df.columns:
@@ -215,7 +193,8 @@ def load_probe_dataset(path: str | Path, text: str = "text", label: str = "label
             empty = np.flatnonzero(df[col].isna().to_numpy())
             if len(empty):
                 i = int(empty[0])
-                raise ProbingError(f"dataset.{fld}: row {i} (line {i + first_line} of {name}) has an empty "
+                at = f"line {i + first_line} of {name}" if first_line else name
+                raise ProbingError(f"dataset.{fld}: row {i} ({at}) has an empty "
                                    f"{col!r} cell ({len(empty)} empty in all); every row needs a {fld}. "
                                    "Fill it in or remove the row.")
     if len(df) == 0:

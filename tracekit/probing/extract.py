@@ -31,7 +31,7 @@ __all__ = ["SITES", "EMBEDDING_HOOK", "POSITION_FORMS_PROBING", "probe_hooks", "
 SITES: dict[str, str] = {s: SITE_TABLE[s].template for s in BLOCK_HOOKS}
 EMBEDDING_HOOK = hook("resid_pre", 0)
 #: Position forms a probe accepts (all of :data:`tracekit.tokens.POSITION_FORMS`).
-POSITION_FORMS_PROBING = ("int", "last", "all", "mean", "token:<text>", "field:<column>")
+POSITION_FORMS_PROBING = ("int", "last", "all", "mean", "token:<text>", "field:<column>", "name")
 
 
 def probe_hooks(n_layers: int, sites: Sequence[str] = ("resid_post",), layers: Optional[Sequence[int]] = None,
@@ -82,6 +82,11 @@ def row_positions(model, texts: Sequence[str], ids: Sequence[Sequence[int]], pos
     pos = position if isinstance(position, Position) else parse_position(position, POSITION_FORMS_PROBING, field)
     if pos.kind == "field" and fields is None:
         raise ProbingError(f"{field}: {pos} needs the rows' {pos.text!r} values (pass fields=...)")
+    if pos.kind == "name":  # a dataset's named position: its per-row index is in ``fields``
+        if fields is None:
+            raise ProbingError(f"{field}: {pos} is a named position; it needs a dataset whose rows name it "
+                               "(dataset: {generator: ...} or {rows: [...positions...]})")
+        return [[int(v)] for v in fields]
     out = []
     for i, (t, seq) in enumerate(zip(texts, ids)):
         fv = fields[i] if (pos.kind == "field" and fields is not None) else None

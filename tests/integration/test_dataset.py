@@ -213,3 +213,22 @@ def test_probing_reads_the_shared_rows_at_a_named_position():
     assert list(frame["group"]) == list(frame["country"])  # group: country -> splits hold countries out
     with pytest.raises(Exception, match="'NOPE' is not a named position of the dataset's rows"):
         LinearProbe(kind="linear_probe", dataset=spec, position="NOPE").prepare(m)
+
+
+def test_trace_follows_the_chosen_rows_own_target_and_foil():
+    from tracekit.experiments.trace import TokenTrace
+
+    m = make_tiny("gpt2")
+    rows = [{"prompt": "The capital of France is", "target": " Paris", "foil": " Rome"},
+            {"prompt": "The capital of Italy is not", "target": " Rome", "foil": " Paris"}]
+    small = {"key_max_tokens": 64, "top_neurons": 2, "n_samples": 1}
+    by_row = TokenTrace(dataset={"rows": rows}, row=1, **small).run(m, progress=False)
+    direct = TokenTrace(prompts=rows[1]["prompt"], target=" Rome", foil=" Paris", **small).run(m, progress=False)
+    assert by_row.meta["row_id"] == 1
+    assert set(by_row.tables) == set(direct.tables)
+    for name, df in direct.tables.items():
+        pd.testing.assert_frame_equal(df, by_row.tables[name], check_exact=False, atol=1e-6)
+    with pytest.raises(DatasetError, match="row: 2 is out of range for a dataset of 2 rows"):
+        TokenTrace(dataset={"rows": rows}, row=2).prepare(m)
+    with pytest.raises(ValueError, match="target/foil beside a dataset"):
+        TokenTrace(dataset={"rows": rows}, target=" Paris")

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
+from ..core.errors import DatasetError
 from ..model.load import bos_info, model_spec_of
 from ..tokens import single_token_id
 from ..trace import (
@@ -36,7 +37,17 @@ from ..trace import (
     table_rows,
     token_trace,
 )
-from .base import Experiment, Prompts, Result, encode_prompts, jsonable, register
+from .base import (
+    DatasetSpec,
+    Experiment,
+    OptionalPrompts,
+    Result,
+    check_dataset_fields,
+    encode_prompts,
+    jsonable,
+    kind_dataset,
+    register,
+)
 
 __all__ = ["TokenTrace", "TokenTraceInputs", "TokenTraceResult"]
 
@@ -56,6 +67,10 @@ class TokenTraceInputs:
     target_id: Optional[int]
     foil_id: Optional[int]
     head: tuple[int, int]
+    prompt: str = ""
+    target: Optional[str] = None
+    foil: Optional[str] = None
+    row_id: Optional[int] = None
 
 
 class TokenTraceResult(Result):
@@ -344,7 +359,9 @@ class TokenTrace(Experiment):
     Engine: :func:`tracekit.trace.token_trace`.
 
     Fields:
-        prompts: the text traced (one prompt; a string or a list of one).
+        prompts: the text traced (one prompt; a string or a list of one); or
+        dataset / row: a dataset (:mod:`tracekit.dataset`) and the index of the row traced (default 0,
+            after ``filter``): its prompt, its own target and foil.
         target: the next token followed (exactly one token, leading space included); default: the
             model's top-1 prediction.
         foil: optional second token; the attribution splits ``logit[target] - logit[foil]``.
@@ -355,7 +372,7 @@ class TokenTrace(Experiment):
     """
 
     kind: Literal["token_trace"] = "token_trace"
-    prompts: Prompts = Field(description="The text traced through the model: one prompt (a string, or a list "
+    prompts: OptionalPrompts = Field(default_factory=list, description="The text traced through the model: one prompt (a string, or a list "
                              "of one; sweep it to trace several).")
     target: Optional[str] = Field(default=None, description="Next token followed (one token, leading space "
                                   "included); default: the model's top-1 prediction.")
@@ -368,6 +385,9 @@ class TokenTrace(Experiment):
     key_contexts: int = Field(default=3, ge=1, le=50, description="Top-activating corpus contexts per neuron.")
     key_max_tokens: int = Field(default=1024, ge=0, description="Corpus text tokens read for the key readout "
                                 "(0 skips it).")
+    dataset: Optional[DatasetSpec] = Field(default=None, description="Rows to trace one of (instead of prompts); "
+                                           "the row's own target and foil are followed.")
+    row: int = Field(default=0, ge=0, description="Index of the dataset row traced (after the dataset's filter).")
     top_k: int = Field(default=10, ge=1, le=1000, description="Final tokens listed.")
     seed: int = Field(default=0, description="Seed of the sampling draws.")
     n_samples: int = Field(default=5, ge=1, le=100, description="Draws per sampling setting.")
@@ -378,13 +398,17 @@ class TokenTrace(Experiment):
     @field_validator("prompts")
     @classmethod
     def _one_prompt(cls, v):
-        if len(v) != 1:
+        if len(v) > 1:
             raise ValueError(f"a token trace follows one prompt, got {len(v)}; use one step per prompt (or a sweep)")
         return v
 
-    @property
-    def prompt(self) -> str:
-        return self.prompts[0]
+    @model_validator(mode="after")
+    def _rows(self):
+        check_dataset_fields(self.prompts, self.dataset, self.target if self.dataset is not None else None,
+                             self.foil if self.dataset is not None else None)
+        if self.dataset is None and self.row:
+            raise ValueError("row selects a dataset row; give dataset (or drop row)")
+        return self
 
     @field_validator("head")
     @classmethod
@@ -396,16 +420,25 @@ class TokenTrace(Experiment):
     def prepare(self, model) -> TokenTraceInputs:
         """Tokenize the prompt, resolve the target/foil ids and the head shown (tokenizer and config
         only: works on a :class:`tracekit.model.ModelInfo`)."""
-        ids = encode_prompts(model, [self.prompt])[0]
-        target_id = single_token_id(model, self.target, field="target") if self.target is not None else None
-        foil_id = single_token_id(model, self.foil, field="foil") if self.foil is not None else None
-        return TokenTraceInputs(ids, target_id, foil_id, parse_head(self.head, model))
+        if self.dataset is None:
+            ids = encode_prompts(model, self.prompts)[0]
+            target_id = single_token_id(model, self.target, field="target") if self.target is not None else None
+            foil_id = single_token_id(model, self.foil, field="foil") if self.foil is not None else None
+            return TokenTraceInputs(ids, target_id, foil_id, parse_head(self.head, model), self.prompts[0],
+                                    self.target, self.foil)
+        data = kind_dataset(model, None, self.dataset)
+        if self.row >= len(data):
+            raise DatasetError(f"row: {self.row} is out of range for a dataset of {len(data)} rows "
+                               f"(after {dict(data.dropped) or 'no drops'}); use 0..{len(data) - 1}")
+        e = data.examples[self.row]
+        return TokenTraceInputs(e.ids, e.target_id, e.foil_id, parse_head(self.head, model), e.prompt,
+                                e.row.target, e.row.foil, e.row_id)
 
     def _run(self, model, inputs: TokenTraceInputs, progress: bool = True) -> TokenTraceResult:
         # The engine (tracekit.trace.token_trace) takes the prompt string and tokenizes it in each of
         # its stages (lens, attribution, attention; no ids parameter yet).
-        tr = token_trace(model, self.prompt, self.target, self.foil, self.head, self.top_neurons, self.value_tokens,
+        tr = token_trace(model, inputs.prompt, inputs.target, inputs.foil, self.head, self.top_neurons, self.value_tokens,
                          self.key_contexts, self.key_max_tokens, top_k=self.top_k, seed=self.seed,
                          n_samples=self.n_samples)
-        meta = {**tr.meta, "model": model_spec_of(model).model_dump(mode="json"), "tokenization": bos_info(model)}
+        meta = {**tr.meta, "row_id": inputs.row_id, "model": model_spec_of(model).model_dump(mode="json"), "tokenization": bos_info(model)}
         return TokenTraceResult(self, tr.tables, meta)

@@ -117,7 +117,7 @@ KIND_EXAMPLES.update({
     "sae_train": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 128},
     "sae_eval": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 200, "seq_len": 32},
     "sae_features": {"sae": {"train": TINY_SAE_TRAIN}, "prompts": ["The capital of France is"], "target": " Paris",
-                     "top_k": 3, "interventions": {"k": 1, "n_random": 1, "modes": ["ablate"]},
+                     "top_k": 3, "interventions": {"k": 1, "n_random": 1, "modes": ["zero"]},
                      "dashboards": {"features": 1, "max_tokens": 200, "seq_len": 32, "top_n": 2}},
 })
 

@@ -273,13 +273,14 @@ class Position:
         return [token_index_of_substring(model, text, str(sub), ids, field=field)]
 
 
-def parse_position(spec: PositionSpec, allowed: Sequence[str] = tuple(POSITION_FORMS), field: str = "position"
-                   ) -> Position:
+def parse_position(spec: PositionSpec, allowed: Sequence[str] = tuple(k for k in POSITION_FORMS if k != "name"),
+                   field: str = "position") -> Position:
     """Parse a position spec (an int or one of the strings in :data:`POSITION_FORMS`).
 
     Args:
         spec: e.g. ``-1``, ``"last"``, ``"all"``, ``"token: is"``, ``"field:country"``.
-        allowed: the forms this kind accepts (keys of :data:`POSITION_FORMS`).
+        allowed: the forms this kind accepts (keys of :data:`POSITION_FORMS`; default every form but
+            ``name``, which a kind that reads datasets opts into).
         field: config field quoted in the error.
 
     Raises:

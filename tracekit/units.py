@@ -18,6 +18,12 @@ Written once here, over any basis:
 * the **measurement** (:func:`intervene`): clean vs edited target probability / logit (difference)
   with :mod:`tracekit.metrics` (:func:`output_metrics`), hooks optionally frozen at their clean values;
 * the **random controls** (:func:`random_units`);
+* the **config vocabulary** of the kinds that intervene on units (:class:`InterventionVerbs`, the
+  base of ``neuron_attribution.ablation`` and ``sae_features.interventions``: ``modes``,
+  ``scale_factors``, ``clamp_value``, ``steer_values``), the columns of their ``interventions``
+  tables (:data:`INTERVENTION_COLUMNS`, :func:`intervention_row`) and the top-vs-random summary of
+  such a table (:func:`intervention_summary`, keyed by :func:`verb_key`: ``zero``, ``mean``,
+  ``clamp_x{value:g}``, ``scale_x{factor:g}``, ``steer_x{value:g}``);
 * the **readouts**: top-activating contexts (:func:`top_contexts`, a bounded running top-n with a
   deterministic tie order) and the vocabulary projection of decoder rows (:func:`vocab_readout`,
   Geva et al. 2022).
@@ -30,15 +36,30 @@ removes them whatever is raised (TransformerLens' ``hooks`` context manager and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import (
+    Callable,
+    ClassVar,
+    Iterable,
+    Literal,
+    Optional,
+    Protocol,
+    Sequence,
+    Union,
+    get_args,
+    runtime_checkable,
+)
 
 import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Bool, Float
+from pydantic import Field, field_validator, model_validator
 
+from . import plotting
 from .core.errors import AttributionError, SAEError
+from .core.strict import StrictModel
 from .hooks import check_hooks, enabled_hooks, hook_layer
 from .metrics import logit_diff, target_log_prob, target_prob
 from .model.readout import Readout
@@ -46,7 +67,8 @@ from .tokens import Batch, forward_kwargs, run_with_cache, str_tokens
 
 __all__ = ["UnitError", "UnitBasis", "VERBS", "RETIRED_VERBS", "VERB_PARAM", "canonical_verb", "new_activations",
            "steer_vector", "UnitEdit", "intervene", "output_metrics", "random_units", "hook_values", "RunningTop",
-           "TopContexts", "top_contexts", "vocab_readout"]
+           "TopContexts", "top_contexts", "vocab_readout", "Verb", "verb_key", "InterventionVerbs",
+           "INTERVENTION_COLUMNS", "intervention_row", "intervention_summary", "intervention_text"]
 
 #: The intervention verbs, one set for every basis.
 VERBS = ("zero", "mean", "clamp", "scale", "steer")
@@ -55,6 +77,9 @@ RETIRED_VERBS = {"ablate": "zero", "amplify": "scale"}
 #: The parameter each verb reads (named in errors): ``UnitEdit.value`` is the clamp value, the
 #: scale factor or the steering multiple; ``UnitEdit.means`` the per-unit means.
 VERB_PARAM = {"zero": None, "mean": "means", "clamp": "value", "scale": "factor", "steer": "value"}
+#: A verb of :data:`VERBS`, as a config field's type.
+Verb = Literal["zero", "mean", "clamp", "scale", "steer"]
+assert get_args(Verb) == VERBS
 
 
 class UnitError(AttributionError, SAEError):
@@ -291,6 +316,172 @@ def random_units(n_units: int, k: int, exclude: Iterable[int] = (), pool: Option
     if pool is not None and len(cands) < k:
         cands = [u for u in range(n_units) if u not in ex]
     return [int(u) for u in g.choice(np.array(cands), size=min(k, len(cands)), replace=False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the interventions of the kinds: config vocabulary, table columns, summary
+
+#: The columns of a kind's ``interventions`` table (``neuron_attribution``, ``sae_features``): one
+#: row per prompt x unit set x (verb, value). Probabilities in [0, 1], logits in logits, log-probs in nats.
+INTERVENTION_COLUMNS = {
+    "prompt_idx": "the prompt (index into prompts)",
+    "set": "'top' (the top units) or 'random' (a random control set of the same size)",
+    "draw": "0 for the top set, 1 .. n_random for the random sets",
+    "verb": "the verb, one of the config's modes (zero, mean, clamp, scale, steer)",
+    "value": "the verb's parameter: the clamp value, the scale factor or the steering multiple (NaN for zero / mean)",
+    "k": "how many units the set edits",
+    "units": "the set's units as JSON: neurons as 'L.N' strings, SAE features as ints",
+    "clean_target_prob": "target probability, clean run", "patched_target_prob": "target probability, edited run",
+    "delta_target_prob": "patched - clean target probability",
+    "clean_logit_diff": "logit(target) - logit(foil) (the target logit without a foil), clean run",
+    "patched_logit_diff": "the same, edited run", "delta_logit_diff": "patched - clean logit difference",
+    "delta_target_log_prob": "patched - clean log-probability of the target (nats)",
+}
+
+
+def verb_key(verb: str, value: float = float("nan")) -> str:
+    """The summary key of one (verb, value): ``zero``, ``mean``, ``clamp_x{value:g}``,
+    ``scale_x{value:g}``, ``steer_x{value:g}`` (e.g. ``scale_x2``, ``steer_x-20``)."""
+    if VERB_PARAM.get(verb) in (None, "means"):
+        return verb
+    return f"{verb}_x{float(value):g}"
+
+
+def intervention_row(result: dict) -> dict:
+    """The metric columns of :data:`INTERVENTION_COLUMNS` from one :func:`intervene` result."""
+    c, p, d = result["clean"], result["patched"], result["delta"]
+    return {"clean_target_prob": c["target_prob"], "patched_target_prob": p["target_prob"],
+            "delta_target_prob": d["target_prob"], "clean_logit_diff": c["logit_diff"],
+            "patched_logit_diff": p["logit_diff"], "delta_logit_diff": d["logit_diff"],
+            "delta_target_log_prob": d["target_log_prob"]}
+
+
+def intervention_summary(table: Optional[pd.DataFrame], decimals: Optional[int] = 6) -> dict:
+    """Top units vs random units, per (verb, value), of an ``interventions`` table
+    (:data:`INTERVENTION_COLUMNS`); the summary ``interventions`` of both unit kinds.
+
+    Returns:
+        ``{verb_key(verb, value): entry}`` in the table's order, each entry: ``k`` (the top set's
+        size, the largest over prompts), ``clean_target_prob`` / ``patched_target_prob`` (top set,
+        mean over prompts), ``top_delta_target_prob`` / ``top_delta_logit_diff`` (top set, mean over
+        prompts), ``n_random`` (random draws), ``random_delta_target_prob_mean`` /
+        ``random_delta_logit_diff_mean`` (mean over every random row) and ``..._std`` (standard
+        deviation, ddof 0, over draws of each draw's mean over prompts); None where not defined (no
+        random set, a NaN). Rounded to ``decimals`` (None: not rounded).
+    """
+    if table is None or not len(table):
+        return {}
+
+    def num(x) -> Optional[float]:
+        v = float(x)
+        if not math.isfinite(v):
+            return None
+        return round(v, decimals) if decimals is not None else v
+
+    def mean(v: np.ndarray) -> Optional[float]:
+        return num(v.mean()) if len(v) else None
+
+    metrics = ("clean_target_prob", "patched_target_prob", "delta_target_prob", "delta_logit_diff")
+    keys = [verb_key(str(m), v) for m, v in zip(table["verb"], table["value"])]
+    out: dict = {}
+    for key, g in table.assign(_key=keys).groupby("_key", sort=False):
+        is_top = (g["set"] == "top").to_numpy()
+        is_rnd = (g["set"] == "random").to_numpy()
+        col = {c: g[c].to_numpy(dtype=float) for c in metrics}
+        draws = g["draw"].to_numpy()[is_rnd]
+        entry: dict = {"k": int(g["k"].to_numpy()[is_top].max()) if is_top.any() and "k" in g else None,
+                       "clean_target_prob": mean(col["clean_target_prob"][is_top]),
+                       "patched_target_prob": mean(col["patched_target_prob"][is_top]),
+                       "top_delta_target_prob": mean(col["delta_target_prob"][is_top]),
+                       "top_delta_logit_diff": mean(col["delta_logit_diff"][is_top]),
+                       "n_random": len(np.unique(draws))}
+        for c, name in (("delta_target_prob", "random_delta_target_prob"), ("delta_logit_diff", "random_delta_logit_diff")):
+            v = col[c][is_rnd]
+            entry[f"{name}_mean"] = mean(v)
+            entry[f"{name}_std"] = num(np.std([v[draws == d].mean() for d in np.unique(draws)])) if len(v) else None
+        out[str(key)] = entry
+    return out
+
+
+def intervention_text(iv: dict) -> str:
+    """An :func:`intervention_summary` as a text table (top set vs random sets; the reports)."""
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    rows = []
+    for key, v in iv.items():
+        rnd = v["random_delta_target_prob_mean"] is not None
+        rows.append((key, f(v["clean_target_prob"], ".4f"), f(v["patched_target_prob"], ".4f"),
+                     f(v["top_delta_target_prob"], "+.4f"), f(v["top_delta_logit_diff"], "+.3f"),
+                     f"{f(v['random_delta_target_prob_mean'], '+.4f')} ({f(v['random_delta_target_prob_std'], '.4f')})"
+                     if rnd else "-", f(v["random_delta_logit_diff_mean"], "+.3f") if rnd else "-"))
+    return plotting.text_table(rows, ["intervention", "p clean", "p patched", "d_prob", "d_logit_diff",
+                                      "random d_prob (std)", "random d_logit_diff"])
+
+
+def _listed(v):
+    """A single number as a one-item list; None as an empty list."""
+    return [] if v is None else [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+class InterventionVerbs(StrictModel):
+    """The verbs of a kind's interventions on units, one vocabulary for neurons and SAE features
+    (:data:`VERBS`; the base of ``neuron_attribution.ablation`` and ``sae_features.interventions``).
+
+    Fields:
+        modes: the verbs run, each once per value: ``zero`` (activation := 0), ``mean`` (:= the
+            unit's mean activation), ``clamp`` (:= ``clamp_value``), ``scale`` (x each of
+            ``scale_factors``), ``steer`` (add each of ``steer_values`` x the unit's decoder row /
+            ``W_out`` row). Retired: ``ablate`` (now ``zero``), ``amplify`` (now ``scale``).
+        scale_factors: finite factor(s) ``scale`` multiplies the activations by (e.g. 2.0).
+            Retired: ``amplify`` (now ``scale_factors``, with ``scale`` in ``modes``).
+        clamp_value: the activation ``clamp`` sets.
+        steer_values: the multiple(s) of the unit's row ``steer`` adds.
+
+    A value field is read only when its verb is in ``modes``. A verb without values (``scale``
+    with ``scale_factors: []``) and a repeated verb or value are config errors.
+    """
+
+    modes: list[Verb] = Field(default_factory=lambda: ["zero"])
+    scale_factors: list[float] = Field(default_factory=lambda: [2.0])
+    clamp_value: float = 0.0
+    steer_values: list[float] = Field(default_factory=lambda: [10.0])
+
+    retired = {"amplify": "scale_factors; and add 'scale' to modes"}
+    retired_values = {"modes": dict(RETIRED_VERBS)}
+
+    @field_validator("scale_factors", "steer_values", mode="before")
+    @classmethod
+    def _one(cls, v):
+        return _listed(v)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        for i, m in enumerate(self.modes):
+            if m in self.modes[:i]:
+                raise ValueError(f"modes: {m!r} is listed twice")
+        for verb, name in (("scale", "scale_factors"), ("steer", "steer_values")):
+            vals = getattr(self, name)
+            if verb in self.modes:
+                if not vals:
+                    raise ValueError(f"{name}: mode {verb!r} needs at least one value")
+                dup = [v for i, v in enumerate(vals) if v in vals[:i]]
+                if dup:
+                    raise ValueError(f"{name}: {dup[0]!r} is listed twice")
+        return self
+
+    def plans(self) -> list[tuple[str, float]]:
+        """``(verb, value)`` per intervention, in ``modes`` order (value NaN for ``zero`` / ``mean``)."""
+        out: list[tuple[str, float]] = []
+        for m in self.modes:
+            if m == "clamp":
+                out.append((m, float(self.clamp_value)))
+            elif m == "scale":
+                out += [(m, float(f)) for f in self.scale_factors]
+            elif m == "steer":
+                out += [(m, float(v)) for v in self.steer_values]
+            else:
+                out.append((m, float("nan")))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,13 +191,13 @@ def test_neuron_attribution_experiment_roundtrip(tiny_llama, tmp_path):
                                top_k=3, value_tokens=4,
                                contexts={"corpus": _corpus(tmp_path), "jsonl_field": "body", "top_n": 2,
                                          "max_tokens": 200, "seq_len": 16},
-                               ablation={"n_random": 1, "amplify": 3.0, "intervene_at": "all"})
+                               ablation={"n_random": 1, "scale_factors": 3.0, "intervene_at": "all"})
     res = exp.run(tiny_llama, progress=False)
     s = res.summary()
     assert s["max_additivity_error"] < ATOL
     assert len(s["top_neurons"]) == 3 and len(s["top_neurons"][0]["promotes"]) == 4
     assert len(s["top_neurons"][0]["top_contexts"]) == 2
-    assert set(s["interventions"]) == {"zero", "mean", "amplify_x3"}
+    assert set(s["interventions"]) == {"zero", "mean", "scale_x3"}
     contribs = [t["contribution"] for t in s["top_neurons"]]
     assert contribs == sorted(contribs, reverse=True)
     assert "neuron attribution" in res.report()
@@ -293,24 +293,25 @@ def test_key_readout_stopped_forward_equals_full_forward(tiny_model, tmp_path):
     torch.testing.assert_close(stopped[mask], full["blocks.0.mlp.hook_post"][mask], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("bad", [{"amplify": float("nan")}, {"amplify": float("inf")}, {"amplify": [2.0, float("-inf")]}])
+@pytest.mark.parametrize("bad", [{"scale_factors": float("nan")}, {"scale_factors": float("inf")},
+                                 {"scale_factors": [2.0, float("-inf")]}])
 def test_non_finite_ablation_values_are_config_errors(bad):
     from pydantic import ValidationError
 
     import tracekit as tk
 
-    with pytest.raises(ValidationError, match="amplify"):
+    with pytest.raises(ValidationError, match="scale_factors"):
         tk.NeuronAttribution(prompts="a b", target=" Paris", ablation=bad)
 
 
 def test_non_finite_yaml_values_are_config_errors(tmp_path):
     from tracekit.config import load_config
 
-    for text in ("      amplify: .nan", "      amplify: [.inf]"):
+    for text in ("      scale_factors: .nan", "      scale_factors: [.inf]"):
         p = tmp_path / "c.yaml"
         p.write_text("model: {name: gpt2}\nexperiments:\n  - kind: neuron_attribution\n    prompts: a b\n"
                      f"    target: ' Paris'\n    ablation:\n{text}\n")
-        with pytest.raises(Exception, match="amplify") as e:
+        with pytest.raises(Exception, match="scale_factors") as e:
             load_config(p)
         assert isinstance(e.value, ValueError)
 

@@ -16,7 +16,7 @@ from tracekit.sae import SAESpec, load_sae
 def test_sae_features_run_save_load_dashboards(tmp_path, tiny_gpt2):
     d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.2.hook_resid_pre", arch="topk", d_sae=64)
     exp = SAEFeatures(sae={"path": str(d)}, prompts=[PROMPT, "Paris is in"], target=" Paris", foil=" London",
-                      top_k=4, interventions={"k": 2, "n_random": 2, "modes": ["ablate", "clamp", "steer"],
+                      top_k=4, interventions={"k": 2, "n_random": 2, "modes": ["zero", "clamp", "steer"],
                                               "clamp_value": 1.0, "steer_values": [5.0]},
                       dashboards={"features": 2, "max_tokens": 600, "seq_len": 32, "top_n": 3})
     res = exp.run(tiny_gpt2, progress=False)
@@ -26,7 +26,8 @@ def test_sae_features_run_save_load_dashboards(tmp_path, tiny_gpt2):
     t0 = terms[terms["prompt_idx"] == 0].set_index("term")["total"]
     assert abs(t0["features"] + t0["error"] + t0["bias"] + t0["special_tokens"] - t0["activation"]) < 1e-3
     iv = res.tables["interventions"]
-    assert set(iv["mode"]) == {"ablate", "clamp", "steer"} and set(iv["set"]) == {"top", "random"}
+    assert set(iv["verb"]) == {"zero", "clamp", "steer"} and set(iv["set"]) == {"top", "random"}
+    assert set(s["interventions"]) == {"zero", "clamp_x1", "steer_x5"}
     assert {"vocab", "contexts", "density"} <= set(res.tables)
     assert "promotes" in s["top_features"][0]
     out = res.save(tmp_path / "run" / "step")

@@ -65,7 +65,8 @@ def test_token_trace_fully_documented():
     for name in REGISTRY["token_trace"].model_fields:
         assert f"| `{name}` |" in sec
     assert "| `top_neurons` | `int` | `5` | >= 1, <= 100 |" in sec
-    assert "**required**" in sec  # prompts
+    assert "| `dataset` |" in sec and "| `row` |" in sec  # prompts or one dataset row
+    assert "**required**" in text  # required fields are marked (GeneratorSpec.name, Row.prompt...)
 
 
 def test_every_config_field_is_documented():

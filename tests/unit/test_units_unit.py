@@ -18,6 +18,7 @@ from tracekit.units import (
     new_activations,
     random_units,
     steer_vector,
+    verb_key,
 )
 
 
@@ -167,3 +168,125 @@ def test_running_top_orders_ties_by_window_then_position_and_ignores_batching():
                           if torch.isfinite(vals[b, p, j]))[:6]
             assert got == want
     assert whole.kept_windows() == split.kept_windows()
+
+
+# ---------------------------------------------------------------------------------------------
+# the one config vocabulary of the unit kinds, and the top-vs-random summary
+
+
+def _configs():
+    from tracekit.experiments.neurons import AblationConfig
+    from tracekit.experiments.sae import SAEInterventionConfig
+
+    return [AblationConfig, SAEInterventionConfig]
+
+
+@pytest.mark.parametrize("cls", _configs(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("old,new", sorted(RETIRED_VERBS.items()))
+def test_retired_verbs_in_modes_name_the_new_one(cls, old, new):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=rf"modes\[1\]: '{old}' was renamed to '{new}'"):
+        cls(modes=["zero", old])
+    with pytest.raises(ValidationError, match=rf"modes: '{old}' was renamed to '{new}'"):
+        cls(modes=old)
+
+
+@pytest.mark.parametrize("cls", _configs(), ids=lambda c: c.__name__)
+def test_retired_amplify_field_names_scale_factors(cls):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"'amplify' was renamed to 'scale_factors' \(and add 'scale' to modes\)"):
+        cls(amplify=[2.0])
+
+
+def test_verb_config_defaults_and_plans():
+    from tracekit.experiments.neurons import AblationConfig
+    from tracekit.experiments.sae import SAEInterventionConfig
+
+    a, s = AblationConfig(), SAEInterventionConfig()
+    assert a.modes == ["zero", "mean", "scale"] and s.modes == ["zero", "steer"]
+    for c in (a, s):
+        assert c.scale_factors == [2.0] and c.clamp_value == 0.0 and c.steer_values == [10.0]
+    assert [(m, v) for m, v in a.plans() if m == "scale"] == [("scale", 2.0)]
+    assert [m for m, _ in a.plans()] == ["zero", "mean", "scale"]
+    assert s.plans()[1] == ("steer", 10.0) and np.isnan(s.plans()[0][1])
+    full = AblationConfig(modes=list(VERBS), scale_factors=3, clamp_value=0.5, steer_values=[-2.0, 4.0])
+    assert [verb_key(m, v) for m, v in full.plans()] == ["zero", "mean", "clamp_x0.5", "scale_x3", "steer_x-2",
+                                                          "steer_x4"]
+    for c in (a, s, full):  # a saved config (every field written) validates again (Result.load)
+        assert type(c).model_validate(c.model_dump(mode="json")) == c
+
+
+@pytest.mark.parametrize("cls", _configs(), ids=lambda c: c.__name__)
+def test_verb_config_errors_name_the_field(cls):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="scale_factors: mode 'scale' needs at least one value"):
+        cls(modes=["scale"], scale_factors=[])
+    with pytest.raises(ValidationError, match="steer_values: mode 'steer' needs at least one value"):
+        cls(modes=["steer"], steer_values=[])
+    with pytest.raises(ValidationError, match="modes: 'zero' is listed twice"):
+        cls(modes=["zero", "zero"])
+    with pytest.raises(ValidationError, match="scale_factors: 2.0 is listed twice"):
+        cls(modes=["scale"], scale_factors=[2.0, 2.0])
+    with pytest.raises(ValidationError, match="modes"):
+        cls(modes=["erase"])
+    with pytest.raises(ValidationError, match="scale_factors"):
+        cls(scale_factors=[float("inf")])
+
+
+def test_verb_keys_follow_one_rule():
+    assert verb_key("zero") == "zero" and verb_key("mean", float("nan")) == "mean"
+    assert verb_key("clamp", 0.0) == "clamp_x0" and verb_key("scale", 2.0) == "scale_x2"
+    assert verb_key("steer", -20.0) == "steer_x-20" and verb_key("scale", 0.5) == "scale_x0.5"
+
+
+def _row(prompt, set_, draw, mode, value, k, clean, patched, clean_ld, patched_ld):
+    return {"prompt_idx": prompt, "set": set_, "draw": draw, "verb": mode, "value": value, "k": k, "units": "[]",
+            "clean_target_prob": clean, "patched_target_prob": patched, "delta_target_prob": patched - clean,
+            "clean_logit_diff": clean_ld, "patched_logit_diff": patched_ld,
+            "delta_logit_diff": patched_ld - clean_ld, "delta_target_log_prob": 0.0}
+
+
+def test_intervention_summary_is_the_hand_computation():
+    import pandas as pd
+
+    from tracekit.units import INTERVENTION_COLUMNS, intervention_summary
+
+    nan = float("nan")
+    rows = [
+        # zero: top set (2 prompts), random draws 1 and 2 (2 prompts each)
+        _row(0, "top", 0, "zero", nan, 2, 0.50, 0.30, 1.0, 0.2),
+        _row(1, "top", 0, "zero", nan, 1, 0.40, 0.10, 2.0, 1.0),
+        _row(0, "random", 1, "zero", nan, 2, 0.50, 0.45, 1.0, 0.9),
+        _row(1, "random", 1, "zero", nan, 2, 0.40, 0.41, 2.0, 2.1),
+        _row(0, "random", 2, "zero", nan, 2, 0.50, 0.50, 1.0, 1.0),
+        _row(1, "random", 2, "zero", nan, 2, 0.40, 0.30, 2.0, 1.5),
+        # scale x2 and steer x-3: top only
+        _row(0, "top", 0, "scale", 2.0, 2, 0.50, 0.70, 1.0, 1.8),
+        _row(0, "top", 0, "steer", -3.0, 2, 0.50, 0.20, 1.0, -1.0),
+    ]
+    table = pd.DataFrame(rows)
+    assert list(table.columns) == list(INTERVENTION_COLUMNS)
+    s = intervention_summary(table, decimals=None)
+    assert list(s) == ["zero", "scale_x2", "steer_x-3"]
+    z = s["zero"]
+    # random prob deltas: draw 1: -0.05, +0.01 (mean -0.02); draw 2: 0.0, -0.10 (mean -0.05)
+    # random logit-diff deltas: draw 1: -0.1, +0.1 (mean 0); draw 2: 0.0, -0.5 (mean -0.25)
+    want = {"k": 2, "clean_target_prob": 0.45, "patched_target_prob": 0.20, "top_delta_target_prob": -0.25,
+            "top_delta_logit_diff": -0.9, "n_random": 2, "random_delta_target_prob_mean": -0.035,
+            "random_delta_target_prob_std": 0.015, "random_delta_logit_diff_mean": -0.125,
+            "random_delta_logit_diff_std": 0.125}
+    assert set(z) == set(want)
+    for key, v in want.items():
+        assert z[key] == pytest.approx(v, abs=1e-12), key
+    for key in ("scale_x2", "steer_x-3"):
+        e = s[key]
+        assert e["n_random"] == 0 and e["k"] == 2
+        assert e["random_delta_target_prob_mean"] is None and e["random_delta_logit_diff_std"] is None
+    assert s["scale_x2"]["top_delta_target_prob"] == pytest.approx(0.2, abs=1e-12)
+    assert s["steer_x-3"]["top_delta_logit_diff"] == pytest.approx(-2.0, abs=1e-12)
+    rounded = intervention_summary(table)  # default: 6 decimals
+    assert rounded["zero"]["random_delta_target_prob_mean"] == pytest.approx(-0.035, abs=1e-6)
+    assert intervention_summary(table.iloc[:0]) == {} and intervention_summary(None) == {}

@@ -43,7 +43,12 @@ RESERVED_COLUMNS = ("row_id", "prompt", "target", "foil", "positions", "corrupte
 
 class At(StrictModel):
     """A position given as text: the token holding the last character of occurrence ``occurrence``
-    of ``text`` in the prompt (0 = first, -1 = last)."""
+    of ``text`` in the prompt.
+
+    Fields:
+        text: the text to find (``" John"``; leading space included when the token has one).
+        occurrence: which occurrence: 0 = first, 1 = second, -1 = last (default).
+    """
 
     text: str = Field(min_length=1)
     occurrence: int = -1

@@ -4,8 +4,8 @@
 ``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of
 chosen MLP blocks, read as key-value memories (Geva et al. 2021; 2022): top-k neurons per layer
 and overall, the tokens their value vectors promote/suppress, their top-activating corpus contexts
-(key readout), and a check by intervention (zero/mean ablation and amplification of the top-k
-against k random neurons of the same layers).
+(key readout), and a check by intervention (the verbs of :mod:`tracekit.units`: zero, mean, clamp, scale,
+steer, on the top-k against k random neurons of the same layers).
 
 The computations are in :mod:`tracekit.neurons` (notebook-usable); this module validates, calls
 them and shapes tables, summaries, reports and figures. Units: ``contribution``/``logit_diff`` in
@@ -14,6 +14,7 @@ logits, ``*_prob`` in probabilities.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -34,6 +35,7 @@ from ..neurons import (
     value_readout,
 )
 from ..tokens import PositionSpec, parse_position
+from ..units import InterventionVerbs, Verb, intervention_row, intervention_summary, intervention_text
 from .base import Experiment, Indices, Prompts, Result, StrictModel, register
 from .dla import check_prompt_positions
 
@@ -70,16 +72,20 @@ class KeyReadoutConfig(StrictModel):
     sign: Literal["auto", "positive", "negative"] = "auto"
 
 
-class AblationConfig(StrictModel):
-    """Check by intervention: ablate / amplify the top-k neurons and k random neurons of the same
-    layers (the control), at the step's read position (``intervene_at: position``) or at every
-    position (``all``).
+class AblationConfig(InterventionVerbs):
+    """Check by intervention: edit the top-k neurons and k random neurons of the same layers (the
+    control) with the verbs of :mod:`tracekit.units` (:class:`tracekit.units.InterventionVerbs`,
+    the same vocabulary as ``sae_features.interventions``), at the step's read position
+    (``intervene_at: position``) or at every position (``all``).
 
     Fields:
         k: how many of the overall top neurons (default: the step's ``top_k``).
-        modes: ``zero`` and/or ``mean`` (the corpus mean from the key readout when it runs,
-            else the mean over the prompt's tokens).
-        amplify: finite factor(s) the activations are multiplied by (e.g. 2.0); empty list: none.
+        modes: any of ``zero`` (activation := 0), ``mean`` (:= the corpus mean from the key readout
+            when it runs, else the mean over the prompt's tokens), ``clamp`` (:= ``clamp_value``),
+            ``scale`` (x each of ``scale_factors``), ``steer`` (activation += each of
+            ``steer_values``, i.e. that multiple of the neuron's ``W_out`` row added to the MLP's
+            output); default ``[zero, mean, scale]``. Retired: ``ablate`` (now ``zero``),
+            ``amplify`` (now ``scale``).
         n_random: random control sets drawn.
         seed: seed of the random control sets (set ``i`` is drawn with ``seed + i``; default 0).
         intervene_at: ``position`` (default) or ``all``. Retired: ``positions`` (``last`` is now
@@ -87,18 +93,12 @@ class AblationConfig(StrictModel):
     """
 
     k: Optional[int] = Field(default=None, ge=1)
-    modes: list[Literal["zero", "mean"]] = Field(default_factory=lambda: ["zero", "mean"])
-    amplify: list[float] = Field(default_factory=lambda: [2.0])
+    modes: list[Verb] = Field(default_factory=lambda: ["zero", "mean", "scale"])
     n_random: int = Field(default=5, ge=0)
     intervene_at: Literal["position", "all"] = "position"
     seed: int = 0
 
-    retired = {"positions": "intervene_at; position | all; 'last' is now 'position'"}
-
-    @field_validator("amplify", mode="before")
-    @classmethod
-    def _one(cls, v):
-        return [] if v is None else [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    retired = {**InterventionVerbs.retired, "positions": "intervene_at; position | all; 'last' is now 'position'"}
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,20 @@ class NeuronAttributionResult(Result):
     logit_per_activation, contribution), ``layers`` (per prompt and layer: the MLP's direct
     attribution, its ``b_out`` term, the neuron sum), ``top`` (top-k per layer and overall, ranked
     by mean contribution over prompts), ``values`` (value readout of the overall top neurons),
-    ``contexts`` (key readout), ``interventions`` (one row per set x mode x prompt)."""
+    ``contexts`` (key readout), ``interventions`` (one row per (verb, value) x set x prompt; the
+    columns of :data:`tracekit.units.INTERVENTION_COLUMNS`, shared with ``sae_features``:
+    ``prompt_idx``, ``set`` (top | random), ``draw`` (0 top, 1..n_random), ``verb``, ``value``
+    (clamp value / scale factor / steer value; NaN for zero, mean), ``k``, ``units`` (JSON list of
+    ``"L.N"``), ``clean_target_prob``, ``patched_target_prob``, ``delta_target_prob``,
+    ``clean_logit_diff``, ``patched_logit_diff``, ``delta_logit_diff``, ``delta_target_log_prob``).
+
+    Summary ``interventions``: :func:`tracekit.units.intervention_summary`, keyed ``zero``,
+    ``mean``, ``clamp_x{value:g}``, ``scale_x{factor:g}``, ``steer_x{value:g}``."""
 
     config: "NeuronAttribution"
     main_table = "top"
+    #: results saved before the one verb set: the scale factor column, the neuron list
+    renamed_columns = {"interventions.factor": "value", "interventions.neurons": "units"}
 
     def _top(self, scope="overall"):
         t = self.tables["top"]
@@ -156,22 +166,7 @@ class NeuronAttributionResult(Result):
         out["top_by_layer"] = per_layer
         iv = self.tables.get("interventions", pd.DataFrame())
         if len(iv):
-            abl = {}
-            for (mode, factor), g in iv.groupby(["mode", "factor"], dropna=False):
-                key = mode if mode != "scale" else f"amplify_x{factor:g}"
-                top = g[g["set"] == "top"]
-                rnd = g[g["set"] == "random"]
-                abl[key] = {
-                    "top_delta_prob": round(float(top["delta_target_prob"].mean()), 6),
-                    "top_delta_logit_diff": round(float(top["delta_logit_diff"].mean()), 5),
-                    "random_delta_prob_mean": round(float(rnd["delta_target_prob"].mean()), 6) if len(rnd) else None,
-                    "random_delta_prob_std": round(float(rnd.groupby("draw")["delta_target_prob"].mean().std(ddof=0)), 6) if len(rnd) else None,
-                    "random_delta_logit_diff_mean": round(float(rnd["delta_logit_diff"].mean()), 5) if len(rnd) else None,
-                    "clean_prob": round(float(top["clean_target_prob"].mean()), 6),
-                    "patched_prob": round(float(top["patched_target_prob"].mean()), 6),
-                }
-            out["interventions"] = abl
-            out["k_ablated"] = int(iv[iv["set"] == "top"]["k"].iloc[0])
+            out["interventions"] = intervention_summary(iv)
         return out
 
     def report(self) -> str:
@@ -192,16 +187,9 @@ class NeuronAttributionResult(Result):
                 lines.append(f"           context: {c!r}")
         iv = s.get("interventions", {})
         if iv:
-            lines.append(f"interventions on the top-{s['k_ablated']} neurons vs random k of the same layers:")
-            rows = []
-            for key, v in iv.items():
-                rnd = v["random_delta_prob_mean"] is not None
-                rows.append((key, f"{v['clean_prob']:.4f}", f"{v['patched_prob']:.4f}", f"{v['top_delta_prob']:+.4f}",
-                             f"{v['top_delta_logit_diff']:+.3f}",
-                             f"{v['random_delta_prob_mean']:+.4f} ({v['random_delta_prob_std']:.4f})" if rnd else "-",
-                             f"{v['random_delta_logit_diff_mean']:+.3f}" if rnd else "-"))
-            lines.append(plotting.text_table(rows, ["intervention", "p clean", "p patched", "d_prob", "d_logit_diff",
-                                                    "random d_prob (std)", "random d_logit_diff"]))
+            k = max((v["k"] or 0) for v in iv.values())
+            lines.append(f"interventions on the top-{k} neurons vs random k of the same layers:")
+            lines.append(intervention_text(iv))
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -213,15 +201,15 @@ class NeuronAttributionResult(Result):
                                                 ylabel=f"direct contribution to {self.meta.get('metric')} (logits)")
         iv = self.tables.get("interventions", pd.DataFrame())
         if len(iv):
-            g = iv.groupby(["mode", "factor", "set"], dropna=False)["delta_target_prob"].mean().reset_index()
-            keys = sorted({(m, f) for m, f in zip(g["mode"], g["factor"])}, key=str)
+            summ = intervention_summary(iv, decimals=None)
+            keys = list(summ)
             fig, ax = plotting.plt().subplots(figsize=(6, 3.5))
             x = np.arange(len(keys))
-            for j, (st, col) in enumerate((("top", "tab:red"), ("random", "tab:gray"))):
-                ys = [float(g[(g["mode"] == m) & (g["factor"] == f) & (g["set"] == st)]["delta_target_prob"].mean())
-                      if len(g[(g["mode"] == m) & (g["factor"] == f) & (g["set"] == st)]) else 0.0 for m, f in keys]
+            for j, (st, col, name) in enumerate((("top", "tab:red", "top_delta_target_prob"),
+                                                 ("random", "tab:gray", "random_delta_target_prob_mean"))):
+                ys = [summ[key][name] or 0.0 for key in keys]
                 ax.bar(x + (j - 0.5) * 0.38, ys, width=0.38, color=col, label=f"{st} k")
-            ax.set_xticks(x, [m if m != "scale" else f"x{f:g}" for m, f in keys])
+            ax.set_xticks(x, keys)
             ax.axhline(0, color="k", lw=0.5)
             ax.set_ylabel("change in target probability"); ax.legend(fontsize=8)
             ax.set_title("Intervention: top-k neurons vs random control")
@@ -366,33 +354,29 @@ class NeuronAttribution(Experiment):
         return kr.means
 
     def _interventions(self, model, top_set, rand_sets, means, progress: bool) -> pd.DataFrame:
-        """One row per mode x set x prompt: the top neurons and each random control set ablated or
-        amplified (table ``interventions``)."""
+        """One row per (verb, value) x set x prompt: the top neurons and each random control set
+        edited (table ``interventions``, columns :data:`tracekit.units.INTERVENTION_COLUMNS`)."""
         abl = self.ablation
         assert abl is not None
         rows = []
         clean_by_prompt: dict = {}
-        plans = [(m, float("nan")) for m in abl.modes] + [("scale", float(f)) for f in abl.amplify]
+        plans = abl.plans()
         sets = [("top", 0, top_set)] + [("random", i + 1, s) for i, s in enumerate(rand_sets)]
         bar = tqdm(total=len(plans) * len(sets) * len(self.prompts), desc="interventions",
                    disable=not progress, leave=False)
-        for mode, factor in plans:
+        for mode, value in plans:
             for set_name, draw, nset in sets:
                 for pi, prompt in enumerate(self.prompts):
                     r = neuron_intervention(model, prompt, self.target, nset, mode=mode, foil=self.foil,
-                                            means=means, factor=factor if mode == "scale" else 1.0,
+                                            means=means, factor=value if mode == "scale" else 1.0,
+                                            value=value if mode in ("clamp", "steer") else 0.0,
                                             intervene_at=abl.intervene_at, position=self.position,
                                             clean_metrics=clean_by_prompt.get(pi))
                     clean_by_prompt[pi] = r["clean"]
-                    rows.append({"mode": mode, "factor": factor, "set": set_name, "draw": draw, "k": len(nset),
-                                 "prompt_idx": pi, "neurons": [f"{L}.{n}" for L, n in nset],
-                                 "clean_target_prob": r["clean"]["target_prob"],
-                                 "patched_target_prob": r["patched"]["target_prob"],
-                                 "delta_target_prob": r["delta"]["target_prob"],
-                                 "clean_logit_diff": r["clean"]["logit_diff"],
-                                 "patched_logit_diff": r["patched"]["logit_diff"],
-                                 "delta_logit_diff": r["delta"]["logit_diff"],
-                                 "delta_target_log_prob": r["delta"]["target_log_prob"]})
+                    rows.append({"prompt_idx": pi, "set": set_name, "draw": draw, "verb": mode, "value": value,
+                                 "k": len(nset), "units": json.dumps([f"{L}.{n}" for L, n in nset]),
+                                 **intervention_row(r)})
                     bar.update(1)
         bar.close()
         return pd.DataFrame(rows)
+

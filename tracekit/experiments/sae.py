@@ -4,7 +4,8 @@
 * ``kind: sae_features`` (:class:`SAEFeatures`): decompose prompts into SAE features at the SAE's
   hook, attribute the target logit (difference) to them (direct and total), with the
   reconstruction error, decoder bias and special tokens as their own terms; optional
-  interventions (ablate / clamp / steer against random-feature controls) and per-feature HTML
+  interventions (the verbs of :mod:`tracekit.units`: zero / mean / clamp / scale / steer, against
+  random-feature controls) and per-feature HTML
   dashboards (top-activating corpus contexts, decoder vocabulary readout, activation density).
 * ``kind: sae_eval`` (:class:`SAEEval`): the SAE spliced into the model on corpus windows (the
   held-out tokens of an SAE trained here): MSE, explained variance, L0, dead / dense features,
@@ -30,6 +31,7 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
+import torch
 from pydantic import Field
 
 from .. import plotting
@@ -49,6 +51,7 @@ from ..sae import (
     top_activating_contexts,
 )
 from ..tokens import check_length, encode
+from ..units import InterventionVerbs, Verb, intervention_row, intervention_summary, intervention_text
 from .base import Experiment, Indices, Prompts, Result, StrictModel, register
 from .sae_quality import SAEEval, SAEEvalResult, SAETrain, SAETrainResult, load_handle, rounded
 
@@ -76,34 +79,34 @@ __all__ = [
 # sae_features
 
 
-class SAEInterventionConfig(StrictModel):
-    """Interventions on the top features (error term kept, so only the edited features move).
+class SAEInterventionConfig(InterventionVerbs):
+    """Interventions on the top features (error term kept, so only the edited features move), with
+    the verbs of :mod:`tracekit.units` (:class:`tracekit.units.InterventionVerbs`, the same
+    vocabulary as ``neuron_attribution.ablation``).
 
     Fields:
         features: ``top`` (the step's top ``k`` features of each prompt by |contribution|) or a list
             of feature indices.
         k: how many top features.
-        modes: ``ablate`` (activation -> 0), ``clamp`` (-> ``clamp_value``), ``steer`` (add
-            ``steer_values`` x the decoder row).
-        clamp_value: the activation ``clamp`` sets.
-        steer_values: the multiples of the decoder row ``steer`` adds.
+        modes: any of ``zero`` (activation -> 0), ``mean`` (-> the feature's mean activation over
+            the prompt's non-special tokens), ``clamp`` (-> ``clamp_value``), ``scale`` (x each of
+            ``scale_factors``), ``steer`` (add each of ``steer_values`` x the decoder row); default
+            ``[zero, steer]``. Retired: ``ablate`` (now ``zero``), ``amplify`` (now ``scale``).
         intervene_at: where the edit applies: ``all`` (every non-special token), ``position`` (the
             step's read position), or a list of token indices.
         n_random: random control sets of the same size (features active on the prompt for
-            ablate/clamp; any feature for steer).
-        seed: the random control sets' seed.
+            zero / mean / clamp / scale; any feature for steer).
+        seed: the random control sets' seed (set ``i`` is drawn with ``seed + i``).
     """
 
     features: Literal["top"] | Indices = "top"
     k: int = Field(default=3, ge=1)
-    modes: list[Literal["ablate", "clamp", "steer"]] = Field(default_factory=lambda: ["ablate", "steer"])
-    clamp_value: float = 0.0
-    steer_values: list[float] = Field(default_factory=lambda: [10.0])
+    modes: list[Verb] = Field(default_factory=lambda: ["zero", "steer"])
     intervene_at: Literal["all", "position"] | list[int] = "all"
     n_random: int = Field(default=3, ge=0)
     seed: int = 0
 
-    retired = {"positions": "intervene_at; all | position | token indices"}
+    retired = {**InterventionVerbs.retired, "positions": "intervene_at; all | position | token indices"}
 
 
 class SAEDashboardConfig(StrictModel):
@@ -158,10 +161,24 @@ class SAEFeaturesResult(Result):
     |total| where direct is undefined)), ``terms`` (per prompt: features / error / bias /
     special_tokens / activation, direct and total; the parts sum to the activation), ``tokens``
     (per prompt and position: token, special, L0, ||x||, ||error||, top features), and, when asked,
-    ``interventions``, ``vocab``, ``contexts`` and ``density`` (activation histograms)."""
+    ``interventions``, ``vocab``, ``contexts`` and ``density`` (activation histograms).
+
+    ``interventions``: one row per prompt x (verb, value) x set; the columns of
+    :data:`tracekit.units.INTERVENTION_COLUMNS`, shared with ``neuron_attribution``: ``prompt_idx``,
+    ``set`` (top | random), ``draw`` (0 top, 1..n_random), ``verb``, ``value`` (clamp value / scale
+    factor / steer value; NaN for zero, mean), ``k``, ``units`` (JSON list of feature indices),
+    ``clean_target_prob``, ``patched_target_prob``, ``delta_target_prob``, ``clean_logit_diff``,
+    ``patched_logit_diff``, ``delta_logit_diff``, ``delta_target_log_prob`` (read at the prompt's
+    last token). Summary ``interventions``: :func:`tracekit.units.intervention_summary`, keyed
+    ``zero``, ``mean``, ``clamp_x{value:g}``, ``scale_x{factor:g}``, ``steer_x{value:g}``."""
 
     config: "SAEFeatures"
     main_table = "features"
+    #: results saved before the interventions columns were shared with ``neuron_attribution``
+    renamed_columns = {"interventions.features": "units", "interventions.clean_prob": "clean_target_prob",
+                       "interventions.prob": "patched_target_prob", "interventions.delta_prob": "delta_target_prob",
+                       "interventions.clean_logit": "clean_logit_diff", "interventions.logit": "patched_logit_diff",
+                       "interventions.delta_logit": "delta_logit_diff"}
 
     def _rank_col(self) -> str:
         f = self.tables["features"]
@@ -209,17 +226,7 @@ class SAEFeaturesResult(Result):
         }
         iv = self.tables.get("interventions", pd.DataFrame())
         if len(iv):
-            agg = {}
-            for (mode, value), g in iv.groupby(["mode", "value"], dropna=False):
-                key = mode if mode != "steer" else f"steer_x{value:g}"
-                top = g[g["set"] == "top"]
-                rnd = g[g["set"] == "random"]
-                agg[key] = {"top_delta_prob": rounded(top["delta_prob"].mean(), 6),
-                            "top_delta_logit": rounded(top["delta_logit"].mean()),
-                            "random_delta_prob_mean": rounded(rnd["delta_prob"].mean(), 6) if len(rnd) else None,
-                            "random_delta_logit_mean": rounded(rnd["delta_logit"].mean()) if len(rnd) else None,
-                            "clean_prob": rounded(top["clean_prob"].mean(), 6), "prob": rounded(top["prob"].mean(), 6)}
-            out["interventions"] = agg
+            out["interventions"] = intervention_summary(iv)
         return out
 
     def report(self) -> str:
@@ -232,10 +239,9 @@ class SAEFeaturesResult(Result):
         lines.append("terms (direct | total): " + ", ".join(
             f"{k} {s['direct'][k] if s['direct'][k] is not None else float('nan'):+.4f} | {s['total'][k]:+.4f}"
             for k in s["total"]))
-        if "interventions" in s:
-            for k, v in s["interventions"].items():
-                lines.append(f"{k}: top d_prob {v['top_delta_prob']:+.5f} d_logit {v['top_delta_logit']:+.4f}; random "
-                             f"d_prob {v['random_delta_prob_mean']} d_logit {v['random_delta_logit_mean']}")
+        if s.get("interventions"):
+            lines.append("interventions on the top features vs random features (error term kept):")
+            lines.append(intervention_text(s["interventions"]))
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -416,19 +422,24 @@ class SAEFeatures(Experiment):
             pos = ("all" if cfg.intervene_at == "all" else [d.position] if cfg.intervene_at == "position"
                    else cfg.intervene_at)
             pool = (d.acts != 0).any(0).nonzero().flatten().tolist()
-            sets = [("top", 0, chosen)]
+            # random set i (draw i + 1) is drawn with seed + i: among the features active on the
+            # prompt, or among all features for steer (steering an inactive feature is meaningful)
+            sets = [("top", 0, chosen, chosen)]
             for r in range(cfg.n_random):
-                sets.append(("random", r, random_features(h.d_sae, len(chosen), chosen, pool, cfg.seed + r)))
-            for mode in cfg.modes:
-                values = cfg.steer_values if mode == "steer" else [cfg.clamp_value if mode == "clamp" else 0.0]
-                for v in values:
-                    for name, draw, fs in sets:
-                        use = fs
-                        if mode == "steer" and name == "random":
-                            use = random_features(h.d_sae, len(chosen), chosen, None, cfg.seed + draw)
-                        res = feature_intervention(model, h, prompt, self.target, self.foil, use, mode, v, pos)
-                        rows.append({"prompt_idx": i, "mode": mode, "value": float(v), "set": name, "draw": draw,
-                                     "features": json.dumps(use), **res})
+                sets.append(("random", r + 1, random_features(h.d_sae, len(chosen), chosen, pool, cfg.seed + r),
+                             random_features(h.d_sae, len(chosen), chosen, None, cfg.seed + r)))
+            fmeans = None
+            if "mean" in cfg.modes:  # each feature's mean activation over the prompt's non-special tokens
+                keep = ~torch.tensor([bool(x) for x in d.special], dtype=torch.bool)
+                fmeans = d.acts[keep].float().mean(0)
+            for mode, v in cfg.plans():
+                for name, draw, active_set, any_set in sets:
+                    use = any_set if mode == "steer" else active_set
+                    means = [float(fmeans[f]) for f in use] if mode == "mean" and fmeans is not None else None
+                    res = feature_intervention(model, h, prompt, self.target, self.foil, use, mode,
+                                               0.0 if math.isnan(v) else v, pos, means=means, full=True)
+                    rows.append({"prompt_idx": i, "set": name, "draw": draw, "verb": mode, "value": v,
+                                 "k": len(use), "units": json.dumps([int(f) for f in use]), **intervention_row(res)})
         return pd.DataFrame(rows)
 
     def _dashboards(self, model, h, tables: dict, meta: dict) -> None:

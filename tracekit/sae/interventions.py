@@ -99,7 +99,8 @@ class SAEBasis:
 @torch.no_grad()
 def feature_intervention(model: HookedModel, handle: LoadedSAE, prompt: str, target: str, foil: str | None,
                          features: Sequence[int], mode: str, value: float = 0.0,
-                         intervene_at: str | Sequence[int] = "all", means: Sequence[float] | None = None) -> dict:
+                         intervene_at: str | Sequence[int] = "all", means: Sequence[float] | None = None,
+                         full: bool = False) -> dict:
     """Edit SAE features (error term kept, so only the edit moves the activation) and measure the
     effect on the target's probability and logit (difference) at the last position
     (:func:`tracekit.units.intervene` over :class:`SAEBasis`; Templeton et al. 2024's feature
@@ -113,7 +114,9 @@ def feature_intervention(model: HookedModel, handle: LoadedSAE, prompt: str, tar
 
     Returns:
         ``{clean_prob, prob, delta_prob, clean_logit, logit, delta_logit}`` (logit = logit
-        difference with a foil).
+        difference with a foil); with ``full``, the :func:`tracekit.units.intervene` dict
+        (``{"clean", "patched", "delta"}`` of :func:`tracekit.units.output_metrics`, what the
+        ``sae_features`` kind tabulates with :func:`tracekit.units.intervention_row`).
 
     Raises:
         SAEError: unknown mode, feature out of range, ``intervene_at`` out of range, non-finite
@@ -135,6 +138,8 @@ def feature_intervention(model: HookedModel, handle: LoadedSAE, prompt: str, tar
             sel[int(q) % n] = True
     sel &= torch.tensor([int(i) not in special_ids for i in ids])
     r = intervene(model, edit, batch, n - 1, tgt, where=sel, field="features")
+    if full:
+        return r
     c, p = r["clean"], r["patched"]
     return {"clean_prob": c["target_prob"], "prob": p["target_prob"], "delta_prob": p["target_prob"] - c["target_prob"],
             "clean_logit": c["logit_diff"], "logit": p["logit_diff"], "delta_logit": p["logit_diff"] - c["logit_diff"]}

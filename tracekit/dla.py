@@ -27,6 +27,12 @@ final norm's weight is folded into ``W_U`` (``process_weights``); tracekit's num
 on processed models (tested) and stay correct without weight processing, where TransformerLens'
 direction misses the norm weight (and bias).
 
+Datasets: every row has its own target and foil (an IOI row's indirect object and subject), so its
+own direction ``u``; :func:`logit_attribution` takes prompt strings (a ``target`` string for every
+prompt or a list, one per prompt) or a :class:`tracekit.dataset.PreparedDataset` (ids, targets and
+named positions prepared once), and reads all rows in one batched forward pass per ``batch_size``
+rows, each at its own position in the padded batch.
+
 Units: all contributions are **logits**. With ``process_weights`` (centred unembedding) a single
 target logit is the logit minus the mean logit of the position; logit differences (with a
 ``foil``) are unchanged by weight processing.
@@ -43,19 +49,37 @@ import torch
 from jaxtyping import Float
 
 from .core.sites import check_layers, hook
-from .errors import AttributionError, HookError
+from .dataset import PreparedDataset
+from .errors import AttributionError, HookError, TokenizationError
 from .fastpath import activations_at
 from .model.architectures import MethodRefused, architecture_name, require
+from .model.load import model_spec_of
 from .model.norms import run_sigma
 from .model.readout import Readout
 from .model.writepath import WritePath, write_paths
-from .tokens import Position, PositionSpec, parse_position, single_token_id, str_tokens, tokenize
+from .tokens import (
+    Batch,
+    Position,
+    PositionSpec,
+    _refuse_padding,
+    check_length,
+    encode,
+    pad_ids,
+    parse_position,
+    recurrent,
+    single_token_id,
+    str_tokens,
+)
 
 __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", "POSITION_FORMS",
-           "as_position", "DirectAttribution", "logit_attribution", "identity_tolerance"]
+           "DLA_POSITION_FORMS", "as_position", "row_positions", "row_targets", "DirectAttribution",
+           "logit_attribution", "identity_tolerance"]
 
-#: The position forms direct logit attribution and neuron attribution accept.
+#: The position forms direct logit attribution and neuron attribution accept on prompts.
 POSITION_FORMS = ("int", "last", "token:<text>")
+#: The forms direct logit attribution accepts on a dataset: those plus a named position (``END``,
+#: ``IO``...) of the dataset's rows, resolved per row.
+DLA_POSITION_FORMS = (*POSITION_FORMS, "name")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,23 +114,105 @@ def resolve_target(model, target: str, foil: Optional[str] = None) -> LogitTarge
     return LogitTarget(target, t, foil, f)
 
 
-def as_position(position: Union[PositionSpec, Position], field: str = "position") -> Position:
-    """A :class:`tracekit.tokens.Position` of one of :data:`POSITION_FORMS` (int, ``last``,
-    ``token:<text>``).
+def as_position(position: Union[PositionSpec, Position], field: str = "position",
+                allowed: Sequence[str] = POSITION_FORMS) -> Position:
+    """A :class:`tracekit.tokens.Position` of one of ``allowed`` (default :data:`POSITION_FORMS`:
+    int, ``last``, ``token:<text>``; :data:`DLA_POSITION_FORMS` adds a dataset position name).
 
     Raises:
-        TokenizationError: another form, or a bare token string (the message suggests ``token:<text>``).
+        TokenizationError: another form, or a bare token string (the message suggests ``token:<text>``;
+            a string with surrounding spaces such as ``" is"`` is token text, never a name).
     """
     if isinstance(position, Position):
-        if position.kind not in ("index", "last", "token"):
-            parse_position(str(position), POSITION_FORMS, field)  # raises, listing the accepted forms
+        kinds = {"int": "index", "last": "last", "token:<text>": "token", "name": "name"}
+        if position.kind not in {kinds[a] for a in allowed if a in kinds}:
+            parse_position(str(position), allowed, field)  # raises, listing the accepted forms
         return position
-    return parse_position(position, POSITION_FORMS, field)
+    if ("name" in allowed and isinstance(position, str) and position != position.strip()
+            and position.strip().isidentifier()):
+        raise TokenizationError(f"{field}: {position!r} is token text, not a position name (names have no "
+                                f"spaces); write 'token:{position}'")
+    return parse_position(position, allowed, field)
 
 
-def _resolve_positions(model, prompts: Sequence[str], batch, pos: Position, field: str = "position") -> list[int]:
-    """Padded index of ``pos`` in each prompt of ``batch``."""
-    return [batch.offsets[b] + pos.resolve(model, p, batch.ids[b], field=field)[0] for b, p in enumerate(prompts)]
+def row_positions(model, data: PreparedDataset, position: Union[PositionSpec, Position],
+                  field: str = "position") -> list[int]:
+    """Each row's read position as an index into its own ids (BOS counted), tokenizer only.
+
+    Args:
+        data: the prepared rows.
+        position: an int (an index into the row's ids, BOS counted when prepended; negative from the
+            end), ``last``, ``token:<text>``, or a named position of the rows (``END``, ``IO``).
+
+    Raises:
+        TokenizationError: an index out of range or a text not in a row (naming the row).
+        DatasetError: a name some row does not have.
+    """
+    pos = as_position(position, field, DLA_POSITION_FORMS)
+    if pos.kind == "name":
+        assert pos.text is not None
+        return data.position(pos.text, field)
+    out = []
+    for e in data.examples:
+        try:
+            out.append(pos.resolve(model, e.prompt, e.ids, field=field)[0])
+        except TokenizationError as err:
+            raise TokenizationError(f"{err} (row {e.row_id}: {e.prompt!r})") from None
+    return out
+
+
+def row_targets(model, n: int, target: Union[str, Sequence[str], None],
+                foil: Union[str, Sequence[str], None] = None) -> list[LogitTarget]:
+    """One :class:`LogitTarget` per prompt from a ``target``/``foil`` string (every prompt's) or list
+    (one per prompt), each distinct token resolved once; needs only the tokenizer.
+
+    Raises:
+        AttributionError: no target, or a list of another length than the prompts.
+        TokenizationError: a target/foil that is not one token (naming ``target[i]`` for lists).
+    """
+    if target is None:
+        raise AttributionError("target: give the token whose logit is split (a string for every prompt, or a "
+                               "list with one per prompt), or pass a PreparedDataset whose rows carry targets")
+
+    def per_row(v, name: str) -> list:
+        if v is None or isinstance(v, str):
+            return [v] * n
+        v = list(v)
+        if len(v) != n:
+            raise AttributionError(f"{name}: {len(v)} tokens for {n} prompt(s); a {name} list gives each prompt "
+                                   "its own token (one per prompt)")
+        return v
+
+    ts, fs = per_row(target, "target"), per_row(foil, "foil")
+    listed = not isinstance(target, str) or (foil is not None and not isinstance(foil, str))
+    seen: dict[tuple, LogitTarget] = {}
+    out = []
+    for i, (t, f) in enumerate(zip(ts, fs)):
+        if (t, f) not in seen:
+            if not listed:
+                seen[(t, f)] = resolve_target(model, t, f)
+            else:
+                ti = single_token_id(model, t, field=f"target[{i}]" if not isinstance(target, str) else "target")
+                fi = (single_token_id(model, f, field=f"foil[{i}]" if not isinstance(foil, str) else "foil")
+                      if f is not None else None)
+                if fi is not None and fi == ti:
+                    raise AttributionError(f"foil[{i}]: {f!r} is the same token as target[{i}]; pick a different "
+                                           "foil or drop it")
+                seen[(t, f)] = LogitTarget(t, ti, f, fi)
+        out.append(seen[(t, f)])
+    return out
+
+
+def _pad_batch(model, ids: Sequence[Sequence[int]], field: str = "prompts") -> Batch:
+    """Pre-tokenized rows padded as :func:`tracekit.tokens.tokenize` pads prompts: the model spec's
+    ``padding_side`` (right on recurrent models), refused on batch-sensitive architectures when the
+    lengths differ."""
+    side = model_spec_of(model).padding_side
+    if side == "left" and recurrent(model):
+        side = "right"
+    if len({len(i) for i in ids}) > 1:
+        _refuse_padding(model, field)
+    return pad_ids(model, ids, side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +246,8 @@ class DirectAttribution:
             contribution of each neuron, for the requested layers.
         neuron_value: ``{layer: [d_mlp]}`` logits per unit activation at this run's scales.
         max_error: the largest violation of the sum identities checked in this run (logits).
+        row_id: the dataset row's id (:class:`tracekit.dataset.Example`); ``prompt_idx`` (the
+            index in the input order) when the input was prompt strings.
     """
 
     prompt: str
@@ -163,10 +271,13 @@ class DirectAttribution:
     attributed: Optional[float] = None
     transform: str = "none"
     max_error: float = 0.0
+    row_id: Optional[int] = None
 
     def __post_init__(self):
         if self.attributed is None:
             self.attributed = self.logit
+        if self.row_id is None:
+            self.row_id = self.prompt_idx
 
     def total(self) -> float:
         """Sum of the components plus bias terms (equals :attr:`attributed` up to float rounding)."""
@@ -258,22 +369,62 @@ def _dtype_of(model) -> torch.dtype:
         return torch.float32
 
 
+@dataclass
+class _Direction:
+    """One (target, foil) pair's readout direction and its per-layer products with the weights,
+    computed once per distinct pair (weights only, no forward pass)."""
+
+    ue: Float[torch.Tensor, " d_model"]
+    bias: float
+    WO_u: list  # per layer [n_heads, d_head]: W_O^h @ direction through the block's write path
+    bO_u: list  # per layer: b_O . direction
+    bout_u: list  # per layer: b_out . direction
+    apost_b: list  # per layer: the post-attention norm's bias term
+    mpost_b: list  # per layer: the post-MLP norm's bias term
+    Wout_u: dict  # neuron layer -> [d_mlp]: W_out @ direction
+
+
+def _direction(model, readout: Readout, tgt: LogitTarget, apaths: list[WritePath], mpaths: list[WritePath],
+               nl: Sequence[int]) -> _Direction:
+    ue, bias = readout.direction(tgt.target_id, tgt.foil_id)
+    WO_u, bO_u, bout_u, apost_b, mpost_b, Wout_u = [], [], [], [], [], {}
+    for L in range(int(model.cfg.n_layers)):
+        blk = model.blocks[L]
+        da = apaths[L].direction(ue)
+        dm = mpaths[L].direction(ue)
+        W_O = blk.attn.W_O.float()  # [n_heads, d_head, d_model]
+        WO_u.append(W_O @ da.to(W_O.device))
+        b_O = _vec(blk.attn, "b_O")
+        bO_u.append(float(b_O @ da.to(b_O.device)) if b_O is not None else 0.0)
+        b_out = _vec(blk.mlp, "b_out")
+        bout_u.append(float(b_out @ dm.to(b_out.device)) if b_out is not None else 0.0)
+        apost_b.append(apaths[L].bias_logit(ue))
+        mpost_b.append(mpaths[L].bias_logit(ue))
+        if L in nl:
+            W_out = blk.mlp.W_out.float()  # [d_mlp, d_model]
+            Wout_u[L] = W_out @ dm.to(W_out.device)
+    return _Direction(ue, bias, WO_u, bO_u, bout_u, apost_b, mpost_b, Wout_u)
+
+
 @torch.no_grad()
 def logit_attribution(
     model,
-    prompts: Union[str, Sequence[str]],
-    target: str,
-    foil: Optional[str] = None,
+    prompts: Union[str, Sequence[str], PreparedDataset],
+    target: Union[str, Sequence[str], None] = None,
+    foil: Union[str, Sequence[str], None] = None,
     position: Union[PositionSpec, Position] = "last",
     neuron_layers: Union[str, Sequence[int], None] = (),
     batch_size: int = 8,
     check_atol: float = 1e-3,
+    *,
+    read_at: Optional[Sequence[int]] = None,
 ) -> list[DirectAttribution]:
-    """Split the logit (difference) at ``position`` into embedding / head / MLP / neuron parts.
+    """Split each row's logit (difference) at its read position into embedding / head / MLP /
+    neuron parts (Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits").
 
     Not TransformerLens' ``direct_logit_attribution`` (which returns one stacked tensor and needs
-    the final norm folded into ``W_U``): this returns one :class:`DirectAttribution` per prompt,
-    with the bias terms, so the parts add up to the model's logit (difference). Every norm between
+    the final norm folded into ``W_U``): this returns one :class:`DirectAttribution` per row, with
+    the bias terms, so the parts add up to the model's logit (difference). Every norm between
     a component's write and the logits is applied at this run's frozen scale: the final norm
     (:meth:`tracekit.model.readout.Readout.direction`) and, on sandwich/post-norm blocks (Gemma 2/3,
     OLMo 2, GLM-4), the block's post-attention / post-MLP norm (:mod:`tracekit.model.writepath`); a linear
@@ -281,44 +432,105 @@ def logit_attribution(
     (Gemma 2's final soft-cap) the parts add up to the **pre-cap** logit (difference), reported as
     ``attributed`` next to the model's ``logit``. Caches only the hooks it reads.
 
-    Three identities are checked on every prompt, in float32, with the tolerance of
+    **Per-row targets, one batched pass.** Each row has its own direction
+    ``u = W_U[:, target_row] - W_U[:, foil_row]`` (through the readout as above), computed once per
+    distinct (target, foil) pair from the weights; the activations of all rows come from one
+    forward pass per ``batch_size`` rows (padded on the model spec's ``padding_side``, each row read
+    at its own padded index), never from one run per row. Rows of a batch are independent: the
+    result of a row equals that row run alone (tested with left and right padding, BOS on and off).
+
+    Three identities are checked on every row, in float32, with the tolerance of
     :func:`identity_tolerance` for the model's dtype; a violation raises instead of returning a
     wrong number: the final residual is embed + attention + MLP writes; the parts plus bias terms
-    equal ``attributed``; per layer, heads + ``b_O`` equal the attention total and neurons +
-    ``b_out`` the MLP total.
+    equal ``attributed`` (the row's own logit (difference)); per layer, heads + ``b_O`` equal the
+    attention total and neurons + ``b_out`` the MLP total.
 
     Args:
         model: hooked model (TransformerBridge in compatibility mode, or HookedTransformer).
-        prompts: one prompt or several (batched with padding).
-        target: the token whose logit is split, e.g. ``" Paris"`` (exactly one token).
-        foil: optional second token; the metric becomes ``logit[target] - logit[foil]``.
-        position: the read position, a :class:`tracekit.tokens.Position` or its spec: an int (BOS
-            counted when prepended; negative from the end), ``"last"``, or ``"token:<text>"``.
+        prompts: one prompt, several (tokenized here), or a :class:`tracekit.dataset.PreparedDataset`
+            whose rows carry their token ids, targets and foils (tokenized once, e.g. in a kind's
+            ``prepare``; nothing is tokenized again here).
+        target: with prompt strings: the token whose logit is split, e.g. ``" Paris"`` (exactly one
+            token), for every prompt; or a list with one token per prompt. None with a dataset.
+        foil: optional second token (a string for every prompt or a list, one per prompt); the
+            metric becomes ``logit[target] - logit[foil]``. None with a dataset (its rows' foils).
+        position: the read position, a :class:`tracekit.tokens.Position` or its spec: an int (an
+            index into the row's tokens, BOS counted when prepended; negative from the end),
+            ``"last"``, ``"token:<text>"``, or, with a dataset, a named position of its rows
+            (``"END"``, ``"IO"``), resolved per row.
         neuron_layers: blocks whose per-neuron contributions to compute (``"all"``, a list, or ()).
-        batch_size: prompts per forward pass.
+        batch_size: rows per forward pass.
         check_atol: float32 tolerance of the identities, relative to their magnitude when above 1.
+        read_at: each row's read position as an index into its own ids (BOS counted), already
+            resolved (e.g. by :func:`row_positions` in a kind's ``prepare``); overrides ``position``.
 
     Returns:
-        One :class:`DirectAttribution` per prompt (logits).
+        One :class:`DirectAttribution` per row, in input order (logits), each with its ``row_id``.
 
     Raises:
         TokenizationError: target/foil not one token, or a position that is not in a prompt.
-        AttributionError: bad layer, or an identity that does not hold (naming the architecture
-            and which identity).
+        DatasetError: a named position some row does not have.
+        AttributionError: bad layer, target/foil beside a dataset or a dataset row without a target,
+            a target list of the wrong length, or an identity that does not hold (naming the
+            architecture and which identity).
         MethodRefused: a block without attention heads / MLP writes (SSM layers), or MLP neurons
             asked for on a mixture-of-experts MLP.
     """
-    # Long (reason): one pass per batch whose terms (heads, biases, post-norm scales, neurons) share per-layer products computed once above the loop; the identity check needs them all in one place.
-    tgt = resolve_target(model, target, foil)
-    pos = as_position(position)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    # inputs: per row its ids, prompt text, row id, LogitTarget and read position (index into its ids)
+    if isinstance(prompts, PreparedDataset):
+        data = prompts
+        if target is not None or foil is not None:
+            raise AttributionError("target/foil beside a dataset: each row carries its own target and foil")
+        missing = [e.row_id for e in data.examples if e.target_id is None]
+        if missing:
+            raise AttributionError(f"rows {missing[:5]} have no target; direct logit attribution splits each row's "
+                                   "target logit (give every row a target)")
+        row_ids = [e.row_id for e in data.examples]
+        texts = data.prompts
+        all_ids = [list(e.ids) for e in data.examples]
+        pairs: dict[tuple, LogitTarget] = {}
+        tgts = [pairs.setdefault((e.target_id, e.foil_id), LogitTarget(str(e.row.target), int(e.target_id or 0),
+                                                                         e.row.foil, e.foil_id))
+                for e in data.examples]
+        pos_of = list(read_at) if read_at is not None else row_positions(model, data, position)
+    else:
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not texts:
+            raise TokenizationError("prompts: need at least one prompt")
+        tgts = row_targets(model, len(texts), target, foil)
+        row_ids = list(range(len(texts)))
+        all_ids = []
+        for i, p in enumerate(texts):
+            seq = encode(model, p)
+            if not seq:
+                raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
+            check_length(model, seq, f"prompts[{i}]", p)
+            all_ids.append(seq)
+        if read_at is not None:
+            pos_of = list(read_at)
+        else:
+            pos = as_position(position)
+            pos_of = [pos.resolve(model, p, seq, field="position")[0] for p, seq in zip(texts, all_ids)]
+    if len(pos_of) != len(all_ids):
+        raise AttributionError(f"read_at: {len(pos_of)} indices for {len(all_ids)} rows; give one per row")
+    for i, (q, seq) in enumerate(zip(pos_of, all_ids)):
+        if not 0 <= int(q) < len(seq):
+            raise AttributionError(f"read_at[{i}]: {q} is not an index into row {row_ids[i]}'s {len(seq)} tokens")
+    return _attribute(model, texts, all_ids, row_ids, tgts, [int(q) for q in pos_of], neuron_layers,
+                      batch_size, check_atol)
+
+
+def _attribute(model, texts: Sequence[str], all_ids: Sequence[Sequence[int]], row_ids: Sequence[int],
+               tgts: Sequence[LogitTarget], pos_of: Sequence[int], neuron_layers, batch_size: int,
+               check_atol: float) -> list[DirectAttribution]:
+    """The attribution of prepared rows (see :func:`logit_attribution`)."""
+    # Long (reason): one pass per batch whose terms (heads, biases, post-norm scales, neurons) share per-layer products computed once per (target, foil) pair; the identity check needs them all in one place.
     n_layers = int(model.cfg.n_layers)
     nl = check_layers(model, neuron_layers, "neuron_layers") if neuron_layers not in ((), [], None) else []
     require(model, "direct logit attribution", need=("attn", "mlp", "heads"))
     if nl:
         require(model, "neuron attribution", layers=nl, need=("neurons",))
     readout = Readout(model)
-    ue, bias = readout.direction(tgt.target_id, tgt.foil_id)
     fnorm = readout.final_norm
     transform = readout.transform
     arch = architecture_name(model)
@@ -339,40 +551,26 @@ def logit_attribution(
         names += [hook("head_out", L), *apaths[L].hooks(), *mpaths[L].hooks()]
     names += [hook("neuron", L) for L in nl]
     names = list(dict.fromkeys(names))
-    # per-layer weight products with each block's direction (per unit 1/sigma_post), computed once
-    WO_u, bO_u, Wout_u, bout_u, apost_b, mpost_b = [], [], {}, [], [], []
-    for L in range(n_layers):
-        blk = model.blocks[L]
-        da = apaths[L].direction(ue)
-        dm = mpaths[L].direction(ue)
-        W_O = blk.attn.W_O.float()  # [n_heads, d_head, d_model]
-        WO_u.append(W_O @ da.to(W_O.device))
-        b_O = _vec(blk.attn, "b_O")
-        bO_u.append(float(b_O @ da.to(b_O.device)) if b_O is not None else 0.0)
-        b_out = _vec(blk.mlp, "b_out")
-        bout_u.append(float(b_out @ dm.to(b_out.device)) if b_out is not None else 0.0)
-        apost_b.append(apaths[L].bias_logit(ue))
-        mpost_b.append(mpaths[L].bias_logit(ue))
-        if L in nl:
-            W_out = blk.mlp.W_out.float()  # [d_mlp, d_model]
-            Wout_u[L] = W_out @ dm.to(W_out.device)
+    # each distinct (target, foil) pair's direction and per-layer weight products, computed once
+    dirs: dict[tuple, _Direction] = {}
+    for t in tgts:
+        if (t.target_id, t.foil_id) not in dirs:
+            dirs[(t.target_id, t.foil_id)] = _direction(model, readout, t, apaths, mpaths, nl)
+    n_heads = max([int(model.cfg.n_heads)] + [int(w.shape[0]) for d in dirs.values() for w in d.WO_u])
 
-    n_heads = max([int(model.cfg.n_heads)] + [int(w.shape[0]) for w in WO_u])
-
-    def fail(what: str, err: float, tol: float) -> AttributionError:
+    def fail(what: str, err: float, tol: float, row: int) -> AttributionError:
         cause = (f"this is more than {dtype} rounding can explain (bound {tol:.3g})"
                  if dtype in (torch.float16, torch.bfloat16) else f"tolerance {tol:.3g}")
-        return AttributionError(f"direct logit attribution is refused on {arch}: {what} (max error {err:.3g}; "
-                                f"{cause}). The architecture writes to the residual stream or the logits through "
-                                "something these parts do not see; no numbers are returned.")
+        return AttributionError(f"direct logit attribution is refused on {arch}: {what} (row {row}; max error "
+                                f"{err:.3g}; {cause}). The architecture writes to the residual stream or the logits "
+                                "through something these parts do not see; no numbers are returned.")
 
     out: list[DirectAttribution] = []
     size = max(1, int(batch_size))
-    for s in range(0, len(prompts), size):
-        chunk = prompts[s:s + size]
-        batch = tokenize(model, chunk)
-        ps = _resolve_positions(model, chunk, batch, pos)
-        # each hook read at the attributed position only; the forward pass ends at the final norm
+    for s in range(0, len(all_ids), size):
+        batch = _pad_batch(model, all_ids[s:s + size])
+        ps = [batch.offsets[b] + pos_of[s + b] for b in range(batch.size)]  # each row's own padded index
+        # each hook read at the attributed position only; one forward pass for the whole batch
         try:
             cache = activations_at(model, batch, [n for n in names if n != hook("pos_embed")],
                                    torch.tensor(ps, device=batch.tokens.device),
@@ -380,13 +578,16 @@ def logit_attribution(
         except HookError as e:
             raise AttributionError(f"direct logit attribution is refused on {arch}: {e}") from e
         has_pos_b = has_pos and hook("pos_embed") in cache
-        for b, prompt in enumerate(chunk):
-            p = ps[b]
+        for b in range(batch.size):
+            i = s + b
+            tgt = tgts[i]
+            dr = dirs[(tgt.target_id, tgt.foil_id)]
+            ue = dr.ue
             resid = cache[hook("final_norm_in")][b].float()
             sigma = float(run_sigma(fnorm, resid, cache[hook("final_norm_out")][b]))
             inv = 1.0 / sigma
 
-            def dot(x, b=b, p=p, inv=inv):
+            def dot(x, b=b, inv=inv, ue=ue):
                 return float(x[b].float() @ ue.to(x.device)) * inv
 
             # The stream starts as blocks.0.hook_resid_pre: token (+ position) embeddings after any
@@ -414,14 +615,14 @@ def logit_attribution(
                 a_inv = inv / float(ap.sigma(cache[ap.raw_hook][b], a_write))
                 m_inv = inv / float(mp.sigma(cache[mp.raw_hook][b], m_write))
                 z = cache[hook("head_out", L)][b].float()  # [n_heads, d_head]
-                if z.shape != WO_u[L].shape:
+                if z.shape != dr.WO_u[L].shape:
                     raise MethodRefused(f"direct logit attribution is refused on {arch}: block {L}'s per-head "
                                         f"outputs (attn.hook_z, {tuple(z.shape)} per position) do not match its W_O "
-                                        f"({tuple(WO_u[L].shape)}), so heads cannot be attributed")
-                hl = (z * WO_u[L].to(z.device)).sum(-1).cpu() * a_inv
+                                        f"({tuple(dr.WO_u[L].shape)}), so heads cannot be attributed")
+                hl = (z * dr.WO_u[L].to(z.device)).sum(-1).cpu() * a_inv
                 heads[L, :hl.shape[0]] = hl
-                a_bias[L] = bO_u[L] * a_inv + apost_b[L] * inv
-                m_bias[L] = bout_u[L] * m_inv + mpost_b[L] * inv
+                a_bias[L] = dr.bO_u[L] * a_inv + dr.apost_b[L] * inv
+                m_bias[L] = dr.bout_u[L] * m_inv + dr.mpost_b[L] * inv
                 attn[L] = dot(cache[ap.write_hook])
                 mlp[L] = dot(cache[mp.write_hook])
                 e = abs(float(hl.sum()) + float(a_bias[L]) - float(attn[L]))
@@ -429,27 +630,27 @@ def logit_attribution(
                                          check_atol)
                 if e > tol:
                     raise fail(f"the heads of block {L} plus b_O do not add up to its attention output "
-                               f"(through {ap.describe()})", e, tol)
+                               f"(through {ap.describe()})", e, tol, row_ids[i])
                 worst = max(worst, e)
                 recon = recon + a_write.float() + m_write.float()
                 terms += [a_write.float().abs().max(), m_write.float().abs().max()]
                 if L in nl:
                     a = cache[hook("neuron", L)][b].float()
                     na[L] = a.cpu()
-                    nv[L] = (Wout_u[L] * m_inv).cpu()
-                    nc[L] = (a * Wout_u[L].to(a.device) * m_inv).cpu()
+                    nv[L] = (dr.Wout_u[L] * m_inv).cpu()
+                    nc[L] = (a * dr.Wout_u[L].to(a.device) * m_inv).cpu()
                     e = abs(float(nc[L].sum()) + float(m_bias[L]) - float(mlp[L]))
                     tol = identity_tolerance(dtype, float(nc[L].abs().sum()) + abs(float(mlp[L])), a.numel() + 1,
                                              check_atol)
                     if e > tol:
                         raise fail(f"the neurons of block {L} plus b_out do not add up to its MLP output "
-                                   f"(through {mp.describe()})", e, tol)
+                                   f"(through {mp.describe()})", e, tol, row_ids[i])
                     worst = max(worst, e)
             err = float((recon - resid).abs().max())
             mag = float(sum(float(t) for t in terms))
             tol = identity_tolerance(dtype, max(mag, float(resid.abs().max())), 2 * n_layers + 2, check_atol)
             if err > tol:
-                raise fail("the final residual stream is not embed + attention + MLP outputs", err, tol)
+                raise fail("the final residual stream is not embed + attention + MLP outputs", err, tol, row_ids[i])
             lg = readout.logits(cache[hook("final_norm_in")][b:b + 1])[0].float()  # the model's own (lens_final)
             logit = float(lg[tgt.target_id] - (lg[tgt.foil_id] if tgt.foil_id is not None else 0.0))
             if transform.linear:
@@ -458,19 +659,19 @@ def logit_attribution(
                 pl = readout.pre_transform_logits(cache[hook("final_norm_in")][b:b + 1])[0].float()
                 attributed = float(pl[tgt.target_id] - (pl[tgt.foil_id] if tgt.foil_id is not None else 0.0))
             d = DirectAttribution(
-                prompt=prompt, prompt_idx=s + b, tokens=str_tokens(model, batch.ids[b]),
-                position=int(p - batch.offsets[b]), target=tgt, logit=logit, final_scale=inv,
+                prompt=texts[i], prompt_idx=i, tokens=str_tokens(model, batch.ids[b]),
+                position=int(pos_of[i]), target=tgt, logit=logit, final_scale=inv,
                 embed=embed, pos_embed=pe, heads=heads, attn_bias=a_bias, attn=attn,
-                mlp=mlp, mlp_bias=m_bias, final_bias=bias,
+                mlp=mlp, mlp_bias=m_bias, final_bias=dr.bias,
                 neuron_act=na, neuron_contrib=nc, neuron_value=nv, attributed=attributed,
-                transform=transform.description)
-            parts = [embed, pe or 0.0, *attn.tolist(), *mlp.tolist(), bias]
+                transform=transform.description, row_id=int(row_ids[i]))
+            parts = [embed, pe or 0.0, *attn.tolist(), *mlp.tolist(), dr.bias]
             e = abs(d.total() - attributed)
             tol = identity_tolerance(dtype, sum(abs(x) for x in parts) + abs(attributed), len(parts), check_atol)
             if e > tol:
                 what = "the parts plus bias terms do not add up to the " + (
                     "logit (difference)" if transform.linear else f"pre-transform logit ({transform.description})")
-                raise fail(what, e, tol)
+                raise fail(what, e, tol, row_ids[i])
             d.max_error = max(worst, e)
             out.append(d)
         del cache

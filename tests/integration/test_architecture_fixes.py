@@ -82,9 +82,10 @@ def test_gemma2_dla_kind_reports_what_is_attributed():
     t, f = top2(model, ids_of(model))
     res = DirectLogitAttribution(prompts=[PROMPT], target=t, foil=f).run(model)
     s = res.summary()
-    assert s["abs_error"] < 1e-4  # |attributed - sum of parts|
-    assert abs(s["attributed_logit"] - s["sum_of_parts"]) < 1e-4
-    assert s["attributed_logit"] != pytest.approx(s["logit"], abs=1e-3)  # the cap changes the logit difference
+    assert s["max_sum_error"] < 1e-4  # |attributed - sum of parts|
+    attributed = s["attributed_logit_diff_by_row"][0]
+    assert abs(attributed - res.tables["rows"]["sum_of_parts"].iloc[0]) < 1e-4
+    assert attributed != pytest.approx(s["logit_diff_by_row"][0], abs=1e-3)  # the cap changes the logit difference
     assert "pre-transform" in res.report() and "soft-cap" in res.report()
 
 

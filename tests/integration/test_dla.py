@@ -160,8 +160,10 @@ def test_experiment_roundtrip(tiny_llama, tmp_path):
 
     dla = tk.DirectLogitAttribution(prompts=PROMPTS, target=" Paris", foil=" London").run(tiny_llama)
     ds = dla.summary()
-    assert ds["abs_error"] < ATOL and ds["sum_of_parts"] == pytest.approx(ds["logit"], abs=ATOL)
-    assert ds["n_prompts"] == 2 and "direct logit attribution" in dla.report()
+    rows = dla.tables["rows"]
+    assert ds["max_sum_error"] < ATOL
+    assert rows["sum_of_parts"].tolist() == pytest.approx(ds["logit_diff_by_row"], abs=ATOL)
+    assert ds["n_rows"] == 2 and "direct logit attribution" in dla.report()
     assert set(dla.figures()) == {"components", "heads"}
     dla.save(tmp_path / "dla")
     assert tk.experiments.Result.load(tmp_path / "dla").summary() == ds

@@ -58,17 +58,17 @@ def test_a_field_that_opts_in_takes_a_null(tiny_gpt2, tmp_path):
            "foil": {"from": "lens", "key": "emergence_layer"}}
     run_dir, _ = _run([lens, dla], tmp_path, tiny_gpt2)
     assert json.loads((run_dir / "lens" / "summary.json").read_text())["emergence_layer"] is None
-    assert json.loads((run_dir / "dla" / "summary.json").read_text())["foil"] is None  # null means "no foil"
+    assert json.loads((run_dir / "dla" / "summary.json").read_text())["foil_by_row"] == [None]  # null means "no foil"
 
 
 def test_a_table_reference_matching_no_rows_is_refused(tiny_gpt2, tmp_path):
     dla = {"kind": "direct_logit_attribution", "name": "dla", "prompts": [PROMPT], "target": " Paris"}
     patch = {"kind": "activation_patching", "name": "patch", "pairs": [PAIR], "sites": ["resid_pre"],
-             "layers": {"from": "dla", "table": "heads", "where": "head > 1000", "column": "layer"}}
+             "layers": {"from": "dla", "table": "heads", "where": "head_idx > 1000", "column": "layer"}}
     with pytest.raises(StepFailed) as e:
         _run([dla, patch], tmp_path, tiny_gpt2)
     msg = str(e.value.__cause__ or e.value)
-    assert "experiments[1].layers" in msg and "matches no rows" in msg and "head > 1000" in msg
+    assert "experiments[1].layers" in msg and "matches no rows" in msg and "head_idx > 1000" in msg
 
 
 @pytest.mark.parametrize("kind,field", [("activation_patching", "layers"), ("activation_patching", "neurons"),

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 MODEL = {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "config_overrides": tiny_overrides("gpt2"),
          "device": "cpu"}
-TOP_HEAD = {"from": "dla", "table": "heads", "where": "head >= 0 and prompt_idx == 0", "order_by": "contribution",
+TOP_HEAD = {"from": "dla", "table": "heads", "where": "head_idx >= 0 and row_id == 0", "order_by": "contribution",
             "abs": True, "descending": True, "row": 0}
 
 
@@ -51,18 +51,18 @@ def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path
                "layers": [{"from": "lens", "key": "hidden_states[-1]", "offset": -1}], "contexts": None,
                "ablation": None,
                "top_k": 3}
-    cfg = parse_config(config(lens(), dla(), attention({**TOP_HEAD, "column": "layer"}, {**TOP_HEAD, "column": "head"}),
+    cfg = parse_config(config(lens(), dla(), attention({**TOP_HEAD, "column": "layer"}, {**TOP_HEAD, "column": "head_idx"}),
                               neurons))
     assert [type(s) is PendingStep for s in cfg.experiments] == [False, False, True, True]
     run_dir, summary = run_config(cfg, tmp_path, "pipe", model=tiny_gpt2, progress=False, log=quiet)
 
     # expected values computed here, independently, from what the earlier steps saved
     heads = pd.read_parquet(run_dir / "dla" / "heads.parquet")
-    heads = heads[(heads["head"] >= 0) & (heads["prompt_idx"] == 0)]
+    heads = heads[(heads["head_idx"] >= 0) & (heads["row_id"] == 0)]
     top = heads.loc[heads["contribution"].abs().idxmax()]
     lens_summary = json.loads((run_dir / "lens" / "summary.json").read_text())
     att_cfg = json.loads((run_dir / "att" / "config.json").read_text())
-    assert (att_cfg["layer"], att_cfg["head"]) == (int(top["layer"]), int(top["head"]))
+    assert (att_cfg["layer"], att_cfg["head"]) == (int(top["layer"]), int(top["head_idx"]))
     neu_cfg = json.loads((run_dir / "neurons" / "config.json").read_text())
     assert neu_cfg["layers"] == [lens_summary["hidden_states"][-1] - 1] == [tiny_gpt2.cfg.n_layers - 1]
     # the run dir says what ran: values in config.resolved.yaml, provenance in references.json
@@ -72,7 +72,7 @@ def test_references_resolve_to_saved_values_and_are_recorded(tiny_gpt2, tmp_path
     assert parse_config(resolved).experiments[2].layer == int(top["layer"])  # rerunnable as a plain config
     refs = json.loads((run_dir / "references.json").read_text())
     assert {r["field"]: r["value"] for r in refs["att"]} == {"experiments[2].layer": int(top["layer"]),
-                                                             "experiments[2].head": int(top["head"])}
+                                                             "experiments[2].head": int(top["head_idx"])}
     assert refs["neurons"][0]["from"] == {"from": "lens", "key": "hidden_states[-1]", "offset": -1}
     assert summary["steps"]["att"]  # the step ran on the resolved values
 

@@ -32,6 +32,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from ..core.errors import DatasetError, TokenizationError
 from ..core.strict import StrictModel
+from ..model.load import model_spec_of
 from ..tokens import Batch, check_length, encode, single_token_id, str_tokens, token_index_of_substring
 
 __all__ = ["At", "PositionValue", "Row", "Example", "PreparedDataset", "prepare_rows", "rows_from_prompts",
@@ -288,15 +289,14 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
     if not rows:
         raise DatasetError(f"{where}: the dataset has no rows")
     ids_of = list(row_ids) if row_ids is not None else list(range(len(rows)))
+    n_bos = int(bool(model_spec_of(model).resolved_prepend_bos(model.tokenizer)))  # encode adds exactly one
     out = []
     for i, (rid, r) in enumerate(zip(ids_of, rows)):
         at = f"{where}[{i}]"
-        ids = tuple(encode(model, r.prompt))
-        n_text = len(encode(model, r.prompt, prepend_bos=False))
-        if n_text == 0:
+        ids = tuple(encode(model, r.prompt))  # each prompt tokenized once
+        if len(ids) == n_bos:
             raise DatasetError(f"{at}.prompt: {r.prompt!r} tokenizes to nothing; give a non-empty prompt")
         check_length(model, ids, f"{at}.prompt", r.prompt)
-        n_bos = len(ids) - n_text
         tid = fid = None
         try:
             if r.target is not None:

@@ -7,7 +7,7 @@ Notebook use (a doctest: ``tests/integration/test_doctests.py`` runs it on a tin
     >>> res = tk.LogitLens(prompts=["The capital of China is Beijing. The capital of France is"],
     ...                    target=" Paris").run(model, progress=False)
     >>> df = res.to_frame(); fig = res.plot()
-    >>> {"hidden_state", "target", "prob", "rank"} <= set(df.columns)
+    >>> {"hidden_state", "target", "prob", "vocab_rank"} <= set(df.columns)
     True
     >>> 0.0 <= res.summary()["target_prob_final"] <= 1.0
     True

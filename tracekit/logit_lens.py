@@ -6,6 +6,14 @@ final norm -- *recomputed* for that vector (:class:`tracekit.model.readout.Reado
 unembedding, and read off a distribution over the vocabulary. It answers "at which layer does
 ' Paris' appear?".
 
+Rows, targets and tracked tokens: the lens runs over rows (prompts, token ids or a prepared
+dataset, :class:`tracekit.dataset.PreparedDataset`). Each row may have its **own target** (and
+foil): ``targets=" Paris"`` is every row's, ``targets=[" Paris", " Rome"]`` gives one per row (the
+length must equal the number of rows). Tokens followed on *every* row are ``track=[...]``, a
+separate argument, so "each row's own answer" and "these tokens everywhere" cannot be confused.
+Per-row targets are gathered from the log-softmax the batched pass already computes (no pass per
+target, no pass per row).
+
 Numbering (docs/glossary.md): a **hidden state** ``h`` is Hugging Face's ``output_hidden_states``
 index: ``h = 0`` is the embedding output (``blocks.0.hook_resid_pre``) and ``h >= 1`` the output of
 block ``h-1`` (``blocks.{h-1}.hook_resid_post``); the last one equals the model's own output
@@ -23,8 +31,8 @@ Speed: only the residual hooks read are kept, only at the positions read, and th
 after the last block's output (:mod:`tracekit.fastpath`); the model's own output distribution is the
 readout of the last block's output (equal to its logits' softmax, tested to 1e-5).
 
-Units: ``prob`` in [0, 1]; ``log_prob`` natural log; ``rank`` is 1 for the top token (1 + the number
-of tokens with a strictly larger probability); ``entropy`` in nats.
+Units: probabilities in [0, 1]; log-probabilities natural log; a **vocab rank** is 1 for the top
+token (1 + the number of tokens with a strictly larger probability); entropy in nats.
 
 Notebook use (a doctest, run on a tiny model)::
 
@@ -33,26 +41,45 @@ Notebook use (a doctest, run on a tiny model)::
     >>> p = out[0].target_prob[:, -1, 0]     # [hidden states] p(' Paris') at the last token
     >>> p.shape[0] == model.cfg.n_layers + 1 and bool(((p >= 0) & (p <= 1)).all())
     True
+    >>> rows = logit_lens(model, ["The capital of France is", "The capital of Italy is"],
+    ...                   targets=[" Paris", " Rome"], track=[" London"])   # one target per row
+    >>> [r.target_prob.shape[-1] for r in rows], [r.track_prob.shape[-1] for r in rows]
+    ([1, 1], [1, 1])
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from jaxtyping import Float, Int
 
+from .core.errors import DatasetError, TokenizationError
 from .core.sites import hook
-from .tokens import Position, chunks, parse_position, single_token_id, str_tokens, tokenize
+from .dataset import PreparedDataset
+from .tokens import (
+    Batch,
+    Position,
+    check_length,
+    chunks,
+    encode,
+    pad_ids,
+    parse_position,
+    recurrent,
+    single_token_id,
+    str_tokens,
+)
 
 __all__ = ["LayerConvention", "LensPoint", "lens_points", "PromptLens", "logit_lens", "landmarks",
            "emergence_hidden_state", "LENS_POSITIONS"]
 
 LayerConvention = Literal["hidden_states", "resid_post", "resid_pre"]
-#: Position forms the lens accepts.
-LENS_POSITIONS = ("int", "last", "all")
+#: Position forms the lens accepts (``name``: a dataset's named position, e.g. ``END``).
+LENS_POSITIONS = ("int", "last", "all", "name")
+
+TokenSpec = Union[str, int]
 
 
 @dataclass(frozen=True)
@@ -83,18 +110,32 @@ def lens_points(n_layers: int, convention: str) -> list[LensPoint]:
                      "resid_pre")
 
 
+def _empty(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape)
+
+
 @dataclass
 class PromptLens:
-    """The lens of one prompt at the read positions (all tensors on the CPU, float32).
+    """The lens of one row at its read positions (all tensors on the CPU, float32).
+
+    ``H`` hidden states read, ``P`` positions read, ``T`` = 1 when the row has a target (0 when
+    not; kept as a last axis so ``target_prob[:, p, 0]`` reads it), ``F`` = 1 when it has a foil,
+    ``K`` tracked tokens, ``k`` top tokens.
 
     Attributes:
         prompt, ids, tokens: the prompt, its token ids (BOS included when prepended) and strings.
-        positions: the token indices read, ``[P]``.
+        positions: the token indices read (into ``ids``, BOS counted), ``[P]``.
         points: the residual reads (hidden states), ``[H]``.
-        target_ids: ``[T]`` target token ids.
-        target_log_prob, target_rank: ``[H, P, T]`` natural-log probability and rank of each target.
+        target_ids: ``[]`` or ``[the row's own target id]``.
+        target_log_prob, target_rank: ``[H, P, T]`` natural-log probability and vocab rank of the
+            row's target (rank 1 = top).
+        foil_ids: ``[]`` or ``[the row's foil id]``; foil_log_prob ``[H, P, F]``.
+        track_ids: ``[K]`` tracked token ids (the same on every row).
+        track_log_prob, track_rank: ``[H, P, K]``.
         entropy: ``[H, P]`` nats. topk_ids, topk_probs: ``[H, P, k]``.
-        final_log_prob: ``[P, T]`` the model's own output for each target; final_topk_ids/probs ``[P, k]``.
+        final_log_prob, final_rank: ``[P, T]`` the model's own output for the target;
+        final_foil_log_prob ``[P, F]``; final_track_log_prob ``[P, K]``;
+        final_topk_ids/probs ``[P, k]``.
     """
 
     prompt: str
@@ -111,84 +152,286 @@ class PromptLens:
     final_log_prob: Float[torch.Tensor, "pos target"]
     final_topk_ids: Int[torch.Tensor, "pos k"]
     final_topk_probs: Float[torch.Tensor, "pos k"]
+    final_rank: Int[torch.Tensor, "pos target"] = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.long))
+    foil_ids: list[int] = field(default_factory=list)
+    foil_log_prob: Float[torch.Tensor, "hidden pos foil"] = field(default_factory=lambda: _empty(0, 0, 0))
+    final_foil_log_prob: Float[torch.Tensor, "pos foil"] = field(default_factory=lambda: _empty(0, 0))
+    track_ids: list[int] = field(default_factory=list)
+    track_log_prob: Float[torch.Tensor, "hidden pos track"] = field(default_factory=lambda: _empty(0, 0, 0))
+    track_rank: Int[torch.Tensor, "hidden pos track"] = field(
+        default_factory=lambda: torch.empty(0, 0, 0, dtype=torch.long))
+    final_track_log_prob: Float[torch.Tensor, "pos track"] = field(default_factory=lambda: _empty(0, 0))
+
+    @property
+    def target_id(self) -> Optional[int]:
+        """The row's own target id (None when it has none)."""
+        return self.target_ids[0] if self.target_ids else None
 
     @property
     def target_prob(self) -> Float[torch.Tensor, "hidden pos target"]:
         return self.target_log_prob.exp()
 
+    @property
+    def track_prob(self) -> Float[torch.Tensor, "hidden pos track"]:
+        return self.track_log_prob.exp()
+
+
+def _readout(model, resid: Float[torch.Tensor, "... d_model"], target: Int[torch.Tensor, "..."],
+             foil: Int[torch.Tensor, "..."], track_ids: Sequence[int], top_k: int, chunk_rows: int = 512
+             ) -> dict[str, torch.Tensor]:
+    """Every statistic of the lens for residual vectors, each with its own target / foil id.
+
+    The same formulas as :func:`tracekit.fastpath.lens_readout` (``Readout(model).log_probs`` in
+    float32, ``exp``, ``topk`` on the probabilities, rank = 1 + tokens with a strictly larger
+    log-prob), plus each vector's own target and foil gathered from the same log-softmax.
+
+    Args:
+        resid: ``[..., d_model]`` residual vectors.
+        target, foil: ``[...]`` each vector's target / foil id (-1: none).
+        track_ids: ``[K]`` ids read on every vector.
+
+    Returns:
+        CPU tensors: ``target_log_prob`` / ``foil_log_prob`` ``[...]`` (NaN where the id is -1),
+        ``target_rank`` ``[...]`` (0 where -1), ``track_log_prob`` / ``track_rank`` ``[..., K]``,
+        ``entropy`` ``[...]``, ``top_prob`` / ``top_id`` ``[..., k]``.
+    """
+    from .model.readout import Readout
+
+    readout = Readout(model)
+    lead = resid.shape[:-1]
+    flat = resid.reshape(-1, resid.shape[-1])
+    n = flat.shape[0]
+    k = min(int(top_k), int(model.cfg.d_vocab))
+    tgt = target.reshape(-1).to(flat.device)
+    fl = foil.reshape(-1).to(flat.device)
+    t = torch.tensor(list(track_ids), dtype=torch.long, device=flat.device)
+    out = {"target_log_prob": torch.full((n,), float("nan")), "target_rank": torch.zeros(n, dtype=torch.long),
+           "foil_log_prob": torch.full((n,), float("nan")),
+           "track_log_prob": torch.empty(n, len(t)), "track_rank": torch.empty(n, len(t), dtype=torch.long),
+           "entropy": torch.empty(n), "top_prob": torch.empty(n, k), "top_id": torch.empty(n, k, dtype=torch.long)}
+    has_t, has_f = bool((tgt >= 0).any()), bool((fl >= 0).any())
+    step = max(1, int(chunk_rows))
+    for s in range(0, n, step):
+        lp = readout.log_probs(flat[s:s + step])  # [r, vocab], float32
+        r = len(lp)
+        probs = lp.exp()
+        out["entropy"][s:s + r] = -(probs * lp).sum(-1).cpu()
+        tp, ti = probs.topk(k, dim=-1)
+        out["top_prob"][s:s + r] = tp.cpu()
+        out["top_id"][s:s + r] = ti.cpu()
+        if has_t:
+            ids = tgt[s:s + r]
+            own = lp.gather(1, ids.clamp(min=0)[:, None])  # [r, 1]: each vector's own target
+            rank = (lp > own).sum(-1, dtype=torch.int32) + 1
+            ok = ids >= 0
+            out["target_log_prob"][s:s + r] = torch.where(ok, own[:, 0], torch.nan).cpu()
+            out["target_rank"][s:s + r] = torch.where(ok, rank, 0).cpu()
+        if has_f:
+            ids = fl[s:s + r]
+            own = lp.gather(1, ids.clamp(min=0)[:, None])[:, 0]
+            out["foil_log_prob"][s:s + r] = torch.where(ids >= 0, own, torch.nan).cpu()
+        if len(t):
+            t_lp = lp[:, t]  # [r, K]
+            out["track_log_prob"][s:s + r] = t_lp.cpu()
+            for j in range(len(t)):  # int32 counts: half the time of a bool -> int64 sum over the vocabulary
+                out["track_rank"][s:s + r, j] = ((lp > t_lp[:, j:j + 1]).sum(-1, dtype=torch.int32) + 1).cpu()
+        del lp, probs
+    return {key: v.reshape(*lead, *v.shape[1:]) for key, v in out.items()}
+
+
+def _pad(model, ids: Sequence[Sequence[int]]) -> Batch:
+    """Token id sequences padded into a batch as :func:`tracekit.tokens.tokenize` pads prompts
+    (the model spec's padding side; right for recurrent models; batch-sensitive architectures
+    refuse rows of different lengths)."""
+    from .model.load import model_spec_of
+    from .tokens import _refuse_padding
+
+    side = model_spec_of(model).padding_side
+    if side == "left" and recurrent(model):
+        side = "right"
+    if len({len(i) for i in ids}) > 1:
+        _refuse_padding(model, "prompts")
+    return pad_ids(model, [list(i) for i in ids], side)
+
+
+def _per_row(value, n: int, name: str, model, rows_word: str = "prompt") -> list[Optional[int]]:
+    """``[n]`` token ids from a token (every row's), a list (one per row) or None."""
+    def one(v, where: str) -> Optional[int]:
+        if v is None:
+            return None
+        if isinstance(v, bool):
+            raise TokenizationError(f"{where}: {v!r} is not a token")
+        if isinstance(v, (int, np.integer)):
+            if not 0 <= int(v) < int(model.cfg.d_vocab):
+                raise TokenizationError(f"{where}: token id {int(v)} is outside the vocabulary (0..{model.cfg.d_vocab - 1})")
+            return int(v)
+        return single_token_id(model, v, field=where)
+
+    if value is None or isinstance(value, (str, int, np.integer)):
+        tid = one(value, name)
+        return [tid] * n
+    vals = list(value)
+    if len(vals) != n:
+        raise DatasetError(f"{name}: {len(vals)} tokens for {n} {rows_word}(s); a {name} list gives each {rows_word} "
+                           f"its own answer (one per {rows_word}). To follow the same tokens on every "
+                           f"{rows_word} use track: {vals!r}")
+    return [one(v, f"{name}[{i}]") for i, v in enumerate(vals)]
+
 
 @torch.no_grad()
 def logit_lens(
     model,
-    prompts: Sequence[str],
-    targets: Sequence[str] = (),
+    prompts: Union[str, Sequence[str], Sequence[Sequence[int]], PreparedDataset],
+    targets: Union[TokenSpec, Sequence[Optional[TokenSpec]], None] = None,
     position: Position | int | str | list[int] | tuple[int, ...] | range = "last",
     layer_convention: LayerConvention = "hidden_states",
     top_k: int = 10,
     batch_size: int = 8,
-    progress=None,
+    progress: Optional[Callable[[int], object]] = None,
+    *,
+    track: Sequence[TokenSpec] = (),
+    foils: Union[TokenSpec, Sequence[Optional[TokenSpec]], None] = None,
+    reads: Optional[Sequence[Sequence[int]]] = None,
 ) -> list[PromptLens]:
-    """Run the logit lens over prompts (batched with padding; each prompt read at its own tokens).
+    """Run the logit lens over rows, batched with padding; each row is read at its own tokens and
+    scored against its own target, in the same forward pass.
 
     Args:
         model: a hooked model (TransformerBridge in compatibility mode).
-        prompts: the texts.
-        targets: token strings tracked at every read (each exactly one token, leading space included).
-        position: ``last`` (default), ``all`` or a token index (negative from the end); from a
-            notebook also a list of token indices (e.g. ``range(-16, 0)``: the last 16 tokens), so
-            the cost scales with the positions read, not the prompt's length.
+        prompts: the rows: texts, token-id sequences (BOS included as the model reads them: the
+            kinds pass their prepared ``ids``, so prompts are tokenized once), or a
+            :class:`~tracekit.dataset.PreparedDataset` (its ids, targets, foils and named positions).
+        targets: each row's answer token: one token string (or id) = every row's; a list = one per
+            row (length = the number of rows; None entries for rows without one). A dataset's rows
+            carry their own (giving ``targets`` beside a dataset is an error).
+        position: ``last`` (default), ``all``, a token index (BOS counted; negative from the end),
+            a dataset's named position (``END``: needs a PreparedDataset) or, from a notebook, a
+            list of token indices (e.g. ``range(-16, 0)``: the last 16 tokens), so the cost scales
+            with the positions read, not the prompt's length.
         layer_convention: which hidden states are read (module docstring).
         top_k: top tokens kept per read.
-        batch_size: prompts per forward pass.
-        progress: optional callable receiving the number of prompts finished.
+        batch_size: rows per forward pass.
+        progress: optional callable receiving the number of rows finished.
+        track: tokens (strings or ids) read on every row (the old "list of targets").
+        foils: each row's contrasting token, like ``targets``.
+        reads: per row, the token indices to read (into that row's ids, BOS counted; overrides
+            ``position``): how the kind passes positions it resolved once in ``prepare``.
 
     Returns:
-        One :class:`PromptLens` per prompt.
+        One :class:`PromptLens` per row, in order.
 
     Raises:
-        TokenizationError: a target is not one token, a position out of range, a prompt longer than
-            the context.
+        TokenizationError: a target/foil/tracked token that is not one token, a position out of
+            range, a prompt longer than the context.
+        DatasetError: a ``targets``/``foils`` list of another length than the rows (the message
+            names ``track``), targets given beside a dataset, a named position a row lacks.
     """
-    from .fastpath import lens_readout, residual_stream
-
-    explicit: list[int] | None = None
-    pos: Position | None = None
-    if isinstance(position, (list, tuple, range)):
+    data: Optional[PreparedDataset] = prompts if isinstance(prompts, PreparedDataset) else None
+    if data is not None:
+        if targets is not None or foils is not None:
+            raise DatasetError("targets/foils beside a dataset: its rows carry their own; to follow the same "
+                               "tokens on every row use track")
+        ids_list = [list(e.ids) for e in data.examples]
+        texts = data.prompts
+        tgt = [e.target_id for e in data.examples]
+        fl = [e.foil_id for e in data.examples]
+    else:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        items = list(prompts)  # type: ignore[arg-type]
+        if not items:
+            raise TokenizationError("prompts: need at least one prompt")
+        if all(isinstance(p, str) for p in items):
+            texts = [str(p) for p in items]
+            ids_list = []
+            for i, p in enumerate(texts):
+                seq = encode(model, p)
+                if not seq:
+                    raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
+                check_length(model, seq, f"prompts[{i}]", p)
+                ids_list.append(seq)
+        else:
+            ids_list = [[int(x) for x in p] for p in items]  # type: ignore[union-attr]
+            if any(not s for s in ids_list):
+                raise TokenizationError("prompts: a row has no token ids")
+            tok = model.tokenizer
+            texts = [tok.decode(s) for s in ids_list]
+        tgt = _per_row(targets, len(ids_list), "target", model)
+        fl = _per_row(foils, len(ids_list), "foil", model)
+    track_ids = [int(_per_row(t, 1, f"track[{j}]", model)[0]) for j, t in enumerate(track)]  # type: ignore[arg-type]
+    n_rows = len(ids_list)
+    if reads is not None:
+        if len(reads) != n_rows:
+            raise TokenizationError(f"reads: {len(reads)} lists for {n_rows} rows")
+        row_reads = []
+        for b, r in enumerate(reads):
+            n = len(ids_list[b])
+            if not r or any(not -n <= int(i) < n for i in r):
+                raise TokenizationError(f"reads[{b}]: {list(r)} is empty or out of range for a row of {n} tokens")
+            row_reads.append([int(i) % n for i in r])
+    elif isinstance(position, (list, tuple, range)):
         explicit = [int(i) for i in position]
+        row_reads = [sorted({i % len(s) for i in explicit}) for s in ids_list]
     else:
         pos = position if isinstance(position, Position) else parse_position(position, LENS_POSITIONS)
+        if pos.kind == "name":
+            if data is None:
+                raise TokenizationError(f"position: {pos.text!r} names a dataset position; pass a prepared dataset "
+                                        "(tracekit.dataset) or use last / all / an index")
+            row_reads = [[i] for i in data.position(str(pos.text))]
+        else:
+            row_reads = [pos.resolve(model, t, s, field="position", skip_bos=False) for t, s in zip(texts, ids_list)]
     n_layers = int(model.cfg.n_layers)
     points = lens_points(n_layers, layer_convention)
     hooks = [p.hook for p in points]
     last_post = hook("resid_post", n_layers - 1)  # its readout is the model's own output
     read_hooks = hooks + ([] if last_post in hooks else [last_post])
     final_at = read_hooks.index(last_post)
-    tgt_ids = [single_token_id(model, t, field="target") for t in targets]
+    return _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at,
+                         top_k, batch_size, progress)
+
+
+def _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at, top_k,
+                  batch_size, progress) -> list[PromptLens]:
+    from .fastpath import residual_stream
+
+    H = len(points)
     out: list[PromptLens] = []
-    for sl in chunks(len(prompts), batch_size):
-        chunk = list(prompts[sl])
-        batch = tokenize(model, chunk)
-        if explicit is not None:  # token indices (negative from the end), e.g. the last 16 of a long prompt
-            reads = [sorted({i % len(batch.ids[b]) for i in explicit}) for b in range(len(chunk))]
-        else:
-            assert pos is not None  # parsed above when no explicit indices were given
-            reads = [pos.resolve(model, p, batch.ids[b], field="position", skip_bos=False) for b, p in enumerate(chunk)]
+    for sl in chunks(len(ids_list), batch_size):
+        rows = list(range(len(ids_list)))[sl]
+        batch = _pad(model, [ids_list[i] for i in rows])
+        reads = [row_reads[i] for i in rows]
         width = max(len(r) for r in reads)
         idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]
                            for b, r in enumerate(reads)])  # [b, n_read] padded indices (last repeated)
         resid = residual_stream(model, batch, read_hooks, positions=idx)  # [hooks, b, n_read, d]
-        r = lens_readout(model, resid, tgt_ids, top_k)
-        for b, prompt in enumerate(chunk):
+        own = torch.tensor([-1 if tgt[i] is None else tgt[i] for i in rows], dtype=torch.long)
+        foil = torch.tensor([-1 if fl[i] is None else fl[i] for i in rows], dtype=torch.long)
+        shape = resid.shape[:-1]  # [hooks, b, n_read]
+        r = _readout(model, resid, own[None, :, None].expand(shape), foil[None, :, None].expand(shape), track_ids,
+                     top_k)
+        for b, i in enumerate(rows):
             n = len(reads[b])
-            lens_part = {k: v[: len(hooks), b, :n] for k, v in r.items()}
-            final = {k: v[final_at, b, :n] for k, v in r.items()}
-            ids = batch.ids[b]
-            out.append(PromptLens(prompt, list(ids), str_tokens(model, ids), list(reads[b]), points, tgt_ids,
-                                  lens_part["target_log_prob"], lens_part["target_rank"], lens_part["entropy"],
-                                  lens_part["top_id"], lens_part["top_prob"], final["target_log_prob"],
-                                  final["top_id"], final["top_prob"]))
+            lens = {k: v[:H, b, :n] for k, v in r.items()}
+            fin = {k: v[final_at, b, :n] for k, v in r.items()}
+            has_t, has_f = tgt[i] is not None, fl[i] is not None
+            ids = ids_list[i]
+            out.append(PromptLens(
+                texts[i], list(ids), str_tokens(model, ids), list(reads[b]), list(points),
+                [int(tgt[i])] if has_t else [],
+                lens["target_log_prob"][..., None][..., : int(has_t)],
+                lens["target_rank"][..., None][..., : int(has_t)],
+                lens["entropy"], lens["top_id"], lens["top_prob"],
+                fin["target_log_prob"][..., None][..., : int(has_t)],
+                fin["top_id"], fin["top_prob"],
+                final_rank=fin["target_rank"][..., None][..., : int(has_t)],
+                foil_ids=[int(fl[i])] if has_f else [],
+                foil_log_prob=lens["foil_log_prob"][..., None][..., : int(has_f)],
+                final_foil_log_prob=fin["foil_log_prob"][..., None][..., : int(has_f)],
+                track_ids=list(track_ids), track_log_prob=lens["track_log_prob"], track_rank=lens["track_rank"],
+                final_track_log_prob=fin["track_log_prob"]))
         if progress is not None:
-            progress(len(chunk))
+            progress(len(rows))
         del resid, r
     return out
 

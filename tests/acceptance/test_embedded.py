@@ -42,7 +42,7 @@ def test_embedded_lens_last_layer_equals_output(embedded_model):
                                                                     on=["prompt_idx", "position", "target"])
     assert (last["prob"] - last["target_prob"]).abs().max() < 1e-5
     s = res.summary()
-    assert s["per_prompt"][0]["emergence_layer"] is not None
+    assert s["emergence_layer_by_row"][0] is not None
     # BOS default follows the tokenizer: SmolLM2's adds none, so no <|im_start|> is prepended
     bos = embedded_model.tokenizer.bos_token_id
     toks = res.tables["tokens"]

@@ -70,7 +70,7 @@ def test_wrong_type_and_bad_value_name_paths(tmp_path):
 
 
 def test_missing_required_and_unknown_kind(tmp_path):
-    with pytest.raises(ConfigError, match=r"experiments\[0\].prompts: required field is missing"):
+    with pytest.raises(ConfigError, match=r"experiments\[0\]: give prompts .*or a dataset"):
         parse_config({"experiments": [{"kind": "logit_lens"}]})
     with pytest.raises(ConfigError, match=r"experiments\[0\].kind: unknown experiment kind 'lens'"):
         parse_config({"experiments": [{"kind": "lens"}]})

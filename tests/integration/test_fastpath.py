@@ -73,12 +73,12 @@ def test_lens_readout_matches_readout_and_the_lens(perturbed_model):
     tp, ti = lp.exp().topk(5, -1)
     assert torch.equal(r["top_prob"], tp) and torch.equal(r["top_id"], ti)
     # the logit lens' own table (last position, hidden_states): same numbers
-    res = tk.LogitLens(prompts=PROMPTS, target=TARGETS, top_k=5).run(model, progress=False)
-    m = res.tables["main"].sort_values(["prompt_idx", "hidden_state", "target"], key=lambda s: s.map(
-        {t: i for i, t in enumerate(TARGETS)}) if s.name == "target" else s)
+    res = tk.LogitLens(prompts=PROMPTS, track=TARGETS, top_k=5).run(model, progress=False)
+    m = res.tables["tracked"].sort_values(["row_id", "hidden_state", "tracked_token"], key=lambda s: s.map(
+        {t: i for i, t in enumerate(TARGETS)}) if s.name == "tracked_token" else s)
     lens_lp = torch.tensor(m["log_prob"].to_numpy(), dtype=torch.float32).reshape(len(PROMPTS), len(names), 2)
     torch.testing.assert_close(lens_lp, r["target_log_prob"].permute(1, 0, 2), atol=1e-5, rtol=0)
-    lens_rank = torch.tensor(m["rank"].to_numpy()).reshape(len(PROMPTS), len(names), 2)
+    lens_rank = torch.tensor(m["vocab_rank"].to_numpy()).reshape(len(PROMPTS), len(names), 2)
     assert torch.equal(lens_rank, r["target_rank"].permute(1, 0, 2))
     # the last hidden state's readout is the model's output distribution
     with torch.no_grad():

@@ -17,7 +17,8 @@ PROMPTS = [
     "The capital of Italy is",  # differs from the previous prompt by one token
     "Hello",
 ]
-TARGETS = [" Paris", " Rome"]
+TARGETS = [" Paris", " Rome"]  # tracked on every prompt (track)
+ROW_TARGETS = [" Paris", " Paris", " Rome", " Paris"]  # each prompt's own target (target)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -27,8 +28,8 @@ def test_last_layer_lens_equals_model_output(arch, process_weights, layers, gpt2
     """The last layer's lens is the model's own softmax output (abs 1e-5, float32): the final norm
     is recomputed from the residual, so reading the last block's output reproduces the logits."""
     model = make_tiny(arch, gpt2_tokenizer_dir, process_weights=process_weights)
-    res = tk.LogitLens(prompts=PROMPTS, target=TARGETS, position="all", layer_convention=layers, top_k=5).run(
-        model, progress=False)
+    res = tk.LogitLens(prompts=PROMPTS, target=ROW_TARGETS, track=TARGETS, position="all", layer_convention=layers,
+                       top_k=5).run(model, progress=False)
     df = res.to_frame()
     last_layer = df["hidden_state"].max()
     batch = tokenize(model, PROMPTS)
@@ -38,14 +39,26 @@ def test_last_layer_lens_equals_model_output(arch, process_weights, layers, gpt2
     checked = 0
     for r in df[df["hidden_state"] == last_layer].itertuples():
         pos = batch.real_index(r.prompt_idx)[r.position]
+        assert r.target == ROW_TARGETS[r.prompt_idx]  # each prompt's own target
         assert abs(r.prob - probs[r.prompt_idx, pos, r.target_id].item()) < 1e-5
         assert abs(r.top1_prob - probs[r.prompt_idx, pos].max().item()) < 1e-5
+        checked += 1
+    assert checked == sum(batch.lengths)
+    tr = res.tables["tracked"]
+    checked = 0
+    for r in tr[tr["hidden_state"] == last_layer].itertuples():
+        pos = batch.real_index(r.prompt_idx)[r.position]
+        assert abs(r.prob - probs[r.prompt_idx, pos, r.tracked_id].item()) < 1e-5
         checked += 1
     assert checked == sum(batch.lengths) * len(TARGETS)
     # and the lens' last layer matches the 'final' table (model output) exactly
     fin = res.tables["final"]
     merged = df[(df["hidden_state"] == last_layer)].merge(fin, on=["prompt_idx", "position", "target"])
+    assert len(merged) == sum(batch.lengths)
     assert (merged["prob"] - merged["target_prob"]).abs().max() < 1e-5
+    tfin = tr[tr["hidden_state"] == last_layer].merge(fin, on=["prompt_idx", "position"])
+    fin_tracked = [p[TARGETS.index(t)] for p, t in zip(tfin["tracked_probs"], tfin["tracked_token"])]
+    assert (tfin["prob"] - pd.Series(fin_tracked)).abs().max() < 1e-5
 
 
 def test_resid_pre_last_layer_is_not_the_output(tiny_gpt2):
@@ -62,24 +75,27 @@ def test_resid_pre_last_layer_is_not_the_output(tiny_gpt2):
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_batched_equals_one_by_one(arch, side, gpt2_tokenizer_dir):
     model = make_tiny(arch, gpt2_tokenizer_dir, padding_side=side)
-    exp = tk.LogitLens(prompts=PROMPTS, target=TARGETS, position="all", batch_size=len(PROMPTS))
-    batched = exp.run(model, progress=False).to_frame()
-    singles = []
-    for i, p in enumerate(PROMPTS):
-        d = exp.model_copy(update={"prompts": [p]}).run(model, progress=False).to_frame()
-        d["prompt_idx"] = i
-        singles.append(d)
-    single = pd.concat(singles, ignore_index=True)
-    key = ["prompt_idx", "position", "hidden_state", "target"]
-    a = batched.sort_values(key).reset_index(drop=True)
-    b = single.sort_values(key).reset_index(drop=True)
-    assert len(a) == len(b) > 0
-    assert (a["token"] == b["token"]).all()
-    assert (a["prob"] - b["prob"]).abs().max() < 1e-5
-    assert (a["log_prob"] - b["log_prob"]).abs().max() < 1e-4
-    assert (a["entropy"] - b["entropy"]).abs().max() < 1e-4
-    # ranks can differ only where two logits tie within float noise; require near-equality of rank too
-    assert ((a["rank"] - b["rank"]).abs() <= 1).all()
+    exp = tk.LogitLens(prompts=PROMPTS, target=ROW_TARGETS, track=TARGETS, position="all", batch_size=len(PROMPTS))
+    res = exp.run(model, progress=False)
+    for table, key in (("main", ["prompt_idx", "position", "hidden_state"]),
+                       ("tracked", ["prompt_idx", "position", "hidden_state", "tracked_token"])):
+        batched = res.tables[table]
+        singles = []
+        for i, (p, t) in enumerate(zip(PROMPTS, ROW_TARGETS)):
+            d = exp.model_copy(update={"prompts": [p], "target": t}).run(model, progress=False).tables[table]
+            d["prompt_idx"] = i
+            singles.append(d)
+        single = pd.concat(singles, ignore_index=True)
+        a = batched.sort_values(key).reset_index(drop=True)
+        b = single.sort_values(key).reset_index(drop=True)
+        assert len(a) == len(b) > 0
+        if table == "main":
+            assert (a["token"] == b["token"]).all() and (a["target"] == b["target"]).all()
+            assert (a["entropy"] - b["entropy"]).abs().max() < 1e-4
+        assert (a["prob"] - b["prob"]).abs().max() < 1e-5
+        assert (a["log_prob"] - b["log_prob"]).abs().max() < 1e-4
+        # ranks can differ only where two logits tie within float noise; require near-equality of rank too
+        assert ((a["vocab_rank"] - b["vocab_rank"]).abs() <= 1).all()
 
 
 def test_padding_side_does_not_change_results(gpt2_tokenizer_dir):
@@ -127,14 +143,17 @@ def test_target_without_space_suggests_leading_space(tiny_gpt2):
 
 
 def test_save_load_roundtrip(tiny_llama, tmp_path):
-    res = tk.LogitLens(prompts=PROMPTS[:2], target=TARGETS, position="all").run(tiny_llama, progress=False)
+    res = tk.LogitLens(prompts=PROMPTS[:2], target=TARGETS, track=TARGETS, position="all").run(tiny_llama,
+                                                                                             progress=False)
     res.save(tmp_path / "r")
     back = tk.Result.load(tmp_path / "r")
     assert type(back) is type(res)
     for name, df in res.tables.items():
         pd.testing.assert_frame_equal(df.reset_index(drop=True), back.tables[name].reset_index(drop=True))
     assert back.summary() == res.summary()
-    assert {p.name for p in (tmp_path / "r").glob("*.png")} == {"target_by_layer.png", "top1_grid.png"}
+    assert {p.name for p in (tmp_path / "r").glob("*.png")} == {"target_by_layer.png", "top1_grid.png", "emergence.png",
+                                                                 "tracked_by_layer.png"}
+    assert set(back.tables) == {"main", "rows", "topk", "tokens", "final", "tracked"}
 
 
 def test_summary_fields_and_emergence(tiny_gpt2):
@@ -178,7 +197,7 @@ def test_lens_invariants_on_perturbed_models(perturbed_model):
     weight processing on and off): the last hidden state's lens is the model's output (abs 1e-5),
     and batched equals one by one (abs 1e-5). A final-norm or folding bug changes these numbers."""
     m = perturbed_model
-    exp = tk.LogitLens(prompts=PROMPTS, target=TARGETS, position="all", batch_size=len(PROMPTS))
+    exp = tk.LogitLens(prompts=PROMPTS, target=ROW_TARGETS, position="all", batch_size=len(PROMPTS))
     res = exp.run(m, progress=False)
     df = res.to_frame()
     last = df[df["hidden_state"] == df["hidden_state"].max()]
@@ -190,8 +209,8 @@ def test_lens_invariants_on_perturbed_models(perturbed_model):
               for r in last.itertuples())
     assert err < 1e-4  # natural-log probabilities, float32
     assert logits.std(-1).min() > 0.3  # spread logits: the comparison is not between near-uniform vectors
-    single = pd.concat([exp.model_copy(update={"prompts": [p]}).run(m, progress=False).to_frame().assign(prompt_idx=i)
-                        for i, p in enumerate(PROMPTS)], ignore_index=True)
-    key = ["prompt_idx", "position", "hidden_state", "target"]
+    single = pd.concat([exp.model_copy(update={"prompts": [p], "target": t}).run(m, progress=False).to_frame()
+                        .assign(prompt_idx=i) for i, (p, t) in enumerate(zip(PROMPTS, ROW_TARGETS))], ignore_index=True)
+    key = ["prompt_idx", "position", "hidden_state"]
     a, b = df.sort_values(key).reset_index(drop=True), single.sort_values(key).reset_index(drop=True)
     assert (a["log_prob"] - b["log_prob"]).abs().max() < 1e-4

@@ -22,7 +22,6 @@ from tracekit.experiments.base import REGISTRY
 
 #: Kinds whose engine still takes prompt strings (each prompt is tokenized there once more per call).
 ENGINE_TOKENIZES = {
-    "logit_lens": "tracekit.logit_lens.logit_lens",
     "neuron_attribution": "tracekit.neurons.neuron_contributions / neuron_intervention",
     "attention_pattern": "tracekit.attention.attention_pattern",
     "linear_probe": "tracekit.probing.extract_activations",

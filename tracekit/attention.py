@@ -8,6 +8,13 @@ Engine of the ``attention_pattern`` and ``head_scan`` kinds (:mod:`tracekit.expe
   keys get 0). This is the seed article's "Layer 0 Head 6, query ' is'" view (GPT-2:
   France 35%, capital 35%, The 22%). With grouped-query attention (SmolLM2: 9 query heads share
   3 key/value heads) heads are indexed by *query* head, as in ``hook_pattern``.
+* :func:`query_attention`: attention *from one query position per row* of a dataset, at any set of
+  layers and heads, in ONE batched forward pass per ``batch_size`` rows: a hook on each needed
+  ``blocks.L.attn.hook_pattern`` keeps only the query's row of the chosen heads (``[batch, head,
+  key]``, not the ``[batch, head, pos, pos]`` pattern), read at the row's own real tokens (the pad
+  offset added, as :meth:`tracekit.dataset.PreparedDataset.padded_index` does), and the pass stops
+  after the last layer read. :func:`label_query_rows` labels every (row, layer, head) at once and
+  :func:`head_stats` aggregates per head over rows (mean, std, quartiles).
 * :func:`classify_heads`: label each head by what dominates its attention at the chosen query
   positions: ``self`` (the query token), ``first`` (position 0: BOS when the model prepends one),
   ``previous`` (the token before), ``spread`` (close to uniform: normalised entropy >=
@@ -23,21 +30,37 @@ Engine of the ``attention_pattern`` and ``head_scan`` kinds (:mod:`tracekit.expe
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 
-from .core.sites import check_heads, check_layer, hook
-from .errors import AttentionError
-from .tokens import Position, PositionSpec, encode, pad_ids, parse_position, run_with_cache, str_tokens, tokenize
+from .core.sites import check_heads, check_layer, check_layers, hook
+from .errors import AttentionError, HookError
+from .model.load import model_spec_of
+from .tokens import (
+    Batch,
+    Position,
+    PositionSpec,
+    _refuse_padding,
+    chunks,
+    encode,
+    pad_ids,
+    parse_position,
+    recurrent,
+    run_with_cache,
+    str_tokens,
+    tokenize,
+)
 
 __all__ = ["AttentionError", "LayerAttention", "attention_pattern", "resolve_position", "classify_heads",
            "repeated_random_tokens", "head_scores", "pattern_scores", "check_heads", "check_layer", "HEAD_LABELS",
-           "POSITION_FORMS"]
+           "POSITION_FORMS", "QueryAttention", "query_attention", "label_query_rows", "head_stats",
+           "full_patterns", "padded_batch"]
 
 HEAD_LABELS = ("self", "first", "previous", "spread", "content")
 #: The position forms attention accepts for the query position.
@@ -62,25 +85,26 @@ class LayerAttention:
     weights: Float[torch.Tensor, "head q k"]
 
     def query_frame(self, query: int, heads: Optional[Sequence[int]] = None) -> pd.DataFrame:
-        """One row per (head, key position <= query): ``score`` (pre-softmax) and ``weight``
-        (probability)."""
+        """One row per (head, key position <= query): ``layer, head_idx, query_pos, query_token,
+        key_pos, key_token, score`` (pre-softmax) and ``weight`` (probability)."""
         heads = list(range(self.weights.shape[0])) if heads is None else heads
         rows = []
         for h in heads:
             for k in range(query + 1):
-                rows.append({"layer": self.layer, "head": h, "query_pos": query, "query_token": self.tokens[query],
+                rows.append({"layer": self.layer, "head_idx": h, "query_pos": query, "query_token": self.tokens[query],
                              "key_pos": k, "key_token": self.tokens[k], "score": float(self.scores[h, query, k]),
                              "weight": float(self.weights[h, query, k])})
         return pd.DataFrame(rows)
 
     def frame(self, heads: Optional[Sequence[int]] = None) -> pd.DataFrame:
-        """Full causal pattern of some heads: one row per (head, query, key <= query)."""
+        """Full causal pattern of some heads: one row per (head, query, key <= query): ``layer,
+        head_idx, query_pos, key_pos, score, weight``."""
         heads = list(range(self.weights.shape[0])) if heads is None else heads
         n = len(self.tokens)
         q, k = np.tril_indices(n)
         frames = []
         for h in heads:
-            frames.append(pd.DataFrame({"layer": self.layer, "head": h, "query_pos": q, "key_pos": k,
+            frames.append(pd.DataFrame({"layer": self.layer, "head_idx": h, "query_pos": q, "key_pos": k,
                                         "score": self.scores[h].numpy()[q, k], "weight": self.weights[h].numpy()[q, k]}))
         return pd.concat(frames, ignore_index=True)
 
@@ -233,7 +257,7 @@ def head_scores(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
         layers: which layers (default all).
 
     Returns:
-        DataFrame ``layer, head, prev_token_score, induction_score, tl_prev_token_score,
+        DataFrame ``layer, head_idx, prev_token_score, induction_score, tl_prev_token_score,
         tl_induction_score`` (attention probabilities in [0, 1]).
 
     Raises:
@@ -257,6 +281,318 @@ def head_scores(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
                 acc[(L, h)] += sc[h]
     for (L, h), a in sorted(acc.items()):
         a = a / batch.size
-        rows.append({"layer": L, "head": h, "prev_token_score": a[0], "induction_score": a[1],
+        rows.append({"layer": L, "head_idx": h, "prev_token_score": a[0], "induction_score": a[1],
                      "tl_prev_token_score": a[2], "tl_induction_score": a[3]})
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention from one query position per row, at many layers, in one batched pass
+
+
+class _AllRead(Exception):
+    """Raised by the last pattern hook of a batch to end the forward pass early."""
+
+
+@dataclass
+class QueryAttention:
+    """Attention *from one query position per row*, at several layers and heads.
+
+    Positions are the row's own: index ``k`` is token ``k`` of the row's ids (BOS counted when the
+    model prepends one), whatever padding the batch had.
+
+    Attributes:
+        layers: the layers read (block indices), in the order of the ``layer`` axis.
+        heads: the (query) heads read, in the order of the ``head`` axis.
+        query_pos: ``[row]`` index of the query token in each row's ids.
+        lengths: ``[row]`` number of tokens of each row.
+        weights: ``[row, layer, head, key]`` softmax weights (probabilities) of the query over keys
+            ``0..query_pos[row]``; NaN for ``key > query_pos[row]`` (float32).
+        scores: the same for the pre-softmax scores (``q.k / sqrt(d_head)``), or None when not read.
+    """
+
+    layers: tuple[int, ...]
+    heads: tuple[int, ...]
+    query_pos: Int[torch.Tensor, " row"]
+    lengths: Int[torch.Tensor, " row"]
+    weights: Float[torch.Tensor, "row layer head key"]
+    scores: Optional[Float[torch.Tensor, "row layer head key"]] = None
+
+    def key_mask(self) -> torch.Tensor:
+        """``[row, key]`` True where key ``k <= query_pos[row]`` (a key the query sees)."""
+        k = torch.arange(self.weights.shape[-1])
+        return k[None, :] <= self.query_pos[:, None]
+
+    def at(self, key_pos: Int[torch.Tensor, "row n_keys"], scores: bool = False
+           ) -> Float[torch.Tensor, "row layer head n_keys"]:
+        """``[row, layer, head, n_keys]`` weights (or scores) at ``key_pos`` (``[row, n_keys]``,
+        indices into each row's ids). A key after the query is masked by causality: weight 0
+        (score ``-inf``).
+
+        Raises:
+            AttentionError: ``scores=True`` when the scores were not read.
+        """
+        src = self.scores if scores else self.weights
+        if src is None:
+            raise AttentionError("scores were not read; pass scores=True")
+        kp = torch.as_tensor(key_pos, dtype=torch.long)
+        R, nL, nH, K = src.shape
+        idx = kp.clamp(0, K - 1)[:, None, None, :].expand(R, nL, nH, kp.shape[1])
+        out = src.gather(3, idx)
+        future = (kp > self.query_pos[:, None])[:, None, None, :].expand_as(out)
+        return out.masked_fill(future, float("-inf") if scores else 0.0)
+
+
+def padded_batch(model, ids: Sequence[Sequence[int]], field: str = "prompts") -> Batch:
+    """Pad token ids into a batch on the model's padding side (the model spec's ``padding_side``;
+    right for recurrent models), as :func:`tracekit.tokens.tokenize` pads prompts.
+
+    Raises:
+        TokenizationError: rows of different lengths on an architecture that cannot batch them.
+    """
+    side = model_spec_of(model).padding_side
+    if side == "left" and recurrent(model):
+        side = "right"
+    if len({len(s) for s in ids}) > 1:
+        _refuse_padding(model, field)
+    return pad_ids(model, ids, side)
+
+
+def _check_heads_of(model, heads, layers: Sequence[int], field: str = "heads") -> list[int]:
+    out: list[int] = []
+    for L in layers:
+        out = check_heads(model, heads, field, layer=L)
+    return out
+
+
+def _forward_until_read(model, batch: Batch, hooks: list, names: list[str]) -> None:
+    """Forward ``batch`` with ``hooks`` (gated ones enabled); a hook raising :class:`_AllRead`
+    ends the pass early."""
+    from .hooks import enabled_hooks, fwd_hooks
+
+    with enabled_hooks(model, names), fwd_hooks(model, hooks):
+        try:
+            model(batch.tokens, **({"attention_mask": batch.attention_mask} if batch.needs_mask else {}))
+        except _AllRead:
+            pass
+
+
+def _read_query_rows(model, batch: Batch, names: list[str], qpad: torch.Tensor, kidx: torch.Tensor,
+                     head_t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{hook name: [b, head, kb]}``: each pattern/score hook's query row (padded index ``qpad``)
+    of the heads ``head_t`` at the padded key indices ``kidx`` (``[b, kb]``), on the CPU."""
+    ar = torch.arange(batch.size, device=batch.tokens.device)
+    got: dict[str, torch.Tensor] = {}
+
+    def make_hook(name: str):
+        def fn(act, hook=None):
+            x = act[ar, :, qpad]  # [b, head, width]: the query's row in each prompt
+            x = x.index_select(1, head_t)
+            got[name] = x.gather(2, kidx[:, None, :].expand(-1, x.shape[1], -1)).float().cpu()  # [b, head, kb]
+            if len(got) == len(names):
+                raise _AllRead
+
+        return fn
+
+    _forward_until_read(model, batch, [(nm, make_hook(nm)) for nm in names], names)
+    return got
+
+
+def _read_full(model, batch: Batch, pairs: Sequence[tuple[int, int]], names: list[str]
+               ) -> dict[tuple[int, int], torch.Tensor]:
+    """``{(layer, head): [b, pos, pos]}`` full padded patterns of the pairs, on the CPU."""
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    fired: set[int] = set()
+    layers = sorted({L for L, _ in pairs})
+
+    def make_hook(L: int):
+        def fn(act, hook=None):
+            for LL, h in pairs:
+                if LL == L:
+                    got[(L, h)] = act[:, h].float().cpu()
+            fired.add(L)
+            if len(fired) == len(layers):
+                raise _AllRead
+
+        return fn
+
+    _forward_until_read(model, batch, [(hook("head_pattern", L), make_hook(L)) for L in layers], names)
+    return got
+
+
+@torch.no_grad()
+def query_attention(model, ids: Sequence[Sequence[int]], query_pos: Sequence[int],
+                    layers: Union[str, Sequence[int], None] = None, heads: Union[str, Sequence[int], None] = None,
+                    batch_size: int = 16, scores: bool = False, progress: Optional[Callable[[int], None]] = None,
+                    field: str = "prompts") -> QueryAttention:
+    """Attention from one query position per row at every chosen layer and head, in one batched
+    forward pass per ``batch_size`` rows.
+
+    A forward hook on each ``blocks.L.attn.hook_pattern`` (``[batch, head, query, key]``) keeps the
+    query's row of the chosen heads at the row's real tokens only (index ``offset + k`` where
+    ``offset`` is the row's left-pad count, 0 under right padding), so memory is
+    ``rows x layers x heads x keys`` however long the prompts, and the pass ends once the last
+    layer read has fired (no later block, final norm or unembedding). Rows are batched in order of
+    length (less padding) and returned in the given order. Padded rows get the attention mask, so
+    no real query attends to a pad.
+
+    Args:
+        model: a hooked model (TransformerBridge).
+        ids: each row's token ids (BOS included as the model prepends it; e.g.
+            :attr:`tracekit.dataset.PreparedDataset.ids`).
+        query_pos: each row's query position, an index into its own ids (0 <= q < len).
+        layers: block indices (``all``/None: every block; negative from the end).
+        heads: query-head indices (``all``/None: every head).
+        batch_size: rows per forward pass.
+        scores: also read ``hook_attn_scores`` (pre-softmax scores, ``q.k / sqrt(d_head)``).
+        progress: called with the number of rows done after each batch.
+        field: config field quoted in errors.
+
+    Returns:
+        :class:`QueryAttention` (CPU tensors; ``weights``: ``[row, layer, head, key]``, probabilities).
+
+    Raises:
+        AttentionError: an unknown layer or head, a query position outside its row, or lengths
+            that do not match. HookError: a pattern hook missing on this architecture.
+        TokenizationError: rows of different lengths on an architecture that cannot batch them
+            (run with ``batch_size: 1``).
+
+    Source: TransformerLens ``run_with_cache(names_filter=...)`` of ``hook_pattern`` narrowed to
+    the query row (as :func:`tracekit.fastpath.residual_stream` narrows residual reads); the
+    END -> IO / S attention reading of Wang et al. 2022, "Interpretability in the Wild" (IOI).
+    """
+    from .hooks import check_hooks
+
+    n = len(ids)
+    if n == 0:
+        raise AttentionError(f"{field}: no rows")
+    if len(query_pos) != n:
+        raise AttentionError(f"query: {len(query_pos)} query positions for {n} rows")
+    for i, (seq, q) in enumerate(zip(ids, query_pos)):
+        if not 0 <= int(q) < len(seq):
+            raise AttentionError(f"query: position {q} is outside row {i} ({len(seq)} tokens)")
+    Ls = check_layers(model, layers, "layers")
+    Hs = _check_heads_of(model, heads, Ls)
+    kinds = ["head_pattern"] + (["head_scores"] if scores else [])
+    names = [hook(k, L) for L in Ls for k in kinds]
+    check_hooks(model, names, "hooks")
+    qs = torch.tensor([int(q) for q in query_pos], dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in ids], dtype=torch.long)
+    K = int(qs.max()) + 1
+    out = {k: torch.full((n, len(Ls), len(Hs), K), float("nan")) for k in kinds}
+    order = sorted(range(n), key=lambda i: (len(ids[i]), i))
+    for sl in chunks(n, batch_size):
+        rows = order[sl]
+        batch = padded_batch(model, [ids[i] for i in rows], field)
+        dev = batch.tokens.device
+        b = len(rows)
+        off = torch.tensor(batch.offsets, dtype=torch.long, device=dev)
+        q = qs[rows].to(dev)
+        kb = int(q.max()) + 1
+        kk = torch.arange(kb, device=dev)
+        kidx = (off[:, None] + kk[None, :]).clamp(max=batch.tokens.shape[1] - 1)  # [b, kb]: the row's own keys
+        invalid = (kk[None, :] > q[:, None]).cpu()
+        got = _read_query_rows(model, batch, names, off + q, kidx, torch.tensor(Hs, dtype=torch.long, device=dev))
+        missing = [nm for nm in names if nm not in got]
+        if missing:
+            raise HookError(f"hooks: {missing} never fired in the forward pass")
+        ridx = torch.tensor(rows, dtype=torch.long)
+        for k in kinds:
+            for li, L in enumerate(Ls):
+                x = got[hook(k, L)].masked_fill(invalid[:, None, :], float("nan"))
+                out[k][ridx, li, :, :kb] = x
+        if progress is not None:
+            progress(b)
+    return QueryAttention(tuple(Ls), tuple(Hs), qs, lengths, out["head_pattern"], out.get("head_scores"))
+
+
+@torch.no_grad()
+def full_patterns(model, ids: Sequence[Sequence[int]], pairs: Sequence[tuple[int, int]], batch_size: int = 16,
+                  field: str = "prompts") -> dict[tuple[int, int], list[Float[torch.Tensor, "q k"]]]:
+    """The full causal pattern ``[len, len]`` (query x key, the row's own positions) of some
+    ``(layer, head)`` pairs on each row, in one batched forward pass per ``batch_size`` rows that
+    stops after the last layer read.
+
+    Raises:
+        AttentionError: an unknown layer or head. TokenizationError: as :func:`padded_batch`.
+    """
+    from .hooks import check_hooks
+
+    pairs = [(check_layer(model, L, "plot_heads"), int(h)) for L, h in pairs]
+    for L, h in pairs:
+        check_heads(model, [h], "plot_heads", layer=L)
+    layers = sorted({L for L, _ in pairs})
+    names = [hook("head_pattern", L) for L in layers]
+    check_hooks(model, names, "hooks")
+    out: dict[tuple[int, int], list] = {p: [None] * len(ids) for p in pairs}
+    for sl in chunks(len(ids), batch_size):
+        rows = list(range(len(ids)))[sl]
+        batch = padded_batch(model, [ids[i] for i in rows], field)
+        got = _read_full(model, batch, pairs, names)
+        for j, i in enumerate(rows):
+            o, m = batch.offsets[j], batch.lengths[j]
+            for p in pairs:
+                out[p][i] = got[p][j, o:o + m, o:o + m]
+    return out
+
+
+def label_query_rows(weights: Float[torch.Tensor, "row layer head key"], query_pos: Int[torch.Tensor, " row"],
+                     dominance: float = 0.4, spread_entropy: float = 0.9) -> dict[str, torch.Tensor]:
+    """:func:`classify_heads` at one query per row, for every (row, layer, head) at once.
+
+    Args:
+        weights: ``[row, layer, head, key]`` the query's attention weights over keys
+            ``0..query_pos[row]`` (anything beyond is ignored; :attr:`QueryAttention.weights`).
+        query_pos: ``[row]`` the query position of each row.
+
+    Returns:
+        ``[row, layer, head]`` tensors (float64 masses, probabilities): ``self_weight`` (on the
+        query token), ``first_weight`` (key 0: BOS when prepended), ``previous_weight`` (key
+        ``q-1``; 0 at ``q = 0``), ``entropy_norm`` (``H / log(q+1)``, 0 at ``q = 0``),
+        ``max_key_weight``, ``top_key_pos`` (int) and ``label`` (int index into
+        :data:`HEAD_LABELS`: the largest of self/first/previous if >= ``dominance``, else
+        ``spread`` if ``entropy_norm >= spread_entropy``, else ``content``).
+
+    Raises nothing (NaN beyond each row's query is ignored). Source: the self / previous-token /
+    first-token (BOS) / broad head categories of Clark et al. 2019, "What Does BERT Look At?",
+    as thresholds of :func:`classify_heads` (same numbers, tested).
+    """
+    w = weights.double()
+    R, nL, nH, K = w.shape
+    q = torch.as_tensor(query_pos, dtype=torch.long)
+    valid = (torch.arange(K)[None, :] <= q[:, None])[:, None, None, :].expand_as(w)
+    w = torch.where(valid, w.nan_to_num(0.0), torch.zeros_like(w))
+    qi = q[:, None, None, None].expand(R, nL, nH, 1)
+    self_w = w.gather(3, qi)[..., 0]
+    first = w[..., 0]
+    prev = w.gather(3, (qi - 1).clamp(min=0))[..., 0] * (q >= 1)[:, None, None].double()
+    c = w.clamp_min(1e-30)
+    ent = torch.where(valid, -(c * c.log()), torch.zeros_like(w)).sum(-1)
+    logn = torch.log((q + 1).double())[:, None, None]
+    ent = torch.where(q[:, None, None] >= 1, ent / logn.clamp_min(1e-30), torch.zeros_like(ent))
+    mx, arg = torch.where(valid, w, torch.full_like(w, -1.0)).max(-1)
+    cands = torch.stack([self_w, first, prev], -1)
+    best_v, best = cands.max(-1)  # first maximal value on ties: self, first, previous (as classify_heads)
+    label = torch.where(best_v >= dominance, best,
+                        torch.where(ent >= spread_entropy, torch.full_like(best, 3), torch.full_like(best, 4)))
+    return {"self_weight": self_w, "first_weight": first, "previous_weight": prev, "entropy_norm": ent,
+            "max_key_weight": mx, "top_key_pos": arg, "label": label}
+
+
+def head_stats(values: Float[np.ndarray, "row layer head key"]) -> dict[str, np.ndarray]:
+    """Per (layer, head, key) statistics over rows, NaN entries (a row without that key) left out.
+
+    Returns:
+        ``[layer, head, key]`` arrays: ``n_rows`` (rows with a value), ``mean``, ``std`` (sample
+        standard deviation, ``ddof=1``: NaN with one row), ``q1`` / ``median`` / ``q3`` (linear
+        interpolation, as ``pandas.Series.quantile``) and ``iqr = q3 - q1``, in the units of
+        ``values`` (attention probabilities for weights). Raises nothing (all-NaN cells give NaN).
+    """
+    v = np.asarray(values, dtype=np.float64)
+    n = (~np.isnan(v)).sum(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(v, 0)
+        std = np.where(n > 1, np.nanstd(v, 0, ddof=1), np.nan)
+        q1, med, q3 = np.nanquantile(v, [0.25, 0.5, 0.75], axis=0)
+    return {"n_rows": n, "mean": mean, "std": std, "q1": q1, "median": med, "q3": q3, "iqr": q3 - q1}

@@ -32,7 +32,7 @@ def test_rows_sum_to_one_and_future_is_zero(tiny_model):
     # weights are the softmax of the scores over visible keys
     torch.testing.assert_close(ap.scores.softmax(-1), ap.weights, atol=1e-6, rtol=0)
     q = ap.query_frame(Q - 1)
-    assert len(q) == H * Q and q.groupby("head")["weight"].sum().sub(1).abs().max() < 1e-5
+    assert len(q) == H * Q and q.groupby("head_idx")["weight"].sum().sub(1).abs().max() < 1e-5
 
 
 def test_article_prompt_tokens_and_query(gpt2_tokenizer_dir):
@@ -43,13 +43,22 @@ def test_article_prompt_tokens_and_query(gpt2_tokenizer_dir):
     m = make_tiny("gpt2", gpt2_tokenizer_dir, prepend_bos=False)
     res = tk.AttentionPattern(prompts="The capital of France is", layer=0, head=2, position="token: is").run(m)
     s = res.summary()
-    assert s["query_pos"] == 4 and s["query_token"] == " is"
-    assert s["tokens"] == ["The", " capital", " of", " France", " is"]
-    assert sum(s["weight_by_token"].values()) == pytest.approx(1.0, abs=1e-5)
-    assert s["row_sum"] == pytest.approx(1.0, abs=1e-5)
-    assert len(res.tables["heads"]) == m.cfg.n_heads
-    assert "layer 0 head 2" in res.report()
-    assert set(res.figures()) == {"query_row", "pattern", "all_heads"}
+    assert s["query_pos_by_row"] == [4] and s["query_token_by_row"] == [" is"]
+    assert res.tables["tokens"]["token"].tolist() == ["The", " capital", " of", " France", " is"]
+    assert s["keys"] == ["0", "1", "2", "3", "4"]  # keys: all (the prompts have no named positions)
+    assert sum(s["mean_attention_by_key"][k]["L0H2"] for k in s["keys"]) == pytest.approx(1.0, abs=1e-5)
+    assert s["max_abs_row_sum_error"] < 1e-5 and s["shown_heads"] == [[0, 2]]
+    assert len(res.tables["labels"]) == m.cfg.n_heads
+    assert "L0H2" in res.report()
+    assert set(res.figures()) == {"mean_attention", "patterns"}
+    # named token keys: the article's view (GPT-2 Small L0H6: France 35%, capital 35%, The 22%)
+    res = tk.AttentionPattern(prompts="The capital of France is", layer=0, head=2, position="token: is",
+                              keys=["token:The", "token: capital", "token: France"], scores=True).run(m)
+    s = res.summary()
+    assert s["keys"] == ["token:The", "token: capital", "token: France"]
+    pat = res.tables["pattern"].set_index(["head_idx", "key_pos"])
+    assert s["mean_attention_by_key"]["token: France"]["L0H2"] == pytest.approx(pat.loc[(2, 3), "weight"], abs=1e-6)
+    assert s["mean_score_by_key"]["token: capital"]["L0H2"] == pytest.approx(pat.loc[(2, 1), "score"], abs=1e-4)
 
 
 def test_resolve_position_and_errors(tiny_gpt2):
@@ -83,10 +92,14 @@ def test_retired_keys_name_the_new_ones():
 
     with pytest.raises(ValidationError, match="'prompt' was renamed to 'prompts'"):
         tk.AttentionPattern(prompt="a b", layer=0)
-    with pytest.raises(ValidationError, match="'query' was renamed to 'position'.*token: is"):
+    # `query` is the query position again (a dataset name, last, an index or token:<text>); a bare
+    # token string is refused with the token: hint under either name
+    with pytest.raises(ValidationError, match="query: ' is'.*token: is"):
         tk.AttentionPattern(prompts="a b", layer=0, query=" is")
     with pytest.raises(ValidationError, match="token: is"):
         tk.AttentionPattern(prompts="a is", layer=0, position=" is")
+    with pytest.raises(ValidationError, match="query or position"):
+        tk.AttentionPattern(prompts="a is", layer=0, position="last", query="last")
 
 
 @pytest.mark.parametrize("field,value", [("induction_threshold", float("inf")), ("induction_threshold", float("nan")),
@@ -135,11 +148,12 @@ def test_several_prompts(tiny_llama, tmp_path):
 
     prompts = ["The capital of France is", "Paris is the capital of France, it is"]
     res = tk.AttentionPattern(prompts=prompts, layer=1, position="token: is").run(tiny_llama)
-    assert sorted(res.tables["query"]["prompt_idx"].unique()) == [0, 1]
+    pat = res.tables["pattern"]
+    assert sorted(pat["row_id"].unique()) == [0, 1]
     one = tk.AttentionPattern(prompts=prompts[1], layer=1, position="token: is").run(tiny_llama)
-    q1 = res.tables["query"][res.tables["query"]["prompt_idx"] == 1].reset_index(drop=True)
-    assert q1["weight"].tolist() == one.tables["query"]["weight"].tolist()
-    assert q1["query_token"].iloc[0] == " is" and res.summary()["n_prompts"] == 2
+    q1 = pat[pat["row_id"] == 1].reset_index(drop=True)
+    assert q1["weight"].to_numpy() == pytest.approx(one.tables["pattern"]["weight"].to_numpy(), abs=1e-6)
+    assert q1["query_token"].iloc[0] == " is" and res.summary()["n_rows"] == 2
     res.save(tmp_path / "ap")
     assert tk.experiments.Result.load(tmp_path / "ap").summary() == res.summary()
 

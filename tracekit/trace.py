@@ -48,7 +48,7 @@ from .model.readout import Readout
 from .neurons import key_readout, value_readout
 from .tokens import single_token_id, str_tokens, token_text, tokenize
 
-__all__ = ["TraceTables", "token_trace", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
+__all__ = ["TraceTables", "token_trace", "TRACE_RENAMES", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
            "render_html", "render_markdown", "SECTIONS", "parse_head"]
 
 
@@ -392,6 +392,25 @@ def _device_name(model) -> Optional[str]:
 # the engine
 
 
+#: Columns of the trace's tables that would shadow a DataFrame attribute (``df.head``, ``df.rank``,
+#: ``df.first``), renamed as in every kind (tracekit.results.RENAMED_COLUMNS); ``rank`` is a vocabulary
+#: rank in the lens/final/analogy tables and a place in a top list elsewhere.
+TRACE_RENAMES: dict[str, str] = {
+    "head": "head_idx", "self": "self_weight", "first": "first_weight", "previous": "previous_weight",
+    "lens.rank": "vocab_rank", "final_topk.rank": "vocab_rank", "analogies.rank": "vocab_rank",
+    "nearest.rank": "top_rank", "neurons.rank": "top_rank", "neuron_values.rank": "top_rank",
+    "neuron_contexts.rank": "top_rank",
+}
+
+
+def _renamed(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    out = {}
+    for name, df in tables.items():
+        ren = {c: TRACE_RENAMES.get(f"{name}.{c}", TRACE_RENAMES.get(str(c))) for c in df.columns}
+        out[name] = df.rename(columns={c: n for c, n in ren.items() if n})
+    return out
+
+
 @torch.no_grad()
 def token_trace(
     model,
@@ -529,7 +548,7 @@ def token_trace(
     tables["params"], tables["kv_cache"], meta["cost"] = _cost(model, len(ids), _device_name(model))
     lap("cost")
     meta["timings_s"] = timings
-    return TraceTables(tables, meta)
+    return TraceTables(_renamed(tables), meta)
 
 
 # ---------------------------------------------------------------------------------------------

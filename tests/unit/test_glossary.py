@@ -11,7 +11,7 @@ import pytest
 from tracekit.config import yaml_load
 
 ROOT = Path(__file__).resolve().parents[2]
-RETIRED_KEYS = {"answer", "wrong", "incorrect", "positions", "query"}
+RETIRED_KEYS = {"answer", "wrong", "incorrect", "positions", "amplify"}
 RETIRED_DEFS = {"generic_activation_patch", "direct_logit_attribution", "AttentionPatterns", "HeadError",
                 "answer_prob", "answer_log_prob", "resolve_query"}
 

@@ -30,6 +30,7 @@ from ..tokens import single_token_id
 from ..trace import (
     ARTICLE,
     SECTIONS,
+    TRACE_RENAMES,
     fig_to_data_uri,
     parse_head,
     render_html,
@@ -76,6 +77,8 @@ class TokenTraceInputs:
 class TokenTraceResult(Result):
     """Result of :class:`TokenTrace`; ``html()`` / ``markdown()`` render the report."""
 
+    renamed_columns = TRACE_RENAMES
+
     config: "TokenTrace"
     main_table = "lens"
 
@@ -93,7 +96,7 @@ class TokenTraceResult(Result):
             "final_top1": fin["token"].iloc[0], "final_top1_prob": float(fin["prob"].iloc[0]),
             "final_topk_mass": m["final_topk_mass"],
             "target_prob_by_hidden_state": lens["prob"].round(6).tolist(),
-            "target_rank_by_hidden_state": lens["rank"].tolist(),
+            "target_rank_by_hidden_state": lens["vocab_rank"].tolist(),
             "jump_layer": m["jump_layer"], "jump": m["jump"], "emergence_hidden_state": m["emergence_hidden_state"],
             "emergence_layer": m["emergence_layer"], "logit": m["logit"], "components_sum": m["components_sum"],
             "attributed_logit": m.get("attributed", m["logit"]),
@@ -126,7 +129,7 @@ class TokenTraceResult(Result):
         nL, nH = int(m["n_layers"]), int(m["n_heads"])
         grid = np.zeros((nL * nH, len(toks)))
         for r in att.itertuples():
-            grid[r.layer * nH + r.head, r.key_pos] = r.weight
+            grid[r.layer * nH + r.head_idx, r.key_pos] = r.weight
         figs["attention_last_position"] = plotting.heatmap(
             grid, [repr(x)[1:-1][:10] for x in toks], [f"L{i // nH}H{i % nH}" for i in range(nL * nH)], vmin=0, vmax=1,
             title=f"Attention of the last token {toks[-1]!r} (every layer x head)", xlabel="key token",
@@ -159,7 +162,7 @@ class TokenTraceResult(Result):
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
         x = lens["hidden_state"].tolist()
         a1.plot(x, lens["prob"], marker="o", ms=3)
-        a2.plot(x, lens["rank"], marker="o", ms=3)
+        a2.plot(x, lens["vocab_rank"], marker="o", ms=3)
         a2.set_yscale("log"); a2.invert_yaxis()
         j = m.get("jump")
         for ax in (a1, a2):
@@ -246,8 +249,9 @@ class TokenTraceResult(Result):
         sa["figures"] += [fig("attention_last_position", "Attention, last position"), fig("head_scores", m["head"])]
         sa["tables"] += [tab(f"{m['head']}: scores and weights", "head_scores"),
                          tab("Head types (layer 0 and the jump block)", "head_types", 200,
-                             ht[ht["layer"].isin([0, m["ffn_layer"]])][["layer", "head", "type", "self", "first",
-                                                                           "previous", "entropy_norm"]])]
+                             ht[ht["layer"].isin([0, m["ffn_layer"]])][["layer", "head_idx", "type", "self_weight",
+                                                                           "first_weight", "previous_weight",
+                                                                           "entropy_norm"]])]
         if art:
             sa["article"].append("article L0H6 at ' is': scores France -5.20, capital -5.34, of -24.02; weights France "
                                  "35%, capital 35%, The 22%")

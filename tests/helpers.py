@@ -122,6 +122,33 @@ KIND_EXAMPLES.update({
 })
 
 
+#: Two dataset rows of different lengths, each with its own target, foil, corrupted prompt and named
+#: positions: every kind that reads prompts runs on them (tests/integration/test_kinds.py).
+DATASET_ROWS = [
+    {"prompt": "When Mary and John went to the store, John gave a drink to", "target": " Mary", "foil": " John",
+     "corrupted": "When Mary and John went to the store, Mary gave a drink to", "group": "ABBA",
+     "positions": {"IO": {"text": " Mary", "occurrence": 0}, "S1": {"text": " John", "occurrence": 0},
+                   "S2": {"text": " John", "occurrence": -1}, "END": -1}},
+    {"prompt": "Then, Tom and Anna met. Tom said to", "target": " Anna", "foil": " Tom",
+     "corrupted": "Then, Tom and Anna met. Anna said to", "group": "BABA",
+     "positions": {"IO": {"text": " Anna", "occurrence": 0}, "S1": {"text": " Tom", "occurrence": 0},
+                   "S2": {"text": " Tom", "occurrence": -1}, "END": -1}},
+]
+_ROWS = {"dataset": {"rows": DATASET_ROWS}}
+#: Each kind that reads prompts, on :data:`DATASET_ROWS` (per-row targets, named positions).
+KIND_DATASET_EXAMPLES: dict[str, dict] = {
+    "logit_lens": {**_ROWS, "position": "END"},
+    "direct_logit_attribution": {**_ROWS, "position": "END"},
+    "neuron_attribution": {**_ROWS, "position": "END", "layers": [1], "contexts": None, "ablation": {"n_random": 1}},
+    "attention_pattern": {**_ROWS, "query": "END", "keys": ["IO", "S1", "S2"]},
+    "activation_patching": {**_ROWS, "sites": ["head_out"], "directions": ["denoising"]},
+    "linear_probe": {"dataset": {"generator": "capitals", "label": "group", "group": "country",
+                                 "drop_small_classes": True}, "position": "SUBJ", "layers": [0, 1], "bootstrap": 20},
+    "token_trace": {**_ROWS, "row": 1, "key_max_tokens": 128, "top_neurons": 2, "key_contexts": 1},
+    "sae_features": {**_ROWS, "position": "END", "sae": {"train": TINY_SAE_TRAIN}, "top_k": 3},
+}
+
+
 def hook_keys(model) -> dict:
     """Every torch hook registered on every module (for before/after comparisons)."""
     from tracekit.hooks import _library_internal  # the libraries' own lazily wired hooks are not ours

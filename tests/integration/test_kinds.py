@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import tracekit as tk
-from helpers import KIND_EXAMPLES, hook_keys, make_tiny
+from helpers import KIND_DATASET_EXAMPLES, KIND_EXAMPLES, hook_keys, make_tiny
 from tracekit.experiments.base import REGISTRY, jsonable
+from tracekit.results import shadowing_columns
 
 
 def test_every_registered_kind_has_an_example():
@@ -47,6 +48,9 @@ def test_kind_roundtrip(kind, tmp_path):
     assert jsonable(back.summary()) == jsonable(summary)
     for k, v in res.arrays.items():
         assert torch.equal(v.cpu(), back.arrays[k])
+    for name, df in res.tables.items():
+        assert not shadowing_columns(df), f"{kind} table {name!r}: columns {shadowing_columns(df)} shadow DataFrame " \
+                                          "attributes (df.head is a method); rename them (tracekit.results)"
     figs = back.figures()
     for f in figs.values():
         f.canvas.draw()
@@ -75,3 +79,34 @@ def test_every_kind_in_one_config_leaves_no_state(tmp_path):
     assert _param_checksum(model) == before
     assert {f: getattr(model.cfg, f) for f in flags} == flags
     assert all(not getattr(m, "fwd_hooks", []) for m in model.modules())  # no TransformerLens hook left
+
+
+#: Kinds that read no prompts (they train or evaluate on a corpus).
+NO_ROWS = {"sae_train", "sae_eval", "head_scan"}
+
+
+def test_every_kind_that_reads_prompts_takes_a_dataset():
+    assert sorted(KIND_DATASET_EXAMPLES) == sorted(set(REGISTRY) - NO_ROWS)
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_DATASET_EXAMPLES))
+def test_kind_runs_on_a_dataset_with_per_row_targets(kind, tmp_path):
+    """Every kind on two rows of different lengths, each with its own target/foil and named positions:
+    check on a ModelInfo, run, save, load; per-row tables carry both rows' ids; no column shadows a
+    DataFrame attribute."""
+    model = make_tiny("gpt2", padding_side="left")
+    exp = REGISTRY[kind].model_validate({"kind": kind, **KIND_DATASET_EXAMPLES[kind]})
+    exp.check(tk.load_model_info(tk.model_spec_of(model).model_copy()))
+    res = exp.run(model, progress=False)
+    res.save(tmp_path / "r")
+    back = tk.Result.load(tmp_path / "r")
+    for name, df in res.tables.items():
+        assert not shadowing_columns(df), (kind, name, shadowing_columns(df))
+        pd.testing.assert_frame_equal(df.reset_index(drop=True), back.tables[name].reset_index(drop=True),
+                                      check_dtype=False)
+    if kind == "token_trace":
+        assert res.meta["row_id"] == 1
+    elif kind != "linear_probe":
+        assert "rows" in res.tables, f"{kind} writes no per-row table 'rows'"
+        assert sorted(set(res.tables["rows"]["row_id"])) == [0, 1]
+    json.dumps(jsonable(res.summary()))

@@ -131,8 +131,8 @@ def test_clean_is_one_corrupted_is_zero_and_full_layer0_patch(perturbed_model):
     full = df[(df["site"] == "resid_pre_layer") & (df["layer"] == 0) & (df["scope"] == "pair")]
     for m in ("logit_diff", "prob", "log_prob", "kl"):
         b = base[base["metric"] == m].iloc[0]
-        den = full[(full["direction"] == "denoising") & (full["metric"] == m)].iloc[0]
-        noi = full[(full["direction"] == "noising") & (full["metric"] == m)].iloc[0]
+        den = full[(full["intervention"] == "denoising") & (full["metric"] == m)].iloc[0]
+        noi = full[(full["intervention"] == "noising") & (full["metric"] == m)].iloc[0]
         # denoising the whole residual stream at layer 0 *is* the clean run; noising it, the corrupted run
         assert abs(den["value"] - b["clean"]) <= TOL
         assert abs(noi["value"] - b["corrupted"]) <= TOL
@@ -147,7 +147,7 @@ def test_noising_mirrors_denoising(tiny_gpt2):
     kw = {"sites": ["resid_pre", "head_out", "mlp_out"], "metrics": ["logit_diff", "prob"]}
     a = _exp(pairs=[PARIS], directions=["noising"], **kw).run(tiny_gpt2, progress=False).to_frame()
     b = _exp(pairs=[swapped], directions=["denoising"], **kw).run(tiny_gpt2, progress=False).to_frame()
-    key = ["site", "layer", "position", "head", "metric"]
+    key = ["site", "layer", "position", "head_idx", "metric"]
     a = a[a["scope"] == "pair"].sort_values(key).reset_index(drop=True)
     b = b[b["scope"] == "pair"].sort_values(key).reset_index(drop=True)
     assert len(a) == len(b) > 0
@@ -160,7 +160,7 @@ def test_pairs_of_different_lengths_equal_each_pair_alone(tiny_llama):
               "metrics": ["logit_diff", "kl"], "batch_size": 16}
     both = _exp(pairs=[PARIS, IOI], **kw).run(tiny_llama, progress=False).to_frame()
     assert both[both["scope"] == "mean"]["position"].isna().all()  # positions do not align across lengths
-    key = ["site", "layer", "position", "head", "metric"]
+    key = ["site", "layer", "position", "head_idx", "metric"]
     for i, p in enumerate([PARIS, IOI]):
         alone = _exp(pairs=[p], **kw).run(tiny_llama, progress=False).to_frame()
         alone = alone[alone["scope"] == "pair"].sort_values(key).reset_index(drop=True)
@@ -173,9 +173,9 @@ def test_ablations_run_and_zero_differs(tiny_gpt2):
     res = _exp(pairs=[PARIS, SPAIN, GERMANY], sites=["mlp_out"], directions=[], ablations=["zero", "mean", "resample"],
                metrics=["logit_diff"]).run(tiny_gpt2, progress=False)
     df = res.to_frame()
-    assert set(df["direction"]) == {"zero", "mean", "resample"}
+    assert set(df["intervention"]) == {"zero", "mean", "resample"}
     assert df["value"].notna().all()
-    z = df[(df["direction"] == "zero") & (df["scope"] == "pair")]
+    z = df[(df["intervention"] == "zero") & (df["scope"] == "pair")]
     base = res.tables["baselines"].set_index("pair")["clean"]
     # zeroing an MLP output at the last position changes the clean run
     assert (z["value"] - z["pair"].map(base)).abs().max() > 1e-6
@@ -216,7 +216,7 @@ def test_near_zero_denominator_is_flagged_not_divided(tiny_gpt2):
     flagged_rows = df[df["pair"] == 1]
     assert flagged_rows["normalized"].isna().all() and flagged_rows["flagged"].all()
     s = res.summary()
-    assert s["n_flagged"] == 1 and s["flagged_pairs"][0]["pair"] == 1
+    assert s["n_rows_flagged"] == 1 and s["flagged_rows"][0]["pair"] == 1 and s["flagged_rows"][0]["row_id"] == 1
     assert "FLAGGED" in res.report()
     # the mean rows use only the unflagged pair
     m = df[(df["scope"] == "mean")].sort_values(["layer", "position"])["value"].to_numpy()
@@ -264,7 +264,7 @@ def test_result_tables_figures_and_roundtrip(tiny_gpt2, tmp_path):
     res = _exp(pairs=[PARIS, SPAIN], sites=["block_every", "head_out", "head_out_by_pos"],
                directions=["denoising"], min_denominator=1e-6).run(tiny_gpt2, progress=False)
     df = res.to_frame()
-    assert {"site", "layer", "position", "head", "pair", "metric", "value", "normalized"} <= set(df.columns)
+    assert {"site", "layer", "position", "head_idx", "pair", "row_id", "metric", "value", "normalized"} <= set(df.columns)
     s = res.summary()
     assert len(s["top_sites"]) == 10 and "denoising/resid_pre" in s["top_by_site"]
     figs = res.figures()
@@ -376,7 +376,7 @@ def test_experiment_table_is_the_engine_result(tiny_llama):
                          t, f)
     df = res.tables["main"]
     for job in out.jobs:
-        rows = df[(df["scope"] == "pair") & (df["direction"] == job.mode) & (df["site"] == job.site.name)
+        rows = df[(df["scope"] == "pair") & (df["intervention"] == job.mode) & (df["site"] == job.site.name)
                   & (df["metric"] == "kl")]
         assert np.array_equal(np.sort(rows["value"].to_numpy()), np.sort(job.values[:, 1].numpy()))
     assert torch.equal(out.clean[:, 0], torch.tensor(res.tables["baselines"].query("metric == 'logit_diff'")
@@ -474,7 +474,7 @@ def test_mean_and_resample_use_other_prompts_aligned_from_the_end(tiny_model):
     for i, p in enumerate(pairs):
         n = clean_acts[i].shape[0]
         others = [a[-n:] for j, a in enumerate(clean_acts) if j != i and a.shape[0] >= n]
-        mean_rows = df[(df["direction"] == "mean") & (df["pair"] == i)]
+        mean_rows = df[(df["intervention"] == "mean") & (df["pair"] == i)]
         assert set(mean_rows["baseline_n"]) == {len(others)} and len(others) >= 2
         assert mean_rows["baseline_source"].isna().all()
         mean = torch.stack(others).mean(0)
@@ -485,7 +485,7 @@ def test_mean_and_resample_use_other_prompts_aligned_from_the_end(tiny_model):
         one = clean_acts[i].clone()
         one[-1] = mean[-1]
         assert abs(last - _patched_logit_diff(m, p["clean"], p["target"], p["foil"], hook, one)) <= TOL
-        rs = df[(df["direction"] == "resample") & (df["pair"] == i)]
+        rs = df[(df["intervention"] == "resample") & (df["pair"] == i)]
         (src,) = set(rs["baseline_source"])
         assert src != i and clean_acts[src].shape[0] >= n and set(rs["baseline_n"]) == {1}
         whole = rs[rs["site"] == "mlp_out_layer"]["value"].item()
@@ -503,11 +503,11 @@ def test_baseline_prompts_population(tiny_gpt2):
     hook = "blocks.1.hook_resid_pre"
     # 'Hi' is shorter than the pair and the last prompt *is* the pair's clean prompt: neither counts
     mean = (_acts(tiny_gpt2, pop[0], hook) + _acts(tiny_gpt2, pop[1], hook)) / 2
-    row = df[df["direction"] == "mean"]
+    row = df[df["intervention"] == "mean"]
     assert row["baseline_n"].item() == 2
     ref = _patched_logit_diff(tiny_gpt2, PARIS["clean"], " Paris", " Rome", hook, mean)
     assert abs(row["value"].item() - ref) <= TOL
-    assert df[df["direction"] == "resample"]["baseline_source"].item() in (0, 1)
+    assert df[df["intervention"] == "resample"]["baseline_source"].item() in (0, 1)
     assert res.meta["baseline_population"]["source"] == "baseline_prompts"
     with pytest.raises(ValueError, match="baseline_prompts"):
         _exp(pairs=[PARIS], baseline_prompts=pop)  # no ablation uses it

@@ -12,70 +12,162 @@ their own); this module is the YAML/notebook experiment around it::
     ).run(load_model())
     res.to_frame(); res.summary()["top_sites"]; res.figures()
 
+    # over a dataset: each row its own clean/corrupted prompt, target, foil and named positions
+    res = ActivationPatching(dataset={"generator": {"name": "ioi", "n": 8}}, sites=["head_out"]).run(load_model())
+    res.tables["rows"]              # one line per row: clean/corrupted logit difference, correct
+    res.summary()["mean_clean"]     # {metric: mean over rows}
+
+Rows come from ``pairs`` / ``pairs_file`` (``{clean, corrupted, target, foil}``) or from a
+``dataset`` (:class:`tracekit.dataset.DatasetSpec`: each row's ``prompt`` is the clean prompt,
+``corrupted`` the corrupted one, ``target``/``foil`` its own answers, ``positions`` its named
+positions); pairs become rows (``prompt`` = ``clean``) and every row then takes one code path.
+Rows of different token lengths are patched in separate equal-length groups (never padded), so a
+named position is each row's own token index.
+
 Sources: Meng et al. 2022 (ROME causal tracing); Wang et al. 2022 (IOI); Heimersheim & Nanda 2024
 ("How to use and interpret activation patching"); Zhang & Nanda 2023 (metrics).
 
-Tables:
+Tables (``pair`` = the row's index in the run, ``row_id`` = its id in the dataset):
 
-* ``main``: one row per direction x site x index (layer, position and/or head/neuron) x pair x
-  metric, plus rows averaged over pairs (``pair`` is <NA>, ``scope`` = ``mean``). ``value`` is the
-  raw metric of the patched run (``logit_diff`` in logits, ``prob`` in [0, 1], ``log_prob`` in
-  nats, ``kl`` in nats); ``normalized`` = ``(value - corrupted) / (clean - corrupted)`` (clean run 1,
-  corrupted run 0); NaN for a flagged pair. Mean rows average the raw values over unflagged pairs
-  and normalise the averages. Ablation rows carry ``baseline_n`` (prompts averaged by ``mean``; 1
-  for ``resample``) and ``baseline_source`` (the resampled prompt's index in the population).
-* ``baselines``: per pair and metric the clean and corrupted scores, their gap and ``flagged``.
-* ``tokens``: every prompt's tokens (pair, prompt ``clean``/``corrupted``, position, token).
+* ``main``: one line per intervention x site x index (layer, position and/or head/neuron) x row x
+  metric, plus lines averaged over rows (``pair``/``row_id`` <NA>, ``scope`` = ``mean``).
+  ``intervention`` is the patching direction (``denoising``, ``noising``) or the ablation
+  (``zero``, ``mean``, ``resample``) (renamed from ``direction``); ``head_idx`` the head (renamed
+  from ``head``); ``position`` the token index (BOS counted) and ``position_name`` the name of a
+  chosen position (``positions``). ``value`` is the raw metric of the patched run (``logit_diff``
+  in logits, ``prob`` in [0, 1], ``log_prob`` in nats, ``kl`` in nats); ``delta`` = ``value -
+  clean`` (metric units); ``normalized`` = ``(value - corrupted) / (clean - corrupted)`` (clean run
+  1, corrupted run 0; NaN for a flagged row and without corrupted prompts); ``effect`` =
+  ``normalized`` for denoising, ``1 - normalized`` otherwise. Mean lines average the raw values
+  over unflagged rows and normalise the averages (a ratio of means). Ablation lines carry
+  ``baseline_n`` (prompts averaged by ``mean``; 1 for ``resample``) and ``baseline_source`` (the
+  resampled prompt's index in the population).
+* ``rows``: one line per row: ``pair``, ``row_id``, the row's fields (``prompt``, ``target``,
+  ``foil``, ``corrupted``, ``group``, ``pos_<NAME>``, extra columns), ``n_tokens``,
+  ``clean_<metric>`` / ``corrupted_<metric>`` (``logit_diff`` whenever the rows have foils),
+  ``correct`` (``clean_logit_diff > 0``) and ``flagged`` (main metric).
+* ``baselines``: per row and metric the clean and corrupted scores, their gap and ``flagged``.
+* ``tokens``: every row's tokens (pair, row_id, prompt ``clean``/``corrupted``, position, token).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional, Union
 
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from .. import patching as P
+from ..core.errors import DatasetError
+from ..dataset import DatasetSpec, Example, PreparedDataset, Row
 from ..errors import PatchingError
-from ..tokens import check_length, encode, single_token_id
+from ..tokens import Position, check_length, encode, parse_position, single_token_id
 from .base import Experiment, Indices, OptionalPrompts, Result, register
 from .pairs import PromptPair, load_pairs
-from .patching_tables import baselines_frame, job_frame, normalise, tokens_frame
+from .patching_tables import baselines_frame, job_frame, normalise, rows_frame, tokens_frame
 
-__all__ = ["ActivationPatching", "ActivationPatchingInputs", "ActivationPatchingResult", "PromptPair", "load_pairs"]
+__all__ = ["ActivationPatching", "ActivationPatchingInputs", "ActivationPatchingResult", "PromptPair", "load_pairs",
+           "POSITION_SPEC_FORMS"]
 
 Direction = Literal["denoising", "noising"]
 Ablation = Literal["zero", "mean", "resample"]
+#: Forms a ``positions`` entry takes (:data:`tracekit.tokens.POSITION_FORMS`).
+POSITION_SPEC_FORMS = ("int", "last", "token:<text>", "name")
 
 
 @dataclass(frozen=True)
 class ActivationPatchingInputs:
-    """What :meth:`ActivationPatching.prepare` builds once: the pairs (read once from a pairs file),
-    per pair the target ids and (when every pair has them) the foil ids, the clean and corrupted
-    token ids (equal lengths per pair), and the baseline population's ids (None: the clean prompts)
-    with its name in errors and in the result's meta."""
+    """What :meth:`ActivationPatching.prepare` builds once.
 
-    pairs: tuple[PromptPair, ...]
+    Attributes:
+        data: the rows (pairs become rows with ``prompt`` = ``clean``), prepared for the model.
+        target_ids / foil_ids: per row the target ids and (when every row has them) the foil ids.
+        targets / foils: per row the answer texts (for the ``rows`` table).
+        clean_ids / corrupted_ids: per row the token ids (equal lengths per row; without corrupted
+            prompts, an ablation-only run, ``corrupted_ids`` repeats ``clean_ids``).
+        has_corrupted: the rows have corrupted prompts.
+        positions: per row the token index (BOS counted) of each chosen position, or None.
+        position_names: the chosen positions' names (``S2``, ``END``, ``-1``, ``token: is``).
+        baseline_ids: the ``mean``/``resample`` population's ids (None: the rows' clean prompts),
+            with its name in errors and in the result's meta.
+    """
+
+    data: PreparedDataset
     target_ids: tuple[tuple[int, ...], ...]
     foil_ids: tuple[tuple[int, ...], ...] | None
+    targets: tuple[tuple[str, ...], ...]
+    foils: tuple[tuple[str, ...], ...] | None
     clean_ids: tuple[tuple[int, ...], ...]
     corrupted_ids: tuple[tuple[int, ...], ...]
+    has_corrupted: bool
+    positions: tuple[tuple[int, ...], ...] | None
+    position_names: tuple[str, ...]
     baseline_ids: tuple[tuple[int, ...], ...] | None
     population_name: str
     population_source: str
 
+    @property
+    def row_ids(self) -> list[int]:
+        return [e.row_id for e in self.data.examples]
+
 
 class ActivationPatchingResult(Result):
-    """Result of :class:`ActivationPatching`: tables ``main``, ``baselines``, ``tokens``."""
+    """Result of :class:`ActivationPatching`: tables ``main``, ``rows``, ``baselines``, ``tokens``
+    (columns in the module docstring).
+
+    Summary keys (rows = the dataset rows patched, in the order of the ``rows`` table):
+
+    * ``n_rows``; ``row_id_by_row`` (each row's dataset id); ``dataset_source``; ``rows_dropped``
+      (why rows were dropped by the dataset, and how many).
+    * ``metrics``, ``main_metric``, ``interventions`` (the directions and ablations run),
+      ``sites``, ``positions`` (the chosen positions' names, or None: every position).
+    * ``mean_clean`` / ``mean_corrupted``: ``{metric: mean over rows}`` of the unpatched clean /
+      corrupted run's score (``mean_corrupted`` values are None without corrupted prompts).
+    * ``clean_logit_diff_by_row`` / ``corrupted_logit_diff_by_row`` (logits), ``correct_by_row``
+      (``clean_logit_diff > 0``) and ``share_rows_correct`` (the fraction of rows with it): None
+      without foils.
+    * ``flagged_rows`` (``{pair, row_id, metric, clean, corrupted}`` per row and metric whose gap
+      is below ``min_denominator``), ``n_rows_flagged`` / ``n_rows_unflagged`` (on the main metric),
+      ``metrics_with_flagged_mean`` (metrics whose mean-over-rows gap is below it).
+    * ``baseline_population`` (``mean``/``resample`` runs: its source and size).
+    * ``ranked_by``: ``effect`` (with corrupted prompts) or ``delta`` (ablation-only runs without
+      them). ``top_sites``: the ``top_k`` mean-over-rows lines of the main metric with the largest
+      |``ranked_by``|, as ``{intervention, site, layer, label, position, position_name, head_idx,
+      neuron, token, mean_value, mean_delta, mean_normalized, mean_effect}`` (``mean_value``: the
+      mean over unflagged rows of the patched score; ``mean_delta``: minus the mean clean score;
+      ``mean_normalized`` / ``mean_effect``: that mean normalised by the mean clean and corrupted
+      scores); ``top_by_site``: ``{"<intervention>/<site>": the top 3 such records}``.
+    """
 
     config: "ActivationPatching"
     main_table = "main"
+    #: ``direction`` held ablations too; ``head`` -> ``head_idx`` is global (tracekit.results.RENAMED_COLUMNS).
+    renamed_columns = {"main.direction": "intervention"}
+    #: Keys of summary() (pipelines check references against them before any model loads).
+    summary_keys = ("n_rows", "row_id_by_row", "dataset_source", "rows_dropped", "metrics", "main_metric",
+                    "interventions", "sites", "positions", "mean_clean", "mean_corrupted",
+                    "clean_logit_diff_by_row", "corrupted_logit_diff_by_row", "correct_by_row",
+                    "share_rows_correct", "flagged_rows", "n_rows_flagged", "n_rows_unflagged",
+                    "metrics_with_flagged_mean", "baseline_population", "ranked_by", "top_sites", "top_by_site")
+    table_names = ("main", "rows", "baselines", "tokens")
+    #: Why a summary value can be null (quoted when a pipeline reference resolves to null).
+    null_reasons = {
+        "share_rows_correct": "the rows have no foil, so there is no logit difference to call correct",
+        "positions": "no positions were chosen: position-indexed sites were patched at every position",
+    }
 
     # ---- helpers -------------------------------------------------------------------------
+    @property
+    def ranked_by(self) -> str:
+        """``effect`` (normalised against the corrupted run), or ``delta`` when the rows have no
+        corrupted prompt (an ablation-only run)."""
+        return "effect" if self.meta.get("has_corrupted", True) else "delta"
+
     def _mean_rows(self, metric: str | None = None) -> pd.DataFrame:
         df = self.tables["main"]
         df = df[df["scope"] == "mean"]
@@ -83,69 +175,107 @@ class ActivationPatchingResult(Result):
 
     def _site_label(self, r) -> str:
         parts = [f"L{int(r['layer'])}"]
-        if not pd.isna(r.get("head")):
-            parts.append(f"H{int(r['head'])}")
+        if not pd.isna(r.get("head_idx")):
+            parts.append(f"H{int(r['head_idx'])}")
         if not pd.isna(r.get("neuron")):
             parts.append(f"N{int(r['neuron'])}")
-        if not pd.isna(r.get("pos_from_end")):
+        name = r.get("position_name")
+        if isinstance(name, str):
+            parts.append(f"pos {name}")
+        elif not pd.isna(r.get("pos_from_end")):
             tok = r.get("token")
             parts.append(f"pos {int(r['position'])} {tok!r}" if not pd.isna(r.get("position"))
                          else f"pos {int(r['pos_from_end'])}")
         return " ".join(parts)
 
-    def top_sites(self, k: int | None = None, direction: str | None = None, site: str | None = None,
+    def top_sites(self, k: int | None = None, intervention: str | None = None, site: str | None = None,
                   metric: str | None = None) -> pd.DataFrame:
-        """Mean-over-pairs rows with the largest |effect| (ties: lower layer first). ``effect`` is
-        ``normalized`` for denoising and ``1 - normalized`` for noising and ablations (the damage)."""
+        """Mean-over-rows lines with the largest |effect| (|delta| without corrupted prompts; ties:
+        lower layer first). ``effect`` is ``normalized`` for denoising and ``1 - normalized`` for
+        noising and ablations (the damage)."""
         df = self._mean_rows(metric)
-        if direction is not None:
-            df = df[df["direction"] == direction]
+        if intervention is not None:
+            df = df[df["intervention"] == intervention]
         if site is not None:
             df = df[df["site"] == site]
-        df = df[df["effect"].notna()]
-        df = df.assign(_abs=df["effect"].abs()).sort_values(["_abs", "layer"], ascending=[False, True])
+        col = self.ranked_by
+        df = df[df[col].notna()]
+        df = df.assign(_abs=df[col].abs()).sort_values(["_abs", "layer"], ascending=[False, True])
         return df.drop(columns="_abs").head(k or self.config.top_k)
+
+    def _rows_table(self) -> pd.DataFrame:
+        """The ``rows`` table (results saved before it existed: built from ``baselines``)."""
+        if "rows" in self.tables:
+            return self.tables["rows"]
+        base = self.tables["baselines"]
+        wide = base.pivot(index="pair", columns="metric", values=["clean", "corrupted"]).sort_index()
+        df = pd.DataFrame({"pair": wide.index.to_numpy(), "row_id": wide.index.to_numpy()})
+        for (which, m) in wide.columns:
+            df[f"{which}_{m}"] = wide[(which, m)].to_numpy()
+        df["correct"] = (df["clean_logit_diff"] > 0) if "clean_logit_diff" in df else pd.NA
+        return df
 
     # ---- summary -------------------------------------------------------------------------
     def summary(self) -> dict:
         base = self.tables["baselines"]
+        rows = self._rows_table()
         cfg = self.config
+        dmeta = self.meta.get("dataset", {})
         out: dict = {
-            "n_pairs": int(base["pair"].nunique()),
+            "n_rows": int(len(rows)),
+            "row_id_by_row": [int(x) for x in rows["row_id"]],
+            "dataset_source": dmeta.get("source"),
+            "rows_dropped": dict(dmeta.get("dropped", {})),
             "metrics": list(cfg.metrics),
             "main_metric": cfg.main_metric,
-            "directions": sorted(self.tables["main"]["direction"].unique().tolist()),
+            "interventions": sorted(self.tables["main"]["intervention"].unique().tolist()),
             "sites": list(self.meta.get("sites", [])),
+            "positions": list(self.meta["positions"]) if self.meta.get("positions") else None,
         }
-        good = base[~base["flagged"]]
-        out["clean_mean"] = {m: float(g["clean"].mean()) for m, g in base.groupby("metric")}
-        out["corrupted_mean"] = {m: float(g["corrupted"].mean()) for m, g in base.groupby("metric")}
+
+        def mean_or_none(x) -> float | None:
+            x = pd.to_numeric(x, errors="coerce")
+            return None if x.isna().all() else float(x.mean())
+
+        out["mean_clean"] = {m: mean_or_none(g["clean"]) for m, g in base.groupby("metric")}
+        out["mean_corrupted"] = {m: mean_or_none(g["corrupted"]) for m, g in base.groupby("metric")}
+        has_ld = "clean_logit_diff" in rows
+        out["clean_logit_diff_by_row"] = [float(x) for x in rows["clean_logit_diff"]] if has_ld else None
+        out["corrupted_logit_diff_by_row"] = ([None if pd.isna(x) else float(x) for x in rows["corrupted_logit_diff"]]
+                                              if has_ld else None)
+        out["correct_by_row"] = [bool(x) for x in rows["correct"]] if has_ld else None
+        out["share_rows_correct"] = float(np.mean(out["correct_by_row"])) if has_ld and len(rows) else None
         flagged = base[base["flagged"]]
-        out["flagged_pairs"] = [{"pair": int(r.pair), "metric": r.metric, "clean": float(r.clean),
-                                 "corrupted": float(r.corrupted)} for r in flagged.itertuples()]
-        out["n_flagged"] = int(flagged[flagged["metric"] == cfg.main_metric]["pair"].nunique())
-        out["n_unflagged_pairs"] = int(good[good["metric"] == cfg.main_metric]["pair"].nunique())
-        if "baseline_population" in self.meta:
-            out["baseline_population"] = self.meta["baseline_population"]
+        rid = "row_id" if "row_id" in base else "pair"
+        out["flagged_rows"] = [{"pair": int(r["pair"]), "row_id": int(r[rid]), "metric": r["metric"],
+                                "clean": float(r["clean"]), "corrupted": float(r["corrupted"])}
+                               for _, r in flagged.iterrows()]
+        main_base = base[base["metric"] == cfg.main_metric]
+        out["n_rows_flagged"] = int(main_base["flagged"].sum())
+        out["n_rows_unflagged"] = int((~main_base["flagged"]).sum())
         mrows = self.tables["main"][self.tables["main"]["scope"] == "mean"]
-        out["mean_flagged_metrics"] = sorted(mrows[mrows["flagged"].astype(bool)]["metric"].unique().tolist())
+        out["metrics_with_flagged_mean"] = sorted(mrows[mrows["flagged"].astype(bool)]["metric"].unique().tolist())
+        out["baseline_population"] = self.meta.get("baseline_population")
+        out["ranked_by"] = self.ranked_by
 
         def rec(r) -> dict:
-            d = {"direction": r["direction"], "site": r["site"], "layer": int(r["layer"]),
-                 "label": self._site_label(r), "effect": round(float(r["effect"]), 6),
-                 "normalized": round(float(r["normalized"]), 6),
-                 "value": round(float(r["value"]), 6)}
-            for c in ("position", "head", "neuron"):
+            d = {"intervention": r["intervention"], "site": r["site"], "layer": int(r["layer"]),
+                 "label": self._site_label(r)}
+            for c in ("value", "delta", "normalized", "effect"):
+                v = r.get(c)
+                d[f"mean_{c}"] = None if pd.isna(v) else round(float(v), 6)
+            for c in ("position", "head_idx", "neuron"):
                 if not pd.isna(r.get(c)):
                     d[c] = int(r[c])
-            if not pd.isna(r.get("token")):
-                d["token"] = r["token"]
+            for c in ("position_name", "token"):
+                if isinstance(r.get(c), str):
+                    d[c] = r[c]
             return d
 
         out["top_sites"] = [rec(r) for _, r in self.top_sites().iterrows()]
         by = {}
-        for (d, s), _ in self._mean_rows().groupby(["direction", "site"], sort=True):
-            top = self.top_sites(k=3, direction=d, site=s)
+        for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):
+            top = self.top_sites(k=3, intervention=d, site=s)
             by[f"{d}/{s}"] = [rec(r) for _, r in top.iterrows()]
         out["top_by_site"] = by
         return out
@@ -153,22 +283,36 @@ class ActivationPatchingResult(Result):
     def report(self) -> str:
         s = self.summary()
         cfg = self.config
-        lines = [(f"activation patching [{cfg.step_name}]: {s['n_pairs']} pair(s), sites {s['sites']}, "
-                  f"directions {s['directions']}")]
+        pos = f", positions {s['positions']}" if s["positions"] else ""
+        lines = [(f"activation patching [{cfg.step_name}]: {s['n_rows']} row(s) from {s['dataset_source']}, "
+                  f"sites {s['sites']}{pos}, interventions {s['interventions']}")]
+        if s["rows_dropped"]:
+            lines.append("  rows dropped: " + ", ".join(f"{k}: {v}" for k, v in s["rows_dropped"].items()))
         base = self.tables["baselines"]
         for m in cfg.metrics:
             b = base[base["metric"] == m]
-            lines.append(f"  {m:10s} clean {b['clean'].mean():+.4f}  corrupted {b['corrupted'].mean():+.4f}"
-                         f"  (mean over pairs; flagged {int(b['flagged'].sum())})")
-        if s["flagged_pairs"]:
+            corr = f"{b['corrupted'].mean():+.4f}" if b["corrupted"].notna().any() else "(no corrupted prompts)"
+            lines.append(f"  {m:10s} clean {b['clean'].mean():+.4f}  corrupted {corr}"
+                         f"  (mean over rows; flagged {int(b['flagged'].sum())})")
+        if s["share_rows_correct"] is not None:
+            lines.append(f"  correct (clean logit_diff > 0): {s['share_rows_correct']:.2%} of rows")
+        if s["flagged_rows"]:
             lines.append(f"  FLAGGED (|clean - corrupted| < {cfg.min_denominator}): "
-                         + ", ".join(f"pair {f['pair']} {f['metric']}" for f in s["flagged_pairs"]))
-        lines.append(f"top sites by |effect| on {cfg.main_metric} (effect = normalized for denoising, "
-                     "1 - normalized for noising/ablations; normalized: 1 = clean, 0 = corrupted):")
-        lines.append(f"  {'effect':>8} {'normalized':>10}  {'direction':10s} {'site':18s} index")
+                         + ", ".join(f"row {f['row_id']} {f['metric']}" for f in s["flagged_rows"]))
+        if s["ranked_by"] == "effect":
+            lines.append(f"top sites by |effect| on {cfg.main_metric}, mean over rows (effect = normalized for "
+                         "denoising, 1 - normalized for noising/ablations; normalized: 1 = clean, 0 = corrupted):")
+        else:
+            lines.append(f"top sites by |delta| = |patched - clean| on {cfg.main_metric}, mean over rows (no "
+                         "corrupted prompts: nothing to normalise against):")
+        lines.append(f"  {'effect':>8} {'normalized':>10} {'delta':>9}  {'intervention':12s} {'site':18s} index")
+
+        def num(v, w):
+            return f"{v:+{w}.4f}" if v is not None else f"{'-':>{w}}"
+
         for t in s["top_sites"]:
-            lines.append(f"  {t['effect']:+8.4f} {t['normalized']:+10.4f}  {t['direction']:10s} {t['site']:18s} "
-                         f"{t['label']}")
+            lines.append(f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
+                         f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
         return "\n".join(lines)
 
     # ---- figures -------------------------------------------------------------------------
@@ -185,6 +329,10 @@ class ActivationPatchingResult(Result):
         clean_t = t0[t0["prompt"] == "clean"].set_index("position")["token"]
         corr_t = t0[t0["prompt"] == "corrupted"].set_index("position")["token"]
         equal_len = bool(self.meta.get("equal_lengths", True))
+        named = bool(self.meta.get("positions"))
+        value_col = "normalized" if self.ranked_by == "effect" else "delta"
+        value_label = (f"normalized {self.config.main_metric}: 1 = clean, 0 = corrupted" if value_col == "normalized"
+                       else f"{self.config.main_metric} patched - clean")
 
         def pos_label(pfe) -> str:
             n = len(clean_t)
@@ -195,35 +343,45 @@ class ActivationPatchingResult(Result):
             lab = repr(a)[1:-1] if a == b else f"{repr(a)[1:-1]}/{repr(b)[1:-1]}"
             return f"{lab[:14]} ({p})"
 
-        for (d, site), g in df.groupby(["direction", "site"], sort=True):
+        names = list(self.meta.get("positions") or [])
+        order = {n: i for i, n in enumerate(names)}
+
+        def ptick(p) -> str:
+            """Tick label of a ``_pos`` value: the position's name (chosen positions, by slot) or
+            its token (position from the end)."""
+            return names[int(p)] if named else pos_label(p)
+
+        for (d, site), g in df.groupby(["intervention", "site"], sort=True):
             axes = P.SITES[site].axes
             g = g.copy()
             g["layer"] = g["layer"].astype(int)
+            if named and "pos" in axes:
+                g["_pos"] = g["position_name"].map(order)
+            elif "pos" in axes:
+                g["_pos"] = g["pos_from_end"]
             if axes == ("pos",) or axes == ():
-                col = "pos_from_end" if axes else None
+                col = "_pos" if axes else None
                 if col is None:
                     g["_c"] = 0
                     col = "_c"
-                piv = g.pivot_table(index="layer", columns=col, values="normalized", aggfunc="mean")
-                xl = [pos_label(c) for c in piv.columns] if axes else ["all positions"]
-                xlabel = "position (token)"
+                piv = g.pivot_table(index="layer", columns=col, values=value_col, aggfunc="mean")
+                xl = [ptick(c) for c in piv.columns] if axes else ["all positions"]
+                xlabel = "position (token)" if not named else "position (named, per row)"
             elif axes == ("head",):
-                piv = g.pivot_table(index="layer", columns="head", values="normalized", aggfunc="mean")
+                piv = g.pivot_table(index="layer", columns="head_idx", values=value_col, aggfunc="mean")
                 xl = [str(int(c)) for c in piv.columns]
                 xlabel = "head" + (" (key/value head)" if P.SITES[site].kv_heads else "")
             elif axes == ("pos", "head"):
-                piv = g.pivot_table(index="layer", columns=["pos_from_end", "head"], values="normalized",
-                                    aggfunc="mean")
-                xl = [f"{pos_label(p)} H{int(h)}" if int(h) == 0 else f"H{int(h)}" for p, h in piv.columns]
+                piv = g.pivot_table(index="layer", columns=["_pos", "head_idx"], values=value_col, aggfunc="mean")
+                xl = [f"{ptick(p)} H{int(h)}" if int(h) == 0 else f"H{int(h)}" for p, h in piv.columns]
                 xlabel = "position (token) x head"
             elif axes == ("neuron",):
-                piv = g.pivot_table(index="layer", columns="neuron", values="normalized", aggfunc="mean")
+                piv = g.pivot_table(index="layer", columns="neuron", values=value_col, aggfunc="mean")
                 xl = None
                 xlabel = "neuron"
             else:  # ("pos", "neuron")
-                piv = g.pivot_table(index=["layer", "pos_from_end"], columns="neuron", values="normalized",
-                                    aggfunc="mean")
-                piv.index = [f"L{int(L)} {pos_label(p)}" for L, p in piv.index]
+                piv = g.pivot_table(index=["layer", "_pos"], columns="neuron", values=value_col, aggfunc="mean")
+                piv.index = [f"L{int(L)} {ptick(p)}" for L, p in piv.index]
                 xl = None
                 xlabel = "neuron"
             grid = piv.to_numpy(dtype=float)
@@ -241,8 +399,8 @@ class ActivationPatchingResult(Result):
             ax.set_ylabel("layer")
             what = {"denoising": "clean -> corrupted run", "noising": "corrupted -> clean run"}.get(
                 d, f"{d} ablation of the clean run")
-            ax.set_title(f"{site} patching, {d} ({what})\nnormalized {self.config.main_metric}: "
-                         "1 = clean, 0 = corrupted", fontsize=9)
+            n_rows = int(self.tables["baselines"]["pair"].nunique())
+            ax.set_title(f"{site} patching, {d} ({what}), mean over {n_rows} row(s)\n{value_label}", fontsize=9)
             fig.colorbar(im, ax=ax, fraction=0.03)
             fig.tight_layout()
             figs[f"{d}_{site}"] = fig
@@ -251,25 +409,36 @@ class ActivationPatchingResult(Result):
 
 @register
 class ActivationPatching(Experiment):
-    """Activation patching over prompt pairs, every site, both directions, with ablation baselines.
+    """Activation patching over prompt pairs or a dataset, every site, both directions, with
+    ablation baselines.
 
     Fields:
         pairs: inline prompt pairs (:class:`PromptPair`: ``clean``, ``corrupted``, ``target``, ``foil``).
         pairs_file: or a ``.jsonl``/``.json``/``.csv`` file of pairs (relative to the working directory).
+        dataset: or a dataset (:class:`tracekit.dataset.DatasetSpec`: ``rows``, ``path`` or
+            ``generator``, e.g. ``{generator: {name: ioi, n: 8}}``): per row ``prompt`` (the clean
+            prompt), ``corrupted`` (required by ``directions``; a run of only the ablations ``zero``/
+            ``mean``/``resample`` needs none), ``target``, ``foil`` (required by ``logit_diff``) and
+            named ``positions``. Exactly one of ``pairs``, ``pairs_file``, ``dataset``.
         sites: site names or groups (``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_out``,
             ``mlp_out``, ``head_out``, ``head_q|k|v``, ``head_pattern`` (each also ``_by_pos``),
             ``neuron``/``neuron_by_pos``, ``resid_pre_layer``, ...; groups ``block_every``,
             ``resid_every``, ``heads_every``, ``heads_every_by_pos``). See :mod:`tracekit.patching`.
+        positions: patch position-indexed sites (``resid_*``, ``attn_out``, ``mlp_out``,
+            ``*_by_pos``, ``neuron_by_pos``) only at these positions, each resolved per row: a name
+            of the dataset's positions (``S2``, ``END``: each row's own index), an index (BOS counted;
+            ``-1`` = the last token), ``last`` or ``token:<text>``. Default: every position. Sites
+            without a position axis (``head_out``, ``*_layer``) are unaffected.
         directions: ``denoising`` (clean activation into the corrupted run) and/or ``noising``.
         ablations: baselines on the clean run: ``zero``, ``mean`` (the site's mean over the baseline
-            population, other than the pair's own clean prompt, aligned by position from the end;
-            at least 2 such prompts at least as long as the pair), ``resample`` (the site from one
+            population, other than the row's own clean prompt, aligned by position from the end;
+            at least 2 such prompts at least as long as the row), ``resample`` (the site from one
             other prompt of the population, drawn with ``seed``). Table columns ``baseline_n`` and
             ``baseline_source`` record the population size and the resampled prompt.
-        baseline_prompts: the baseline population of ``mean``/``resample`` (default: every pair's
+        baseline_prompts: the baseline population of ``mean``/``resample`` (default: every row's
             clean prompt; ``baseline_source`` indexes this list).
-        metrics: any of ``logit_diff``, ``prob``, ``log_prob``, ``kl`` (:mod:`tracekit.metrics`);
-            ``main_metric`` ranks sites and colours the heatmaps.
+        metrics: any of ``logit_diff``, ``prob``, ``log_prob``, ``kl`` (:mod:`tracekit.metrics`),
+            each scored against the row's own target/foil.
         main_metric: the metric (one of ``metrics``) that ranks sites in the summary and colours the
             heatmaps (default ``logit_diff``).
         layers: block indices to patch (default all; negative from the end); ``neuron_layers``/``neurons``
@@ -278,15 +447,20 @@ class ActivationPatching(Experiment):
             ``neuron``/``neuron_by_pos`` sites (negative from the end); required when a neuron site is listed.
         neurons: neuron indices ``0 .. d_mlp-1`` patched in each of ``neuron_layers`` (default: all).
         seed: seed of the ``resample`` ablation's draw of the other prompt (default 0).
-        min_denominator: a pair whose |clean - corrupted| score is below this is flagged and gets
+        min_denominator: a row whose |clean - corrupted| score is below this is flagged and gets
             NaN normalised values (never a division by ~0).
         batch_size: variants per replay batch or ``auto`` (free memory); halves on out-of-memory.
         skip_unchanged: bit-exact no-op patches take the cached run's score (exact, faster).
         top_k: sites listed in the summary.
 
+    Summary keys and tables: :class:`ActivationPatchingResult`.
+
     Raises (from :meth:`check`, before any model work):
-        TokenizationError: a target/foil that is not one token, or a pair whose prompts tokenize to
-            different lengths (both tokenizations are shown side by side).
+        TokenizationError: a pair's target/foil that is not one token, or a pair whose prompts
+            tokenize to different lengths (both tokenizations are shown side by side).
+        DatasetError: a dataset row that cannot be used, naming it: no target, no foil for
+            ``logit_diff``, no corrupted prompt for a direction, a corrupted prompt of another
+            length, a named position it does not have.
         PatchingError: missing foils for ``logit_diff``, layers/neurons out of range, a baseline
             population too small for ``mean``/``resample``; the field is named.
     """
@@ -294,7 +468,9 @@ class ActivationPatching(Experiment):
     kind: Literal["activation_patching"] = "activation_patching"
     pairs: list[PromptPair] = Field(default_factory=list)
     pairs_file: str | None = None
+    dataset: Optional[DatasetSpec] = None
     sites: list[str] = Field(default_factory=lambda: ["block_every"])
+    positions: Optional[list[Union[int, str]]] = None
     directions: list[Direction] = Field(default_factory=lambda: ["denoising"])
     ablations: list[Ablation] = Field(default_factory=list)
     baseline_prompts: OptionalPrompts = Field(default_factory=list)
@@ -319,13 +495,36 @@ class ActivationPatching(Experiment):
             raise ValueError("batch_size must be >= 1 or 'auto'")
         return v
 
+    @field_validator("positions", mode="before")
+    @classmethod
+    def _positions(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, (str, int)):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("positions: give a non-empty list (e.g. [S2, END] or [-1])")
+        labels = []
+        for i, p in enumerate(v):
+            labels.append(str(parse_position(p, POSITION_SPEC_FORMS, f"positions[{i}]")))
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"positions: {dup} given twice")
+        return v
+
+    @field_serializer("dataset")
+    def _dataset_json(self, v: Optional[DatasetSpec]):
+        # only the options given: a generator's options for other generators are refused on reload
+        return None if v is None else v.model_dump(mode="json", exclude_unset=True)
+
     @model_validator(mode="after")
     def _consistent(self):
-        if not self.pairs and not self.pairs_file:
-            raise ValueError("give prompt pairs: 'pairs' (a list of {clean, corrupted, target, foil}) or "
-                             "'pairs_file' (.jsonl/.json/.csv)")
-        if self.pairs and self.pairs_file:
-            raise ValueError("give either 'pairs' or 'pairs_file', not both")
+        given = [k for k in ("pairs", "pairs_file", "dataset") if getattr(self, k)]
+        if not given:
+            raise ValueError("give the rows: 'pairs' (a list of {clean, corrupted, target, foil}), 'pairs_file' "
+                             "(.jsonl/.json/.csv) or 'dataset' ({rows: ...}, {path: ...} or {generator: ioi})")
+        if len(given) > 1:
+            raise ValueError(f"give one of 'pairs', 'pairs_file', 'dataset', not {' and '.join(given)}")
         if self.main_metric not in self.metrics:
             raise ValueError(f"main_metric {self.main_metric!r} must be one of metrics {self.metrics}")
         if not self.directions and not self.ablations:
@@ -340,10 +539,17 @@ class ActivationPatching(Experiment):
         if any(s.startswith("neuron") for s in sites) and not self.neuron_layers:
             raise ValueError("sites include neurons: set neuron_layers (e.g. [20, 21]) to choose the layers "
                              "whose MLP neurons are patched")
+        if self.positions and not any("pos" in P.SITES[s].axes for s in sites):
+            raise ValueError(f"positions: none of the sites {sites} is indexed by position (positions restrict "
+                             "resid_*, attn_out, mlp_out, *_by_pos and neuron_by_pos sites); remove positions or "
+                             "add such a site")
         return self
 
     # ---- input handling ------------------------------------------------------------------
     def all_pairs(self) -> list[PromptPair]:
+        """The inline ``pairs`` or those read from ``pairs_file`` ([] with a ``dataset``)."""
+        if self.dataset is not None:
+            return []
         return list(self.pairs) if self.pairs else load_pairs(self.pairs_file)
 
     @property
@@ -371,10 +577,87 @@ class ActivationPatching(Experiment):
             raise PatchingError("pairs[*].target: every pair needs the same number of target tokens")
         return tids, (fids if all(fids) else None)
 
+    def _pair_rows(self, model) -> tuple[PreparedDataset, list[list[int]], list[list[int]] | None]:
+        """The pairs as prepared rows (``prompt`` = ``clean``), each prompt tokenized once, with the
+        pairs' own errors (side-by-side tokenizations, ``pairs[i].target``)."""
+        pairs = self.all_pairs()
+        field = "pairs" if self.pairs else f"pairs_file ({self.pairs_file})"
+        tids, fids = self._token_ids(model, pairs)
+        ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs], field=field)
+        n_bos = len(encode(model, ""))  # 1 when the model spec prepends a BOS
+        examples = []
+        for i, (p, (c, x)) in enumerate(zip(pairs, ids)):
+            check_length(model, c, f"{field}[{i}]", p.clean)
+            one = len(p.targets) == 1 and len(p.foils) <= 1
+            extra = {} if one else {"targets": json.dumps(p.targets), "foils": json.dumps(p.foils)}
+            row = Row(prompt=p.clean, corrupted=p.corrupted, target=p.targets[0] if one else None,
+                      foil=(p.foils[0] if p.foils else None) if one else None, **extra)
+            examples.append(Example(i, row, tuple(c), tids[i][0] if one else None,
+                                    fids[i][0] if one and fids is not None else None, {}, tuple(x), n_bos))
+        source = "pairs" if self.pairs else str(self.pairs_file)
+        return PreparedDataset(tuple(examples), source), tids, fids
+
+    def _dataset_rows(self, model) -> tuple[PreparedDataset, list[list[int]], list[list[int]] | None]:
+        """The dataset's rows, each with its own target (required) and foil (required by
+        ``logit_diff``; used by every metric only when every row has one)."""
+        data = self.dataset.prepare(model, "dataset")
+        for e in data.examples:
+            if e.target_id is None:
+                raise DatasetError(f"dataset row {e.row_id} ({e.prompt[:60]!r}): no target; activation patching "
+                                   "scores each row's own target (and foil): add target to every row")
+            if e.foil_id is None and "logit_diff" in self.metrics:
+                raise DatasetError(f"dataset row {e.row_id} ({e.prompt[:60]!r}): no foil; the logit_diff metric "
+                                   "needs each row's foil (e.g. the corrupted prompt's answer): add foil to every "
+                                   "row or drop logit_diff from metrics")
+        tids = [[e.target_id] for e in data.examples]
+        has_foils = all(e.foil_id is not None for e in data.examples)
+        return data, tids, ([[e.foil_id] for e in data.examples] if has_foils else None)
+
+    def _corrupted(self, data: PreparedDataset) -> bool:
+        """Whether the rows have corrupted prompts (all or none).
+
+        Raises:
+            DatasetError: a row without one in a run with directions (which need it), or some rows
+                with and some without in an ablation-only run; naming the row.
+        """
+        missing = [e for e in data.examples if e.corrupted_ids is None]
+        if not missing:
+            return True
+        e = missing[0]
+        where = f"dataset row {e.row_id} ({e.prompt[:60]!r})"
+        if self.directions:
+            raise DatasetError(f"{where}: no corrupted prompt; the directions {list(self.directions)} patch between "
+                               "each row's prompt and its corrupted prompt (same token length): add corrupted to "
+                               "every row, or run only the ablations zero/mean/resample (directions: [])")
+        if len(missing) < len(data):
+            raise DatasetError(f"{where}: no corrupted prompt, while other rows have one; give every row a "
+                               "corrupted prompt (normalised effects) or none (an ablation-only run scored by delta)")
+        return False
+
+    def _resolve_positions(self, model, data: PreparedDataset) -> tuple[list[list[int]] | None, list[str]]:
+        """Per row the token index (BOS counted) of each of ``positions``, and their names.
+
+        Raises:
+            DatasetError: a named position a row does not have (naming the row).
+            TokenizationError: an index or text not in a row's prompt.
+        """
+        if not self.positions:
+            return None, []
+        cols, names = [], []
+        for i, spec in enumerate(self.positions):
+            pos: Position = parse_position(spec, POSITION_SPEC_FORMS, f"positions[{i}]")
+            names.append(str(pos))
+            if pos.kind == "name":
+                cols.append(data.position(str(pos.text), f"positions[{i}]"))
+            else:
+                cols.append([pos.resolve(model, e.prompt, e.ids, f"positions[{i}] (row {e.row_id})")[0]
+                             for e in data.examples])
+        return [list(r) for r in zip(*cols)], names
+
     def _population(self, model) -> tuple[tuple[tuple[int, ...], ...] | None, str, str]:
         """``(baseline ids or None, population name for errors, population name for meta)``."""
         if not self.baseline_prompts:
-            return None, "the pairs' clean prompts", "pairs.clean"
+            return None, "the rows' clean prompts", "rows.prompt"
         ids = []
         for i, text in enumerate(self.baseline_prompts):
             seq = encode(model, text)
@@ -383,21 +666,32 @@ class ActivationPatching(Experiment):
         return tuple(ids), "baseline_prompts", "baseline_prompts"
 
     def prepare(self, model) -> ActivationPatchingInputs:
-        """Load the pairs, resolve target/foil ids, tokenize every clean/corrupted prompt (equal
-        lengths required) and the baseline population (tokenizer only: works on a
-        :class:`tracekit.model.ModelInfo`)."""
-        pairs = self.all_pairs()
-        field = "pairs" if self.pairs else f"pairs_file ({self.pairs_file})"
-        tids, fids = self._token_ids(model, pairs)
-        ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs], field=field)
-        for i, (c, _) in enumerate(ids):
-            check_length(model, c, f"{field}[{i}]", pairs[i].clean)
+        """The rows (the dataset, or the pairs as rows), their target/foil ids, clean and corrupted
+        token ids (equal lengths per row), chosen positions per row and the baseline population
+        (tokenizer only: works on a :class:`tracekit.model.ModelInfo`; a dataset's ``filter:
+        correct`` then waits for the run)."""
+        if self.dataset is not None:
+            data, tids, fids = self._dataset_rows(model)
+        else:
+            data, tids, fids = self._pair_rows(model)
+        has_corr = self._corrupted(data)
+        positions, names = self._resolve_positions(model, data)
         pop, pop_name, pop_meta = self._population(model)
+
+        def texts(e: Example, which: str) -> tuple[str, ...]:
+            many = e.row.extra.get(which + "s")
+            return tuple(json.loads(many)) if many is not None else (getattr(e.row, which),)
+
         return ActivationPatchingInputs(
-            pairs=tuple(pairs), target_ids=tuple(tuple(t) for t in tids),
+            data=data, target_ids=tuple(tuple(t) for t in tids),
             foil_ids=None if fids is None else tuple(tuple(f) for f in fids),
-            clean_ids=tuple(tuple(c) for c, _ in ids), corrupted_ids=tuple(tuple(x) for _, x in ids),
-            baseline_ids=pop, population_name=pop_name, population_source=pop_meta)
+            targets=tuple(texts(e, "target") for e in data.examples),
+            foils=None if fids is None else tuple(texts(e, "foil") for e in data.examples),
+            clean_ids=tuple(e.ids for e in data.examples),
+            corrupted_ids=tuple(e.corrupted_ids if e.corrupted_ids is not None else e.ids for e in data.examples),
+            has_corrupted=has_corr,
+            positions=None if positions is None else tuple(tuple(r) for r in positions),
+            position_names=tuple(names), baseline_ids=pop, population_name=pop_name, population_source=pop_meta)
 
     def check(self, model) -> ActivationPatchingInputs:
         """:meth:`prepare`, then the layers, neurons and baseline population (tokenizer and config
@@ -424,34 +718,49 @@ class ActivationPatching(Experiment):
         tids = [list(t) for t in inputs.target_ids]
         fids = None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids]
         clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
-        ids = list(zip(clean_ids, corr_ids))
+        row_ids = inputs.row_ids
         pop = None if inputs.baseline_ids is None else [list(b) for b in inputs.baseline_ids]
-        pop_meta = inputs.population_source
         sites = P.expand_sites(self.sites)
         n_layers = int(model.cfg.n_layers)
         modes = self.modes
         lengths = [len(c) for c in clean_ids]
-        total = P.count_variants(model, lengths, sites, len(modes), self.layers, self.neuron_layers, self.neurons)
+        positions = None if inputs.positions is None else [list(p) for p in inputs.positions]
+        # the rows table reports each row's logit difference whenever the rows have foils
+        metrics = list(self.metrics) + (["logit_diff"] if fids is not None and "logit_diff" not in self.metrics
+                                        else [])
+        total = P.count_variants(model, lengths, sites, len(modes), self.layers, self.neuron_layers, self.neurons,
+                                 n_positions=None if positions is None else len(positions[0]))
         bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
         try:
-            out = P.run_patching(model, clean_ids, corr_ids, sites, modes, list(self.metrics), tids, fids,
+            out = P.run_patching(model, clean_ids, corr_ids, sites, modes, metrics, tids, fids,
                                  layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
                                  baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
-                                 skip_unchanged=self.skip_unchanged, progress=bar.update)
+                                 skip_unchanged=self.skip_unchanged, progress=bar.update, positions=positions)
         finally:
             bar.close()
 
-        tokens_df = tokens_frame(model, ids)
-        baselines = baselines_frame(out, len(inputs.pairs), self.min_denominator)
-        frames = [job_frame(job, tokens_df, list(self.metrics)) for job in out.jobs]
+        n = len(clean_ids)
+        tokens_df = tokens_frame(model, list(zip(clean_ids, corr_ids)), row_ids)
+        scored = baselines_frame(out, n, self.min_denominator, row_ids, inputs.has_corrupted)
+        rows = rows_frame(inputs.data, scored, list(self.metrics), self.main_metric,
+                          [list(t) for t in inputs.targets],
+                          None if inputs.foils is None else [list(f) for f in inputs.foils])
+        baselines = scored[scored["metric"].isin(self.metrics)].reset_index(drop=True)
+        frames = [job_frame(job, tokens_df, metrics, row_ids, inputs.position_names) for job in out.jobs]
+        per_row = pd.concat(frames, ignore_index=True)
+        per_row = per_row[per_row["metric"].isin(self.metrics)].reset_index(drop=True)
         equal = len(set(lengths)) == 1
-        main = normalise(pd.concat(frames, ignore_index=True), baselines, equal, self.min_denominator)
+        main = normalise(per_row, baselines, equal, self.min_denominator, named=positions is not None)
         meta = {"n_layers": n_layers, "sites": sites, "modes": modes, "lengths": lengths,
                 "equal_lengths": equal, "layers": P.resolve_layers(n_layers, self.layers),
                 "neuron_layers": P.resolve_layers(n_layers, self.neuron_layers or [], "neuron_layers"),
-                "hooks": {s: P.SITES[s].hook for s in sites}}
+                "hooks": {s: P.SITES[s].hook for s in sites},
+                "positions": list(inputs.position_names) or None,
+                "has_corrupted": inputs.has_corrupted,
+                "dataset": {"source": inputs.data.source, "dropped": dict(inputs.data.dropped), "n_rows": n}}
         if {"mean", "resample"} & set(modes):
-            meta["baseline_population"] = {"source": pop_meta, "size": out.population_size,
+            meta["baseline_population"] = {"source": inputs.population_source, "size": out.population_size,
                                            "min_mean": P.MIN_MEAN_POPULATION,
                                            "alignment": "position from the end; own clean prompt excluded"}
-        return ActivationPatchingResult(self, {"main": main, "baselines": baselines, "tokens": tokens_df}, meta)
+        tables = {"main": main, "rows": rows, "baselines": baselines, "tokens": tokens_df}
+        return ActivationPatchingResult(self, tables, meta)

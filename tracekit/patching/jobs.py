@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 import torch
+from jaxtyping import Int
 
 from ..core.sites import check_neurons, head_count
 from .ablation import ABLATIONS
@@ -55,9 +56,10 @@ def _index_df(model, site: Site, n_pos: int, layers=None, index_df=None, neurons
 
 def count_variants(model, lengths: Sequence[int], sites: Sequence[str], n_modes: int,
                    layers: Sequence[int] | None = None, neuron_layers: Sequence[int] | None = None,
-                   neurons: Sequence[int] | None = None) -> int:
+                   neurons: Sequence[int] | None = None, n_positions: int | None = None) -> int:
     """How many patched runs :func:`run_patching` makes (for progress bars): per pair length and
-    site, the index rows, times ``n_modes``.
+    site, the index rows, times ``n_modes``. ``n_positions``: position-indexed sites are patched at
+    that many chosen positions per pair (``run_patching(positions=...)``) instead of every position.
 
     Raises:
         PatchingError: an unknown site, layers or neurons out of range.
@@ -69,7 +71,8 @@ def count_variants(model, lengths: Sequence[int], sites: Sequence[str], n_modes:
     for s in expand_sites(sites):
         site = SITES[s]
         for P in lengths:
-            total += len(_index_df(model, site, P, nlay if s.startswith("neuron") else lay, neurons=neurons))
+            n_pos = n_positions if n_positions is not None and "pos" in site.axes else P
+            total += len(_index_df(model, site, n_pos, nlay if s.startswith("neuron") else lay, neurons=neurons))
     return total * n_modes
 
 
@@ -102,7 +105,8 @@ def _mode_sources(site: Site, layers: Sequence[int], mode: str, run: CachedRun,
 
 
 def build_job(site: Site, idf: pd.DataFrame, mode: str, run: CachedRun, g: int, device: torch.device,
-              ablation: Callable[[str], torch.Tensor] | None = None) -> PatchJob:
+              ablation: Callable[[str], torch.Tensor] | None = None,
+              pos_map: Int[torch.Tensor, "g k"] | None = None) -> PatchJob:
     """The :class:`PatchJob` of one site in one mode: every index row of ``idf`` x every prompt.
 
     Args:
@@ -114,6 +118,9 @@ def build_job(site: Site, idf: pd.DataFrame, mode: str, run: CachedRun, g: int, 
         g: prompts per half of the run.
         device: where the index and row tensors go (the model's device).
         ablation: for ``mean``/``resample``: ``hook -> [g, ...]`` the activation patched into each prompt.
+        pos_map: ``[g, k]`` per prompt its own positions (token indices): ``idf``'s ``pos`` column
+            then holds a slot ``0 .. k-1`` and prompt ``i`` of an index row is patched at
+            ``pos_map[i, slot]`` (named positions that sit at different indices in different prompts).
 
     Returns:
         A job of ``V * g`` variants, index row major, prompt minor (variant ``v * g + i`` is index
@@ -121,11 +128,13 @@ def build_job(site: Site, idf: pd.DataFrame, mode: str, run: CachedRun, g: int, 
     """
     base_rows, src_rows = _mode_rows(mode, g)
     V = len(idf)
+    index = {a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(g) for a in site.axes}
+    if pos_map is not None and "pos" in index:
+        index["pos"] = pos_map.to(torch.long).cpu()[torch.arange(g).repeat(V), index["pos"]]
     return PatchJob(
         site=site,
         layer=torch.tensor(idf["layer"].to_numpy(), dtype=torch.long).repeat_interleave(g),
-        index={a: torch.tensor(idf[a].to_numpy(), dtype=torch.long).repeat_interleave(g).to(device)
-               for a in site.axes},
+        index={a: t.to(device) for a, t in index.items()},
         base_rows=base_rows.repeat(V).to(device),
         source=_mode_sources(site, idf["layer"].unique().tolist(), mode, run, ablation),
         src_rows=src_rows.repeat(V).to(device),

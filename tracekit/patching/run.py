@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, overload
+from typing import Literal, TypedDict, Unpack, overload
 
 import pandas as pd
 import torch
@@ -70,6 +70,10 @@ class JobResult:
         baseline_n: per pair, how many baseline prompts the site was replaced by the mean of
             (``mean``) or drawn from (``resample``: 1); None for other modes.
         baseline_source: per pair, the population index of the resampled prompt (``resample``), else None.
+        positions: with ``run_patching(positions=...)`` and a position-indexed site: per pair (in
+            ``pairs`` order) its chosen token indices; ``index``'s ``pos`` column then holds the slot
+            ``k`` and pair ``pairs[i]`` was patched at ``positions[i][k]``. None otherwise (``pos``
+            is the token index itself).
     """
 
     mode: str
@@ -80,6 +84,7 @@ class JobResult:
     values: Float[torch.Tensor, "rows n_metrics"]
     baseline_n: list[int] | None = None
     baseline_source: list[int] | None = None
+    positions: list[list[int]] | None = None
 
 
 @dataclass
@@ -122,6 +127,8 @@ class _Request:
     batch_size: int | str = "auto"
     skip_unchanged: bool = True
     progress: Callable[[int], None] | None = None
+    #: ``[n_pairs, k]`` per pair the token indices position-indexed sites are patched at (None: every position).
+    positions: torch.Tensor | None = None
 
     def site_layers(self, s: str) -> list[int]:
         """The layers site ``s`` is patched at (``neuron_layers`` for neuron sites)."""
@@ -147,6 +154,7 @@ def run_patching(
     batch_size: int | str = "auto",
     skip_unchanged: bool = True,
     progress: Callable[[int], None] | None = None,
+    positions: Sequence[Sequence[int]] | None = None,
 ) -> PatchingRun:
     """Patch every site of ``sites`` in every mode of ``modes`` for every (clean, corrupted) pair.
 
@@ -171,13 +179,18 @@ def run_patching(
         batch_size: variants per replay batch, or ``auto``.
         skip_unchanged: bit-exact no-op patches take the cached run's value without replay.
         progress: called with the number of variants finished.
+        positions: per pair ``k`` token indices (``0 .. len - 1``, BOS counted; the same ``k`` for
+            every pair): position-indexed sites (``resid_*``, ``attn_out``, ``*_by_pos``, ...) are
+            patched only there, each pair at its own indices (e.g. a named position resolved per
+            row); default every position. See :attr:`JobResult.positions`.
 
     Returns:
         :class:`PatchingRun`: baselines and one :class:`JobResult` per (group, mode, site).
 
     Raises:
         PatchingError: unknown site/mode/metric, layers or neurons out of range, pairs of unequal
-            length, missing foils for ``logit_diff``, or a baseline population too small.
+            length, missing foils for ``logit_diff``, a baseline population too small, or
+            ``positions`` of another shape or out of a pair's range.
         MethodRefused: with a direction, on a model whose blocks read token-dependent inputs that
             bypass the residual stream, or a site the model's blocks do not have.
     """
@@ -186,6 +199,7 @@ def run_patching(
                          layers, neuron_layers, neurons)
     pop, req.chosen = choose_baselines(clean_ids, baseline_ids, modes, seed)
     req.batch_size, req.skip_unchanged, req.progress = batch_size, skip_unchanged, progress
+    req.positions = _check_positions(positions, clean_ids)
 
     dev = model_device(model)
     hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
@@ -219,6 +233,26 @@ def _check_pairs(clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Seq
             raise PatchingError(f"pairs[{i}]: clean ({len(c)} tokens) and corrupted ({len(x)} tokens) must have "
                                 "the same, non-zero length (see check_same_length)")
     return clean, corrupted
+
+
+def _check_positions(positions: Sequence[Sequence[int]] | None, clean: list[list[int]]) -> torch.Tensor | None:
+    """``[n_pairs, k]`` chosen token indices, or None.
+
+    Raises:
+        PatchingError: not one list of the same non-zero length per pair, or an index outside its pair.
+    """
+    if positions is None:
+        return None
+    rows = [[int(p) for p in r] for r in positions]
+    if len(rows) != len(clean) or not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise PatchingError(f"positions: give per pair the same number (at least 1) of token indices; got "
+                            f"{[len(r) for r in rows]} for {len(clean)} pair(s)")
+    for i, (r, c) in enumerate(zip(rows, clean)):
+        bad = [p for p in r if not 0 <= p < len(c)]
+        if bad:
+            raise PatchingError(f"positions[{i}]: {bad[0]} is outside pair {i} ({len(c)} tokens; indices 0.."
+                                f"{len(c) - 1})")
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _check_request(model, n: int, sites: Sequence[str], modes: Sequence[str], metrics: Sequence[str],
@@ -275,7 +309,9 @@ def _run_group(model, req: _Request, toks: torch.Tensor, members: list[int], n_p
     base = row_metric(run.logits, torch.arange(2 * g, device=run.logits.device)).float().cpu()
     jobs, meta = _group_jobs(model, req, run, members, n_pos, pop_acts, dev)
     results = patch_rows(model, run, jobs, row_metric, req.batch_size, req.skip_unchanged, progress=req.progress)
-    return base, [JobResult(mode, site, idf, list(members), n_pos, vals, bn, bs)
+    chosen = None if req.positions is None else req.positions[torch.tensor(members)].tolist()
+    return base, [JobResult(mode, site, idf, list(members), n_pos, vals, bn, bs,
+                            chosen if "pos" in site.axes else None)
                   for (mode, site, idf, bn, bs), vals in zip(meta, results)]
 
 
@@ -296,10 +332,13 @@ def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos:
                 dev: torch.device) -> tuple[list[PatchJob], list[tuple]]:
     """One job per (mode, site) of a group, and per job ``(mode, site, index, baseline_n, baseline_source)``."""
     jobs, meta = [], []
+    pos_map = None if req.positions is None else req.positions[torch.tensor(members)]
     for mode in req.modes:
         for s in req.sites:
             site = SITES[s]
-            idf = _index_df(model, site, n_pos, req.site_layers(s), neurons=req.neurons)
+            site_map = pos_map if "pos" in site.axes else None  # pos then holds a slot into site_map's row
+            idf = _index_df(model, site, n_pos if site_map is None else int(site_map.shape[1]),
+                            req.site_layers(s), neurons=req.neurons)
             ablation = bn = bs = None
             if mode in req.chosen:
                 picks = [req.chosen[mode][i] for i in members]
@@ -307,7 +346,7 @@ def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos:
                 bn = [len(p) for p in picks]
                 if mode == "resample":
                     bs = [p[0] for p in picks]
-            jobs.append(build_job(site, idf, mode, run, len(members), dev, ablation))
+            jobs.append(build_job(site, idf, mode, run, len(members), dev, ablation, site_map))
             meta.append((mode, site, idf, bn, bs))
     return jobs, meta
 
@@ -316,67 +355,41 @@ def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos:
 # batched_activation_patch: one kind of site everywhere, for notebooks.
 # ---------------------------------------------------------------------------------------------
 
-@overload
-def batched_activation_patch(
-    model: HookedModel,
-    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
-    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
-    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    patch_setter: Callable,
-    activation_name: str,
-    index_df: pd.DataFrame | None = None,
-    layers: Sequence[int] | None = None,
-    neurons: Sequence[int] | None = None,
-    batch_size: int | str = "auto",
-    skip_unchanged: bool = True,
-    source: str | None = None,
-    return_index_df: Literal[False] = False,
-) -> torch.Tensor: ...
+#: Token input of the notebook front-end: ``[batch, pos]`` ids or an unpadded :class:`Batch`.
+Tokens = Int[torch.Tensor, "batch pos"] | Batch
+#: ``(logits [rows, d_vocab], prompt [rows]) -> [rows]``.
+Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PatchOptions(TypedDict, total=False):
+    """The keyword options of :func:`batched_activation_patch` (its overloads share them)."""
+
+    index_df: pd.DataFrame | None
+    layers: Sequence[int] | None
+    neurons: Sequence[int] | None
+    batch_size: int | str
+    skip_unchanged: bool
+    source: str | None
 
 
 @overload
-def batched_activation_patch(
-    model: HookedModel,
-    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
-    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
-    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    patch_setter: Callable,
-    activation_name: str,
-    index_df: pd.DataFrame | None = None,
-    layers: Sequence[int] | None = None,
-    neurons: Sequence[int] | None = None,
-    batch_size: int | str = "auto",
-    skip_unchanged: bool = True,
-    source: str | None = None,
-    *,
-    return_index_df: Literal[True],
-) -> tuple[torch.Tensor, pd.DataFrame]: ...
-
-
+def batched_activation_patch(model: HookedModel, base_tokens: Tokens, source_tokens: Tokens | None,
+                             patching_metric: Metric, patch_setter: Callable, activation_name: str, *,
+                             return_index_df: Literal[False] = False, **options: Unpack[PatchOptions]
+                             ) -> torch.Tensor: ...
 @overload
-def batched_activation_patch(
-    model: HookedModel,
-    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
-    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
-    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    patch_setter: Callable,
-    activation_name: str,
-    index_df: pd.DataFrame | None = None,
-    layers: Sequence[int] | None = None,
-    neurons: Sequence[int] | None = None,
-    batch_size: int | str = "auto",
-    skip_unchanged: bool = True,
-    source: str | None = None,
-    return_index_df: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, pd.DataFrame]: ...
+def batched_activation_patch(model: HookedModel, base_tokens: Tokens, source_tokens: Tokens | None,
+                             patching_metric: Metric, patch_setter: Callable, activation_name: str, *,
+                             return_index_df: Literal[True], **options: Unpack[PatchOptions]
+                             ) -> tuple[torch.Tensor, pd.DataFrame]: ...
 
 
 @torch.no_grad()
 def batched_activation_patch(
     model: HookedModel,
-    base_tokens: Int[torch.Tensor, "batch pos"] | Batch,
-    source_tokens: Int[torch.Tensor, "batch pos"] | Batch | None,
-    patching_metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    base_tokens: Tokens,
+    source_tokens: Tokens | None,
+    patching_metric: Metric,
     patch_setter: Callable,
     activation_name: str,
     index_df: pd.DataFrame | None = None,

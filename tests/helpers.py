@@ -146,6 +146,7 @@ KIND_DATASET_EXAMPLES: dict[str, dict] = {
                                  "drop_small_classes": True}, "position": "SUBJ", "layers": [0, 1], "bootstrap": 20},
     "token_trace": {**_ROWS, "row": 1, "key_max_tokens": 128, "top_neurons": 2, "key_contexts": 1},
     "sae_features": {**_ROWS, "position": "END", "sae": {"train": TINY_SAE_TRAIN}, "top_k": 3},
+    "head_scan": {**_ROWS, "seq_len": 8, "n_seqs": 2},
 }
 
 

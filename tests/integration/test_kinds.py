@@ -82,7 +82,7 @@ def test_every_kind_in_one_config_leaves_no_state(tmp_path):
 
 
 #: Kinds that read no prompts (they train or evaluate on a corpus).
-NO_ROWS = {"sae_train", "sae_eval", "head_scan"}
+NO_ROWS = {"sae_train", "sae_eval"}
 
 
 def test_every_kind_that_reads_prompts_takes_a_dataset():
@@ -106,6 +106,8 @@ def test_kind_runs_on_a_dataset_with_per_row_targets(kind, tmp_path):
                                       check_dtype=False)
     if kind == "token_trace":
         assert res.meta["row_id"] == 1
+    elif kind == "head_scan":  # heads labelled on each row
+        assert sorted(set(res.tables["labels"]["row_id"])) == [0, 1]
     elif kind != "linear_probe":
         assert "rows" in res.tables, f"{kind} writes no per-row table 'rows'"
         assert sorted(set(res.tables["rows"]["row_id"])) == [0, 1]

@@ -93,6 +93,7 @@ class HeadScanInputs:
 
     layers: tuple[int, ...]
     ids: tuple[tuple[int, ...], ...]
+    row_ids: tuple[int, ...] = ()
 
 
 #: Retired config keys of ``attention_pattern`` and the key that replaced each.
@@ -694,6 +695,8 @@ class HeadScan(Experiment):
             over (default 4).
         seed: seed of the random tokens of the repeated sequences (default 0).
         layers: ``all`` or a list.
+        dataset: optional dataset rows (:mod:`tracekit.dataset`) on which each head is labelled, instead
+            of ``prompts`` (table ``labels`` carries each row's ``row_id``).
         prompts: optional prompts on which each head is labelled (self/first/previous/spread/content),
             averaged over query positions >= 1.
         top_k: heads listed in the summary.
@@ -714,6 +717,7 @@ class HeadScan(Experiment):
     seed: int = 0
     layers: Union[Literal["all"], Indices] = "all"
     prompts: OptionalPrompts = Field(default_factory=list)
+    dataset: Optional[DatasetSpec] = None
     top_k: int = Field(default=5, ge=1)
     induction_threshold: float = Field(default=0.3, ge=0, le=1)
     dominance: float = Field(default=0.4, gt=0, le=1)
@@ -734,19 +738,25 @@ class HeadScan(Experiment):
         if n_ctx is not None and 2 * self.seq_len + 1 > n_ctx:
             raise AttentionError(f"seq_len: 2 x {self.seq_len} + 1 tokens exceed the model's context of {n_ctx}; "
                                  "lower seq_len")
-        return HeadScanInputs(layers, encode_prompts(model, self.prompts))
+        if self.dataset is not None:
+            if self.prompts:
+                raise AttentionError("prompts / dataset: give one of them (the rows on which heads are labelled)")
+            data = kind_dataset(model, None, self.dataset)
+            return HeadScanInputs(layers, tuple(data.ids), tuple(e.row_id for e in data.examples))
+        ids = encode_prompts(model, self.prompts)
+        return HeadScanInputs(layers, ids, tuple(range(len(ids))))
 
     def _run(self, model, inputs: HeadScanInputs, progress: bool = True) -> HeadScanResult:
         layers = list(inputs.layers)
         tables = {"scores": head_scores(model, self.seq_len, self.n_seqs, self.seed, layers)}
-        if self.prompts:
+        if inputs.ids:
             rows = []
-            for pi, ids in enumerate(inputs.ids):
+            for pi, ids in zip(inputs.row_ids, inputs.ids):
                 batch = pad_ids(model, [ids])  # one prompt: no padding
                 _, cache = run_with_cache(model, batch, [hook("head_pattern", L) for L in layers])
                 for L in layers:
                     lab = classify_heads(cache[hook("head_pattern", L)][0].float().cpu(), None,
                                          self.dominance, self.spread_entropy)
-                    rows.append(lab.rename(columns=LABEL_RENAMES).assign(prompt_idx=pi, layer=L))
+                    rows.append(lab.rename(columns=LABEL_RENAMES).assign(prompt_idx=pi, row_id=pi, layer=L))
             tables["labels"] = pd.concat(rows, ignore_index=True)
         return HeadScanResult(self, tables, {"layers": layers})

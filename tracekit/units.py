@@ -324,7 +324,7 @@ def random_units(n_units: int, k: int, exclude: Iterable[int] = (), pool: Option
 #: The columns of a kind's ``interventions`` table (``neuron_attribution``, ``sae_features``): one
 #: row per prompt x unit set x (verb, value). Probabilities in [0, 1], logits in logits, log-probs in nats.
 INTERVENTION_COLUMNS = {
-    "prompt_idx": "the prompt (index into prompts)",
+    "row_id": "the dataset row (index into the rows; the prompts when given as prompts)",
     "set": "'top' (the top units) or 'random' (a random control set of the same size)",
     "draw": "0 for the top set, 1 .. n_random for the random sets",
     "verb": "the verb, one of the config's modes (zero, mean, clamp, scale, steer)",

@@ -124,7 +124,7 @@ def test_key_readout_batched_equals_one_by_one(tiny_model, tmp_path):
     b = key_readout(tiny_model, neurons, corpus, batch_size=1, **kw)
     assert a.n_tokens == b.n_tokens > 100
     assert len(a.contexts) == 3 * 4
-    cols = ["layer", "neuron", "rank", "window", "position", "token", "context"]
+    cols = ["layer", "neuron", "rank", "window", "position", "token", "context"]  # the engine's frame
     assert a.contexts[cols].equals(b.contexts[cols])
     torch.testing.assert_close(torch.tensor(a.contexts["activation"].values),
                                torch.tensor(b.contexts["activation"].values), atol=1e-5, rtol=0)
@@ -195,11 +195,12 @@ def test_neuron_attribution_experiment_roundtrip(tiny_llama, tmp_path):
     res = exp.run(tiny_llama, progress=False)
     s = res.summary()
     assert s["max_additivity_error"] < ATOL
-    assert len(s["top_neurons"]) == 3 and len(s["top_neurons"][0]["promotes"]) == 4
-    assert len(s["top_neurons"][0]["top_contexts"]) == 2
+    assert len(s["top_neurons_mean"]) == 3 and len(s["top_neurons_mean"][0]["promotes"]) == 4
+    assert len(s["top_neurons_mean"][0]["top_contexts"]) == 2
     assert set(s["interventions"]) == {"zero", "mean", "scale_x3"}
-    contribs = [t["contribution"] for t in s["top_neurons"]]
+    contribs = [t["mean_contribution"] for t in s["top_neurons_mean"]]
     assert contribs == sorted(contribs, reverse=True)
+    assert s["n_rows"] == 1 and s["top_neuron_by_row"] == [s["top_neurons_mean"][0]["neuron"]]
     assert "neuron attribution" in res.report()
     res.save(tmp_path / "out")
     back = tk.experiments.Result.load(tmp_path / "out")

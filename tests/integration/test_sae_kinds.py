@@ -21,15 +21,16 @@ def test_sae_features_run_save_load_dashboards(tmp_path, tiny_gpt2):
                       dashboards={"features": 2, "max_tokens": 600, "seq_len": 32, "top_n": 3})
     res = exp.run(tiny_gpt2, progress=False)
     s = res.summary()
-    assert len(s["top_features"]) == 4 and s["max_sum_error"] < 1e-3
+    assert len(s["top_features_mean"]) == 4 and s["max_sum_error"] < 1e-3
+    assert s["n_rows"] == 2 and [len(f) for f in s["top_features_by_row"]] == [4, 4]
     terms = res.tables["terms"]
-    t0 = terms[terms["prompt_idx"] == 0].set_index("term")["total"]
+    t0 = terms[terms["row_id"] == 0].set_index("term")["total"]
     assert abs(t0["features"] + t0["error"] + t0["bias"] + t0["special_tokens"] - t0["activation"]) < 1e-3
     iv = res.tables["interventions"]
     assert set(iv["verb"]) == {"zero", "clamp", "steer"} and set(iv["set"]) == {"top", "random"}
     assert set(s["interventions"]) == {"zero", "clamp_x1", "steer_x5"}
     assert {"vocab", "contexts", "density"} <= set(res.tables)
-    assert "promotes" in s["top_features"][0]
+    assert "promotes" in s["top_features_mean"][0]
     out = res.save(tmp_path / "run" / "step")
     html = sorted(out.glob("dashboard_feature_*.html"))
     assert len(html) == 2
@@ -37,7 +38,7 @@ def test_sae_features_run_save_load_dashboards(tmp_path, tiny_gpt2):
     assert "http://" not in page and "https://" not in page and "<script" not in page  # self-contained
     assert "data:image/png;base64," in page
     back = Result.load(out)
-    assert back.summary() == json.loads(json.dumps(s, default=float)) or back.summary()["top_features"] == s["top_features"]
+    assert back.summary() == json.loads(json.dumps(s, default=float)) or back.summary()["top_features_mean"] == s["top_features_mean"]
     assert set(back.dashboards()) == set(res.dashboards())
     assert res.report()
 

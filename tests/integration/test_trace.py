@@ -110,7 +110,7 @@ def test_lens_numbers_equal_the_lens_engine(traced):
     lens = res.tables["lens"]
     assert lens["hidden_state"].tolist() == [p.hidden_state for p in pl.points]
     assert (lens["prob"] - pd.Series(probs)).abs().max() < 1e-6
-    assert lens["rank"].tolist() == [int(r) for r in ranks]
+    assert lens["vocab_rank"].tolist() == [int(r) for r in ranks]
     lm = landmarks(lens["hidden_state"].tolist(), probs, ranks)
     s = res.summary()
     assert s["jump_layer"] == lm["jump_layer"] and s["emergence_hidden_state"] == lm["emergence_hidden_state"]
@@ -189,7 +189,7 @@ def test_parameter_count_is_the_published_one(tied):
 def test_attention_rows_are_distributions_and_scores_match(traced):
     model, res, _ = traced
     att = res.tables["attention"]
-    sums = att.groupby(["layer", "head"])["weight"].sum()
+    sums = att.groupby(["layer", "head_idx"])["weight"].sum()
     assert (sums - 1).abs().max() < 1e-5
     assert len(sums) == model.cfg.n_layers * model.cfg.n_heads
     hs = res.tables["head_scores"]

@@ -1,15 +1,19 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
-"""FFN neuron attribution as an experiment kind.
+"""FFN neuron attribution as an experiment kind, per dataset row.
 
 ``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of
-chosen MLP blocks, read as key-value memories (Geva et al. 2021; 2022): top-k neurons per layer
-and overall, the tokens their value vectors promote/suppress, their top-activating corpus contexts
-(key readout), and a check by intervention (the verbs of :mod:`tracekit.units`: zero, mean, clamp, scale,
-steer, on the top-k against k random neurons of the same layers).
+chosen MLP blocks to each row's target logit (difference) at its read position, read as key-value
+memories (Geva et al. 2021; 2022): top neurons per row and on average over rows (per layer and
+overall), the tokens the average top neurons' value vectors promote/suppress, their top-activating
+corpus contexts (key readout), and a check by intervention (the verbs of :mod:`tracekit.units`:
+zero, mean, clamp, scale, steer, on the top-k against k random neurons of the same layers, on every
+row with its own target/foil).
 
-The computations are in :mod:`tracekit.neurons` (notebook-usable); this module validates, calls
-them and shapes tables, summaries, reports and figures. Units: ``contribution``/``logit_diff`` in
-logits, ``*_prob`` in probabilities.
+Rows come from ``prompts`` (with ``target``/``foil``: a string for every prompt, a list for one per
+prompt) or a ``dataset`` (each row its own target and foil). The computations are in
+:mod:`tracekit.neurons` (notebook-usable; one batched forward pass per ``batch_size`` rows on the
+ids prepared here); this module validates, calls them and shapes tables, summaries, reports and
+figures. Units: ``contribution``/``logit_diff`` in logits, ``*_prob`` in probabilities.
 """
 
 from __future__ import annotations
@@ -21,26 +25,95 @@ from typing import Literal, Optional, Union
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from .. import plotting
-from ..dla import POSITION_FORMS, LogitTarget, check_layers, resolve_target
+from ..core.errors import DatasetError
+from ..dataset import Example, PreparedDataset, rows_from_prompts
+from ..dla import DLA_POSITION_FORMS, LogitTarget, as_position, check_layers, row_positions, row_targets
 from ..neurons import (
     key_readout,
     neuron_contributions,
-    neuron_intervention,
+    neuron_interventions,
     prompt_means,
     random_neurons,
     value_readout,
 )
-from ..tokens import PositionSpec, parse_position
-from ..units import InterventionVerbs, Verb, intervention_row, intervention_summary, intervention_text
-from .base import Experiment, Indices, Prompts, Result, StrictModel, register
-from .dla import check_prompt_positions
+from ..tokens import PositionSpec, encode
+from ..units import (
+    INTERVENTION_COLUMNS,
+    InterventionVerbs,
+    Verb,
+    intervention_row,
+    intervention_summary,
+    intervention_text,
+)
+from .base import (
+    DatasetSpec,
+    Experiment,
+    Indices,
+    OptionalPrompts,
+    Result,
+    StrictModel,
+    check_dataset_fields,
+    encode_prompts,
+    kind_dataset,
+    register,
+)
 
 __all__ = ["NeuronAttribution", "NeuronAttributionInputs", "NeuronAttributionResult", "KeyReadoutConfig",
-           "AblationConfig"]
+           "AblationConfig", "prompt_rows", "check_row_targets", "ROW_INTERVENTION_COLUMNS"]
+
+#: The columns of the unit kinds' ``interventions`` tables: :data:`tracekit.units.INTERVENTION_COLUMNS`
+#: with the row named by its dataset ``row_id`` (``prompt_idx`` before datasets).
+ROW_INTERVENTION_COLUMNS = ["row_id" if c == "prompt_idx" else c for c in INTERVENTION_COLUMNS]
+if "row_id" not in ROW_INTERVENTION_COLUMNS:
+    ROW_INTERVENTION_COLUMNS.insert(0, "row_id")
+
+
+def prompt_rows(model, prompts, target, foil, prepend_bos: Optional[bool] = None) -> PreparedDataset:
+    """A kind's ``prompts`` with ``target``/``foil`` (a string: every prompt's; a list: one per prompt)
+    as prepared rows, each prompt tokenized once (with ``prepend_bos``: default the model spec's).
+
+    Raises:
+        TokenizationError: a target/foil that is not one token (naming ``target`` / ``target[i]``), an
+            empty or too long prompt.
+        AttributionError: a list of the wrong length, a foil equal to its target.
+    """
+    tgts = row_targets(model, len(prompts), target, foil)
+    ids = encode_prompts(model, prompts, prepend_bos=prepend_bos)
+    n_bos = len(encode(model, "", prepend_bos))  # 1 when a BOS is prepended
+    rows = rows_from_prompts(list(prompts), target, foil)
+    return PreparedDataset(tuple(Example(i, r, seq, t.target_id, t.foil_id, {}, None, n_bos)
+                                 for i, (r, seq, t) in enumerate(zip(rows, ids, tgts))), "prompts")
+
+
+def check_row_targets(data: PreparedDataset, where: str, what: str) -> None:
+    """Every row has a target, and every row has a foil or none does.
+
+    Raises:
+        DatasetError: rows without a target, or rows with and without foils (naming the rows).
+    """
+    missing = [e.row_id for e in data.examples if e.target_id is None]
+    if missing:
+        raise DatasetError(f"{where}: rows {missing[:10]} have no target; {what} reads each row's target logit "
+                           "(give every row a target)")
+    no_foil = [e.row_id for e in data.examples if e.foil_id is None]
+    if no_foil and len(no_foil) < len(data):
+        raise DatasetError(f"{where}: rows {no_foil[:10]} have no foil while other rows have one; the metric would "
+                           "be a logit on some rows and a logit difference on others (give every row a foil, or none)")
+
+
+def row_frame(data: PreparedDataset, recs: list[dict]) -> pd.DataFrame:
+    """The ``rows`` table: the rows' fields (:meth:`PreparedDataset.frame`) then the kind's numbers."""
+    frame = data.frame()
+    return pd.concat([frame.drop(columns=[c for c in recs[0] if c in frame.columns]).reset_index(drop=True),
+                      pd.DataFrame(recs)], axis=1)
+
+
+def dataset_meta(data: PreparedDataset) -> dict:
+    return {"source": data.source, "dropped": dict(data.dropped), "n_rows": len(data)}
 
 
 # =============================================================================================
@@ -81,7 +154,7 @@ class AblationConfig(InterventionVerbs):
     Fields:
         k: how many of the overall top neurons (default: the step's ``top_k``).
         modes: any of ``zero`` (activation := 0), ``mean`` (:= the corpus mean from the key readout
-            when it runs, else the mean over the prompt's tokens), ``clamp`` (:= ``clamp_value``),
+            when it runs, else the mean over the rows' tokens, BOS excluded), ``clamp`` (:= ``clamp_value``),
             ``scale`` (x each of ``scale_factors``), ``steer`` (activation += each of
             ``steer_values``, i.e. that multiple of the neuron's ``W_out`` row added to the MLP's
             output); default ``[zero, mean, scale]``. Retired: ``ablate`` (now ``zero``),
@@ -103,102 +176,267 @@ class AblationConfig(InterventionVerbs):
 
 @dataclass(frozen=True)
 class NeuronAttributionInputs:
-    """What :meth:`NeuronAttribution.prepare` builds once: the target (and foil) token ids, the MLP
-    blocks attributed, per prompt its token ids and the index of the read position."""
+    """What :meth:`NeuronAttribution.prepare` builds once: the rows (token ids, per-row target and
+    foil ids, named positions), the MLP blocks attributed, and each row's read position (an index
+    into its own ids, BOS counted)."""
 
-    target: LogitTarget
+    data: PreparedDataset
     layers: tuple[int, ...]
-    ids: tuple[tuple[int, ...], ...]
-    positions: tuple[int, ...]
+    read_at: tuple[int, ...]
+
+    @property
+    def ids(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(e.ids for e in self.data.examples)
+
+    @property
+    def targets(self) -> tuple[LogitTarget, ...]:
+        """Each row's target (and foil) token ids."""
+        return tuple(LogitTarget(str(e.row.target), int(e.target_id), e.row.foil, e.foil_id)
+                     for e in self.data.examples)
+
+
+def _ranked(df: pd.DataFrame, col: str, rank_by: str) -> pd.DataFrame:
+    """``df`` ordered by ``col`` (``rank_by='contribution'``: largest first) or by ``|col|`` (``abs``);
+    ties keep table order."""
+    key = df[col] if rank_by == "contribution" else df[col].abs()
+    return df.loc[key.sort_values(ascending=False, kind="stable").index]
+
+
+def mean_over_rows(neurons: pd.DataFrame) -> pd.DataFrame:
+    """Per neuron over rows (the ``neurons`` table): ``mean_activation``, ``mean_logit_per_activation``,
+    ``mean_contribution``, ``std_contribution`` (sample std, ddof 1; NaN for one row), ``n_rows``."""
+    g = neurons.groupby(["layer", "neuron"], sort=True)
+    out = pd.DataFrame({"mean_activation": g["activation"].mean(),
+                        "mean_logit_per_activation": g["logit_per_activation"].mean(),
+                        "mean_contribution": g["contribution"].mean(),
+                        "std_contribution": g["contribution"].std(ddof=1), "n_rows": g.size()})
+    return out.reset_index()
+
+
+def top_by_row(neurons: pd.DataFrame, k: int, rank_by: str) -> pd.DataFrame:
+    """Each row's own top ``k`` neurons (over every chosen layer): ``row_id``, ``top_rank``,
+    ``layer``, ``neuron``, ``activation``, ``logit_per_activation``, ``contribution``."""
+    parts = []
+    for _, g in neurons.groupby("row_id", sort=False):
+        t = _ranked(g, "contribution", rank_by).head(k)
+        parts.append(t.assign(top_rank=np.arange(1, len(t) + 1)))
+    cols = ["row_id", "top_rank", "layer", "neuron", "activation", "logit_per_activation", "contribution"]
+    return pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
 
 
 class NeuronAttributionResult(Result):
-    """Tables: ``neurons`` (every neuron of the chosen layers per prompt: activation,
-    logit_per_activation, contribution), ``layers`` (per prompt and layer: the MLP's direct
-    attribution, its ``b_out`` term, the neuron sum), ``top`` (top-k per layer and overall, ranked
-    by mean contribution over prompts), ``values`` (value readout of the overall top neurons),
-    ``contexts`` (key readout), ``interventions`` (one row per (verb, value) x set x prompt; the
-    columns of :data:`tracekit.units.INTERVENTION_COLUMNS`, shared with ``sae_features``:
-    ``prompt_idx``, ``set`` (top | random), ``draw`` (0 top, 1..n_random), ``verb``, ``value``
-    (clamp value / scale factor / steer value; NaN for zero, mean), ``k``, ``units`` (JSON list of
-    ``"L.N"``), ``clean_target_prob``, ``patched_target_prob``, ``delta_target_prob``,
-    ``clean_logit_diff``, ``patched_logit_diff``, ``delta_logit_diff``, ``delta_target_log_prob``).
+    """Tables (``row_id`` = the dataset row's id; contributions in logits):
 
-    Summary ``interventions``: :func:`tracekit.units.intervention_summary`, keyed ``zero``,
-    ``mean``, ``clamp_x{value:g}``, ``scale_x{factor:g}``, ``steer_x{value:g}``."""
+    * ``neurons``: every neuron of the chosen layers per row: ``row_id``, ``layer``, ``neuron``,
+      ``activation`` (``hook_post``), ``logit_per_activation``, ``contribution``.
+    * ``layers``: per row and layer: ``mlp`` (the MLP's direct attribution), ``mlp_bias`` (its
+      ``b_out`` term), ``neuron_sum``, ``additivity_error`` (``|neuron_sum + mlp_bias - mlp|``).
+    * ``rows``: one line per row: ``row_id``, the row's fields (``prompt``, ``target``, ``foil``,
+      ``corrupted``, ``group``, ``pos_<NAME>``, extra columns), ``position`` (read index, BOS
+      counted), ``token`` (read there), ``metric``, ``logit_diff`` (the model's own logit difference,
+      or target logit without a foil), ``attributed_logit_diff``, ``final_scale``, ``mlp_total`` /
+      ``neuron_sum`` (over the chosen layers), ``max_additivity_error``, ``top_neuron`` (``"L.N"``,
+      the row's own top neuron by ``rank_by``), ``top_neuron_layer``, ``top_neuron_idx``,
+      ``top_neuron_activation``, ``top_neuron_contribution``.
+    * ``top_by_row``: each row's own top ``top_k`` neurons: ``row_id``, ``top_rank``, ``layer``,
+      ``neuron``, ``activation``, ``logit_per_activation``, ``contribution``.
+    * ``top``: the top ``top_k`` neurons on average over rows, per layer (``scope`` = ``layer``) and
+      over the chosen layers (``overall``), ranked by ``mean_contribution`` (or its ``|.|``):
+      ``scope``, ``top_rank``, ``layer``, ``neuron``, ``mean_activation``,
+      ``mean_logit_per_activation``, ``mean_contribution``, ``std_contribution`` (ddof 1; NaN for
+      one row), ``n_rows``.
+    * ``values``: value readout of the overall top neurons (``layer``, ``neuron``, ``side``,
+      ``top_rank``, ``token``, ``token_id``, ``logit_per_activation``, ``activation_sign``: the sign
+      of the mean activation, by which the readout is flipped).
+    * ``contexts``: key readout (``layer``, ``neuron``, ``top_rank``, ``activation``, ``token``,
+      ``context``, ``doc_id``, ``window``, ``position``).
+    * ``interventions``: one row per (verb, value) x set x row; :data:`ROW_INTERVENTION_COLUMNS`
+      (shared with ``sae_features``): ``row_id``, ``set`` (top | random), ``draw`` (0 top,
+      1..n_random), ``verb``, ``value`` (clamp value / scale factor / steer value; NaN for zero,
+      mean), ``k``, ``units`` (JSON list of ``"L.N"``), ``clean_target_prob``,
+      ``patched_target_prob``, ``delta_target_prob``, ``clean_logit_diff``, ``patched_logit_diff``,
+      ``delta_logit_diff``, ``delta_target_log_prob`` (each row with its own target/foil, read at its
+      own position).
+
+    Summary keys (``*_by_row`` lists follow the ``rows`` table):
+
+    * ``n_rows``, ``row_id_by_row``, ``dataset_source``, ``rows_dropped``, ``metric``
+      (``logit(target) - logit(foil)`` or ``logit(target)``, the same form on every row), ``layers``,
+      ``target_by_row``, ``foil_by_row``, ``position_by_row``.
+    * ``logit_diff_by_row`` / ``mean_logit_diff``: the model's logit difference per row / its mean.
+    * ``max_additivity_error``: the worst ``|neurons + b_out - MLP|`` over rows and layers.
+    * ``mean_mlp_attribution_by_layer``: per chosen layer (``layers`` order), the MLP's direct
+      attribution averaged over rows.
+    * ``top_neurons_mean``: the overall top neurons by mean contribution over rows, each
+      ``{neuron: "L.N", layer, index, mean_activation, mean_contribution, std_contribution,
+      promotes, suppresses, top_contexts}`` (readouts when they ran);
+      ``top_mean_contribution_sum``: the sum of their mean contributions; ``top_mean_by_layer``:
+      ``{layer: ["L.N", ...]}`` the top neurons of each layer by mean contribution.
+    * ``top_neuron_by_row`` / ``top_neuron_contribution_by_row``: each row's own top neuron and its
+      contribution.
+    * ``interventions``: :func:`tracekit.units.intervention_summary` of the ``interventions`` table
+      (top set vs random sets, each entry's numbers averaged over rows, random ones also over draws),
+      keyed ``zero``, ``mean``, ``clamp_x{value:g}``, ``scale_x{factor:g}``, ``steer_x{value:g}``;
+      ``{}`` when no intervention ran.
+    """
 
     config: "NeuronAttribution"
     main_table = "top"
-    #: results saved before the one verb set: the scale factor column, the neuron list
-    renamed_columns = {"interventions.factor": "value", "interventions.neurons": "units"}
+    #: results saved before the one verb set (the scale factor column, the neuron list), before
+    #: datasets (``prompt_idx`` -> ``row_id``; the ``top`` table's columns were already means over
+    #: prompts) and before ``rank`` stopped shadowing ``DataFrame.rank``.
+    renamed_columns = {"interventions.factor": "value", "interventions.neurons": "units", "rank": "top_rank",
+                       "prompt_idx": "row_id", "top.activation": "mean_activation",
+                       "top.logit_per_activation": "mean_logit_per_activation",
+                       "top.contribution": "mean_contribution"}
+    table_names = ("neurons", "layers", "rows", "top", "top_by_row", "values", "contexts", "interventions")
+    summary_keys = ("n_rows", "row_id_by_row", "dataset_source", "rows_dropped", "metric", "layers", "target_by_row",
+                    "foil_by_row", "position_by_row", "logit_diff_by_row", "mean_logit_diff", "max_additivity_error",
+                    "mean_mlp_attribution_by_layer", "top_neurons_mean", "top_mean_contribution_sum",
+                    "top_mean_by_layer", "top_neuron_by_row", "top_neuron_contribution_by_row", "interventions")
+
+    @classmethod
+    def _rename_old_columns(cls, tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+        """Today's tables from a result saved before datasets: a ``rows`` table and ``top_by_row``
+        are derived from ``layers`` and ``neurons`` (the model's logit per prompt was not saved:
+        ``logit_diff`` is NaN there; target / foil come from the saved config)."""
+        tables = super()._rename_old_columns(tables)
+        if "rows" in tables or "layers" not in tables or "neurons" not in tables:
+            return tables
+        out = dict(tables)
+        lay = tables["layers"].copy()
+        lay["additivity_error"] = (lay["neuron_sum"] + lay["mlp_bias"] - lay["mlp"]).abs()
+        out["layers"] = lay
+        tb = top_by_row(tables["neurons"], 10, "contribution")
+        recs = []
+        for rid, g in lay.groupby("row_id", sort=False):
+            t = tb[tb["row_id"] == rid].iloc[0]
+            recs.append({"row_id": int(rid), "logit_diff": float("nan"), "mlp_total": float(g["mlp"].sum()),
+                         "neuron_sum": float(g["neuron_sum"].sum()),
+                         "max_additivity_error": float(g["additivity_error"].max()),
+                         "top_neuron": f"{int(t['layer'])}.{int(t['neuron'])}", "top_neuron_layer": int(t["layer"]),
+                         "top_neuron_idx": int(t["neuron"]), "top_neuron_activation": float(t["activation"]),
+                         "top_neuron_contribution": float(t["contribution"])})
+        out["rows"] = pd.DataFrame(recs)
+        out["top_by_row"] = tb
+        return out
+
+    def _rows(self) -> pd.DataFrame:
+        """The ``rows`` table (a result saved before datasets: the fields from its config)."""
+        rows = self.tables["rows"]
+        cfg = self.config
+        if "target" not in rows:
+            ts = rows_from_prompts(cfg.prompts, cfg.target, cfg.foil) if cfg.prompts else []
+            by = {i: r for i, r in enumerate(ts)}
+            rows = rows.assign(prompt=[by[int(i)].prompt if int(i) in by else None for i in rows["row_id"]],
+                               target=[by[int(i)].target if int(i) in by else None for i in rows["row_id"]],
+                               foil=[by[int(i)].foil if int(i) in by else None for i in rows["row_id"]])
+        if "position" not in rows:
+            rows = rows.assign(position=-1)
+        return rows
 
     def _top(self, scope="overall"):
         t = self.tables["top"]
-        return t[t["scope"] == scope].sort_values("rank")
+        return t[t["scope"] == scope].sort_values("top_rank")
 
     def summary(self) -> dict:
-        cfg = self.config
+        rows = self._rows()
         lay = self.tables["layers"]
-        l0 = lay[lay["prompt_idx"] == 0].sort_values("layer")
-        out: dict = {"target": cfg.target, "foil": cfg.foil, "metric": self.meta.get("metric"),
-                     "logit": self.meta.get("logit"), "layers": l0["layer"].tolist(),
-                     "mlp_attribution_by_layer": l0["mlp"].round(5).tolist(),
-                     "max_additivity_error": float((lay["neuron_sum"] + lay["mlp_bias"] - lay["mlp"]).abs().max())}
+        dmeta = self.meta.get("dataset", {})
+        has_foil = bool(rows["foil"].notna().all()) if "foil" in rows else False
+        layers = sorted(int(x) for x in lay["layer"].unique())
+        out: dict = {
+            "n_rows": int(len(rows)),
+            "row_id_by_row": [int(x) for x in rows["row_id"]],
+            "dataset_source": dmeta.get("source"),
+            "rows_dropped": dict(dmeta.get("dropped", {})),
+            "metric": "logit(target) - logit(foil)" if has_foil else "logit(target)",
+            "layers": layers,
+            "target_by_row": [None if pd.isna(x) else str(x) for x in rows["target"]],
+            "foil_by_row": [None if pd.isna(x) else str(x) for x in rows["foil"]],
+            "position_by_row": [int(x) for x in rows["position"]],
+            "logit_diff_by_row": [float(x) for x in rows["logit_diff"]],
+            "mean_logit_diff": float(rows["logit_diff"].mean()),
+            "max_additivity_error": float((lay["neuron_sum"] + lay["mlp_bias"] - lay["mlp"]).abs().max()),
+            "mean_mlp_attribution_by_layer": [round(float(lay[lay["layer"] == L]["mlp"].mean()), 5) for L in layers],
+        }
         vals = self.tables.get("values", pd.DataFrame())
         ctx = self.tables.get("contexts", pd.DataFrame())
         tops = []
         for r in self._top().itertuples():
             item = {"neuron": f"{r.layer}.{r.neuron}", "layer": int(r.layer), "index": int(r.neuron),
-                    "activation": round(float(r.activation), 5), "contribution": round(float(r.contribution), 5)}
+                    "mean_activation": round(float(r.mean_activation), 5),
+                    "mean_contribution": round(float(r.mean_contribution), 5),
+                    "std_contribution": (None if "std_contribution" not in self.tables["top"]
+                                         or pd.isna(r.std_contribution) else round(float(r.std_contribution), 5))}
             if len(vals):
                 v = vals[(vals["layer"] == r.layer) & (vals["neuron"] == r.neuron)]
-                item["promotes"] = v[v["side"] == "promoted"].sort_values("rank")["token"].tolist()
-                item["suppresses"] = v[v["side"] == "suppressed"].sort_values("rank")["token"].tolist()
+                item["promotes"] = v[v["side"] == "promoted"].sort_values("top_rank")["token"].tolist()
+                item["suppresses"] = v[v["side"] == "suppressed"].sort_values("top_rank")["token"].tolist()
             if len(ctx):
-                c = ctx[(ctx["layer"] == r.layer) & (ctx["neuron"] == r.neuron)].sort_values("rank")
+                c = ctx[(ctx["layer"] == r.layer) & (ctx["neuron"] == r.neuron)].sort_values("top_rank")
                 item["top_contexts"] = c["context"].tolist()
             tops.append(item)
-        out["top_neurons"] = tops
-        out["top_contribution_sum"] = round(float(self._top()["contribution"].sum()), 5)
+        out["top_neurons_mean"] = tops
+        out["top_mean_contribution_sum"] = round(float(self._top()["mean_contribution"].sum()), 5)
         per_layer = {}
         for L, g in self._top("layer").groupby("layer"):
-            per_layer[str(int(L))] = [f"{int(L)}.{int(n)}" for n in g.sort_values("rank")["neuron"]]
-        out["top_by_layer"] = per_layer
+            per_layer[str(int(L))] = [f"{int(L)}.{int(n)}" for n in g.sort_values("top_rank")["neuron"]]
+        out["top_mean_by_layer"] = per_layer
+        out["top_neuron_by_row"] = [str(x) for x in rows["top_neuron"]]
+        out["top_neuron_contribution_by_row"] = [round(float(x), 5) for x in rows["top_neuron_contribution"]]
         iv = self.tables.get("interventions", pd.DataFrame())
-        if len(iv):
-            out["interventions"] = intervention_summary(iv)
+        out["interventions"] = intervention_summary(iv) if len(iv) else {}
         return out
 
     def report(self) -> str:
         s = self.summary()
-        lines = [f"neuron attribution [{self.config.step_name}] metric {s['metric']} = {s['logit']:.4f} logits; "
-                 f"layers {s['layers'] if len(s['layers']) <= 8 else str(len(s['layers'])) + ' layers'}",
-                 "MLP direct attribution by layer: " + ", ".join(
-                     f"{L}: {v:+.3f}" for L, v in zip(s["layers"], s["mlp_attribution_by_layer"])
-                     if len(s["layers"]) <= 8 or abs(v) > 0.2),
-                 f"neurons + b_out = MLP attribution, max |error| {s['max_additivity_error']:.2e}",
-                 f"top {len(s['top_neurons'])} neurons overall (sum {s['top_contribution_sum']:+.3f} logits):"]
-        for t in s["top_neurons"]:
-            lines.append(f"  {t['neuron']:>8}  act {t['activation']:+8.3f}  contribution {t['contribution']:+.4f}")
+        rows = self._rows()
+        L = s["layers"]
+        src = f" from {s['dataset_source']}" if s["dataset_source"] else ""
+        lines = [f"neuron attribution [{self.config.step_name}]: {s['n_rows']} row(s){src}; metric {s['metric']} "
+                 f"(mean {s['mean_logit_diff']:.4f} logits over rows); layers "
+                 f"{L if len(L) <= 8 else str(len(L)) + ' layers'}"]
+        dropped = {k: v for k, v in s["rows_dropped"].items() if v}
+        if dropped:
+            lines.append("  rows dropped: " + ", ".join(f"{k}: {v}" for k, v in dropped.items()))
+        lines += ["MLP direct attribution by layer (mean over rows): " + ", ".join(
+                      f"{layer}: {v:+.3f}" for layer, v in zip(L, s["mean_mlp_attribution_by_layer"])
+                      if len(L) <= 8 or abs(v) > 0.2),
+                  f"neurons + b_out = MLP attribution, max |error| over rows {s['max_additivity_error']:.2e}",
+                  f"top {len(s['top_neurons_mean'])} neurons by mean contribution over rows "
+                  f"(sum {s['top_mean_contribution_sum']:+.3f} logits):"]
+        for t in s["top_neurons_mean"]:
+            lines.append(f"  {t['neuron']:>8}  mean act {t['mean_activation']:+8.3f}  mean contribution "
+                         f"{t['mean_contribution']:+.4f}")
             if "promotes" in t:
                 lines.append(f"           promotes {t['promotes'][:8]}")
                 lines.append(f"           suppresses {t['suppresses'][:5]}")
             for c in t.get("top_contexts", [])[:3]:
                 lines.append(f"           context: {c!r}")
-        iv = s.get("interventions", {})
+        if s["n_rows"] > 1:
+            shown = rows.head(20)
+            lines.append(f"each row's own top neuron ({len(shown)} of {len(rows)} rows):")
+            lines.append(plotting.text_table(
+                [(int(r["row_id"]), repr(r["target"]), f"{r['logit_diff']:+.4f}", r["top_neuron"],
+                  f"{r['top_neuron_contribution']:+.4f}") for _, r in shown.iterrows()],
+                ["row_id", "target", "logit_diff", "top neuron", "contribution"]))
+        iv = s["interventions"]
         if iv:
             k = max((v["k"] or 0) for v in iv.values())
-            lines.append(f"interventions on the top-{k} neurons vs random k of the same layers:")
+            lines.append(f"interventions on the top-{k} neurons vs random k of the same layers (mean over rows):")
             lines.append(intervention_text(iv))
         return "\n".join(lines)
 
     def figures(self) -> dict:
         figs = {}
         top = self._top()
+        n = int(len(self.tables["rows"]))
+        over = f" (mean over {n} rows)" if n > 1 else ""
         if len(top):
-            values = {f"{int(r.layer)}.{int(r.neuron)}": float(r.contribution) for r in top.itertuples()}
-            figs["top_neurons"] = plotting.bars(values, title="Top neurons (layer.neuron)",
-                                                ylabel=f"direct contribution to {self.meta.get('metric')} (logits)")
+            values = {f"{int(r.layer)}.{int(r.neuron)}": float(r.mean_contribution) for r in top.itertuples()}
+            figs["top_neurons"] = plotting.bars(values, title=f"Top neurons (layer.neuron){over}",
+                                                ylabel="direct contribution (logits)")
         iv = self.tables.get("interventions", pd.DataFrame())
         if len(iv):
             summ = intervention_summary(iv, decimals=None)
@@ -211,7 +449,8 @@ class NeuronAttributionResult(Result):
                 ax.bar(x + (j - 0.5) * 0.38, ys, width=0.38, color=col, label=f"{st} k")
             ax.set_xticks(x, keys)
             ax.axhline(0, color="k", lw=0.5)
-            ax.set_ylabel("change in target probability"); ax.legend(fontsize=8)
+            ax.set_ylabel("change in target probability" + (" (mean over rows)" if n > 1 else ""))
+            ax.legend(fontsize=8)
             ax.set_title("Intervention: top-k neurons vs random control")
             fig.tight_layout()
             figs["interventions"] = fig
@@ -220,32 +459,46 @@ class NeuronAttributionResult(Result):
 
 @register
 class NeuronAttribution(Experiment):
-    """Which FFN neurons write the target into the residual stream, what they promote, when they
-    fire, and whether removing them matters (Geva et al. 2021; 2022; DLA per Elhage et al. 2021).
+    """Which FFN neurons write each row's target into the residual stream, what they promote, when
+    they fire, and whether removing them matters (Geva et al. 2021; 2022; DLA per Elhage et al. 2021).
 
     Fields:
-        prompts: one string or a list (neurons are ranked by mean contribution over prompts).
-        target / foil: one-token strings; metric ``logit[target]`` (- ``logit[foil]``).
-        position: the read position (:class:`tracekit.tokens.Position`): an int (BOS counted when
-            prepended; negative from the end), ``last`` (default) or ``token:<text>``.
+        prompts: one string or a list (one row each); or
+        dataset: the rows (:class:`tracekit.dataset.DatasetSpec`: inline ``rows``, a file ``path``, or
+            a ``generator``), each with its own ``target`` and ``foil``.
+        target: with ``prompts``: a one-token string for every prompt, or a list with one per prompt
+            (each row's own answer). Not given with a ``dataset``.
+        foil: optional, the same forms; the metric is ``logit[target]`` (- ``logit[foil]``). Every row
+            has a foil or none does.
+        position: the read position (:class:`tracekit.tokens.Position`), resolved per row: an int (an
+            index into the row's tokens, BOS counted when prepended; negative from the end), ``last``
+            (default), ``token:<text>``, or a named position of the dataset's rows (``END``, ``IO``...;
+            counted in the row's own tokens after BOS, whatever the padding).
         layers: MLP blocks (block indices; negative from the end) to attribute, or ``all``.
-        top_k: neurons listed per layer and overall.
+        top_k: neurons listed per row, per layer and overall.
         rank_by: ``contribution`` (most positive first: neurons that push the target) or ``abs``.
         value_tokens: promoted/suppressed tokens per top neuron (0: skip the value readout).
         contexts: key readout settings, or null to skip (see :class:`KeyReadoutConfig`).
         ablation: intervention settings, or null to skip (see :class:`AblationConfig`).
-        batch_size: prompts per forward pass of the neuron attribution (default 8; lower it on
+        batch_size: rows per forward pass (attribution and interventions; default 8; lower it on
             out-of-memory).
 
+    Tables and summary keys: :class:`NeuronAttributionResult`. The top neurons read out, read by key
+    and intervened on are the top by mean contribution over rows; each row's own top neurons are in
+    the ``top_by_row`` table.
+
     Raises:
-        TokenizationError: target/foil not one token. AttributionError: unknown layer, position
-        out of range. CorpusError: unreadable corpus.
+        TokenizationError: target/foil not one token, position not in a prompt.
+        DatasetError: a row without a target, rows with and without foils, a named position a row
+            does not have.
+        AttributionError: unknown layer. CorpusError: unreadable corpus.
     """
 
     kind: Literal["neuron_attribution"] = "neuron_attribution"
-    prompts: Prompts
-    target: str
-    foil: Optional[str] = Field(default=None, json_schema_extra={"null_from_reference": True})
+    prompts: OptionalPrompts = Field(default_factory=list)
+    dataset: Optional[DatasetSpec] = None
+    target: Union[str, list[str], None] = None
+    foil: Union[str, list[str], None] = Field(default=None, json_schema_extra={"null_from_reference": True})
     position: PositionSpec = "last"
     layers: Union[Literal["all"], Indices, int] = "all"
     top_k: int = Field(default=10, ge=1)
@@ -260,35 +513,74 @@ class NeuronAttribution(Experiment):
     @field_validator("position")
     @classmethod
     def _position(cls, v):
-        parse_position(v, POSITION_FORMS, "position")
+        as_position(v, "position", DLA_POSITION_FORMS)
         return v
 
+    @model_validator(mode="after")
+    def _rows(self):
+        check_dataset_fields(self.prompts, self.dataset, self.target, self.foil)
+        if self.dataset is None and self.target is None:
+            raise ValueError("target: give the token whose logit the neurons write (a string for every prompt, or "
+                             "a list with one per prompt)")
+        if self.dataset is None:
+            rows_from_prompts(self.prompts, self.target, self.foil)  # list lengths: one per prompt
+        return self
+
     def prepare(self, model) -> NeuronAttributionInputs:
-        """Resolve target/foil ids and the layers, tokenize the prompts and resolve the read
-        position (tokenizer and config only: works on a :class:`tracekit.model.ModelInfo`)."""
-        target = resolve_target(model, self.target, self.foil)
+        """The rows prepared once (prompts tokenized, per-row target/foil ids, named positions), the
+        layers and each row's read position (tokenizer and config only: works on a
+        :class:`tracekit.model.ModelInfo`; ``filter: correct`` runs the model where it can).
+
+        Raises:
+            TokenizationError / DatasetError / AttributionError: see the class docstring.
+        """
+        if self.dataset is None:
+            data = prompt_rows(model, self.prompts, self.target, self.foil)
+        else:
+            data = kind_dataset(model, None, self.dataset, batch_size=self.batch_size)
+        check_row_targets(data, "dataset" if self.dataset is not None else "prompts", "neuron attribution")
         layers = tuple(check_layers(model, self.layers, "layers"))
-        ids, positions = check_prompt_positions(model, self.prompts, self.position)
-        return NeuronAttributionInputs(target, layers, ids, positions)
+        return NeuronAttributionInputs(data, layers, tuple(row_positions(model, data, self.position)))
 
     @torch.no_grad()
     def _run(self, model, inputs: NeuronAttributionInputs, progress: bool = True) -> NeuronAttributionResult:
-        # The engines (tracekit.neurons.neuron_contributions, prompt_means, neuron_intervention)
-        # take the prompt strings and tokenize them themselves (no ids parameter yet): each prompt
-        # is tokenized again by the attribution pass and by every intervention.
+        # the engines read the prepared ids, targets and positions: nothing is tokenized again
+        data = inputs.data
         layers = list(inputs.layers)
-        das = neuron_contributions(model, self.prompts, self.target, self.foil, self.position, layers,
-                                   batch_size=self.batch_size)
-        neurons = pd.concat([d.neurons_frame() for d in das], ignore_index=True)
-        lay_rows = [{"prompt_idx": d.prompt_idx, "layer": L, "mlp": float(d.mlp[L]), "mlp_bias": float(d.mlp_bias[L]),
-                     "neuron_sum": float(d.neuron_contrib[L].sum())} for d in das for L in layers]
+        das = neuron_contributions(model, data, layers=layers, batch_size=self.batch_size, read_at=inputs.read_at)
+        frames, lay_rows = [], []
+        for d in das:
+            f = d.neurons_frame().drop(columns=["prompt_idx"])
+            f.insert(0, "row_id", d.row_id)
+            frames.append(f)
+            for L in layers:
+                ns = float(d.neuron_contrib[L].sum())
+                lay_rows.append({"row_id": d.row_id, "layer": L, "mlp": float(d.mlp[L]),
+                                 "mlp_bias": float(d.mlp_bias[L]), "neuron_sum": ns,
+                                 "additivity_error": abs(ns + float(d.mlp_bias[L]) - float(d.mlp[L]))})
+        neurons = pd.concat(frames, ignore_index=True)
+        lay = pd.DataFrame(lay_rows)
+        tb = top_by_row(neurons, self.top_k, self.rank_by)
+        recs = []
+        for d in das:
+            t = tb[tb["row_id"] == d.row_id].iloc[0]
+            g = lay[lay["row_id"] == d.row_id]
+            recs.append({"position": d.position, "token": d.tokens[d.position], "metric": d.target.label,
+                         "logit_diff": d.logit, "attributed_logit_diff": d.attributed, "final_scale": d.final_scale,
+                         "mlp_total": float(g["mlp"].sum()), "neuron_sum": float(g["neuron_sum"].sum()),
+                         "max_additivity_error": float(g["additivity_error"].max()),
+                         "top_neuron": f"{int(t['layer'])}.{int(t['neuron'])}", "top_neuron_layer": int(t["layer"]),
+                         "top_neuron_idx": int(t["neuron"]), "top_neuron_activation": float(t["activation"]),
+                         "top_neuron_contribution": float(t["contribution"])})
         top_rows, overall = self._top_rows(neurons)
-        tables = {"neurons": neurons, "layers": pd.DataFrame(lay_rows), "top": pd.DataFrame(top_rows)}
+        tables = {"neurons": neurons, "layers": lay, "rows": row_frame(data, recs), "top": pd.DataFrame(top_rows),
+                  "top_by_row": tb}
 
         if self.value_tokens:
             tables["values"] = pd.concat([
                 value_readout(model, L, n, k=self.value_tokens, sign=1.0 if a >= 0 else -1.0).assign(
-                    activation_sign=1 if a >= 0 else -1) for L, n, a in overall], ignore_index=True)
+                    activation_sign=1 if a >= 0 else -1) for L, n, a in overall], ignore_index=True).rename(
+                columns={"rank": "top_rank"})
 
         abl = self.ablation
         k_abl = min(abl.k or self.top_k, len(overall)) if abl else 0
@@ -296,37 +588,37 @@ class NeuronAttribution(Experiment):
         rand_sets = [random_neurons(model, top_set, seed=abl.seed + i, exclude=top_set) for i in range(abl.n_random)] if abl else []
 
         means = None
-        meta = {"metric": das[0].target.label, "logit": das[0].logit, "final_scale": das[0].final_scale,
-                "process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True))}
+        meta = {"process_weights": bool(getattr(getattr(model, "tracekit_spec", None), "process_weights", True)),
+                "dataset": dataset_meta(data), "ranking": "top / values / contexts / interventions: the top neurons "
+                "by mean contribution over rows; top_by_row: each row's own"}
         if self.contexts is not None:
             means = self._contexts(model, overall, top_set, rand_sets, tables, meta, progress)
         if abl is not None and top_set:
             if means is None and "mean" in abl.modes:
-                means = prompt_means(model, self.prompts, top_set + [x for s in rand_sets for x in s])
-                meta["mean_source"] = "prompt tokens (BOS excluded)"
-            tables["interventions"] = self._interventions(model, top_set, rand_sets, means, progress)
+                means = prompt_means(model, data, top_set + [x for s in rand_sets for x in s],
+                                     batch_size=self.batch_size)
+                meta["mean_source"] = "the rows' tokens (BOS excluded)"
+            tables["interventions"] = self._interventions(model, inputs, top_set, rand_sets, means, progress)
         return NeuronAttributionResult(self, tables, meta)
 
     def _top_rows(self, neurons: pd.DataFrame) -> tuple[list[dict], list[tuple[int, int, float]]]:
-        """Rows of the ``top`` table (per layer and overall, ranked by mean contribution over
-        prompts) and the overall top neurons as ``(layer, neuron, mean activation)``."""
-        mean = neurons.groupby(["layer", "neuron"], as_index=False)[["activation", "contribution", "logit_per_activation"]].mean()
-        key = mean["contribution"] if self.rank_by == "contribution" else mean["contribution"].abs()
-        mean = mean.assign(_key=key)
+        """Rows of the ``top`` table (per layer and overall, ranked by mean contribution over rows)
+        and the overall top neurons as ``(layer, neuron, mean activation)``."""
+        mean = mean_over_rows(neurons)
+        cols = ["layer", "neuron", "mean_activation", "mean_logit_per_activation", "mean_contribution",
+                "std_contribution", "n_rows"]
         top_rows = []
-        for L, g in mean.groupby("layer"):
-            g = g.sort_values("_key", ascending=False).head(self.top_k)
-            for r, row in enumerate(g.itertuples()):
-                top_rows.append({"scope": "layer", "rank": r + 1, "layer": int(L), "neuron": int(row.neuron),
-                                 "activation": row.activation, "logit_per_activation": row.logit_per_activation,
-                                 "contribution": row.contribution})
-        g = mean.sort_values("_key", ascending=False).head(self.top_k)
+        for _, g in mean.groupby("layer"):
+            g = _ranked(g, "mean_contribution", self.rank_by).head(self.top_k)
+            for r, row in enumerate(g[cols].to_dict("records")):
+                top_rows.append({"scope": "layer", "top_rank": r + 1, **row})
+        g = _ranked(mean, "mean_contribution", self.rank_by).head(self.top_k)
         overall = []
-        for r, row in enumerate(g.itertuples()):
-            top_rows.append({"scope": "overall", "rank": r + 1, "layer": int(row.layer), "neuron": int(row.neuron),
-                             "activation": row.activation, "logit_per_activation": row.logit_per_activation,
-                             "contribution": row.contribution})
-            overall.append((int(row.layer), int(row.neuron), float(row.activation)))
+        for r, row in enumerate(g[cols].to_dict("records")):
+            top_rows.append({"scope": "overall", "top_rank": r + 1, **row})
+            overall.append((int(row["layer"]), int(row["neuron"]), float(row["mean_activation"])))
+        for row in top_rows:
+            row["layer"], row["neuron"], row["n_rows"] = int(row["layer"]), int(row["neuron"]), int(row["n_rows"])
         return top_rows, overall
 
     def _contexts(self, model, overall, top_set, rand_sets, tables: dict, meta: dict, progress: bool):
@@ -347,36 +639,37 @@ class NeuronAttribution(Experiment):
                          batch_size=cx.batch_size, max_tokens=cx.max_tokens,
                          signs=[sgn.get(x, 1.0) for x in read] + [1.0] * len(extra),
                          jsonl_field=cx.jsonl_field, progress=progress)
-        c = kr.contexts
+        c = kr.contexts.rename(columns={"rank": "top_rank"})
         keep = set(read)
         tables["contexts"] = c[[(int(a), int(b)) in keep for a, b in zip(c["layer"], c["neuron"])]].reset_index(drop=True)
         meta.update(corpus=cx.corpus, corpus_tokens=kr.n_tokens, corpus_windows=kr.n_windows, mean_source="corpus")
         return kr.means
 
-    def _interventions(self, model, top_set, rand_sets, means, progress: bool) -> pd.DataFrame:
-        """One row per (verb, value) x set x prompt: the top neurons and each random control set
-        edited (table ``interventions``, columns :data:`tracekit.units.INTERVENTION_COLUMNS`)."""
+    def _interventions(self, model, inputs: NeuronAttributionInputs, top_set, rand_sets, means,
+                       progress: bool) -> pd.DataFrame:
+        """One row per (verb, value) x set x dataset row: the top neurons and each random control set
+        edited on every row in batched passes, each row with its own target/foil at its own position
+        (table ``interventions``, columns :data:`ROW_INTERVENTION_COLUMNS`)."""
         abl = self.ablation
         assert abl is not None
+        data = inputs.data
         rows = []
-        clean_by_prompt: dict = {}
+        clean: Optional[list] = None
         plans = abl.plans()
         sets = [("top", 0, top_set)] + [("random", i + 1, s) for i, s in enumerate(rand_sets)]
-        bar = tqdm(total=len(plans) * len(sets) * len(self.prompts), desc="interventions",
-                   disable=not progress, leave=False)
+        bar = tqdm(total=len(plans) * len(sets), desc="interventions", disable=not progress, leave=False)
         for mode, value in plans:
             for set_name, draw, nset in sets:
-                for pi, prompt in enumerate(self.prompts):
-                    r = neuron_intervention(model, prompt, self.target, nset, mode=mode, foil=self.foil,
-                                            means=means, factor=value if mode == "scale" else 1.0,
-                                            value=value if mode in ("clamp", "steer") else 0.0,
-                                            intervene_at=abl.intervene_at, position=self.position,
-                                            clean_metrics=clean_by_prompt.get(pi))
-                    clean_by_prompt[pi] = r["clean"]
-                    rows.append({"prompt_idx": pi, "set": set_name, "draw": draw, "verb": mode, "value": value,
-                                 "k": len(nset), "units": json.dumps([f"{L}.{n}" for L, n in nset]),
-                                 **intervention_row(r)})
-                    bar.update(1)
+                rs = neuron_interventions(model, data, None, nset, mode=mode, means=means,
+                                          factor=value if mode == "scale" else 1.0,
+                                          value=value if mode in ("clamp", "steer") else 0.0,
+                                          intervene_at=abl.intervene_at, clean_metrics=clean,
+                                          read_at=inputs.read_at, batch_size=self.batch_size)
+                clean = [r["clean"] for r in rs]
+                units = json.dumps([f"{L}.{n}" for L, n in nset])
+                for e, r in zip(data.examples, rs):
+                    rows.append({"row_id": e.row_id, "set": set_name, "draw": draw, "verb": mode, "value": value,
+                                 "k": len(nset), "units": units, **intervention_row(r)})
+                bar.update(1)
         bar.close()
-        return pd.DataFrame(rows)
-
+        return pd.DataFrame(rows, columns=ROW_INTERVENTION_COLUMNS)

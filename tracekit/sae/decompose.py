@@ -1,10 +1,11 @@
 """The decomposition ``x = sum_f a_f d_f + b + e`` of one activation through an SAE
 (:func:`sae_terms`), the forward hook that splices the SAE in (:func:`splice_hook`), and the
-attribution of a prompt's target logit to SAE features (:func:`feature_decomposition`)."""
+attribution of a prompt's target logit to SAE features (:func:`feature_decomposition`; many rows,
+each with its own target/foil and read position, in batched passes: :func:`feature_decompositions`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,12 @@ from ..hooks import enabled_hooks
 from ..model.info import HookedModel
 from ..model.norms import run_sigma
 from ..model.readout import Readout
-from ..tokens import check_length, encode, pad_ids, str_tokens
+from ..tokens import Batch, _refuse_padding, check_length, encode, forward_kwargs, pad_ids, str_tokens
 from .load import LoadedSAE
 from .windows import special_token_ids
 
-__all__ = ["FeatureDecomposition", "SAETerms", "effective_decoder", "feature_decomposition", "sae_terms",
-           "splice_hook"]
+__all__ = ["FeatureDecomposition", "SAETerms", "effective_decoder", "feature_decomposition", "feature_decompositions",
+           "sae_terms", "splice_hook"]
 
 
 @dataclass
@@ -216,11 +217,13 @@ def _prompt_ids(model: HookedModel, handle: LoadedSAE, prompt: str, position: in
     return ids, position % n
 
 
-def _metric_backward(model: HookedModel, handle: LoadedSAE, tokens: torch.Tensor, p: int,
-                     tgt: LogitTarget) -> tuple[dict, torch.Tensor]:
-    """Run the prompt with the activation at the SAE's hook made a grad leaf (``store["x"]``) and the
-    final norm's input and output recorded (under their hook names), then backpropagate the metric
-    at position ``p``; grads are enabled only here. Returns ``(store, metric)``."""
+def _metric_backward(model: HookedModel, handle: LoadedSAE, batch: Batch, ps: Sequence[int],
+                     tgts: Sequence[LogitTarget]) -> tuple[dict, torch.Tensor]:
+    """Run a padded batch with the activation at the SAE's hook made a grad leaf (``store["x"]``,
+    ``[batch, pos, ...]``) and the final norm's input and output recorded (under their hook names),
+    then backpropagate the sum over rows of each row's metric at its padded position ``ps[b]`` with
+    its own target (rows are independent, so each row's gradient is its own metric's); grads are
+    enabled only here. Returns ``(store, metrics [batch])``."""
     store: dict = {}
 
     def grab(act, hook):
@@ -232,12 +235,13 @@ def _metric_backward(model: HookedModel, handle: LoadedSAE, tokens: torch.Tensor
         store[hook.name] = act.detach()
 
     with enabled_hooks(model, [handle.hook]), torch.enable_grad():
-        logits = model.run_with_hooks(tokens, fwd_hooks=[(handle.hook, grab),
-                                                         (site_hook("final_norm_in"), grab_final),
-                                                         (site_hook("final_norm_out"), grab_final)])
-        m = _metric_fn(tgt.target_id, tgt.foil_id)(logits[0, p])
-        m.backward()
-    return store, m
+        logits = model.run_with_hooks(batch.tokens, fwd_hooks=[(handle.hook, grab),
+                                                               (site_hook("final_norm_in"), grab_final),
+                                                               (site_hook("final_norm_out"), grab_final)],
+                                      **forward_kwargs(batch))
+        ms = torch.stack([_metric_fn(t.target_id, t.foil_id)(logits[b, ps[b]]) for b, t in enumerate(tgts)])
+        ms.sum().backward()
+    return store, ms.detach()
 
 
 def _total_attribution(terms: SAETerms, grad: torch.Tensor, special: list[bool]) -> dict:
@@ -302,29 +306,83 @@ def feature_decomposition(model: HookedModel, handle: LoadedSAE, prompt: str, ta
     * total (attribution patching, Nanda 2023; Marks et al. 2024 for SAE features): ``a_f * d_f .
       grad_x metric``, summed over positions; grads are enabled only for this call.
 
+    One row of :func:`feature_decompositions`.
+
     Raises:
         TokenizationError: target/foil not one token, prompt too long, position out of range.
         SAEError: the prompt is longer than the SAE's training context.
     """
     tgt = resolve_target(model, target, foil)
     ids, p = _prompt_ids(model, handle, prompt, position, field)
-    batch = pad_ids(model, [ids])
+    return feature_decompositions(model, handle, [ids], [tgt], [p], prompts=[prompt])[0]
+
+
+def feature_decompositions(model: HookedModel, handle: LoadedSAE, ids: Sequence[Sequence[int]],
+                           targets: Sequence[LogitTarget], read_at: Sequence[int], batch_size: int = 8,
+                           prompts: Sequence[str] | None = None) -> list[FeatureDecomposition]:
+    """:func:`feature_decomposition` of many prepared rows, batched: ``batch_size`` rows per forward
+    and backward pass (padded on the right: see the note in the code), each row with its own target /
+    foil (its own metric and direction ``u``) read at its own position. Rows are independent (the
+    attention mask keeps pads out; the backward pass is of the sum of the rows' metrics), so a row's
+    decomposition equals that row run alone (tested with models whose spec pads on the left and on the
+    right, BOS on and off).
+
+    Args:
+        ids: each row's token ids (with the SAE's BOS setting, e.g. prepared once in a kind).
+        targets: each row's :class:`tracekit.dla.LogitTarget` (target and optional foil ids).
+        read_at: each row's read position, an index into its own ids (BOS counted).
+        prompts: the rows' texts (recorded on the results; default: decoded from the ids).
+
+    Returns:
+        One :class:`FeatureDecomposition` per row (``acts``: ``[pos, d_sae]`` over the row's own
+        tokens; logits for ``direct`` / ``total``), in input order.
+
+    Raises:
+        TokenizationError: lists of different lengths, a read position outside its row.
+    """
+    n = len(ids)
+    if len(targets) != n or len(read_at) != n or (prompts is not None and len(prompts) != n):
+        raise TokenizationError(f"feature_decompositions: {n} rows, {len(targets)} targets, {len(read_at)} "
+                                "positions; give one of each per row")
+    for i, (q, seq) in enumerate(zip(read_at, ids)):
+        if not 0 <= int(q) < len(seq):
+            raise TokenizationError(f"position: {q} is out of range for row {i}'s {len(seq)} tokens")
     special_ids = set(special_token_ids(model))
-    special = [int(i) in special_ids for i in ids]
-    store, m = _metric_backward(model, handle, batch.tokens, p, tgt)
-    x = store["x"]
-    grad = _flat(handle, x.grad.detach())[0].float()
-    terms = sae_terms(handle, x.detach()[0:1])
-    totals = _total_attribution(terms, grad, special)
     readout = Readout(model)
-    sigma = float("nan")
     f_in, f_out = site_hook("final_norm_in"), site_hook("final_norm_out")
-    if f_in in store and f_out in store:  # the final norm's scale in this run
-        sigma = float(run_sigma(readout.final_norm, store[f_in][0, p], store[f_out][0, p]))
-    direct = _direct_attribution(model, handle, terms, readout, sigma, p, tgt, special[p])
-    err = terms.error[0].float()
-    xf = terms.x[0].float()
-    return FeatureDecomposition(
-        prompt=prompt, tokens=str_tokens(model, ids), ids=list(ids), position=p, special=special,
-        acts=terms.acts[0].float().detach().cpu(), error_norm=err.norm(dim=-1).cpu(), x_norm=xf.norm(dim=-1).cpu(),
-        metric=float(m.detach()), label=tgt.label, final_scale=1.0 / sigma, **direct, **totals)
+    out: list[FeatureDecomposition] = []
+    size = max(1, int(batch_size))
+    for s in range(0, n, size):
+        rows = [list(x) for x in ids[s:s + size]]
+        # right padding whatever the model spec says: under left padding a pad position's query sees
+        # no key, and the backward pass through such fully masked attention rows gives NaN gradients
+        # that reach the row's real tokens (seen with PyTorch's SDPA); right padding is exact for a
+        # causal model (the pads come after every real token, which never attends to them)
+        if len({len(r) for r in rows}) > 1:
+            _refuse_padding(model, "prompts")
+        batch = pad_ids(model, rows, "right")
+        ps = [batch.offsets[b] + int(read_at[s + b]) for b in range(batch.size)]
+        store, ms = _metric_backward(model, handle, batch, ps, targets[s:s + size])
+        x = store["x"]
+        grads = x.grad.detach()
+        for b, seq in enumerate(rows):
+            i, p = s + b, int(read_at[s + b])
+            real = batch.real_index(b)
+            special = [int(t) in special_ids for t in seq]
+            grad = _flat(handle, grads[b, real][None])[0].float()
+            terms = sae_terms(handle, x.detach()[b, real][None])
+            totals = _total_attribution(terms, grad, special)
+            sigma = float("nan")
+            if f_in in store and f_out in store:  # the final norm's scale in this row's run
+                sigma = float(run_sigma(readout.final_norm, store[f_in][b, ps[b]], store[f_out][b, ps[b]]))
+            direct = _direct_attribution(model, handle, terms, readout, sigma, p, targets[i], special[p])
+            err = terms.error[0].float()
+            xf = terms.x[0].float()
+            out.append(FeatureDecomposition(
+                prompt=prompts[i] if prompts is not None else "".join(str_tokens(model, seq)),
+                tokens=str_tokens(model, seq), ids=list(seq), position=p, special=special,
+                acts=terms.acts[0].float().detach().cpu(), error_norm=err.norm(dim=-1).cpu(),
+                x_norm=xf.norm(dim=-1).cpu(), metric=float(ms[b]), label=targets[i].label,
+                final_scale=1.0 / sigma, **direct, **totals))
+        del store, x, grads
+    return out

@@ -133,9 +133,10 @@ class PromptLens:
         track_ids: ``[K]`` tracked token ids (the same on every row).
         track_log_prob, track_rank: ``[H, P, K]``.
         entropy: ``[H, P]`` nats. topk_ids, topk_probs: ``[H, P, k]``.
-        final_log_prob, final_rank: ``[P, T]`` the model's own output for the target;
-        final_foil_log_prob ``[P, F]``; final_track_log_prob ``[P, K]``;
-        final_topk_ids/probs ``[P, k]``.
+        final_log_prob, final_rank: ``[P, T]`` the model's own output for the target.
+        final_foil_log_prob: ``[P, F]``.
+        final_track_log_prob: ``[P, K]``.
+        final_topk_ids, final_topk_probs: ``[P, k]``.
     """
 
     prompt: str

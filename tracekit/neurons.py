@@ -211,8 +211,9 @@ def neuron_contributions(
     Args:
         prompts: one prompt, several, or a :class:`tracekit.dataset.PreparedDataset` (ids, per-row
             targets/foils and named positions prepared once; nothing is tokenized again).
-        target / foil: with prompt strings: a one-token string for every prompt, or a list with one
-            per prompt; None with a dataset (its rows carry their own).
+        target: with prompt strings: a one-token string for every prompt, or a list with one per
+            prompt; None with a dataset (its rows carry their own).
+        foil: the same for the foil (optional).
         position: the read position: an int (BOS counted), ``last``, ``token:<text>`` or, with a
             dataset, a named position of its rows (``END``), resolved per row.
         layers: MLP blocks (block indices) whose neurons are attributed, or ``"all"``.
@@ -674,13 +675,15 @@ def neuron_interventions(
     Args:
         prompts: prompt strings, or a :class:`tracekit.dataset.PreparedDataset` (prepared ids,
             per-row targets/foils and named positions; nothing is tokenized again).
-        target / foil: with prompt strings: a string for every prompt or a list, one per prompt;
-            None with a dataset.
-        neurons, mode, means, factor, value, freeze_downstream: as in :func:`neuron_intervention`.
+        target: with prompt strings: a string for every prompt or a list, one per prompt; None with a
+            dataset.
+        foil: the same for the foil (optional).
+        neurons: as in :func:`neuron_intervention` (so are ``mode``, ``means``, ``factor``, ``value``
+            and ``freeze_downstream``).
         intervene_at: ``position`` (each row's own read position) or ``all`` (every real token of
             each row).
-        position / read_at: the read position (spec, resolved per row) or the rows' resolved indices
-            into their own ids (BOS counted).
+        position: the read position (spec, resolved per row).
+        read_at: or the rows' resolved read indices into their own ids (BOS counted).
         clean_metrics: the ``clean`` dicts of an earlier call on the same rows (one per row), to skip
             the clean forward passes (ignored with ``freeze_downstream``).
 

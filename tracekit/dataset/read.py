@@ -40,8 +40,8 @@ def read_records(path: str | Path, field: str = "dataset.path",
         CSV/TSV under their header; 0 where lines mean nothing).
 
     Raises:
-        DatasetError (or ``error``): no such file, an unknown type, a line that is not JSON, a CSV
-        row with another number of fields than the header, a record that is not an object.
+        DatasetError: (or ``error``) no such file, an unknown type, a line that is not JSON, a CSV
+            row with another number of fields than the header, a record that is not an object.
     """
     p = Path(path).expanduser()
     if p.is_dir():

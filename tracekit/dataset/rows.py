@@ -274,7 +274,8 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
         model: a loaded model or a :class:`tracekit.model.ModelInfo` (tokenizer and config only).
         rows: the rows.
         where: how errors name a row: ``f"{where}[{i}].target"``.
-        source, dropped: recorded on the result (see :class:`PreparedDataset`).
+        source: recorded on the result (see :class:`PreparedDataset`).
+        dropped: recorded on the result (see :class:`PreparedDataset`).
         row_ids: the rows' ids (default ``0..n-1``).
 
     Returns:

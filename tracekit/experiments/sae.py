@@ -530,10 +530,11 @@ class SAEFeatures(Experiment):
     Tables and summary keys: :class:`SAEFeaturesResult`.
 
     Raises:
-        SAEError (from :meth:`check`, before any forward pass): SAE source, hook, width, model,
-        basis; a row longer than the SAE's training context. TokenizationError: target/foil not one
-        token; prompt too long; position not in a row. DatasetError: a row without a target, rows
-        with and without foils, a named position a row does not have.
+        SAEError: (from :meth:`check`, before any forward pass) SAE source, hook, width, model,
+            basis; a row longer than the SAE's training context.
+        TokenizationError: target/foil not one token; prompt too long; position not in a row.
+        DatasetError: a row without a target, rows with and without foils, a named position a row
+            does not have.
     """
 
     kind: Literal["sae_features"] = "sae_features"

@@ -163,8 +163,8 @@ def feature_interventions(model: HookedModel, handle: LoadedSAE, ids: Sequence[S
         ids: each row's token ids (with the SAE's BOS setting).
         read_at: each row's read position, an index into its own ids (BOS counted).
         features: each row's edited features (the same verb and value on every row).
-        mode / value: a verb of :data:`tracekit.units.VERBS` and its parameter (clamp value, scale
-            factor, steering multiple).
+        mode: a verb of :data:`tracekit.units.VERBS`.
+        value: its parameter (clamp value, scale factor, steering multiple).
         where: per row, ``[len(ids[i])]`` booleans: the row's tokens edited (default: every token);
             special tokens (BOS) are never edited.
         means: for ``mean``: per row, one mean activation per feature of ``features[i]``.

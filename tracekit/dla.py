@@ -62,8 +62,7 @@ from .tokens import (
     Position,
     PositionSpec,
     _refuse_padding,
-    check_length,
-    encode,
+    encode_prompts,
     pad_ids,
     parse_position,
     recurrent,
@@ -499,13 +498,7 @@ def logit_attribution(
             raise TokenizationError("prompts: need at least one prompt")
         tgts = row_targets(model, len(texts), target, foil)
         row_ids = list(range(len(texts)))
-        all_ids = []
-        for i, p in enumerate(texts):
-            seq = encode(model, p)
-            if not seq:
-                raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
-            check_length(model, seq, f"prompts[{i}]", p)
-            all_ids.append(seq)
+        all_ids = [list(seq) for seq in encode_prompts(model, texts)]
         if read_at is not None:
             pos_of = list(read_at)
         else:

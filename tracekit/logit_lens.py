@@ -62,9 +62,8 @@ from .dataset import PreparedDataset
 from .tokens import (
     Batch,
     Position,
-    check_length,
     chunks,
-    encode,
+    encode_prompts,
     pad_ids,
     parse_position,
     recurrent,
@@ -344,13 +343,7 @@ def logit_lens(
             raise TokenizationError("prompts: need at least one prompt")
         if all(isinstance(p, str) for p in items):
             texts = [str(p) for p in items]
-            ids_list = []
-            for i, p in enumerate(texts):
-                seq = encode(model, p)
-                if not seq:
-                    raise TokenizationError(f"prompts[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
-                check_length(model, seq, f"prompts[{i}]", p)
-                ids_list.append(seq)
+            ids_list = [list(seq) for seq in encode_prompts(model, texts)]
         else:
             ids_list = [[int(x) for x in p] for p in items]  # type: ignore[union-attr]
             if any(not s for s in ids_list):

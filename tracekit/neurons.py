@@ -73,10 +73,8 @@ from .units import (
     UnitEdit,
     canonical_verb,
     intervene,
-    new_activations,
     output_metrics,
     random_units,
-    steer_vector,
     top_contexts,
     vocab_readout,
 )
@@ -599,19 +597,6 @@ def _neuron_edits(model, neurons: Sequence, mode: str, means: Optional[dict], fa
     return edits, list(by_layer)
 
 
-def _row_edit_hook(e: UnitEdit, where: Bool[torch.Tensor, "batch pos"], start: Optional[torch.Tensor]) -> Callable:
-    """:meth:`tracekit.units.UnitEdit.hook` with a ``[batch, pos]`` mask (each row its own positions):
-    the same verbs (:func:`tracekit.units.new_activations`, :func:`tracekit.units.steer_vector`)."""
-    if e.verb == "steer":
-        return e.basis.edit_hook(e.units, None, steer_vector(e.basis, e.units, e.value), where, start)
-    verb, value = e.verb, e.value
-    means = e.means if isinstance(e.means, torch.Tensor) else None
-
-    def edit(cur):
-        return new_activations(verb, cur, value, means)
-    return e.basis.edit_hook(e.units, edit, None, where, start)
-
-
 @torch.no_grad()
 def _intervene_rows(model, edits: Sequence[UnitEdit], batch: Batch, read_at: Sequence[int],
                     targets: Sequence[LogitTarget], where: Bool[torch.Tensor, "batch pos"], freeze: Sequence[str] = (),
@@ -636,7 +621,7 @@ def _intervene_rows(model, edits: Sequence[UnitEdit], batch: Batch, read_at: Seq
         def freeze_hook(act, hook):
             return clean[hook.name].to(act.dtype)
 
-        hooks = [(e.basis.hook, _row_edit_hook(e, mask, clean[e.basis.hook] if e.basis.hook in freeze else None))
+        hooks = [(e.basis.hook, e.hook(mask, clean[e.basis.hook] if e.basis.hook in freeze else None))
                  for e in edits]
         hooks += [(n, freeze_hook) for n in dict.fromkeys(freeze) if n not in names]
         with model.hooks(fwd_hooks=hooks):  # removes exactly these hooks on exit, whatever is raised

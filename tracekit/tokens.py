@@ -36,7 +36,7 @@ __all__ = [
     "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "describe_tokenization", "single_token_id",
     "Batch", "tokenize", "pad_ids", "forward_kwargs", "run_with_cache", "chunks", "check_length",
     "context_length", "Position", "PositionSpec", "parse_position", "POSITION_FORMS",
-    "token_index_of_substring",
+    "token_index_of_substring", "encode_prompts",
 ]
 
 
@@ -173,6 +173,24 @@ def single_token_id(model, text: str, field: str = "target") -> int:
                       f"{' ' + text!r}, a different token. Use {' ' + text!r} unless you mean the bare form.",
                       stacklevel=2)
     return ids[0]
+
+
+def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
+                   prepend_bos: Optional[bool] = None) -> tuple[tuple[int, ...], ...]:
+    """Token ids of each prompt (:func:`tracekit.tokens.encode`), each checked to be non-empty and
+    within the model's context, as :func:`tokenize` checks them.
+
+    Raises:
+        TokenizationError: a prompt with no tokens, or longer than the context (naming ``field[i]``).
+    """
+    out = []
+    for i, p in enumerate(prompts):
+        ids = encode(model, p, prepend_bos)
+        check_length(model, ids, f"{field}[{i}]", p)
+        if not ids:
+            raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
+        out.append(tuple(ids))
+    return tuple(out)
 
 
 def context_length(model) -> Optional[int]:

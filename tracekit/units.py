@@ -213,8 +213,9 @@ class UnitEdit:
                                 f"({m.tolist()})")
             self.means = m
 
-    def hook(self, where: Bool[torch.Tensor, " pos"], start: Optional[torch.Tensor] = None) -> Callable:
-        """The forward hook doing this edit at ``where`` (from ``start`` when given)."""
+    def hook(self, where: Bool[torch.Tensor, "*batch pos"], start: Optional[torch.Tensor] = None) -> Callable:
+        """The forward hook doing this edit at ``where`` (``[pos]``: the same positions on every row;
+        ``[batch, pos]``: each row its own), from ``start`` when given."""
         if self.verb == "steer":
             return self.basis.edit_hook(self.units, None, steer_vector(self.basis, self.units, self.value), where, start)
         verb, value = self.verb, self.value

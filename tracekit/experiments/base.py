@@ -29,24 +29,27 @@ To add a kind: subclass :class:`Experiment` and :class:`Result`, decorate the ex
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence, Union, cast
 
-from pydantic import Field, field_validator
+import pandas as pd
+from pydantic import Field, field_validator, model_validator
 
-from ..core.errors import TokenizationError
+from ..core.errors import DatasetError
 from ..core.io import jsonable
 from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retired_message
-from ..dataset import DatasetSpec, PreparedDataset, prepare_rows, rows_from_prompts
+from ..dataset import DatasetSpec, Example, PreparedDataset, prepare_rows, rows_from_prompts
+from ..dla import DLA_POSITION_FORMS, LogitTarget, as_position, row_targets
 from ..hooks import state_guard
 from ..model.load import bos_info, load_model, model_fingerprint, model_spec_of
 from ..model.spec import ModelSpec
 from ..results import MANIFEST, REGISTRY, RESULTS, Expectation, Result, lookup, register
-from ..tokens import check_length, encode
+from ..tokens import PositionSpec, encode, encode_prompts
 
 __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts", "Indices",
            "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message",
            "RESERVED_NAMES", "encode_prompts", "kind_dataset", "check_dataset_fields", "DatasetSpec",
-           "PreparedDataset"]
+           "PreparedDataset", "RowTargetsExperiment", "RowInputs", "prompt_rows", "check_row_targets", "row_frame",
+           "dataset_meta"]
 
 
 def as_model(model):
@@ -55,23 +58,6 @@ def as_model(model):
         return load_model(model)
     return model
 
-
-def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
-                   prepend_bos: Optional[bool] = None) -> tuple[tuple[int, ...], ...]:
-    """Token ids of each prompt (:func:`tracekit.tokens.encode`), each checked to be non-empty and
-    within the model's context, as :func:`tracekit.tokens.tokenize` checks them.
-
-    Raises:
-        TokenizationError: a prompt with no tokens, or longer than the context (naming ``field[i]``).
-    """
-    out = []
-    for i, p in enumerate(prompts):
-        ids = encode(model, p, prepend_bos)
-        check_length(model, ids, f"{field}[{i}]", p)
-        if not ids:
-            raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
-        out.append(tuple(ids))
-    return tuple(out)
 
 
 def check_dataset_fields(prompts: Sequence[str] | None, dataset: Optional[DatasetSpec], target: Any = None,
@@ -202,3 +188,103 @@ class Experiment(StrictModel):
 
     def _run(self, model, inputs: Any, progress: bool = True) -> "Result":  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement _run(model, inputs, progress)")
+
+
+def prompt_rows(model, prompts, target, foil, prepend_bos: Optional[bool] = None) -> PreparedDataset:
+    """A kind's ``prompts`` with ``target``/``foil`` (a string: every prompt's; a list: one per prompt)
+    as prepared rows, each prompt tokenized once (with ``prepend_bos``: default the model spec's).
+
+    Raises:
+        TokenizationError: a target/foil that is not one token (naming ``target`` / ``target[i]``), an
+            empty or too long prompt.
+        AttributionError: a list of the wrong length, a foil equal to its target.
+    """
+    tgts = row_targets(model, len(prompts), target, foil)
+    ids = encode_prompts(model, prompts, prepend_bos=prepend_bos)
+    n_bos = len(encode(model, "", prepend_bos))  # 1 when a BOS is prepended
+    rows = rows_from_prompts(list(prompts), target, foil)
+    return PreparedDataset(tuple(Example(i, r, seq, t.target_id, t.foil_id, {}, None, n_bos)
+                                 for i, (r, seq, t) in enumerate(zip(rows, ids, tgts))), "prompts")
+
+
+def check_row_targets(data: PreparedDataset, where: str, what: str) -> None:
+    """Every row has a target, and every row has a foil or none does.
+
+    Raises:
+        DatasetError: rows without a target, or rows with and without foils (naming the rows).
+    """
+    missing = [e.row_id for e in data.examples if e.target_id is None]
+    if missing:
+        raise DatasetError(f"{where}: rows {missing[:10]} have no target; {what} reads each row's target logit "
+                           "(give every row a target)")
+    no_foil = [e.row_id for e in data.examples if e.foil_id is None]
+    if no_foil and len(no_foil) < len(data):
+        raise DatasetError(f"{where}: rows {no_foil[:10]} have no foil while other rows have one; the metric would "
+                           "be a logit on some rows and a logit difference on others (give every row a foil, or none)")
+
+
+def row_frame(data: PreparedDataset, recs: list[dict]) -> pd.DataFrame:
+    """The ``rows`` table: the rows' fields (:meth:`PreparedDataset.frame`) then the kind's numbers."""
+    frame = data.frame()
+    return pd.concat([frame.drop(columns=[c for c in recs[0] if c in frame.columns]).reset_index(drop=True),
+                      pd.DataFrame(recs)], axis=1)
+
+
+def dataset_meta(data: PreparedDataset) -> dict:
+    return {"source": data.source, "dropped": dict(data.dropped), "n_rows": len(data)}
+
+
+class RowTargetsExperiment(Experiment):
+    """Base of the kinds that attribute each row's own target (DLA, neuron attribution, SAE
+    features): the fields they share, validated once.
+
+    Fields:
+        prompts: one string or a list (or give ``dataset``).
+        dataset: the rows (:class:`tracekit.dataset.DatasetSpec`), each with its own target and foil.
+        target: with ``prompts``: a one-token string for every prompt, or a list with one per prompt.
+        foil: optional, the same way; with it the metric is the logit difference.
+        position: the read position: an int (BOS counted), ``last``, ``token:<text>`` or a named
+            position of the dataset's rows (``END``), resolved per row.
+    """
+
+    prompts: OptionalPrompts = Field(default_factory=list)
+    dataset: Optional[DatasetSpec] = None
+    target: Union[str, list[str], None] = None
+    foil: Union[str, list[str], None] = Field(default=None, json_schema_extra={"null_from_reference": True})
+    position: PositionSpec = "last"
+
+    #: What the target is to the kind (quoted when it is missing).
+    target_role: ClassVar[str] = "the token explained"
+
+    @field_validator("position")
+    @classmethod
+    def _position(cls, v):
+        as_position(v, "position", DLA_POSITION_FORMS)
+        return v
+
+    @model_validator(mode="after")
+    def _rows(self):
+        check_dataset_fields(self.prompts, self.dataset, self.target, self.foil)
+        if self.dataset is None and self.target is None:
+            raise ValueError(f"target: give {self.target_role} (a string for every prompt, or a list with one per "
+                             "prompt)")
+        if self.dataset is None:
+            rows_from_prompts(self.prompts, self.target, self.foil)  # list lengths: one per prompt
+        return self
+
+
+class RowInputs:
+    """Mixin of the prepared inputs of a :class:`RowTargetsExperiment` (a frozen dataclass with a
+    ``data`` field): each row's token ids and its target (and foil) ids."""
+
+    data: PreparedDataset
+
+    @property
+    def ids(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(e.ids for e in self.data.examples)
+
+    @property
+    def targets(self) -> tuple[LogitTarget, ...]:
+        """Each row's target (and foil) token ids."""
+        return tuple(LogitTarget(str(e.row.target), int(cast(int, e.target_id)), e.row.foil, e.foil_id)
+                     for e in self.data.examples)

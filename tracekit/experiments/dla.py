@@ -16,25 +16,22 @@ Units: ``contribution`` and every logit in logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import numpy as np
 import pandas as pd
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from .. import plotting
-from ..core.errors import DatasetError
-from ..dataset import Example, PreparedDataset, rows_from_prompts
-from ..dla import DLA_POSITION_FORMS, POSITION_FORMS, as_position, logit_attribution, row_positions, row_targets
-from ..tokens import PositionSpec, encode
+from ..dataset import PreparedDataset
+from ..dla import POSITION_FORMS, as_position, logit_attribution, row_positions
 from .base import (
-    DatasetSpec,
-    Experiment,
-    OptionalPrompts,
     Result,
-    check_dataset_fields,
+    RowTargetsExperiment,
+    check_row_targets,
     encode_prompts,
     kind_dataset,
+    prompt_rows,
     register,
 )
 
@@ -304,7 +301,7 @@ def _fmt_std(x) -> str:
 
 
 @register
-class DirectLogitAttribution(Experiment):
+class DirectLogitAttribution(RowTargetsExperiment):
     """Direct logit attribution (Elhage et al. 2021) of each row's target (minus its foil) at a position.
 
     Fields:
@@ -333,31 +330,12 @@ class DirectLogitAttribution(Experiment):
     """
 
     kind: Literal["direct_logit_attribution"] = "direct_logit_attribution"
-    prompts: OptionalPrompts = Field(default_factory=list)
-    dataset: Optional[DatasetSpec] = None
-    target: Union[str, list[str], None] = None
-    foil: Union[str, list[str], None] = Field(default=None, json_schema_extra={"null_from_reference": True})
-    position: PositionSpec = "last"
     top_k: int = Field(default=10, ge=1)
     batch_size: int = Field(default=8, ge=1)
 
     result_class = DirectLogitAttributionResult
 
-    @field_validator("position")
-    @classmethod
-    def _position(cls, v):
-        as_position(v, "position", DLA_POSITION_FORMS)
-        return v
-
-    @model_validator(mode="after")
-    def _rows(self):
-        check_dataset_fields(self.prompts, self.dataset, self.target, self.foil)
-        if self.dataset is None and self.target is None:
-            raise ValueError("target: give the token whose logit is split (a string for every prompt, or a list "
-                             "with one per prompt)")
-        if self.dataset is None:
-            rows_from_prompts(self.prompts, self.target, self.foil)  # list lengths: one per prompt
-        return self
+    target_role = "the token whose logit is split"
 
     def prepare(self, model) -> DirectLogitAttributionInputs:
         """The rows prepared once (prompts tokenized, per-row target/foil ids, named positions) and
@@ -368,30 +346,11 @@ class DirectLogitAttribution(Experiment):
             TokenizationError / DatasetError: see the class docstring.
         """
         if self.dataset is None:
-            data = self._prompt_rows(model)
+            data = prompt_rows(model, self.prompts, self.target, self.foil)
         else:
             data = kind_dataset(model, None, self.dataset, batch_size=self.batch_size)
-        where = "dataset" if self.dataset is not None else "prompts"
-        missing = [e.row_id for e in data.examples if e.target_id is None]
-        if missing:
-            raise DatasetError(f"{where}: rows {missing[:10]} have no target; direct logit attribution splits each "
-                               "row's target logit (give every row a target)")
-        no_foil = [e.row_id for e in data.examples if e.foil_id is None]
-        if no_foil and len(no_foil) < len(data):
-            raise DatasetError(f"{where}: rows {no_foil[:10]} have no foil while other rows have one; the metric "
-                               "would be a logit on some rows and a logit difference on others (give every row a "
-                               "foil, or none)")
+        check_row_targets(data, "dataset" if self.dataset is not None else "prompts", "direct logit attribution")
         return DirectLogitAttributionInputs(data, tuple(row_positions(model, data, self.position)))
-
-    def _prompt_rows(self, model) -> PreparedDataset:
-        """``prompts`` with ``target``/``foil`` as rows (as :func:`tracekit.experiments.base.kind_dataset`
-        makes them), each prompt tokenized once, with errors naming ``target`` / ``target[i]``."""
-        tgts = row_targets(model, len(self.prompts), self.target, self.foil)
-        ids = encode_prompts(model, self.prompts)
-        n_bos = len(encode(model, ""))  # 1 when the model spec prepends a BOS
-        rows = rows_from_prompts(self.prompts, self.target, self.foil)
-        return PreparedDataset(tuple(Example(i, r, seq, t.target_id, t.foil_id, {}, None, n_bos)
-                                     for i, (r, seq, t) in enumerate(zip(rows, ids, tgts))), "prompts")
 
     def _run(self, model, inputs: DirectLogitAttributionInputs, progress: bool = True
              ) -> DirectLogitAttributionResult:

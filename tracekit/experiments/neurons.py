@@ -25,13 +25,12 @@ from typing import Literal, Optional, Union
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from .. import plotting
-from ..core.errors import DatasetError
-from ..dataset import Example, PreparedDataset, rows_from_prompts
-from ..dla import DLA_POSITION_FORMS, LogitTarget, as_position, check_layers, row_positions, row_targets
+from ..dataset import PreparedDataset, rows_from_prompts
+from ..dla import check_layers, row_positions
 from ..neurons import (
     key_readout,
     neuron_contributions,
@@ -40,7 +39,6 @@ from ..neurons import (
     random_neurons,
     value_readout,
 )
-from ..tokens import PositionSpec, encode
 from ..units import (
     INTERVENTION_COLUMNS,
     InterventionVerbs,
@@ -50,70 +48,27 @@ from ..units import (
     intervention_text,
 )
 from .base import (
-    DatasetSpec,
-    Experiment,
     Indices,
-    OptionalPrompts,
     Result,
+    RowInputs,
+    RowTargetsExperiment,
     StrictModel,
-    check_dataset_fields,
-    encode_prompts,
+    check_row_targets,
+    dataset_meta,
     kind_dataset,
+    prompt_rows,
     register,
+    row_frame,
 )
 
 __all__ = ["NeuronAttribution", "NeuronAttributionInputs", "NeuronAttributionResult", "KeyReadoutConfig",
-           "AblationConfig", "prompt_rows", "check_row_targets", "ROW_INTERVENTION_COLUMNS"]
+           "AblationConfig", "ROW_INTERVENTION_COLUMNS"]
 
 #: The columns of the unit kinds' ``interventions`` tables: :data:`tracekit.units.INTERVENTION_COLUMNS`
 #: with the row named by its dataset ``row_id`` (``prompt_idx`` before datasets).
 ROW_INTERVENTION_COLUMNS = ["row_id" if c == "prompt_idx" else c for c in INTERVENTION_COLUMNS]
 if "row_id" not in ROW_INTERVENTION_COLUMNS:
     ROW_INTERVENTION_COLUMNS.insert(0, "row_id")
-
-
-def prompt_rows(model, prompts, target, foil, prepend_bos: Optional[bool] = None) -> PreparedDataset:
-    """A kind's ``prompts`` with ``target``/``foil`` (a string: every prompt's; a list: one per prompt)
-    as prepared rows, each prompt tokenized once (with ``prepend_bos``: default the model spec's).
-
-    Raises:
-        TokenizationError: a target/foil that is not one token (naming ``target`` / ``target[i]``), an
-            empty or too long prompt.
-        AttributionError: a list of the wrong length, a foil equal to its target.
-    """
-    tgts = row_targets(model, len(prompts), target, foil)
-    ids = encode_prompts(model, prompts, prepend_bos=prepend_bos)
-    n_bos = len(encode(model, "", prepend_bos))  # 1 when a BOS is prepended
-    rows = rows_from_prompts(list(prompts), target, foil)
-    return PreparedDataset(tuple(Example(i, r, seq, t.target_id, t.foil_id, {}, None, n_bos)
-                                 for i, (r, seq, t) in enumerate(zip(rows, ids, tgts))), "prompts")
-
-
-def check_row_targets(data: PreparedDataset, where: str, what: str) -> None:
-    """Every row has a target, and every row has a foil or none does.
-
-    Raises:
-        DatasetError: rows without a target, or rows with and without foils (naming the rows).
-    """
-    missing = [e.row_id for e in data.examples if e.target_id is None]
-    if missing:
-        raise DatasetError(f"{where}: rows {missing[:10]} have no target; {what} reads each row's target logit "
-                           "(give every row a target)")
-    no_foil = [e.row_id for e in data.examples if e.foil_id is None]
-    if no_foil and len(no_foil) < len(data):
-        raise DatasetError(f"{where}: rows {no_foil[:10]} have no foil while other rows have one; the metric would "
-                           "be a logit on some rows and a logit difference on others (give every row a foil, or none)")
-
-
-def row_frame(data: PreparedDataset, recs: list[dict]) -> pd.DataFrame:
-    """The ``rows`` table: the rows' fields (:meth:`PreparedDataset.frame`) then the kind's numbers."""
-    frame = data.frame()
-    return pd.concat([frame.drop(columns=[c for c in recs[0] if c in frame.columns]).reset_index(drop=True),
-                      pd.DataFrame(recs)], axis=1)
-
-
-def dataset_meta(data: PreparedDataset) -> dict:
-    return {"source": data.source, "dropped": dict(data.dropped), "n_rows": len(data)}
 
 
 # =============================================================================================
@@ -175,7 +130,7 @@ class AblationConfig(InterventionVerbs):
 
 
 @dataclass(frozen=True)
-class NeuronAttributionInputs:
+class NeuronAttributionInputs(RowInputs):
     """What :meth:`NeuronAttribution.prepare` builds once: the rows (token ids, per-row target and
     foil ids, named positions), the MLP blocks attributed, and each row's read position (an index
     into its own ids, BOS counted)."""
@@ -183,16 +138,6 @@ class NeuronAttributionInputs:
     data: PreparedDataset
     layers: tuple[int, ...]
     read_at: tuple[int, ...]
-
-    @property
-    def ids(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(e.ids for e in self.data.examples)
-
-    @property
-    def targets(self) -> tuple[LogitTarget, ...]:
-        """Each row's target (and foil) token ids."""
-        return tuple(LogitTarget(str(e.row.target), int(e.target_id), e.row.foil, e.foil_id)
-                     for e in self.data.examples)
 
 
 def _ranked(df: pd.DataFrame, col: str, rank_by: str) -> pd.DataFrame:
@@ -458,7 +403,7 @@ class NeuronAttributionResult(Result):
 
 
 @register
-class NeuronAttribution(Experiment):
+class NeuronAttribution(RowTargetsExperiment):
     """Which FFN neurons write each row's target into the residual stream, what they promote, when
     they fire, and whether removing them matters (Geva et al. 2021; 2022; DLA per Elhage et al. 2021).
 
@@ -495,11 +440,6 @@ class NeuronAttribution(Experiment):
     """
 
     kind: Literal["neuron_attribution"] = "neuron_attribution"
-    prompts: OptionalPrompts = Field(default_factory=list)
-    dataset: Optional[DatasetSpec] = None
-    target: Union[str, list[str], None] = None
-    foil: Union[str, list[str], None] = Field(default=None, json_schema_extra={"null_from_reference": True})
-    position: PositionSpec = "last"
     layers: Union[Literal["all"], Indices, int] = "all"
     top_k: int = Field(default=10, ge=1)
     rank_by: Literal["contribution", "abs"] = "contribution"
@@ -510,21 +450,7 @@ class NeuronAttribution(Experiment):
 
     result_class = NeuronAttributionResult
 
-    @field_validator("position")
-    @classmethod
-    def _position(cls, v):
-        as_position(v, "position", DLA_POSITION_FORMS)
-        return v
-
-    @model_validator(mode="after")
-    def _rows(self):
-        check_dataset_fields(self.prompts, self.dataset, self.target, self.foil)
-        if self.dataset is None and self.target is None:
-            raise ValueError("target: give the token whose logit the neurons write (a string for every prompt, or "
-                             "a list with one per prompt)")
-        if self.dataset is None:
-            rows_from_prompts(self.prompts, self.target, self.foil)  # list lengths: one per prompt
-        return self
+    target_role = "the token whose logit the neurons write"
 
     def prepare(self, model) -> NeuronAttributionInputs:
         """The rows prepared once (prompts tokenized, per-row target/foil ids, named positions), the

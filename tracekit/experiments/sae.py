@@ -34,11 +34,11 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from .. import plotting
 from ..dataset import PreparedDataset, rows_from_prompts
-from ..dla import DLA_POSITION_FORMS, LogitTarget, as_position, row_positions
+from ..dla import row_positions
 from ..errors import SAEError
 from ..sae import (
     SAEInfo,
@@ -56,17 +56,19 @@ from ..sae.interventions import feature_interventions
 from ..tokens import PositionSpec, check_length, encode
 from ..units import InterventionVerbs, Verb, intervention_row, intervention_summary, intervention_text
 from .base import (
-    DatasetSpec,
-    Experiment,
     Indices,
-    OptionalPrompts,
     Result,
+    RowInputs,
+    RowTargetsExperiment,
     StrictModel,
-    check_dataset_fields,
+    check_row_targets,
+    dataset_meta,
     kind_dataset,
+    prompt_rows,
     register,
+    row_frame,
 )
-from .neurons import ROW_INTERVENTION_COLUMNS, check_row_targets, dataset_meta, prompt_rows, row_frame
+from .neurons import ROW_INTERVENTION_COLUMNS
 from .sae_quality import SAEEval, SAEEvalResult, SAETrain, SAETrainResult, load_handle, rounded
 
 
@@ -160,7 +162,7 @@ def _density_png(values: np.ndarray, feature: int) -> str:
 
 
 @dataclass(frozen=True)
-class SAEFeaturesInputs:
+class SAEFeaturesInputs(RowInputs):
     """What :meth:`SAEFeatures.prepare` builds once: the SAE's identity (hook, BOS setting, training
     context; no weights), the rows (token ids with the SAE's BOS setting, per-row target and foil
     ids, named positions) and each row's read position (an index into its own ids, BOS counted)."""
@@ -168,16 +170,6 @@ class SAEFeaturesInputs:
     info: SAEInfo
     data: PreparedDataset
     read_at: tuple[int, ...]
-
-    @property
-    def ids(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(e.ids for e in self.data.examples)
-
-    @property
-    def targets(self) -> tuple[LogitTarget, ...]:
-        """Each row's target (and foil) token ids."""
-        return tuple(LogitTarget(str(e.row.target), int(e.target_id), e.row.foil, e.foil_id)
-                     for e in self.data.examples)
 
 
 def _with_bos(model, data: PreparedDataset, prepend_bos: bool | None) -> PreparedDataset:
@@ -504,7 +496,7 @@ class SAEFeaturesResult(Result):
 
 
 @register
-class SAEFeatures(Experiment):
+class SAEFeatures(RowTargetsExperiment):
     """Decompose each row's activation at the SAE's hook into SAE features and attribute the row's
     target logit (difference) to them (direct, Elhage et al. 2021; total, attribution patching,
     Marks et al. 2024), in batched passes, each row with its own target/foil at its own position.
@@ -539,10 +531,6 @@ class SAEFeatures(Experiment):
 
     kind: Literal["sae_features"] = "sae_features"
     sae: SAESpec
-    prompts: OptionalPrompts = Field(default_factory=list)
-    dataset: DatasetSpec | None = None
-    target: str | list[str] | None = None
-    foil: str | list[str] | None = Field(default=None, json_schema_extra={"null_from_reference": True})
     position: PositionSpec = -1
     top_k: int = Field(default=10, ge=1)
     batch_size: int = Field(default=8, ge=1)
@@ -553,21 +541,7 @@ class SAEFeatures(Experiment):
 
     retired = {"answer": "target", "wrong": "foil", "prompt": "prompts"}
 
-    @field_validator("position")
-    @classmethod
-    def _position(cls, v):
-        as_position(v, "position", DLA_POSITION_FORMS)
-        return v
-
-    @model_validator(mode="after")
-    def _rows(self):
-        check_dataset_fields(self.prompts, self.dataset, self.target, self.foil)
-        if self.dataset is None and self.target is None:
-            raise ValueError("target: give the token whose logit is attributed (a string for every prompt, or a "
-                             "list with one per prompt)")
-        if self.dataset is None:
-            rows_from_prompts(self.prompts, self.target, self.foil)  # list lengths: one per prompt
-        return self
+    target_role = "the token whose logit is attributed"
 
     def prepare(self, model) -> SAEFeaturesInputs:
         """The SAE's identity (no weights), the rows prepared once with the SAE's BOS setting

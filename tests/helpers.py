@@ -122,6 +122,12 @@ KIND_EXAMPLES.update({
 })
 
 
+#: Rows of different lengths, each with its own target and foil (single GPT-2 tokens): (prompt, target, foil).
+TARGET_ROWS = [("The capital of France is", " Paris", " Rome"),
+               ("Hello, my name is John and I live in", " London", " Paris"),
+               ("When Mary and John went to the store, John gave a drink to", " Mary", " John"),
+               ("The Eiffel Tower is in", " Paris", " Berlin")]
+
 #: Two dataset rows of different lengths, each with its own target, foil, corrupted prompt and named
 #: positions: every kind that reads prompts runs on them (tests/integration/test_kinds.py).
 DATASET_ROWS = [

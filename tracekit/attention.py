@@ -41,17 +41,15 @@ from jaxtyping import Float, Int
 
 from .core.sites import check_heads, check_layer, check_layers, hook
 from .errors import AttentionError, HookError
-from .model.load import model_spec_of
 from .tokens import (
     Batch,
     Position,
     PositionSpec,
-    _refuse_padding,
     chunks,
     encode,
     pad_ids,
+    pad_rows,
     parse_position,
-    recurrent,
     run_with_cache,
     str_tokens,
     tokenize,
@@ -60,7 +58,7 @@ from .tokens import (
 __all__ = ["AttentionError", "LayerAttention", "attention_pattern", "resolve_position", "classify_heads",
            "repeated_random_tokens", "head_scores", "pattern_scores", "check_heads", "check_layer", "HEAD_LABELS",
            "POSITION_FORMS", "QueryAttention", "query_attention", "label_query_rows", "head_stats",
-           "full_patterns", "padded_batch"]
+           "full_patterns"]
 
 HEAD_LABELS = ("self", "first", "previous", "spread", "content")
 #: The position forms attention accepts for the query position.
@@ -343,21 +341,6 @@ class QueryAttention:
         return out.masked_fill(future, float("-inf") if scores else 0.0)
 
 
-def padded_batch(model, ids: Sequence[Sequence[int]], field: str = "prompts") -> Batch:
-    """Pad token ids into a batch on the model's padding side (the model spec's ``padding_side``;
-    right for recurrent models), as :func:`tracekit.tokens.tokenize` pads prompts.
-
-    Raises:
-        TokenizationError: rows of different lengths on an architecture that cannot batch them.
-    """
-    side = model_spec_of(model).padding_side
-    if side == "left" and recurrent(model):
-        side = "right"
-    if len({len(s) for s in ids}) > 1:
-        _refuse_padding(model, field)
-    return pad_ids(model, ids, side)
-
-
 def _check_heads_of(model, heads, layers: Sequence[int], field: str = "heads") -> list[int]:
     out: list[int] = []
     for L in layers:
@@ -483,7 +466,7 @@ def query_attention(model, ids: Sequence[Sequence[int]], query_pos: Sequence[int
     order = sorted(range(n), key=lambda i: (len(ids[i]), i))
     for sl in chunks(n, batch_size):
         rows = order[sl]
-        batch = padded_batch(model, [ids[i] for i in rows], field)
+        batch = pad_rows(model, [ids[i] for i in rows], field)
         dev = batch.tokens.device
         b = len(rows)
         off = torch.tensor(batch.offsets, dtype=torch.long, device=dev)
@@ -514,7 +497,7 @@ def full_patterns(model, ids: Sequence[Sequence[int]], pairs: Sequence[tuple[int
     stops after the last layer read.
 
     Raises:
-        AttentionError: an unknown layer or head. TokenizationError: as :func:`padded_batch`.
+        AttentionError: an unknown layer or head. TokenizationError: as :func:`tracekit.tokens.pad_rows`.
     """
     from .hooks import check_hooks
 
@@ -527,7 +510,7 @@ def full_patterns(model, ids: Sequence[Sequence[int]], pairs: Sequence[tuple[int
     out: dict[tuple[int, int], list] = {p: [None] * len(ids) for p in pairs}
     for sl in chunks(len(ids), batch_size):
         rows = list(range(len(ids)))[sl]
-        batch = padded_batch(model, [ids[i] for i in rows], field)
+        batch = pad_rows(model, [ids[i] for i in rows], field)
         got = _read_full(model, batch, pairs, names)
         for j, i in enumerate(rows):
             o, m = batch.offsets[j], batch.lengths[j]

@@ -53,19 +53,15 @@ from .dataset import PreparedDataset
 from .errors import AttributionError, HookError, TokenizationError
 from .fastpath import activations_at
 from .model.architectures import MethodRefused, architecture_name, require
-from .model.load import model_spec_of
 from .model.norms import run_sigma
 from .model.readout import Readout
 from .model.writepath import WritePath, write_paths
 from .tokens import (
-    Batch,
     Position,
     PositionSpec,
-    _refuse_padding,
     encode_prompts,
-    pad_ids,
+    pad_rows,
     parse_position,
-    recurrent,
     single_token_id,
     str_tokens,
 )
@@ -200,18 +196,6 @@ def row_targets(model, n: int, target: Union[str, Sequence[str], None],
                 seen[(t, f)] = LogitTarget(t, ti, f, fi)
         out.append(seen[(t, f)])
     return out
-
-
-def _pad_batch(model, ids: Sequence[Sequence[int]], field: str = "prompts") -> Batch:
-    """Pre-tokenized rows padded as :func:`tracekit.tokens.tokenize` pads prompts: the model spec's
-    ``padding_side`` (right on recurrent models), refused on batch-sensitive architectures when the
-    lengths differ."""
-    side = model_spec_of(model).padding_side
-    if side == "left" and recurrent(model):
-        side = "right"
-    if len({len(i) for i in ids}) > 1:
-        _refuse_padding(model, field)
-    return pad_ids(model, ids, side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,7 +545,7 @@ def _attribute(model, texts: Sequence[str], all_ids: Sequence[Sequence[int]], ro
     out: list[DirectAttribution] = []
     size = max(1, int(batch_size))
     for s in range(0, len(all_ids), size):
-        batch = _pad_batch(model, all_ids[s:s + size])
+        batch = pad_rows(model, all_ids[s:s + size])
         ps = [batch.offsets[b] + pos_of[s + b] for b in range(batch.size)]  # each row's own padded index
         # each hook read at the attributed position only; one forward pass for the whole batch
         try:

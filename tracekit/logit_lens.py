@@ -58,15 +58,13 @@ from jaxtyping import Float, Int
 
 from .core.errors import DatasetError, TokenizationError
 from .core.sites import hook
-from .dataset import PreparedDataset
+from .dataset import PreparedDataset, per_row_values
 from .tokens import (
-    Batch,
     Position,
     chunks,
     encode_prompts,
-    pad_ids,
+    pad_rows,
     parse_position,
-    recurrent,
     single_token_id,
     str_tokens,
 )
@@ -239,21 +237,6 @@ def _readout(model, resid: Float[torch.Tensor, "... d_model"], target: Int[torch
     return {key: v.reshape(*lead, *v.shape[1:]) for key, v in out.items()}
 
 
-def _pad(model, ids: Sequence[Sequence[int]]) -> Batch:
-    """Token id sequences padded into a batch as :func:`tracekit.tokens.tokenize` pads prompts
-    (the model spec's padding side; right for recurrent models; batch-sensitive architectures
-    refuse rows of different lengths)."""
-    from .model.load import model_spec_of
-    from .tokens import _refuse_padding
-
-    side = model_spec_of(model).padding_side
-    if side == "left" and recurrent(model):
-        side = "right"
-    if len({len(i) for i in ids}) > 1:
-        _refuse_padding(model, "prompts")
-    return pad_ids(model, [list(i) for i in ids], side)
-
-
 def _per_row(value, n: int, name: str, model, rows_word: str = "prompt") -> list[Optional[int]]:
     """``[n]`` token ids from a token (every row's), a list (one per row) or None."""
     def one(v, where: str) -> Optional[int]:
@@ -268,14 +251,8 @@ def _per_row(value, n: int, name: str, model, rows_word: str = "prompt") -> list
         return single_token_id(model, v, field=where)
 
     if value is None or isinstance(value, (str, int, np.integer)):
-        tid = one(value, name)
-        return [tid] * n
-    vals = list(value)
-    if len(vals) != n:
-        raise DatasetError(f"{name}: {len(vals)} tokens for {n} {rows_word}(s); a {name} list gives each {rows_word} "
-                           f"its own answer (one per {rows_word}). To follow the same tokens on every "
-                           f"{rows_word} use track: {vals!r}")
-    return [one(v, f"{name}[{i}]") for i, v in enumerate(vals)]
+        return [one(value, name)] * n
+    return [one(v, f"{name}[{i}]") for i, v in enumerate(per_row_values(value, n, name, rows_word))]
 
 
 @torch.no_grad()
@@ -393,7 +370,7 @@ def _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points,
     out: list[PromptLens] = []
     for sl in chunks(len(ids_list), batch_size):
         rows = list(range(len(ids_list)))[sl]
-        batch = _pad(model, [ids_list[i] for i in rows])
+        batch = pad_rows(model, [ids_list[i] for i in rows])
         reads = [row_reads[i] for i in rows]
         width = max(len(r) for r in reads)
         idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]

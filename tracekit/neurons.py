@@ -55,7 +55,6 @@ from .dataset import PreparedDataset
 from .dla import (
     DirectAttribution,
     LogitTarget,
-    _pad_batch,
     as_position,
     logit_attribution,
     resolve_target,
@@ -67,7 +66,17 @@ from .hooks import check_hooks, enabled_hooks
 from .model.architectures import require
 from .model.readout import Readout
 from .model.writepath import write_path
-from .tokens import Batch, Position, PositionSpec, check_length, encode, forward_kwargs, run_with_cache, tokenize
+from .tokens import (
+    Batch,
+    Position,
+    PositionSpec,
+    check_length,
+    encode,
+    forward_kwargs,
+    pad_rows,
+    run_with_cache,
+    tokenize,
+)
 from .units import (
     VERBS,
     UnitEdit,
@@ -474,7 +483,7 @@ def prompt_means(model, prompts: Union[Sequence[str], PreparedDataset], neurons:
     count = 0
     size = max(1, int(batch_size))
     for s in range(0, len(rows.ids), size):
-        batch = _pad_batch(model, rows.ids[s:s + size])
+        batch = pad_rows(model, rows.ids[s:s + size])
         _, cache = run_with_cache(model, batch, [hook("neuron", L) for L in layers])
         mask = batch.attention_mask.bool().clone()
         for b in range(batch.size):
@@ -693,7 +702,7 @@ def neuron_interventions(
     out: list[dict] = []
     size = max(1, int(batch_size))
     for s in range(0, n, size):
-        batch = _pad_batch(model, rows.ids[s:s + size])
+        batch = pad_rows(model, rows.ids[s:s + size])
         ps = [batch.offsets[b] + rows.read_at[s + b] for b in range(batch.size)]
         if intervene_at == "position":
             where = torch.zeros(batch.tokens.shape, dtype=torch.bool)

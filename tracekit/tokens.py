@@ -36,7 +36,7 @@ __all__ = [
     "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "describe_tokenization", "single_token_id",
     "Batch", "tokenize", "pad_ids", "forward_kwargs", "run_with_cache", "chunks", "check_length",
     "context_length", "Position", "PositionSpec", "parse_position", "POSITION_FORMS",
-    "token_index_of_substring", "encode_prompts",
+    "token_index_of_substring", "encode_prompts", "pad_rows",
 ]
 
 
@@ -450,20 +450,35 @@ def tokenize(
         prompts = [prompts]
     if not prompts:
         raise TokenizationError(f"{field}: need at least one prompt")
-    spec = model_spec_of(model)
-    side = padding_side or spec.padding_side
-    if side not in ("left", "right"):
-        raise TokenizationError(f"padding_side must be 'left' or 'right', got {side!r}")
-    if side == "left" and recurrent(model):
-        side = "right"  # pads before a prompt would run through the recurrence and change its state
+    if padding_side not in (None, "left", "right"):
+        raise TokenizationError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     ids = [encode(model, p, prepend_bos) for p in prompts]
     for i, (p, seq) in enumerate(zip(prompts, ids)):
         if not seq:
             raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
         check_length(model, seq, f"{field}[{i}]", p)
+    return pad_rows(model, ids, field, padding_side)
+
+
+def pad_rows(model, ids: Sequence[Sequence[int]], field: str = "prompts", padding_side: Optional[str] = None
+             ) -> Batch:
+    """Pre-tokenized rows padded into a :class:`Batch` as :func:`tokenize` pads prompts: on the
+    model spec's ``padding_side`` (or ``padding_side``), right on recurrent models (pads before a
+    prompt would run through the recurrence and change its state), refused on batch-sensitive
+    architectures when the lengths differ.
+
+    Raises:
+        TokenizationError: rows of different lengths on an architecture that cannot batch them, or an
+            unknown padding side.
+    """
+    side = padding_side or model_spec_of(model).padding_side
+    if side not in ("left", "right"):
+        raise TokenizationError(f"padding_side must be 'left' or 'right', got {side!r}")
+    if side == "left" and recurrent(model):
+        side = "right"
     if len({len(i) for i in ids}) > 1:
         _refuse_padding(model, field)
-    return pad_ids(model, ids, side)
+    return pad_ids(model, [list(i) for i in ids], side)
 
 
 def _refuse_padding(model, field: str) -> None:

@@ -172,9 +172,9 @@ def test_named_query_and_keys_read_each_rows_own_tokens(pair, side, bos):
         assert len(set(lengths)) == 3
         short = int(np.argmin(lengths))
         if side == "left":
-            from tracekit.attention import padded_batch
+            from tracekit.tokens import pad_rows
 
-            b = padded_batch(model, [encode(model, r["prompt"]) for r in ROWS])
+            b = pad_rows(model, [encode(model, r["prompt"]) for r in ROWS])
             width = b.tokens.shape[1]
             padded = _hf_attentions(ref, b.tokens, b.attention_mask)
             q = lengths[short] - 1  # the row's own END, counted from the padded start (wrong)

@@ -20,21 +20,15 @@ import pytest
 import torch
 
 import tracekit as tk
-from helpers import GPT2_BPE, make_perturbed
+from helpers import GPT2_BPE, TARGET_ROWS, make_perturbed
 from tracekit.core.errors import AttributionError, DatasetError, TokenizationError
 from tracekit.dla import logit_attribution
 from tracekit.results import shadowing_columns
 from tracekit.tokens import encode, single_token_id
 
 ATOL = 1e-5
-#: Rows of different lengths, each with its own target and foil (single GPT-2 tokens).
-ROWS = [("The capital of France is", " Paris", " Rome"),
-        ("Hello, my name is John and I live in", " London", " Paris"),
-        ("When Mary and John went to the store, John gave a drink to", " Mary", " John"),
-        ("The Eiffel Tower is in", " Paris", " Berlin")]
-PROMPTS = [r[0] for r in ROWS]
-TARGETS = [r[1] for r in ROWS]
-FOILS = [r[2] for r in ROWS]
+ROWS = TARGET_ROWS
+PROMPTS, TARGETS, FOILS = ([r[i] for r in ROWS] for i in range(3))
 #: GPT-2 on the whole grid (left/right padding x BOS on/off); Gemma 2 on both sides and both BOS states.
 VARIANTS = [("gpt2", side, bos) for side in ("left", "right") for bos in (True, False)] + [
     ("gemma2", "left", False), ("gemma2", "right", True)]

@@ -20,7 +20,7 @@ import torch
 from test_sae import make_sae_dir
 
 import tracekit as tk
-from helpers import make_perturbed
+from helpers import TARGET_ROWS, make_perturbed
 from tracekit.core.errors import DatasetError
 from tracekit.neurons import neuron_intervention
 from tracekit.results import shadowing_columns
@@ -28,14 +28,8 @@ from tracekit.tokens import encode, single_token_id
 from tracekit.units import intervention_summary
 
 ATOL = 1e-5
-#: Rows of different lengths, each with its own target and foil (single GPT-2 tokens).
-ROWS = [("The capital of France is", " Paris", " Rome"),
-        ("Hello, my name is John and I live in", " London", " Paris"),
-        ("When Mary and John went to the store, John gave a drink to", " Mary", " John"),
-        ("The Eiffel Tower is in", " Paris", " Berlin")]
-PROMPTS = [r[0] for r in ROWS]
-TARGETS = [r[1] for r in ROWS]
-FOILS = [r[2] for r in ROWS]
+ROWS = TARGET_ROWS
+PROMPTS, TARGETS, FOILS = ([r[i] for r in ROWS] for i in range(3))
 SUBJECTS = [" France", " John", " Mary", " Tower"]
 VARIANTS = [("gpt2", side, bos) for side in ("left", "right") for bos in (True, False)] + [("llama", "left", True)]
 IDS = [f"{a}-{s}-{'bos' if b else 'nobos'}" for a, s, b in VARIANTS]

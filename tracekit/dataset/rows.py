@@ -35,7 +35,7 @@ from ..core.strict import StrictModel
 from ..model.load import model_spec_of
 from ..tokens import Batch, check_length, encode, single_token_id, str_tokens, token_index_of_substring
 
-__all__ = ["At", "PositionValue", "Row", "Example", "PreparedDataset", "prepare_rows", "rows_from_prompts",
+__all__ = ["At", "PositionValue", "Row", "Example", "PreparedDataset", "prepare_rows", "rows_from_prompts", "per_row_values",
            "RESERVED_COLUMNS"]
 
 #: Row fields with a meaning; every other key of a row is an extra column, kept as it is.
@@ -322,6 +322,23 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
     return PreparedDataset(tuple(out), source, dict(dropped or {}))
 
 
+def per_row_values(value: Any, n: int, name: str, rows_word: str = "prompt") -> list[Any]:
+    """``[n]`` values from one value (every row's; None, a string or an id) or a list (one per row).
+
+    Raises:
+        DatasetError: a list whose length is not ``n`` (the message names ``track``, the field for
+            tokens followed on every row).
+    """
+    if value is None or isinstance(value, (str, int)):
+        return [value] * n
+    vals = list(value)
+    if len(vals) != n:
+        raise DatasetError(f"{name}: {len(vals)} tokens for {n} {rows_word}(s); a {name} list gives each {rows_word} "
+                           f"its own answer (one per {rows_word}). To follow the same tokens on every {rows_word} use "
+                           f"track: {vals!r}")
+    return vals
+
+
 def rows_from_prompts(prompts: Sequence[str], target: Union[str, Sequence[str], None] = None,
                       foil: Union[str, Sequence[str], None] = None, field: str = "target") -> list[Row]:
     """Rows from a kind's ``prompts`` / ``target`` / ``foil`` fields: a single string is every
@@ -333,17 +350,6 @@ def rows_from_prompts(prompts: Sequence[str], target: Union[str, Sequence[str], 
             message names ``track``).
     """
     n = len(prompts)
-
-    def per_row(v, name: str) -> list[Optional[str]]:
-        if v is None or isinstance(v, str):
-            return [v] * n
-        v = list(v)
-        if len(v) != n:
-            raise DatasetError(f"{name}: {len(v)} tokens for {n} prompt(s); a {name} list gives each prompt its own "
-                               f"answer (one per prompt). To follow the same tokens on every prompt use "
-                               f"track: {v!r}")
-        return v
-
-    ts = per_row(target, field)
-    fs = per_row(foil, "foil")
+    ts = per_row_values(target, n, field)
+    fs = per_row_values(foil, n, "foil")
     return [Row(prompt=p, target=t, foil=f) for p, t, f in zip(prompts, ts, fs)]

@@ -11,10 +11,10 @@ import torch
 from jaxtyping import Bool, Float
 
 from ..core.errors import SAEError
-from ..dla import LogitTarget, _pad_batch, resolve_target
+from ..dla import LogitTarget, resolve_target
 from ..hooks import check_hooks, enabled_hooks
 from ..model.info import HookedModel
-from ..tokens import encode, forward_kwargs, pad_ids
+from ..tokens import encode, forward_kwargs, pad_ids, pad_rows
 from ..units import VERBS, UnitEdit, intervene, output_metrics, random_units
 from .decompose import _direct_ok, effective_decoder, sae_terms, splice_hook
 from .load import LoadedSAE
@@ -193,7 +193,7 @@ def feature_interventions(model: HookedModel, handle: LoadedSAE, ids: Sequence[S
     size = max(1, int(batch_size))
     for s in range(0, n, size):
         rows = [list(x) for x in ids[s:s + size]]
-        batch = _pad_batch(model, rows)
+        batch = pad_rows(model, rows)
         B, P = batch.tokens.shape
         ps = [batch.offsets[b] + int(read_at[s + b]) for b in range(B)]
         sel = torch.zeros(B, P, dtype=torch.bool)

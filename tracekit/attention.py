@@ -444,6 +444,7 @@ def query_attention(model, ids: Sequence[Sequence[int]], query_pos: Sequence[int
     the query row (as :func:`tracekit.fastpath.residual_stream` narrows residual reads); the
     END -> IO / S attention reading of Wang et al. 2022, "Interpretability in the Wild" (IOI).
     """
+    # Long (reason): one batched pass with hooks that keep only the query rows of the chosen heads; setup, hooks and early stop must share the batch and the per-row query indices.
     from .hooks import check_hooks
 
     n = len(ids)

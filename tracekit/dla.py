@@ -1,3 +1,4 @@
+# Over 600 lines (reason): the attribution engine, its per-row batching (#21) and the target/position helpers the unit kinds share; the helpers (row_targets, row_positions, as_position) are the piece to move next to tracekit.dataset.
 """Direct logit attribution: the logit (difference) at a position split into the writes of every
 embedding, attention head and MLP (and, on request, every MLP neuron).
 
@@ -459,6 +460,7 @@ def logit_attribution(
         MethodRefused: a block without attention heads / MLP writes (SSM layers), or MLP neurons
             asked for on a mixture-of-experts MLP.
     """
+    # Long (reason): input normalisation (strings, per-row lists, a prepared dataset) then the batched loop; the input half is the piece to share with neuron_contributions.
     # inputs: per row its ids, prompt text, row id, LogitTarget and read position (index into its ids)
     if isinstance(prompts, PreparedDataset):
         data = prompts

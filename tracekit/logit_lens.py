@@ -303,6 +303,7 @@ def logit_lens(
         DatasetError: a ``targets``/``foils`` list of another length than the rows (the message
             names ``track``), targets given beside a dataset, a named position a row lacks.
     """
+    # Long (reason): input normalisation (strings, ids, a prepared dataset; targets, foils, track) then one batched readout loop; the normalisation is the piece to share with dla.logit_attribution.
     data: Optional[PreparedDataset] = prompts if isinstance(prompts, PreparedDataset) else None
     if data is not None:
         if targets is not None or foils is not None:

@@ -1,3 +1,4 @@
+# Over 600 lines (reason): the neuron engine's four methods (per-row contributions, value readout, key readout, batched interventions), which share NeuronBasis and the batched-row plumbing; the readouts are the piece to move to a module of their own.
 """FFN neurons as key-value memories: per-neuron direct contributions, value readout, key
 readout (top-activating corpus contexts) and interventions.
 

@@ -1,3 +1,4 @@
+# Over 600 lines (reason): the one units abstraction: basis, verbs, interventions, interventions table and summary, contexts and vocabulary readouts (the house issue put them in one place on purpose); the readouts can move to units_readout.py.
 """Units: one abstraction for FFN neurons and SAE features, so "top units vs random units under
 interventions" is written once.
 

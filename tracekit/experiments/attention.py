@@ -1,4 +1,5 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+# Over 600 lines (reason): two kinds (attention_pattern, head_scan) and their result classes; attention_pattern's per-row tables and figures (#21) are the piece to split into attention_tables.py.
 """Attention heads as experiment kinds.
 
 * ``kind: attention_pattern`` (:class:`AttentionPattern`): over a dataset (or prompts), the
@@ -506,6 +507,7 @@ class AttentionPattern(Experiment):
 
     def _run(self, model, inputs: AttentionPatternInputs, progress: bool = True) -> AttentionPatternResult:
         # the engine reads the prepared ids and positions: nothing is tokenized again
+        # Long (reason): one batched pass, then the four tables (pattern, rows, heads, labels) built from the same QueryAttention; the table builders are the piece to move to attention_tables.py.
         import torch
         from tqdm.auto import tqdm
 

@@ -1,4 +1,5 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+# Over 600 lines (reason): the kind's config, its result class (per-row tables, scope-named summary, report, figures) and the loader of lens results saved before datasets (#21); the result class is the piece to move to logit_lens_tables.py, as patching_tables.py did for patching.
 """``kind: logit_lens`` -- at which layer does the answer appear in the residual stream?
 
 The method and its numbering live in :mod:`tracekit.logit_lens` (notebook-callable); this module

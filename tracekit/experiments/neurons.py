@@ -1,4 +1,5 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+# Over 600 lines (reason): the neuron kind's config (attribution, key readout, interventions) and its result class with per-row and mean tables; the result class is the piece to move out next.
 """FFN neuron attribution as an experiment kind, per dataset row.
 
 ``kind: neuron_attribution`` (:class:`NeuronAttribution`): per-neuron direct contributions of

@@ -1,4 +1,5 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+# Over 600 lines (reason): config (three row sources: pairs, pairs_file, dataset) + result class (per-row and per-site summaries, report, figures); the figures and summary go to patching_tables.py next.
 """Activation patching experiment: which activations carry the information that changes the answer?
 
 The method, the sites and the engine live in :mod:`tracekit.patching` (usable from notebooks on
@@ -317,6 +318,7 @@ class ActivationPatchingResult(Result):
 
     # ---- figures -------------------------------------------------------------------------
     def figures(self) -> dict:
+        # Long (reason): one figure per (site family, intervention) from the same mean table; each block is a few plotting calls.
         import matplotlib
 
         matplotlib.use("Agg", force=False)

@@ -1,4 +1,5 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
+# Over 600 lines (reason): the sae_train/sae_eval/sae_features kinds' configs, the features result (per-row tables, interventions, dashboards); the features result class is the piece to move out next.
 """SAE feature kinds over :mod:`tracekit.sae` (SAELens SAEs).
 
 * ``kind: sae_features`` (:class:`SAEFeatures`): decompose each row (``prompts`` or a ``dataset``)

@@ -199,6 +199,7 @@ class TokenTraceResult(Result):
     def _context(self, fig_ref: dict) -> dict:
         # long: one flat template context, built section by section in the report's order
         """Template context; ``fig_ref``: figure name -> image source (data URI or file name)."""
+        # Long (reason): the report's template context, one block per section in report order; each block reads the same tables and meta.
         t, m = self.tables, self.meta
         model = (m.get("model") or {}).get("name", "")
         art = model in ("gpt2", "gpt2-small", "openai-community/gpt2")

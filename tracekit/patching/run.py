@@ -194,6 +194,7 @@ def run_patching(
         MethodRefused: with a direction, on a model whose blocks read token-dependent inputs that
             bypass the residual stream, or a site the model's blocks do not have.
     """
+    # Long (reason): groups of equal-length rows, each group's cached run and jobs, and the per-job results share the group's tensors; the body is already split into _group_jobs and build_job.
     clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
     req = _check_request(model, len(clean_ids), sites, modes, metrics, target_ids, foil_ids,
                          layers, neuron_layers, neurons)

@@ -177,6 +177,7 @@ def feature_interventions(model: HookedModel, handle: LoadedSAE, ids: Sequence[S
         SAEError: unknown mode, feature out of range, non-finite value / means, lists of different
             lengths.
     """
+    # Long (reason): per batch: the clean pass, the edit hooks per row, the edited pass and the per-row metrics share the padded batch and the rows' feature sets.
     n = len(ids)
     if len(targets) != n or len(read_at) != n or len(features) != n or (where is not None and len(where) != n) or (
             means is not None and len(means) != n) or (clean_metrics is not None and len(clean_metrics) != n):

@@ -102,8 +102,11 @@ def test_kind_runs_on_a_dataset_with_per_row_targets(kind, tmp_path):
     back = tk.Result.load(tmp_path / "r")
     for name, df in res.tables.items():
         assert not shadowing_columns(df), (kind, name, shadowing_columns(df))
-        pd.testing.assert_frame_equal(df.reset_index(drop=True), back.tables[name].reset_index(drop=True),
-                                      check_dtype=False)
+
+        def missing_as_none(f: pd.DataFrame) -> pd.DataFrame:  # NaN and None both mean "no value" in a table
+            return f.reset_index(drop=True).astype(object).where(f.reset_index(drop=True).notna(), None)
+
+        pd.testing.assert_frame_equal(missing_as_none(df), missing_as_none(back.tables[name]), check_dtype=False)
     if kind == "token_trace":
         assert res.meta["row_id"] == 1
     elif kind == "head_scan":  # heads labelled on each row

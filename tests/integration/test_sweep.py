@@ -152,7 +152,7 @@ def test_index_records_every_point_and_failures_do_not_stop_the_sweep(local_swee
             assert r["step/target_prob_final"] == summary["step"]["target_prob_final"]
             assert r["step/target_prob_by_hidden_state[2]"] == summary["step"]["target_prob_by_hidden_state"][2]
         else:
-            assert r["step/logit"] == summary["step"]["logit"]
+            assert r["step/mean_logit_diff"] == summary["step"]["mean_logit_diff"]
         assert r["seconds"] > 0
     assert ok["env/torch"].notna().all() and (ok["env/device"] == "cpu").all()
     assert (out / "compare-step_target_prob_by_hidden_state.png").stat().st_size > 0

@@ -243,7 +243,7 @@ def test_verb_keys_follow_one_rule():
 
 
 def _row(prompt, set_, draw, mode, value, k, clean, patched, clean_ld, patched_ld):
-    return {"prompt_idx": prompt, "set": set_, "draw": draw, "verb": mode, "value": value, "k": k, "units": "[]",
+    return {"row_id": prompt, "set": set_, "draw": draw, "verb": mode, "value": value, "k": k, "units": "[]",
             "clean_target_prob": clean, "patched_target_prob": patched, "delta_target_prob": patched - clean,
             "clean_logit_diff": clean_ld, "patched_logit_diff": patched_ld,
             "delta_logit_diff": patched_ld - clean_ld, "delta_target_log_prob": 0.0}

@@ -139,7 +139,7 @@ class LogitLensResult(Result):
     def __init__(self, config, tables: dict[str, pd.DataFrame], meta: Optional[dict] = None,
                  arrays: Optional[dict] = None):
         super().__init__(config, tables, meta, arrays)
-        if "rows" not in self.tables and "main" in self.tables:  # saved before per-row tables
+        if "rows" not in self.tables and {"main", "final"} <= set(self.tables):  # saved before per-row tables
             self.tables = {**self.tables, **_legacy_tables(self.tables, config)}
 
     # ---- helpers ---------------------------------------------------------------------------

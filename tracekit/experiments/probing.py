@@ -464,6 +464,15 @@ class LinearProbe(Experiment):
         return v
 
     @model_validator(mode="after")
+    def _named_position_needs_rows(self):
+        pos = parse_position(self.position, POSITION_FORMS_PROBING, "position")
+        if pos.kind == "name" and self.dataset.rows is None and self.dataset.generator is None:
+            raise ValueError(f"position: {self.position!r} is not a position form here: named positions (END, SUBJ...) "
+                             "come from a dataset's rows (dataset: {rows: ...} or {generator: ...}); use last, mean, "
+                             "all, an index, token:<text> or field:<column>")
+        return self
+
+    @model_validator(mode="after")
     def _kfold_both(self):
         if self.cv_folds is not None and self.group_by == "both":
             raise ValueError("cv_folds: k-fold is not supported with group_by: both; use a single split "

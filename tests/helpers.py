@@ -42,6 +42,24 @@ def make_tiny(arch: str, tokenizer_dir: str = GPT2_BPE, process_weights: bool = 
     return load_model(spec)
 
 
+def perturb_params(hf, norm_gain=lambda name: 1.0, seed: int = 11) -> None:
+    """Norm weights ``gain(name) * (1 + 0.3 noise)``, biases ``0.3 noise``, matrices x4 (seeded), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        seen = set()
+        for name, p in hf.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 1 and ("ln" in name or "norm" in name) and "bias" not in name:
+                p.copy_(norm_gain(name) * (1.0 + 0.3 * noise))
+            elif p.ndim == 1:
+                p.copy_(0.3 * noise)
+            else:
+                p.mul_(4.0)
+
+
 def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, prepend_bos=True,
                    padding_side: str = "right", n_layers: int = 3):
     """A tiny random model with non-trivial norm weights, biases and O(1) logits (cached)."""
@@ -62,20 +80,7 @@ def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, 
     hf = AutoModelForCausalLM.from_config(_random_config(spec), dtype=torch.float32)
     if hf.config.vocab_size < len(tok):
         hf.resize_token_embeddings(len(tok), mean_resizing=False)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        seen = set()
-        for name, p in hf.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            noise = torch.randn(p.shape, generator=g)
-            if p.ndim == 1 and ("ln" in name or "norm" in name) and "bias" not in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.3 * noise)
-            else:
-                p.mul_(4.0)
+    perturb_params(hf)
     if tied:
         assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     bridge = wrap_hf_model(hf, tok, spec, bridge_name="gpt2" if arch == "gpt2" else "meta-llama/Llama-3.2-1B")
@@ -112,6 +117,14 @@ KIND_EXAMPLES: dict[str, dict] = {
 TINY_SAE_TRAIN = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "training_tokens": 1024,
                   "eval_tokens": 128, "context_size": 32, "train_batch_size_tokens": 128}
 KIND_EXAMPLES.update({
+    "attribution_patching": {"pairs": KIND_EXAMPLES["activation_patching"]["pairs"], "sites": ["head_out"],
+                             "verify": {"top_k": 3, "n_random": 3}},
+    "edge_attribution": {"pairs": KIND_EXAMPLES["activation_patching"]["pairs"], "method": "eap",
+                         "verify": {"top_k": 3, "n_random": 3}},
+    "path_patching": {"pairs": KIND_EXAMPLES["activation_patching"]["pairs"], "senders": ["a0.h*"],
+                      "receivers": ["a1.h0<q>"]},
+    "circuit": {"pairs": KIND_EXAMPLES["activation_patching"]["pairs"], "level": "nodes",
+                "scores": {"method": "atp"}, "bootstrap": 10},
     "token_trace": {"prompts": ["The capital of France is"], "target": " Paris", "key_max_tokens": 128,
                     "top_neurons": 2, "key_contexts": 1},
     "sae_train": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 128},
@@ -153,6 +166,11 @@ KIND_DATASET_EXAMPLES: dict[str, dict] = {
     "token_trace": {**_ROWS, "row": 1, "key_max_tokens": 128, "top_neurons": 2, "key_contexts": 1},
     "sae_features": {**_ROWS, "position": "END", "sae": {"train": TINY_SAE_TRAIN}, "top_k": 3},
     "head_scan": {**_ROWS, "seq_len": 8, "n_seqs": 2},
+    "attribution_patching": {**_ROWS, "sites": ["head_out", "resid_pre"], "positions": ["S2", "END"],
+                             "verify": {"top_k": 3, "n_random": 3}},
+    "edge_attribution": {**_ROWS, "method": "eap_ig", "ig_steps": 2, "verify": {"top_k": 3, "n_random": 3}},
+    "path_patching": {**_ROWS, "senders": ["a0.h*", ["a0.h1", "m0"]], "receivers": ["a2.h1", "logits"]},
+    "circuit": {**_ROWS, "scores": {"method": "eap"}, "sizes": [0.05, 0.2, 0.5], "bootstrap": 20},
 }
 
 

@@ -43,8 +43,14 @@ from .experiments import (
                      ActivationPatchingResult,
                      AttentionPattern,
                      AttentionPatternResult,
+                     AttributionPatching,
+                     AttributionPatchingResult,
+                     Circuit,
+                     CircuitResult,
                      DirectLogitAttribution,
                      DirectLogitAttributionResult,
+                     EdgeAttribution,
+                     EdgeAttributionResult,
                      Expectation,
                      Experiment,
                      HeadScan,
@@ -56,6 +62,8 @@ from .experiments import (
                      LogitLensResult,
                      NeuronAttribution,
                      NeuronAttributionResult,
+                     PathPatching,
+                     PathPatchingResult,
                      ProbeDatasetSpec,
                      PromptPair,
                      Result,
@@ -100,3 +108,5 @@ __all__ = [
     "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult", "SAESpec",
 ]
 __all__ += ["TokenTrace", "TokenTraceResult"]
+__all__ += ["AttributionPatching", "AttributionPatchingResult", "EdgeAttribution", "EdgeAttributionResult",
+            "PathPatching", "PathPatchingResult", "Circuit", "CircuitResult"]

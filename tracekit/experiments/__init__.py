@@ -7,7 +7,17 @@ here explicitly (a new kind: a module here, one import line, and its entry in
 """
 
 from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
+from .attribution import AttributionPatching, AttributionPatchingResult, VerifySpec
 from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
+from .circuits import (
+    Circuit,
+    CircuitResult,
+    EdgeAttribution,
+    EdgeAttributionResult,
+    PathPatching,
+    PathPatchingResult,
+    ScoreSpec,
+)
 from .dla import DirectLogitAttribution, DirectLogitAttributionResult
 from .logit_lens import LogitLens, LogitLensResult
 from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
@@ -20,6 +30,9 @@ __all__ = [
     "REGISTRY", "RESULTS", "Expectation", "Experiment", "Result", "StrictModel", "register",
     "LogitLens", "LogitLensResult",
     "ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs",
+    "AttributionPatching", "AttributionPatchingResult", "VerifySpec",
+    "EdgeAttribution", "EdgeAttributionResult", "PathPatching", "PathPatchingResult", "Circuit", "CircuitResult",
+    "ScoreSpec",
     "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
     "KeyReadoutConfig", "AblationConfig",
     "AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult",

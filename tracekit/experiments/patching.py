@@ -717,30 +717,43 @@ class ActivationPatching(Experiment):
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
     def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> ActivationPatchingResult:
+        return self._result(model, inputs, self._patch(model, inputs, progress))
+
+    def _patch(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> P.PatchingRun:
+        """The exact patching runs of every row (:func:`tracekit.patching.run_patching`)."""
         tids = [list(t) for t in inputs.target_ids]
         fids = None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids]
         clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
-        row_ids = inputs.row_ids
         pop = None if inputs.baseline_ids is None else [list(b) for b in inputs.baseline_ids]
+        sites = P.expand_sites(self.sites)
+        positions = None if inputs.positions is None else [list(p) for p in inputs.positions]
+        total = P.count_variants(model, [len(c) for c in clean_ids], sites, len(self.modes), self.layers,
+                                 self.neuron_layers, self.neurons,
+                                 n_positions=None if positions is None else len(positions[0]))
+        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
+        try:
+            return P.run_patching(model, clean_ids, corr_ids, sites, self.modes, self.metric_names(inputs), tids,
+                                  fids, layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
+                                  baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
+                                  skip_unchanged=self.skip_unchanged, progress=bar.update, positions=positions)
+        finally:
+            bar.close()
+
+    def metric_names(self, inputs: ActivationPatchingInputs) -> list[str]:
+        """``metrics``, plus ``logit_diff`` whenever the rows have foils (the rows table reports it)."""
+        return list(self.metrics) + (["logit_diff"] if inputs.foil_ids is not None and "logit_diff" not in self.metrics
+                                     else [])
+
+    def _result(self, model, inputs: ActivationPatchingInputs, out: P.PatchingRun):
+        """The result's tables from the patched runs ``out`` (exact or estimated)."""
+        clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
+        row_ids = inputs.row_ids
         sites = P.expand_sites(self.sites)
         n_layers = int(model.cfg.n_layers)
         modes = self.modes
         lengths = [len(c) for c in clean_ids]
-        positions = None if inputs.positions is None else [list(p) for p in inputs.positions]
-        # the rows table reports each row's logit difference whenever the rows have foils
-        metrics = list(self.metrics) + (["logit_diff"] if fids is not None and "logit_diff" not in self.metrics
-                                        else [])
-        total = P.count_variants(model, lengths, sites, len(modes), self.layers, self.neuron_layers, self.neurons,
-                                 n_positions=None if positions is None else len(positions[0]))
-        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
-        try:
-            out = P.run_patching(model, clean_ids, corr_ids, sites, modes, metrics, tids, fids,
-                                 layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
-                                 baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
-                                 skip_unchanged=self.skip_unchanged, progress=bar.update, positions=positions)
-        finally:
-            bar.close()
-
+        positions = inputs.positions
+        metrics = self.metric_names(inputs)
         n = len(clean_ids)
         tokens_df = tokens_frame(model, list(zip(clean_ids, corr_ids)), row_ids)
         scored = baselines_frame(out, n, self.min_denominator, row_ids, inputs.has_corrupted)
@@ -765,4 +778,4 @@ class ActivationPatching(Experiment):
                                            "min_mean": P.MIN_MEAN_POPULATION,
                                            "alignment": "position from the end; own clean prompt excluded"}
         tables = {"main": main, "rows": rows, "baselines": baselines, "tokens": tokens_df}
-        return ActivationPatchingResult(self, tables, meta)
+        return self.result_class(self, tables, meta)

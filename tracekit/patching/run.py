@@ -129,6 +129,8 @@ class _Request:
     progress: Callable[[int], None] | None = None
     #: ``[n_pairs, k]`` per pair the token indices position-indexed sites are patched at (None: every position).
     positions: torch.Tensor | None = None
+    #: per site explicit index rows (``layer`` + the site's axes) to patch instead of every index.
+    index_rows: dict[str, pd.DataFrame] | None = None
 
     def site_layers(self, s: str) -> list[int]:
         """The layers site ``s`` is patched at (``neuron_layers`` for neuron sites)."""
@@ -155,6 +157,7 @@ def run_patching(
     skip_unchanged: bool = True,
     progress: Callable[[int], None] | None = None,
     positions: Sequence[Sequence[int]] | None = None,
+    index_rows: dict[str, pd.DataFrame] | None = None,
 ) -> PatchingRun:
     """Patch every site of ``sites`` in every mode of ``modes`` for every (clean, corrupted) pair.
 
@@ -201,6 +204,7 @@ def run_patching(
     pop, req.chosen = choose_baselines(clean_ids, baseline_ids, modes, seed)
     req.batch_size, req.skip_unchanged, req.progress = batch_size, skip_unchanged, progress
     req.positions = _check_positions(positions, clean_ids)
+    req.index_rows = index_rows
 
     dev = model_device(model)
     hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
@@ -339,7 +343,7 @@ def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos:
             site = SITES[s]
             site_map = pos_map if "pos" in site.axes else None  # pos then holds a slot into site_map's row
             idf = _index_df(model, site, n_pos if site_map is None else int(site_map.shape[1]),
-                            req.site_layers(s), neurons=req.neurons)
+                            req.site_layers(s), (req.index_rows or {}).get(s), neurons=req.neurons)
             ablation = bn = bs = None
             if mode in req.chosen:
                 picks = [req.chosen[mode][i] for i in members]

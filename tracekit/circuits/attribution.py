@@ -1,0 +1,215 @@
+"""Attribution patching (AtP): a first-order estimate of every patching site's effect from two
+forward passes and one backward pass.
+
+Method: Nanda 2023 ("Attribution Patching: Activation Patching At Industrial Scale"), Syed et al.
+2023 ("Attribution Patching Outperforms Automated Circuit Discovery"), Kramár et al. 2024 ("AtP*:
+An efficient and scalable method for localizing LLM behaviour to components"). Reference
+implementation: TransformerLens 4.3's ``attribution_patching``.
+
+For a site ``a`` (one slice of an activation: the residual stream at (layer, position), one head's
+``z`` at one position, one neuron, ...), patching the *base* run's value ``a_base`` with the
+*source* run's ``a_src`` changes a metric ``M`` by, to first order,
+
+    AtP(a) = (a_src - a_base) . dM/da |_base
+
+(summed over the slice). ``denoising``: base = corrupted run, source = clean run (the gradient is
+taken on the corrupted run); ``noising``: base = clean, source = corrupted. The estimate of the
+patched run's score is ``M(base) + AtP(a)``, so every number here is in the units of the exact
+engine's (:mod:`tracekit.patching`) and is normalised the same way ((value - corrupted) / (clean -
+corrupted)). It is exact when ``M`` is linear in ``a`` along the patch (a model made linear) and is
+known to miss effects that pass through a saturated softmax (attention patterns) or cancel
+(Kramár et al. 2024, section 3). Every run of the ``attribution_patching`` kind therefore checks
+itself against the exact engine (:mod:`tracekit.circuits.verification`).
+
+**QK fix** (AtP*, ``qk_fix=True``): for query and key sites (``head_q``, ``head_k`` and their
+``_by_pos``) the change of the attention pattern is computed exactly through the softmax (the
+patched key's scores with the base queries, or the patched query's scores with the base keys, from
+a replay of the block), and only the step from the pattern onwards is linearised:
+``sum_{dest,src} (pattern' - pattern) * dM/dpattern``. Exact when everything after the pattern is
+linear in it.
+
+Cost: per group of equal-length rows one forward pass over the source rows without gradients and
+one forward + one backward pass per metric over the base rows (both directions: two of each); the
+QK fix adds one cached forward of both halves and one block replay per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import metrics as M
+from ..errors import MethodRefused
+from ..model.load import model_device
+from ..patching.checks import _require_sites
+from ..patching.engine import cache_run
+from ..patching.jobs import DIRECTIONS, _index_df
+from ..patching.run import (
+    JobResult,
+    PatchingRun,
+    _check_pairs,
+    _check_positions,
+    _check_request,
+    _length_groups,
+)
+from ..patching.setters import SITES, Site
+from .gradients import gradient_pass
+from .qk import qk_fixed
+
+__all__ = ["attribution_patch", "reduce_site"]
+
+
+def reduce_site(site: Site, prod: torch.Tensor) -> torch.Tensor:
+    """Sum an elementwise product ``delta * grad`` (the hook's layout, ``[g, ...]``) over each
+    index of ``site``: returns ``[g, *axes]`` with the site's axes in order (``pos``, ``head``,
+    ``neuron``; ``[g]`` for whole-layer sites)."""
+    name, axes = site.name, site.axes
+    if not axes:
+        return prod.flatten(1).sum(1)
+    if name.startswith(("resid", "attn_out", "mlp_out")):
+        return prod.sum(-1)  # [g, pos]
+    if name.startswith("head_pattern"):  # [g, head, dest, src]
+        return prod.sum((2, 3)) if axes == ("head",) else prod.sum(3).transpose(1, 2)
+    if name.startswith("head_"):  # [g, pos, head, d_head]
+        return prod.sum((1, 3)) if axes == ("head",) else prod.sum(3)
+    if name.startswith("neuron"):  # [g, pos, d_mlp]
+        return prod.sum(1) if axes == ("neuron",) else prod
+    raise AssertionError(f"no reduction for site {name}")
+
+
+def _gather(site: Site, red: torch.Tensor, idf_rows, pos_map: torch.Tensor | None) -> torch.Tensor:
+    """``[rows, g]``: for each index row (``idf_rows``, one layer) and prompt, its reduced value."""
+    g = red.shape[0]
+    i = torch.arange(g)[None, :]
+    idx: list[torch.Tensor] = [i]
+    for a in site.axes:
+        col = torch.tensor(idf_rows[a].to_numpy(), dtype=torch.long)[:, None]
+        if a == "pos" and pos_map is not None:
+            col = pos_map[i.expand(len(col), g), col.expand(len(col), g)]
+        idx.append(col.expand(len(col), g))
+    return red.cpu()[tuple(idx)]
+
+
+def attribution_patch(
+    model,
+    clean_ids: Sequence[Sequence[int]],
+    corrupted_ids: Sequence[Sequence[int]],
+    sites: Sequence[str],
+    modes: Sequence[str],
+    metrics: Sequence[str],
+    target_ids,
+    foil_ids=None,
+    *,
+    layers: Sequence[int] | None = None,
+    neuron_layers: Sequence[int] | None = None,
+    neurons: Sequence[int] | None = None,
+    positions: Sequence[Sequence[int]] | None = None,
+    qk_fix: bool = False,
+) -> PatchingRun:
+    """Attribution patching of every site of ``sites`` in every direction of ``modes``, per row.
+
+    The arguments and the result are those of :func:`tracekit.patching.run_patching` (which gives
+    the exact numbers): each :class:`JobResult` holds, instead of the patched run's score, its
+    first-order estimate ``M(base) + (a_src - a_base) . dM/da`` (module docstring), in the
+    metric's units.
+
+    Args:
+        modes: ``denoising`` and/or ``noising`` (ablations are not estimated here).
+        qk_fix: AtP*'s QK fix for ``head_q``/``head_k`` sites (exact through the softmax).
+        (the rest): as :func:`tracekit.patching.run_patching`.
+
+    Returns:
+        :class:`tracekit.patching.PatchingRun` of estimates.
+
+    Raises:
+        PatchingError: as :func:`tracekit.patching.run_patching`.
+        MethodRefused: an ablation mode; ``qk_fix`` on a model whose ``hook_attn_scores`` is not the
+            softmax's input.
+    """
+    bad = [m for m in modes if m not in DIRECTIONS]
+    if bad:
+        raise MethodRefused(f"modes: attribution patching estimates the directions {list(DIRECTIONS)}; {bad} are "
+                            "ablations (use activation_patching for them)")
+    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
+    req = _check_request(model, len(clean_ids), sites, modes, metrics, target_ids, foil_ids,
+                         layers, neuron_layers, neurons)
+    req.positions = _check_positions(positions, clean_ids)
+    _require_sites(model, req.sites, req.layers, req.neuron_layers, neurons)
+    dev = model_device(model)
+    n, lengths = len(clean_ids), [len(c) for c in clean_ids]
+    clean_vals = torch.full((n, len(req.metric_names)), float("nan"))
+    corr_vals = torch.full((n, len(req.metric_names)), float("nan"))
+    out_jobs: list[JobResult] = []
+    hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
+    for n_pos, members in _length_groups(lengths):
+        midx = torch.tensor(members)
+        clean = torch.tensor([clean_ids[i] for i in members], device=dev)
+        corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
+        base_vals, jobs = _group(model, req, clean, corr, midx, n_pos, hooks, qk_fix, dev)
+        clean_vals[midx], corr_vals[midx] = base_vals
+        out_jobs += [JobResult(mode, site, idf, list(members), n_pos, vals, None, None,
+                               None if req.positions is None or "pos" not in site.axes
+                               else req.positions[midx].tolist())
+                     for mode, site, idf, vals in jobs]
+    return PatchingRun(req.metric_names, clean_vals, corr_vals, out_jobs, lengths, 0)
+
+
+def _group(model, req, clean, corr, midx, n_pos, hooks, qk_fix, dev):
+    """One group of equal-length rows: ``((clean [g, M], corrupted [g, M]), [(mode, site, idf, values)])``.
+
+    The clean rows run first (with gradients when ``noising`` is asked), then the corrupted rows
+    (with gradients when ``denoising`` is); the ``kl`` reference is the clean run's distribution."""
+    g = clean.shape[0]
+    holder = M.MetricInputs(req.target[midx].to(dev), None if req.foil is None else req.foil[midx].to(dev))
+    fns = [_metric_fn(name, holder) for name in req.metric_names]
+    extra = _qk_hooks(req, qk_fix)
+    p_clean = gradient_pass(model, clean, hooks + extra, fns if "noising" in req.modes else ())
+    if holder.clean_log_probs is None:
+        holder.clean_log_probs = torch.log_softmax(p_clean.logits, -1)
+    p_corr = gradient_pass(model, corr, hooks + extra, fns if "denoising" in req.modes else ())
+    clean_scores = M.compute_metrics(req.metric_names, p_clean.logits, holder).float().cpu()
+    corr_scores = M.compute_metrics(req.metric_names, p_corr.logits, holder).float().cpu()
+    pos_map = None if req.positions is None else req.positions[midx]
+    runs = cache_run(model, torch.cat([corr, clean]), []) if extra else None
+    out = []
+    for mode in req.modes:
+        bp, sp = (p_corr, p_clean) if mode == "denoising" else (p_clean, p_corr)
+        base_scores = corr_scores if mode == "denoising" else clean_scores
+        for s in req.sites:
+            site = SITES[s]
+            n_idx = n_pos if pos_map is None or "pos" not in site.axes else int(pos_map.shape[1])
+            idf = _index_df(model, site, n_idx, req.site_layers(s), neurons=req.neurons)
+            vals = torch.empty(len(idf), g, len(req.metric_names))
+            for L in idf["layer"].unique().tolist():
+                sel = torch.tensor((idf["layer"] == L).to_numpy())
+                for k in range(len(req.metric_names)):
+                    if runs is not None and s.startswith(("head_q", "head_k")):
+                        red = qk_fixed(model, site, int(L), bp, sp, k, runs, mode == "denoising")
+                    else:
+                        h = site.hook_name(int(L))
+                        red = reduce_site(site, (sp.acts[h].float() - bp.acts[h].float()) * bp.grads[k][h].float())
+                    vals[sel, :, k] = _gather(site, red, idf[sel.numpy()], pos_map) + base_scores[:, k][None]
+            out.append((mode, site, idf, vals.reshape(len(idf) * g, -1)))
+    return (clean_scores, corr_scores), out
+
+
+def _metric_fn(name: str, holder: M.MetricInputs):
+    """``logits -> [rows]`` of metric ``name``; the first call (the clean rows) sets the ``kl`` reference."""
+    def fn(lg):
+        if holder.clean_log_probs is None:
+            holder.clean_log_probs = torch.log_softmax(lg.detach().float(), -1)
+        return M.METRICS[name](lg, holder)
+    return fn
+
+
+def _needs_qk(req) -> bool:
+    return any(s.startswith(("head_q", "head_k")) for s in req.sites)
+
+
+def _qk_hooks(req, qk_fix: bool) -> list[str]:
+    """The attention-pattern and score hooks the QK fix reads, at the layers of q/k sites."""
+    if not qk_fix or not _needs_qk(req):
+        return []
+    return [f"blocks.{L}.attn.{h}" for L in req.layers for h in ("hook_pattern", "hook_attn_scores",
+                                                                   "hook_q", "hook_k")]

@@ -1,0 +1,180 @@
+"""Edge attribution patching (EAP; Syed et al. 2023) and EAP with integrated gradients (EAP-IG;
+Hanna, Pezzelle & Belinkov 2024, "Have Faith in Faithfulness"; the MIB benchmark's circuit track).
+Reference implementation: the ``eap`` package of Hanna et al. (``attribute.py``).
+
+The score of an edge ``u -> v`` (graph in :mod:`tracekit.circuits.graph`) estimates the change of
+the metric when only what ``u`` writes *into v's input* is patched from the source run:
+
+    score(u -> v) = sum_{pos, d} (write_u^src - write_u^base) * g_v,
+
+with ``g_v`` the gradient of the metric with respect to ``v``'s input (a head's q/k/v input before
+the norm, the MLP input, the final residual). ``eap``: ``g_v`` at the base run. ``eap_ig``: ``g_v``
+averaged over ``ig_steps`` runs whose embeddings lie on the straight line from the base run's to
+the source run's (midpoints ``alpha_k = (k - 1/2) / ig_steps``); the runs interpolate the *inputs*
+(EAP-IG-inputs). Signs as in :mod:`tracekit.circuits` (denoising: base = corrupted run).
+
+Identity (exact, any model): the scores of all edges out of ``u`` add up to the node-level AtP of
+``u``'s write, because ``u`` reaches the metric only through the inputs of later nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float
+
+from .. import metrics as M
+from ..errors import MethodRefused
+from ..model.load import model_device
+from ..patching.run import _check_pairs, _length_groups
+from .gradients import gradient_pass
+from .graph import Graph, build_graph, check_separable, downstream_hooks, upstream_hooks
+from .writes import check_writes, stack_reads, stack_writes
+
+__all__ = ["EdgeScores", "edge_attribution", "METHODS"]
+
+#: Edge methods.
+METHODS = ("eap", "eap_ig")
+
+
+@dataclass
+class EdgeScores:
+    """Per-row edge scores of :func:`edge_attribution`.
+
+    Attributes:
+        graph: the :class:`Graph`.
+        scores: ``[rows, n_down, n_up]`` (metric units; 0 where there is no edge).
+        clean, corrupted: ``[rows]`` the metric on the clean and corrupted runs.
+        method, mode, metric, ig_steps: how they were computed.
+    """
+
+    graph: Graph
+    scores: Float[torch.Tensor, "rows n_down n_up"]
+    clean: Float[torch.Tensor, " rows"]
+    corrupted: Float[torch.Tensor, " rows"]
+    method: str
+    mode: str
+    metric: str
+    ig_steps: int
+
+    def mean(self) -> Float[torch.Tensor, "n_down n_up"]:
+        return self.scores.mean(0)
+
+    def frame(self) -> pd.DataFrame:
+        """One line per edge: ``edge``, ``upstream``, ``downstream``, ``score`` (mean over rows,
+        metric units), ``normalized`` (``score / (mean clean - mean corrupted)``, signed so that a
+        denoising edge restoring the full gap scores 1), ``abs_rank`` (1 = largest |score|)."""
+        mask = self.graph.mask
+        v, u = mask.nonzero(as_tuple=True)
+        mean = self.mean()[v, u].numpy()
+        gap = float(self.clean.mean() - self.corrupted.mean())
+        norm = mean / gap if abs(gap) > 1e-6 else np.full_like(mean, np.nan)
+        if self.mode == "noising":
+            norm = -norm
+        df = pd.DataFrame({"upstream": [self.graph.upstream[i] for i in u.tolist()],
+                           "downstream": [self.graph.downstream[i] for i in v.tolist()],
+                           "score": mean, "normalized": norm})
+        df.insert(0, "edge", df["upstream"] + "->" + df["downstream"])
+        df["abs_rank"] = df["score"].abs().rank(ascending=False, method="first").astype(int)
+        return df.sort_values("abs_rank").reset_index(drop=True)
+
+
+def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
+                     target_ids: Sequence[int], foil_ids: Sequence[int] | None = None, *,
+                     metric: str = "logit_diff", mode: str = "denoising", method: str = "eap",
+                     ig_steps: int = 5, max_rows: int = 64) -> EdgeScores:
+    """EAP / EAP-IG scores of every edge of the model's graph, per row.
+
+    Args:
+        model: a hooked model (TransformerBridge).
+        clean_ids, corrupted_ids: per row the token ids (equal lengths per row; rows of different
+            lengths run as separate groups).
+        target_ids, foil_ids: per row one target (and foil) id.
+        metric: ``logit_diff``, ``prob``, ``log_prob`` or ``kl`` (:mod:`tracekit.metrics`).
+        mode: ``denoising`` or ``noising`` (module docstring).
+        method: ``eap`` or ``eap_ig``.
+        ig_steps: interpolation steps of ``eap_ig`` (1 = the midpoint only).
+        max_rows: rows x steps per backward pass of ``eap_ig`` (memory).
+
+    Returns:
+        :class:`EdgeScores`.
+
+    Raises:
+        MethodRefused: an unknown method or mode, or a model whose writes are not separable
+            (post-norms, residual multipliers, heads that do not add up to the attention output).
+        PatchingError: rows of unequal clean/corrupted lengths.
+    """
+    if method not in METHODS:
+        raise MethodRefused(f"method: {method!r} is not an edge method; use one of {list(METHODS)}")
+    if mode not in ("denoising", "noising"):
+        raise MethodRefused(f"mode: {mode!r}; use denoising or noising")
+    if metric not in M.METRICS:
+        raise MethodRefused(f"metric: unknown metric {metric!r}; use one of {sorted(M.METRICS)}")
+    check_separable(model, method)
+    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
+    graph = build_graph(model)
+    dev = model_device(model)
+    n = len(clean_ids)
+    scores = torch.zeros(n, len(graph.downstream), len(graph.upstream))
+    clean_v, corr_v = torch.zeros(n), torch.zeros(n)
+    tgt = torch.tensor([[int(t)] for t in target_ids])
+    foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
+    for _, members in _length_groups([len(c) for c in clean_ids]):
+        midx = torch.tensor(members)
+        clean = torch.tensor([clean_ids[i] for i in members], device=dev)
+        corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
+        inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev))
+        s, c, x = _group_scores(model, graph, clean, corr, inputs, metric, mode, method, ig_steps, max_rows)
+        scores[midx], clean_v[midx], corr_v[midx] = s, c, x
+    return EdgeScores(graph, scores, clean_v, corr_v, method, mode, metric, ig_steps if method == "eap_ig" else 0)
+
+
+def _group_scores(model, graph: Graph, clean, corr, inputs: M.MetricInputs, metric: str, mode: str,
+                  method: str, ig_steps: int, max_rows: int):
+    up = upstream_hooks(graph)
+    pc = gradient_pass(model, clean, up)
+    inputs.clean_log_probs = torch.log_softmax(pc.logits, -1)
+    px = gradient_pass(model, corr, up)
+    check_writes(model, graph, pc.acts, px.acts, method)
+    base, src = (corr, clean) if mode == "denoising" else (clean, corr)
+    pb, ps = (px, pc) if mode == "denoising" else (pc, px)
+    d_write = stack_writes(model, graph, ps.acts) - stack_writes(model, graph, pb.acts)  # [g, pos, n_up, d]
+    down = downstream_hooks(graph)
+    if method == "eap":
+        gp = gradient_pass(model, base, down, [lambda lg: M.METRICS[metric](lg, inputs)])
+        grad = stack_reads(graph, gp.grads[0])
+    else:
+        grad = _ig_grads(model, graph, base, ps.acts["blocks.0.hook_resid_pre"], inputs, metric, ig_steps,
+                         max_rows, down)
+    sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
+    score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731
+    return sc.cpu(), score(pc.logits), score(px.logits)
+
+
+def _ig_grads(model, graph: Graph, base, src_resid0, inputs: M.MetricInputs, metric: str, steps: int,
+              max_rows: int, down: list[str]) -> torch.Tensor:
+    """Downstream input gradients averaged over ``steps`` runs interpolating block 0's input from
+    the base run's (on ``base``'s tokens) to ``src_resid0`` (midpoint rule)."""
+    g = base.shape[0]
+    total = None
+    per = max(1, max_rows // g)  # steps per pass
+    for s0 in range(0, steps, per):
+        ks = list(range(s0, min(steps, s0 + per)))
+        alphas = torch.tensor([(k + 0.5) / steps for k in ks], device=src_resid0.device).repeat_interleave(g)
+        toks = base.repeat(len(ks), 1)
+        src = src_resid0.repeat(len(ks), 1, 1)
+        rows = inputs.rows(torch.arange(g).repeat(len(ks)))
+
+        def leaf(x, alphas=alphas, src=src):
+            return x + alphas[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
+
+        gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
+        r = stack_reads(graph, gp.grads[0])
+        r = r.reshape(len(ks), g, *r.shape[1:]).sum(0)
+        total = r if total is None else total + r
+    assert total is not None
+    return total / steps

@@ -1,0 +1,98 @@
+"""One gradient pass: a forward run that records activations at named hooks and the gradient of a
+metric with respect to each, with gradients enabled only inside the call.
+
+The bridge's parameters have ``requires_grad=False`` and stay that way: the graph is built from
+one leaf, the residual stream entering block 0 (``blocks.0.hook_resid_pre``, optionally replaced by
+an interpolation for integrated gradients), so no parameter ever gets a ``.grad`` and nothing is
+left on the model (every hook is removed in a ``finally``; the kinds run inside
+:func:`tracekit.hooks.state_guard` as well).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from jaxtyping import Float, Int
+
+from ..hooks import enabled_hooks, fwd_hooks
+
+__all__ = ["GradPass", "gradient_pass", "LEAF_HOOK"]
+
+#: The hook whose value is made the graph's leaf (the embeddings entering block 0).
+LEAF_HOOK = "blocks.0.hook_resid_pre"
+
+
+@dataclass
+class GradPass:
+    """What :func:`gradient_pass` returns.
+
+    Attributes:
+        acts: ``{hook: activation}`` (detached, TransformerLens layout, the model's dtype).
+        grads: per metric ``{hook: d metric / d activation}`` (summed over the rows' metrics;
+            rows are independent, so row ``i``'s slice is the gradient of its own metric).
+        logits: ``[rows, d_vocab]`` float32 logits at the last position.
+        values: ``[rows, n_metrics]`` the metrics of the run.
+    """
+
+    acts: dict[str, torch.Tensor]
+    grads: list[dict[str, torch.Tensor]]
+    logits: Float[torch.Tensor, "rows d_vocab"]
+    values: Float[torch.Tensor, "rows n_metrics"]
+
+
+def gradient_pass(model, tokens: Int[torch.Tensor, "rows pos"], hooks: Sequence[str],
+                  metric_fns: Sequence[Callable[[torch.Tensor], torch.Tensor]] = (),
+                  leaf_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  grad_hooks: Sequence[str] | None = None,
+                  extra_hooks: Sequence[tuple[str, Callable]] = ()) -> GradPass:
+    """Run ``tokens`` recording ``hooks``; with ``metric_fns`` also backpropagate each metric.
+
+    Args:
+        model: a hooked model (TransformerBridge); gated hooks are enabled for the call.
+        tokens: ``[rows, pos]`` unpadded token ids on the model's device.
+        hooks: hook names to record.
+        metric_fns: each ``(logits [rows, d_vocab] at the last position) -> [rows]``; one backward
+            pass each (the graph is kept between them). None: a plain forward pass, no gradients.
+        leaf_fn: maps the block-0 residual to the value used (integrated gradients' interpolation).
+        grad_hooks: hooks whose gradients are kept (default: all of ``hooks``).
+        extra_hooks: more ``(hook, fn)`` forward hooks for the call (run after the recording hooks).
+
+    Returns:
+        :class:`GradPass`.
+    """
+    want_grad = bool(metric_fns)
+    acts: dict[str, torch.Tensor] = {}
+    grads: list[dict[str, torch.Tensor]] = [{} for _ in metric_fns]
+    current = [0]
+    keep = set(hooks if grad_hooks is None else grad_hooks)
+
+    def record(act, hook, name):
+        # ``name`` is the requested (TransformerLens) name; ``hook.name`` may be the bridge's canonical one
+        if name == LEAF_HOOK and (want_grad or leaf_fn is not None):
+            act = leaf_fn(act) if leaf_fn is not None else act
+            if want_grad:
+                act = act.detach().requires_grad_(True)
+        if name in names:
+            acts[name] = act.detach()
+        if want_grad and name in keep and act.requires_grad:
+            act.register_hook(lambda g, n=name: grads[current[0]].__setitem__(n, g.detach()))
+        return act
+
+    names = set(hooks)
+    order = [LEAF_HOOK] + sorted(names - {LEAF_HOOK})  # the leaf first: later hooks on its point see it
+    hook_list = [(h, partial(record, name=h)) for h in order] + list(extra_hooks)
+    with enabled_hooks(model, list(names)), torch.enable_grad() if want_grad else torch.no_grad():
+        with fwd_hooks(model, hook_list):
+            logits = model(tokens)
+        last = logits[:, -1].float()
+        vals = []
+        for k, fn in enumerate(metric_fns):
+            current[0] = k
+            m = fn(last)
+            vals.append(m.detach())
+            m.sum().backward(retain_graph=k + 1 < len(metric_fns))
+    values = torch.stack(vals, -1) if vals else torch.zeros(tokens.shape[0], 0)
+    return GradPass(acts, grads, last.detach(), values.float())

@@ -1,0 +1,244 @@
+"""Exact path patching (Wang et al. 2022, "Interpretability in the Wild", section 3.1;
+Goldowsky-Dill et al. 2023, "Localizing Model Behavior with Path Patching").
+
+A *sender* set (upstream nodes, :mod:`tracekit.circuits.graph`) is patched from the source run
+*only along its direct paths into the receivers* (downstream nodes: heads' q/k/v inputs, MLP
+inputs, the logits): every receiver's input becomes ``input_base + sum_senders (write_src -
+write_base)``; no other component sees the change (everything else is frozen to the run it came
+from), and what the receivers then compute flows on through the rest of the model as usual. With
+every component downstream of the senders as a receiver this is activation patching of the
+senders; with one sender and one receiver it is the exact effect of one edge (what EAP estimates).
+
+Engine: the batched replay of :mod:`tracekit.patching` -- one cached run of ``[corrupted; clean]``
+per group of equal-length rows records each block's inputs and the senders' writes; each
+(variant, row) is one row of a replay batch that starts at the first receiver's block (layer
+skipping), with hooks adding each row's own difference at its receivers. Every hook is removed in a
+``finally``; out-of-memory halves the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from jaxtyping import Float
+
+from .. import metrics as M
+from ..errors import MethodRefused
+from ..hooks import enabled_hooks
+from ..model.load import model_device
+from ..model.readout import Readout
+from ..patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
+from ..patching.run import _check_pairs, _length_groups
+from .graph import Graph, build_graph, check_separable, receiver_hooks, upstream_hooks
+from .writes import check_writes, stack_writes
+
+__all__ = ["PathRun", "path_patch", "replay", "receiver_hook"]
+
+
+@dataclass
+class PathRun:
+    """What :func:`path_patch` returns.
+
+    Attributes:
+        values: ``[variants, rows, n_metrics]`` the metrics of each path-patched run.
+        clean, corrupted: ``[rows, n_metrics]`` the unpatched runs.
+        metrics: metric names. senders / receivers: per variant the node names.
+    """
+
+    values: Float[torch.Tensor, "variants rows n_metrics"]
+    clean: Float[torch.Tensor, "rows n_metrics"]
+    corrupted: Float[torch.Tensor, "rows n_metrics"]
+    metrics: list[str]
+    senders: list[list[str]]
+    receivers: list[list[str]]
+
+
+def receiver_hook(graph: Graph, name: str) -> tuple[str, int | None, int]:
+    """``(hook name, head index or None, block)`` of downstream node ``name`` (``logits``: the final
+    residual, block ``n_layers``)."""
+    if name == "logits":
+        return "", None, graph.n_layers
+    layer = int(name[1:].split(".")[0].split("<")[0])
+    if name.startswith("m"):
+        return f"blocks.{layer}.hook_mlp_in", None, layer
+    head = int(name.split(".h")[1].split("<")[0])
+    which = name[-2]
+    return f"blocks.{layer}.attn.hook_{which}_input", head, layer
+
+
+def _add(module, inputs, output, rows: torch.Tensor, head: int | None, delta: torch.Tensor, sign: float = 1.0):
+    conv = getattr(module, "hook_conversion", None)
+    act = conv.convert(output) if conv is not None else output
+    act = act.clone()
+    d = (sign * delta).to(act.dtype)
+    if head is None:
+        act[rows] += d
+    else:
+        act[rows, :, head] += d
+    return conv.revert(act) if conv is not None else act
+
+
+def replay(model, run: CachedRun, base_rows: torch.Tensor, start: int,
+           layer_hooks: Callable[[int], list[tuple[str, Callable]]],
+           final: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Float[torch.Tensor, "rows d_vocab"]:
+    """Run blocks ``start..n_layers-1`` on the cached inputs of ``base_rows`` with, in block ``L``,
+    the forward hooks ``layer_hooks(L)`` (``(hook name, module hook)``); ``final`` edits the final
+    residual. Returns float32 logits at the last position. Hooks are removed in a ``finally``."""
+    n_layers = int(model.cfg.n_layers)
+    x = run.resid[start][base_rows].clone()
+    hd = model.hook_dict
+    blocks = cast(Any, model).blocks
+    for L in range(start, n_layers):
+        handles = []
+        try:
+            for name, fn in layer_hooks(L):
+                handles.append(hd[name].register_forward_hook(fn))
+            a, kw = run.block_call(L, base_rows)
+            out = blocks[L](x, *a, **kw)
+            x = out[0] if isinstance(out, tuple) else out
+        finally:
+            for h in handles:
+                h.remove()
+    if final is not None:
+        x = final(x)
+    return Readout(model).logits(x[:, -1:, :])[:, 0].float()
+
+
+@torch.no_grad()
+def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
+               senders: Sequence[Sequence[str]], receivers: Sequence[Sequence[str]],
+               target_ids: Sequence[int], foil_ids: Sequence[int] | None = None, *,
+               metrics: Sequence[str] = ("logit_diff",), mode: str = "denoising",
+               batch_size: int | str = "auto") -> PathRun:
+    """Exact path patching: per variant ``j``, the senders ``senders[j]`` patched from the source
+    run into the receivers ``receivers[j]`` only (module docstring), on every row.
+
+    Args:
+        model: a hooked model (TransformerBridge).
+        clean_ids, corrupted_ids: per row the token ids (equal lengths per row).
+        senders: per variant upstream node names (``input``, ``a{L}.h{H}``, ``m{L}``).
+        receivers: per variant downstream node names (``a{L}.h{H}<q|k|v>``, ``a{L}.h{H}`` = its
+            q, k and v inputs, ``m{L}``, ``logits``).
+        target_ids, foil_ids: per row one target (and foil) id.
+        metrics: metric names (:mod:`tracekit.metrics`).
+        mode: ``denoising`` (base = corrupted run, source = clean) or ``noising``.
+        batch_size: (variant, row) runs per replay batch, or ``auto``.
+
+    Returns:
+        :class:`PathRun`.
+
+    Raises:
+        MethodRefused: an unknown node, a receiver that reads before one of its senders writes, a
+            model whose writes are not separable.
+    """
+    if mode not in ("denoising", "noising"):
+        raise MethodRefused(f"mode: {mode!r}; use denoising or noising")
+    if len(senders) != len(receivers) or not senders:
+        raise MethodRefused("path patching: give one receiver list per sender list (at least one variant)")
+    check_separable(model, "path patching")
+    graph = build_graph(model)
+    send_idx, recv = _check_variants(graph, senders, receivers)
+    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
+    dev = model_device(model)
+    n, V = len(clean_ids), len(senders)
+    values = torch.full((V, n, len(metrics)), float("nan"))
+    clean_v, corr_v = torch.zeros(n, len(metrics)), torch.zeros(n, len(metrics))
+    tgt = torch.tensor([[int(t)] for t in target_ids])
+    foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
+    with enabled_hooks(model, receiver_hooks(graph) + upstream_hooks(graph)):
+        for n_pos, members in _length_groups([len(c) for c in clean_ids]):
+            midx = torch.tensor(members)
+            g = len(members)
+            toks = torch.tensor([corrupted_ids[i] for i in members] + [clean_ids[i] for i in members], device=dev)
+            run = cache_run(model, toks, upstream_hooks(graph))
+            half = {k: v[:g] for k, v in run.acts.items()}, {k: v[g:] for k, v in run.acts.items()}
+            check_writes(model, graph, half[1], half[0], "path patching")
+            inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev),
+                                    torch.log_softmax(run.logits[g:], -1))
+            clean_v[midx] = M.compute_metrics(list(metrics), run.logits[g:], inputs).float().cpu()
+            corr_v[midx] = M.compute_metrics(list(metrics), run.logits[:g], inputs).float().cpu()
+            w_corr, w_clean = stack_writes(model, graph, half[0]), stack_writes(model, graph, half[1])
+            base_off = 0 if mode == "denoising" else g
+            d_write = (w_clean - w_corr) if mode == "denoising" else (w_corr - w_clean)  # [g, pos, n_up, d]
+            deltas = torch.stack([d_write[:, :, s].sum(2) for s in send_idx])  # [V, g, pos, d]
+            bs = auto_batch_size(model, n_pos) if batch_size == "auto" else int(batch_size)
+
+            def do(sl: slice, deltas=deltas, run=run, inputs=inputs, base_off=base_off, g=g, midx=midx):
+                vs = list(range(V))[sl]
+                logits = _replay_variants(model, graph, run, vs, recv, deltas, base_off, g)
+                rows = torch.arange(g).repeat(len(vs))
+                vals = M.compute_metrics(list(metrics), logits, inputs.rows(rows.to(logits.device))).float().cpu()
+                values[sl.start:sl.stop][:, midx] = vals.reshape(len(vs), g, -1)
+
+            run_chunked(do, V, max(1, bs // g))
+    return PathRun(values, clean_v, corr_v, list(metrics), [list(s) for s in senders],
+                   [[r for r in rs] for rs in recv])
+
+
+def _check_variants(graph: Graph, senders, receivers) -> tuple[list[list[int]], list[list[str]]]:
+    """Per variant the senders' upstream indices and the receivers' downstream names (expanded)."""
+    send_idx, recv = [], []
+    for j, (ss, rs) in enumerate(zip(senders, receivers)):
+        if not ss or not rs:
+            raise MethodRefused(f"path patching variant {j}: give at least one sender and one receiver")
+        idx = []
+        for s in ss:
+            if s not in graph.up_index:
+                raise MethodRefused(f"senders: {s!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or "
+                                    f"'m{{L}}' (layers 0..{graph.n_layers - 1}, heads 0..{graph.n_heads - 1})")
+            idx.append(graph.up_index[s])
+        names = [x for r in rs for x in graph.receivers_of(r)]
+        for r in names:
+            for s in ss:
+                if not bool(graph.mask[graph.down_index[r], graph.up_index[s]]):
+                    raise MethodRefused(f"receivers: {r} reads the residual stream before sender {s} writes it; "
+                                        "receivers must be later than every sender")
+        send_idx.append(idx)
+        recv.append(list(dict.fromkeys(names)))
+    return send_idx, recv
+
+
+def _replay_variants(model, graph: Graph, run: CachedRun, vs: list[int], recv: list[list[str]],
+                     deltas: torch.Tensor, base_off: int, g: int) -> torch.Tensor:
+    """Logits ``[len(vs) * g, d_vocab]`` of variants ``vs`` (variant major), each row's receivers
+    getting its variant's difference."""
+    dev = run.resid[0].device
+    by_hook: dict[tuple[str, int | None], list[int]] = {}
+    final_rows: list[int] = []
+    start = graph.n_layers
+    for k, j in enumerate(vs):
+        for r in recv[j]:
+            hook, head, layer = receiver_hook(graph, r)
+            start = min(start, layer)
+            if r == "logits":
+                final_rows.append(k)
+            else:
+                by_hook.setdefault((hook, head), []).append(k)
+    sub = deltas[vs]  # [len(vs), g, pos, d]
+
+    def rows_of(ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        kt = torch.tensor(ks)
+        rows = (kt[:, None] * g + torch.arange(g)[None]).flatten().to(dev)
+        return rows, sub[kt].reshape(len(ks) * g, *sub.shape[2:]).to(dev)
+
+    def layer_hooks(L: int):
+        out = []
+        for (hook, head), ks in by_hook.items():
+            if int(hook.split(".")[1]) == L:
+                rows, d = rows_of(ks)
+                out.append((hook, lambda m, i, o, rows=rows, head=head, d=d: _add(m, i, o, rows, head, d)))
+        return out
+
+    def final(x):
+        if not final_rows:
+            return x
+        rows, d = rows_of(final_rows)
+        x = x.clone()
+        x[rows] += d.to(x.dtype)
+        return x
+
+    base_rows = (torch.arange(g) + base_off).repeat(len(vs)).to(dev)
+    return replay(model, run, base_rows, start, layer_hooks, final)

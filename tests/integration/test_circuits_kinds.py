@@ -383,3 +383,21 @@ def test_rows_without_corrupted_prompts_error_names_only_fields_of_the_kind(gpt2
     with pytest.raises(DatasetError) as e:
         EdgeAttribution(dataset={"rows": rows}).run(gpt2, progress=False)
     assert "directions" not in str(e.value) and "ablations" not in str(e.value), str(e.value)
+
+
+def test_circuit_reads_saved_edge_scores(gpt2, tmp_path):
+    """scores.edges_file (a saved edge_attribution table) gives the circuit the scores computed in place;
+    a table naming edges this model lacks is refused naming the field."""
+    eap = EdgeAttribution(dataset=DS, method="eap", verify={"enabled": False}).run(gpt2, progress=False)
+    eap.tables["edges"].to_parquet(tmp_path / "edges.parquet")
+    sizes = [0.05, 0.2]
+    direct = Circuit(dataset=DS, scores={"method": "eap"}, sizes=sizes, bootstrap=0).run(gpt2, progress=False)
+    read = Circuit(dataset=DS, scores={"method": "eap", "edges_file": str(tmp_path / "edges.parquet")}, sizes=sizes,
+                   bootstrap=0).run(gpt2, progress=False)
+    pd.testing.assert_frame_equal(direct.tables["curve"], read.tables["curve"], atol=1e-6)
+    assert direct.summary()["circuit_edges"] == read.summary()["circuit_edges"]
+    bad = eap.tables["edges"].copy()
+    bad.loc[0, "edge"] = "a9.h0->logits"
+    bad.to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(DatasetError, match="scores.edges_file"):
+        Circuit(dataset=DS, scores={"edges_file": str(tmp_path / "bad.csv")}, sizes=sizes).run(gpt2, progress=False)

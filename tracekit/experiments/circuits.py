@@ -454,12 +454,17 @@ class ScoreSpec(StrictModel):
         ig_steps: interpolation steps of ``eap_ig``.
         mode: ``denoising`` (default) or ``noising``.
         rank_by: ``abs`` (largest |score|, default) or ``signed`` (largest score).
+        edges_file: or read the scores from a saved ``edges`` table (Parquet or CSV with columns
+            ``edge`` and ``score``, e.g. an ``edge_attribution`` step's ``edges.parquet`` through a
+            pipeline reference ``{from: eap_ig, path: edges.parquet}``) instead of computing them;
+            ``method`` then only names them. The rows should be the same (the file does not say).
     """
 
     method: Literal["eap", "eap_ig", "atp"] = "eap_ig"
     ig_steps: int = Field(default=5, ge=1, le=512)
     mode: Mode = "denoising"
     rank_by: Literal["abs", "signed"] = "abs"
+    edges_file: Optional[str] = None
 
 
 class CircuitResult(Result):
@@ -630,8 +635,9 @@ class Circuit(_RowsExperiment):
             scores_df = pd.DataFrame({"name": cand, "score": np.nan})
         else:
             sp = self.scores
-            es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=sp.mode,
-                                  method="eap_ig" if sp.method == "eap_ig" else "eap", ig_steps=sp.ig_steps)
+            es = _read_edges(graph, sp.edges_file) if sp.edges_file else edge_attribution(
+                model, clean, corr, tgt, foil, metric=self.metric, mode=sp.mode,
+                method="eap_ig" if sp.method == "eap_ig" else "eap", ig_steps=sp.ig_steps)
             if self.level == "edges":
                 mean = es.mean()
                 counts = self._counts(graph.n_edges)
@@ -691,6 +697,33 @@ class Circuit(_RowsExperiment):
         tables = {"curve": curve, "circuit": circuit_df, "scores": scores_df.head(5000).reset_index(drop=True),
                   "rows": rows}
         return CircuitResult(self, tables, {"summary": summary, "n_scores": int(len(scores_df))})
+
+
+def _read_edges(graph, path: str) -> EdgeScores:
+    """Edge scores (one row: their mean) from a saved ``edges`` table.
+
+    Raises:
+        DatasetError: the file cannot be read, lacks ``edge``/``score``, or names an edge this model's
+            graph does not have (another model's scores).
+    """
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        df = pd.read_parquet(p) if p.suffix == ".parquet" else pd.read_csv(p)
+    except Exception as e:  # noqa: BLE001 - re-raised naming the field
+        raise DatasetError(f"scores.edges_file: cannot read {path!r} ({type(e).__name__}: {e})") from e
+    if not {"edge", "score"} <= set(df.columns):
+        raise DatasetError(f"scores.edges_file: {path!r} needs columns 'edge' and 'score' (has {list(df.columns)[:8]})")
+    scores = torch.zeros(1, *graph.mask.shape)
+    for i, (e, v) in enumerate(zip(df["edge"], df["score"])):
+        try:
+            d, u = graph.parse_edge(str(e), f"scores.edges_file row {i}")
+        except MethodRefused as err:
+            raise DatasetError(f"{err} (scores from another model?)") from None
+        scores[0, d, u] = float(v)
+    nan = torch.full((1,), float("nan"))
+    return EdgeScores(graph, scores, nan, nan, "file", "denoising", "", 0)
 
 
 def _circuit_nodes(circuit_df: pd.DataFrame) -> tuple[list[str], list[str]]:

@@ -9,19 +9,13 @@ here explicitly (a new kind: a module here, one import line, and its entry in
 from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
 from .attribution import AttributionPatching, AttributionPatchingResult, VerifySpec
 from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
-from .circuits import (
-    Circuit,
-    CircuitResult,
-    EdgeAttribution,
-    EdgeAttributionResult,
-    PathPatching,
-    PathPatchingResult,
-    ScoreSpec,
-)
+from .circuits import Circuit, CircuitResult, ScoreSpec
 from .dla import DirectLogitAttribution, DirectLogitAttributionResult
+from .edge_attribution import EdgeAttribution, EdgeAttributionResult
 from .logit_lens import LogitLens, LogitLensResult
 from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
 from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs
+from .path_patching import PathPatching, PathPatchingResult
 from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
 from .sae import SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult
 from .trace import TokenTrace, TokenTraceResult

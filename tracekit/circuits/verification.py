@@ -105,7 +105,7 @@ def compare(approx: np.ndarray, exact: np.ndarray, labels: Sequence[str], in_top
     Returns:
         ``{n_checked, n_top, n_random, pearson, spearman, top_k_recall, sign_agreement,
         worst_false_negatives: [{site, exact, approx, approx_rank}], largest_errors (the same
-        records), max_abs_error, note}``.
+        records), max_abs_error, top_k_floor (the smallest |estimate| in the top-k), note}``.
     """
     a, e = np.asarray(approx, float), np.asarray(exact, float)
     ok = np.isfinite(a) & np.isfinite(e)
@@ -131,5 +131,6 @@ def compare(approx: np.ndarray, exact: np.ndarray, labels: Sequence[str], in_top
         "largest_errors": [{"site": labels[i], "exact": round(float(e[i]), 6), "approx": round(float(a[i]), 6),
                             "approx_rank": int(approx_rank[i])} for i in err],
         "max_abs_error": float(np.max(np.abs(e - a))) if len(e) else None,
+        "top_k_floor": float(np.min(np.abs(a[in_top]))) if in_top.any() else None,
         "note": "over the checked sites only: the approximate top-k and a seeded random sample of the rest",
     }

@@ -89,6 +89,9 @@ class AttributionPatchingResult(ActivationPatchingResult):
 
     def figures(self) -> dict:
         figs = super().figures()
+        for fig in figs.values():  # the heatmaps show the estimate, not exact patching
+            ax = fig.axes[0]
+            ax.set_title(f"{self.summary()['method']} ESTIMATE of " + ax.get_title(), fontsize=9)
         ver = self.tables.get("verification")
         if ver is None or not len(ver):
             return figs
@@ -117,10 +120,19 @@ def verification_lines(v: dict, against: str, what: str) -> list[str]:
     lines = [f"  verified against {against}, {v['n_checked']} {what} (top {v['n_top']} + {v['n_random']} random): "
              f"pearson {f(v['pearson'])}, spearman {f(v['spearman'])}, top-k recall {f(v['top_k_recall'])}, "
              f"sign agreement {f(v['sign_agreement'])}, max |error| {f(v.get('max_abs_error'))}"]
-    for tag, key in (("largest error", "largest_errors"), ("missed", "worst_false_negatives")):
-        for w in v.get(key, [])[:3]:
-            lines.append(f"    {tag}: {w['site']} exact {w['exact']:+.4f}, estimate {w['approx']:+.4f} "
-                         f"(rank {w['approx_rank']})")
+    for w in v.get("largest_errors", [])[:3]:
+        lines.append(f"    largest error: {w['site']} exact {w['exact']:+.4f}, estimate {w['approx']:+.4f} "
+                     f"(rank {w['approx_rank']})")
+    # a false negative worth printing: outside the estimate's top-k, yet as large (exactly) as the
+    # smallest estimate inside it
+    floor = v.get("top_k_floor")
+    missed = [w for w in v.get("worst_false_negatives", []) if floor is not None and abs(w["exact"]) >= floor]
+    for w in missed[:3]:
+        lines.append(f"    missed (outside the estimate's top-k): {w['site']} exact {w['exact']:+.4f}, "
+                     f"estimate {w['approx']:+.4f} (rank {w['approx_rank']})")
+    if not missed and v.get("n_random"):
+        lines.append(f"    no randomly checked {what[:-1]} outside the top-k has an exact effect as large as the "
+                     "top-k's smallest estimate")
     return lines
 
 
@@ -161,7 +173,8 @@ class AttributionPatching(ActivationPatching):
             layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
             positions=None if inputs.positions is None else [list(p) for p in inputs.positions], qk_fix=self.qk_fix)
         res = self._result(model, inputs, out)
-        res.meta["method"] = "atp*" if self.qk_fix else "atp"
+        qk_sites = any(s.startswith(("head_q", "head_k")) for s in P.expand_sites(self.sites))
+        res.meta["method"] = "atp*" if self.qk_fix and qk_sites else "atp"
         res.meta["verification"] = None
         if self.verify.enabled:
             table, stats = self._verify(model, inputs, out)

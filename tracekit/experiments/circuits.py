@@ -111,12 +111,18 @@ class CircuitResult(Result):
         for _, r in self.tables["curve"].iterrows():
             c = "" if pd.isna(r["ci_low"]) else f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
             lines.append(f"  {int(r['circuit_size']):5d}  {r['fraction']:.4f}  {int(r['n_edges']):6d}  {r['faithfulness']:+.3f}{c}")
-        lines.append(f"  chosen circuit: {ch['size']} {s['level']} ({ch['n_edges']} edges), faithfulness "
-                     f"{ch['faithfulness']:+.3f} (threshold {s['threshold']})")
-        if s["circuit_heads"]:
-            lines.append(f"  heads: {', '.join(s['circuit_heads'][:40])}{' ...' if len(s['circuit_heads']) > 40 else ''}")
-        if s["circuit_mlps"]:
-            lines.append(f"  MLPs: {', '.join(s['circuit_mlps'])}")
+        size = f"{ch['size']} {s['level']}" + (f" ({ch['n_edges']} edges)" if s["level"] == "nodes" else "")
+        reached = ch["faithfulness"] >= s["threshold"]
+        lines.append(f"  chosen circuit: {size}, faithfulness {ch['faithfulness']:+.3f} "
+                     + (f"(the smallest reaching the threshold {s['threshold']})" if reached else
+                        f"(NO evaluated circuit reaches the threshold {s['threshold']}: the most faithful one)"))
+        heads, mlps = s["circuit_heads"], s["circuit_mlps"]
+        if heads:
+            lines.append(f"  its {len(heads)} heads, by the summed |score| of their edges in it: {', '.join(heads[:25])}"
+                         f"{' ...' if len(heads) > 25 else ''}")
+        if mlps:
+            lines.append(f"  its {len(mlps)} MLPs: {', '.join(mlps[:15])}{' ...' if len(mlps) > 15 else ''}")
+        lines.append("  (every edge of it: the circuit table)")
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -160,7 +166,7 @@ class Circuit(CircuitRowsExperiment):
         ablation: ``corrupted`` (default: each row's corrupted run), ``mean`` (mean over the clean
             prompts of the rows of the same token length), ``resample`` (another such row's writes,
             drawn with ``seed``) or ``zero``.
-        threshold: the chosen circuit is the smallest evaluated one with faithfulness >= this (0.8).
+        threshold: the chosen circuit is the smallest evaluated one with faithfulness >= this (0.8; in (0, 1]).
         bootstrap: resamples of the rows for the intervals (0: none).
         seed: the bootstrap's seed (and the ``resample`` ablation's).
     """
@@ -172,7 +178,7 @@ class Circuit(CircuitRowsExperiment):
     nodes: Optional[list[str]] = None
     sizes: Optional[list[float]] = None
     ablation: Literal["corrupted", "mean", "zero", "resample"] = "corrupted"
-    threshold: float = 0.8
+    threshold: float = Field(default=0.8, gt=0, le=1)
     bootstrap: int = Field(default=1000, ge=0)
     seed: int = 0
 

@@ -108,8 +108,9 @@ class Graph:
             raise MethodRefused(f"{field}: {u!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or 'm{{L}}' "
                                 f"(layers 0..{self.n_layers - 1}, heads 0..{self.n_heads - 1})")
         if v not in self.down_index:
-            raise MethodRefused(f"{field}: {v!r} is not a downstream node; use 'a{{L}}.h{{H}}<q|k|v>', 'm{{L}}' "
-                                "or 'logits'")
+            raise MethodRefused(f"{field}: {v!r} is not a downstream node; use 'a{{L}}.h{{H}}<q>' (heads "
+                                f"0..{self.n_heads - 1}), 'a{{L}}.h{{G}}<k|v>' (key/value heads 0..{self.n_kv_heads - 1}), "
+                                f"'m{{L}}' or 'logits' (layers 0..{self.n_layers - 1})")
         vi, ui = self.down_index[v], self.up_index[u]
         if not bool(self.mask[vi, ui]):
             raise MethodRefused(f"{field}: {name!r} is not an edge: {u} writes after {v} reads")

@@ -117,7 +117,8 @@ def attribution_patch(
     Args:
         modes: ``denoising`` and/or ``noising`` (ablations are not estimated here).
         qk_fix: AtP*'s QK fix for ``head_q``/``head_k`` sites (exact through the softmax).
-        (the rest): as :func:`tracekit.patching.run_patching`.
+
+    The other arguments are those of :func:`tracekit.patching.run_patching`.
 
     Returns:
         :class:`tracekit.patching.PatchingRun` of estimates.

@@ -91,9 +91,11 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
 
     Args:
         model: a hooked model (TransformerBridge).
-        clean_ids, corrupted_ids: per row the token ids (equal lengths per row; rows of different
+        clean_ids: per row the clean prompt's token ids (equal lengths per row; rows of different
             lengths run as separate groups).
-        target_ids, foil_ids: per row one target (and foil) id.
+        corrupted_ids: per row the corrupted prompt's token ids (the same lengths).
+        target_ids: per row one target token id.
+        foil_ids: per row one foil token id (or None where the metric needs none).
         metric: ``logit_diff``, ``prob``, ``log_prob`` or ``kl`` (:mod:`tracekit.metrics`).
         mode: ``denoising`` or ``noising`` (module docstring).
         method: ``eap`` or ``eap_ig``.

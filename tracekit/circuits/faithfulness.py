@@ -129,9 +129,11 @@ def evaluate_circuits(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: 
 
     Args:
         model: a hooked model (TransformerBridge).
-        clean_ids, corrupted_ids: per row the token ids (equal lengths per row).
+        clean_ids: per row the clean prompt's token ids (equal lengths per row)
+        corrupted_ids: per row the corrupted prompt's token ids (the same lengths).
         circuits: ``[C, n_down, n_up]`` bool (edges outside the graph's mask are ignored).
-        target_ids, foil_ids: per row one target (and foil) id.
+        target_ids: per row one target token id.
+        foil_ids: per row one foil token id (or None where the metric needs none).
         metrics: metric names.
         ablation: ``corrupted``, ``mean``, ``resample`` or ``zero``.
         seed: the ``resample`` draw's seed.
@@ -270,9 +272,12 @@ def faithfulness_measures(values: np.ndarray, full: np.ndarray, empty: np.ndarra
 
     Args:
         values: ``[sizes, rows]`` the metric of each circuit on each row.
-        full, empty: ``[rows]`` the full model's and the empty circuit's metric.
+        full: ``[rows]`` the full model's metric.
+        empty: ``[rows]`` the empty circuit's (everything ablated) metric.
         fractions: per size ``k / n_edges`` (sorted increasing; 0 and 1 are added when missing).
-        n_boot: bootstrap resamples of the rows (0: no intervals). seed: their seed. ci: the interval's mass.
+        n_boot: bootstrap resamples of the rows (0: no intervals).
+        seed: the bootstrap's seed.
+        ci: the interval's mass.
 
     Returns:
         ``{"faithfulness": [sizes], "ci_low"/"ci_high": [sizes], "cpr", "cmd", "cpr_ci", "cmd_ci"}``

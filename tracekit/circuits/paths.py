@@ -118,11 +118,13 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
 
     Args:
         model: a hooked model (TransformerBridge).
-        clean_ids, corrupted_ids: per row the token ids (equal lengths per row).
+        clean_ids: per row the clean prompt's token ids (equal lengths per row)
+        corrupted_ids: per row the corrupted prompt's token ids (the same lengths).
         senders: per variant upstream node names (``input``, ``a{L}.h{H}``, ``m{L}``).
         receivers: per variant downstream node names (``a{L}.h{H}<q|k|v>``, ``a{L}.h{H}`` = its
             q, k and v inputs, ``m{L}``, ``logits``).
-        target_ids, foil_ids: per row one target (and foil) id.
+        target_ids: per row one target token id.
+        foil_ids: per row one foil token id (or None where the metric needs none).
         metrics: metric names (:mod:`tracekit.metrics`).
         mode: ``denoising`` (base = corrupted run, source = clean) or ``noising``.
         batch_size: (variant, row) runs per replay batch, or ``auto``.

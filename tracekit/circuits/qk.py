@@ -69,8 +69,9 @@ def qk_fixed(model, site: Site, layer: int, bp: GradPass, sp: GradPass, k: int, 
     ``[g, *site.axes]`` (as :func:`tracekit.circuits.attribution.reduce_site`).
 
     Args:
-        bp, sp: the base run (with gradients of metric ``k``) and the source run, both recording
-            ``hook_attn_scores``, ``hook_pattern``, ``hook_q`` and ``hook_k`` at ``layer``.
+        bp: the base run (with gradients of metric ``k``), recording ``hook_attn_scores``,
+            ``hook_pattern``, ``hook_q`` and ``hook_k`` at ``layer``.
+        sp: the source run, recording the same hooks.
         runs: a cached run of ``[corrupted; clean]`` rows (block inputs for the replay).
         base_is_first: the base rows are the first half of ``runs`` (denoising).
 

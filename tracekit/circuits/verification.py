@@ -97,8 +97,10 @@ def compare(approx: np.ndarray, exact: np.ndarray, labels: Sequence[str], in_top
     """Agreement of approximate and exact effects over the checked sites (module docstring).
 
     Args:
-        approx, exact: ``[checked]`` effects (the same units, e.g. normalised effects).
-        labels: ``[checked]`` site names. in_top: ``[checked]`` bool, in the approximate top-k.
+        approx: ``[checked]`` approximate effects (e.g. normalised effects).
+        exact: ``[checked]`` exact effects in the same units.
+        labels: ``[checked]`` site names.
+        in_top: ``[checked]`` bool, in the approximate top-k.
         approx_rank: ``[checked]`` 1-based rank of each site in the full approximate ranking.
         top_k: k.
 

@@ -75,6 +75,10 @@ from .experiments import (
                      SAETrainResult,
                      register,
 )
+from .experiments.causal_tracing import CausalTracing, CausalTracingResult
+from .experiments.lens_quality import LensQuality, LensQualityResult
+from .experiments.patchscope import Patchscope, PatchscopeResult
+from .experiments.steering import Steering, SteeringResult
 from .experiments.trace import TokenTrace, TokenTraceResult
 from .model.info import ModelInfo, load_model_info
 from .model.load import load_model, model_spec_of, wrap_hf_model
@@ -110,3 +114,5 @@ __all__ = [
 __all__ += ["TokenTrace", "TokenTraceResult"]
 __all__ += ["AttributionPatching", "AttributionPatchingResult", "EdgeAttribution", "EdgeAttributionResult",
             "PathPatching", "PathPatchingResult", "Circuit", "CircuitResult"]
+__all__ += ["LensQuality", "LensQualityResult", "Patchscope", "PatchscopeResult", "Steering", "SteeringResult",
+            "CausalTracing", "CausalTracingResult"]

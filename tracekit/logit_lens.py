@@ -269,6 +269,7 @@ def logit_lens(
     track: Sequence[TokenSpec] = (),
     foils: Union[TokenSpec, Sequence[Optional[TokenSpec]], None] = None,
     reads: Optional[Sequence[Sequence[int]]] = None,
+    translator: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
 ) -> list[PromptLens]:
     """Run the logit lens over rows, batched with padding; each row is read at its own tokens and
     scored against its own target, in the same forward pass.
@@ -293,6 +294,11 @@ def logit_lens(
         foils: each row's contrasting token, like ``targets``.
         reads: per row, the token indices to read (into that row's ids, BOS counted; overrides
             ``position``): how the kind passes positions it resolved once in ``prepare``.
+        translator: optional ``translator(resid [..., d_model], hidden_state) -> [..., d_model]``
+            applied to each residual before the readout, e.g. a tuned lens
+            (:class:`tracekit.lenses.tuned.TunedLens`, Belrose et al. 2023); None (default) is the
+            logit lens. Hidden state ``n_layers`` (the model's own output, also ``final_*``) is
+            read untranslated.
 
     Returns:
         One :class:`PromptLens` per row, in order.
@@ -360,11 +366,22 @@ def logit_lens(
     read_hooks = hooks + ([] if last_post in hooks else [last_post])
     final_at = read_hooks.index(last_post)
     return _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at,
-                         top_k, batch_size, progress)
+                         top_k, batch_size, progress, translator)
+
+
+def _translate(resid: torch.Tensor, points: Sequence[LensPoint], translator) -> torch.Tensor:
+    """``resid`` ``[hooks, ...]`` with ``translator`` applied to each read hidden state but the last
+    (``n_layers``: the model's own output, read as it is, as the tuned lens does)."""
+    out = resid.clone()
+    last = max(p.hidden_state for p in points) if points else 0
+    for j, p in enumerate(points):
+        if p.hidden_state != last or p.site != "resid_post":
+            out[j] = translator(resid[j], p.hidden_state)
+    return out
 
 
 def _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at, top_k,
-                  batch_size, progress) -> list[PromptLens]:
+                  batch_size, progress, translator=None) -> list[PromptLens]:
     from .fastpath import residual_stream
 
     H = len(points)
@@ -377,6 +394,8 @@ def _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points,
         idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]
                            for b, r in enumerate(reads)])  # [b, n_read] padded indices (last repeated)
         resid = residual_stream(model, batch, read_hooks, positions=idx)  # [hooks, b, n_read, d]
+        if translator is not None:
+            resid = _translate(resid, points, translator)
         own = torch.tensor([-1 if tgt[i] is None else tgt[i] for i in rows], dtype=torch.long)
         foil = torch.tensor([-1 if fl[i] is None else fl[i] for i in rows], dtype=torch.long)
         shape = resid.shape[:-1]  # [hooks, b, n_read]

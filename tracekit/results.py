@@ -67,6 +67,10 @@ KINDS: dict[str, str] = {
     "sae_eval": "tracekit.experiments.sae_quality:SAEEval",
     "sae_train": "tracekit.experiments.sae_quality:SAETrain",
     "token_trace": "tracekit.experiments.trace:TokenTrace",
+    "lens_quality": "tracekit.experiments.lens_quality:LensQuality",
+    "patchscope": "tracekit.experiments.patchscope:Patchscope",
+    "steering": "tracekit.experiments.steering:Steering",
+    "causal_tracing": "tracekit.experiments.causal_tracing:CausalTracing",
 }
 
 MANIFEST = "manifest.json"

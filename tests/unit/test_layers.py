@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tracekit.tokens", "tracekit.hooks", "tracekit.dataset", "tracekit.metrics", "tracekit.fastpath", "tracekit.corpus",
      "tracekit.resources", "tracekit.scratch", "tracekit.plotting", "tracekit.inputs", "tracekit.units"),
     ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.neurons", "tracekit.patching",
-     "tracekit.circuits",
+     "tracekit.circuits", "tracekit.lenses", "tracekit.steering", "tracekit.causal_tracing",
      "tracekit.sae", "tracekit.probing", "tracekit.trace", "tracekit.verify", "tracekit.results"),
     ("tracekit.experiments",),
     ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep"),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 from jaxtyping import Float
@@ -90,15 +89,12 @@ def replay(model, run: CachedRun, base_rows: torch.Tensor, start: int,
     n_layers = int(model.cfg.n_layers)
     x = run.resid[start][base_rows].clone()
     hd = model.hook_dict
-    blocks = cast(Any, model).blocks
     for L in range(start, n_layers):
         handles = []
         try:
             for name, fn in layer_hooks(L):
                 handles.append(hd[name].register_forward_hook(fn))
-            a, kw = run.block_call(L, base_rows)
-            out = blocks[L](x, *a, **kw)
-            x = out[0] if isinstance(out, tuple) else out
+            x = run.run_block(model, L, x, base_rows)
         finally:
             for h in handles:
                 h.remove()

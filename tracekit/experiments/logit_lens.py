@@ -46,6 +46,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
 from ..dataset import DatasetSpec, PreparedDataset
+from ..lenses.train import TunedLensSpec, load_or_train_tuned_lens
 from ..logit_lens import LENS_POSITIONS, LayerConvention, LensPoint, landmarks, lens_points, logit_lens
 from ..tokens import parse_position, single_token_id, str_tokens
 from .base import Experiment, OptionalPrompts, Result, check_dataset_fields, kind_dataset, register
@@ -135,6 +136,11 @@ class LogitLensResult(Result):
         "target_prob_final_by_row": "that row has no target",
         "target_by_row": "that row has no target",
     }
+
+    @property
+    def lens_name(self) -> str:
+        """``Tuned lens`` for ``lens: tuned``, else ``Logit lens`` (titles and the report)."""
+        return "Tuned lens" if getattr(self.config, "lens", "logit") == "tuned" else "Logit lens"
 
     def __init__(self, config, tables: dict[str, pd.DataFrame], meta: Optional[dict] = None,
                  arrays: Optional[dict] = None):
@@ -267,7 +273,7 @@ class LogitLensResult(Result):
         first rows when there are many) and the aggregates."""
         rows = self._rows()
         cfg = self.config
-        head = (f"logit lens [{cfg.step_name}] {cfg.layer_convention} (h = hidden state: 0 = embeddings, h = output "
+        head = (f"{self.lens_name.lower()} [{cfg.step_name}] {cfg.layer_convention} (h = hidden state: 0 = embeddings, h = output "
                 f"of block h-1)")
         if len(rows) == 1:
             return self._report_one(head, rows.iloc[0])
@@ -385,7 +391,7 @@ class LogitLensResult(Result):
             a1.legend(fontsize=7)
             a2.legend(fontsize=7)
         a1.set_xlabel(_HS_LABEL, fontsize=8); a1.set_ylabel("p(row's target)")
-        a1.set_title("Logit lens: each row's target probability"); a1.set_ylim(-0.02, 1.02)
+        a1.set_title(f"{self.lens_name}: each row's target probability"); a1.set_ylim(-0.02, 1.02)
         a2.set_yscale("log"); a2.invert_yaxis(); a2.set_xlabel(_HS_LABEL, fontsize=8)
         a2.set_ylabel("vocab rank of the target (1 = top)"); a2.set_title("target vocab rank (log scale)")
         a1.grid(alpha=.3); a2.grid(alpha=.3)
@@ -413,7 +419,7 @@ class LogitLensResult(Result):
         ax.set_xlabel("emergence layer (block whose output first has the target on top for good; emb = embeddings)",
                       fontsize=8)
         ax.set_ylabel("rows")
-        ax.set_title(f"Logit lens: where each row's target emerges ({len(t) - never} of {len(t)} rows)")
+        ax.set_title(f"{self.lens_name}: where each row's target emerges ({len(t) - never} of {len(t)} rows)")
         fig.tight_layout()
         return fig
 
@@ -430,7 +436,7 @@ class LogitLensResult(Result):
                 ax.fill_between(x, np.nanpercentile(Y, 10, 0), np.nanpercentile(Y, 90, 0), alpha=0.15,
                                 color=line[0].get_color())
         ax.set_xlabel(_HS_LABEL, fontsize=8); ax.set_ylabel("probability"); ax.set_ylim(-0.02, 1.02)
-        ax.set_title("Logit lens: tracked tokens" + (" (10-90% band over rows)" if tr["prompt_idx"].nunique() > 1
+        ax.set_title(f"{self.lens_name}: tracked tokens" + (" (10-90% band over rows)" if tr["prompt_idx"].nunique() > 1
                                                      else ""))
         ax.grid(alpha=.3); ax.legend(fontsize=7)
         fig.tight_layout()
@@ -451,7 +457,7 @@ class LogitLensResult(Result):
             labels[hi[r.hidden_state]][pj[r.position]] = r.top1
         toks = self.tables["tokens"]
         toks0 = toks[toks["prompt_idx"] == p0].set_index("position")["token"]
-        title = "Logit lens: top-1 next token (colour = its probability)"
+        title = f"{self.lens_name}: top-1 next token (colour = its probability)"
         if len(rows) > 1:
             title += f"; row {rows['row_id'].iloc[0]}: {_short(rows['prompt'].iloc[0], 40)!r}"
         return plotting.heatmap(
@@ -490,6 +496,13 @@ class LogitLens(Experiment):
             ``layer`` (block index) and ``hook``.
         top_k: number of top tokens kept per read.
         batch_size: rows per forward pass.
+        lens: ``logit`` (default) or ``tuned``: the tuned lens (Belrose et al. 2023,
+            :mod:`tracekit.lenses.tuned`): each hidden state's residual goes through its learned
+            affine translator before the readout; same tables, figures and summary keys.
+        tuned: with ``lens: tuned``, the tuned lens (:class:`tracekit.lenses.train.TunedLensSpec`):
+            ``{path: folder}`` loads a saved lens (tracekit's or the tuned-lens package's layout),
+            otherwise a training config (default: train on the stdlib corpus once per model, then
+            load from the cache).
 
     Summary keys (every one states its scope; lists ``*_by_row`` follow the ``rows`` table's
     order; ``*_by_hidden_state`` lists are indexed by hidden state, null where none is read; the
@@ -533,6 +546,8 @@ class LogitLens(Experiment):
     layer_convention: LayerConvention = "hidden_states"
     top_k: int = Field(default=10, ge=1, le=1000)
     batch_size: int = Field(default=8, ge=1)
+    lens: Literal["logit", "tuned"] = "logit"
+    tuned: Optional[TunedLensSpec] = None
 
     result_class = LogitLensResult
     retired = {"positions": "position", "layers": "layer_convention; layers now always means block indices"}
@@ -553,6 +568,8 @@ class LogitLens(Experiment):
     @model_validator(mode="after")
     def _rows_fit(self):
         check_dataset_fields(self.prompts, self.dataset, self.target, self.foil)
+        if self.tuned is not None and self.lens != "tuned":
+            raise ValueError("tuned: a tuned lens spec is only read with lens: tuned (set lens: tuned, or drop tuned)")
         for name in ("target", "foil"):
             v = getattr(self, name)
             if isinstance(v, list) and len(v) != len(self.prompts):
@@ -606,11 +623,13 @@ class LogitLens(Experiment):
         from tqdm.auto import tqdm
 
         data = inputs.data
-        bar = tqdm(total=len(data), desc="logit lens", disable=not progress, leave=False)
+        tuned = load_or_train_tuned_lens(model, self.tuned, progress, "tuned") if self.lens == "tuned" else None
+        bar = tqdm(total=len(data), desc=f"{self.lens} lens", disable=not progress, leave=False)
         try:
             lens = logit_lens(model, data, position=self.position, layer_convention=self.layer_convention,
                               top_k=self.top_k, batch_size=self.batch_size, progress=bar.update,
-                              track=list(inputs.track_ids), reads=[list(p) for p in inputs.positions])
+                              track=list(inputs.track_ids), reads=[list(p) for p in inputs.positions],
+                              translator=None if tuned is None else tuned.transform)
         finally:
             bar.close()
         decode = _Decoder(model)
@@ -642,7 +661,9 @@ class LogitLens(Experiment):
         points = inputs.points
         meta = {"n_layers": int(model.cfg.n_layers), "hooks": [p.hook for p in points],
                 "hidden_states": [p.hidden_state for p in points], "d_vocab": int(model.cfg.d_vocab),
-                "source": data.source, "dropped": dict(data.dropped)}
+                "source": data.source, "dropped": dict(data.dropped), "lens": self.lens}
+        if tuned is not None:
+            meta["tuned"] = {**tuned.source, "record": tuned.record, "config": tuned.config.to_dict()}
         return LogitLensResult(self, tables, meta)
 
     # ---- table shaping ------------------------------------------------------------------------

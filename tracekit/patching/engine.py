@@ -89,6 +89,14 @@ class CachedRun:
 
         return tuple(sel(a) for a in self.args[i]), {k: sel(v) for k, v in self.kwargs[i].items()}
 
+    def run_block(self, model: HookedModel, i: int, x: Float[torch.Tensor, "b pos d_model"],
+                  rows: torch.Tensor) -> Float[torch.Tensor, "b pos d_model"]:
+        """Block ``i`` of ``model`` on residual ``x`` (block input), with the extra arguments of the
+        cached rows ``rows`` (one per row of ``x``): the replay step every replay engine shares."""
+        a, kw = self.block_call(i, rows)
+        out = cast(Any, model).blocks[i](x, *a, **kw)  # a loaded bridge's block (not in HookedModel)
+        return out[0] if isinstance(out, tuple) else out
+
     def varying_inputs(self, rows_a: torch.Tensor, rows_b: torch.Tensor) -> list[str]:
         """Block call arguments other than the residual stream that differ between two row sets
         (e.g. Gemma 4's per-layer token embeddings, Zamba 2's original embeddings): token-dependent
@@ -319,9 +327,8 @@ def _replay(model: HookedModel, run: CachedRun, jobs: list[PatchJob], rows: list
                 base_order = torch.cat([base_order, nb])
             if L == n_layers:
                 break
-            a, kw = run.block_call(L, base_order)
-            out = cast(Any, model).blocks[L](x, *a, **kw)  # a loaded bridge's block (not in HookedModel)
-            x = out[0] if isinstance(out, tuple) else out
+            assert x is not None  # rows joined at or before layer L (the first start layer)
+            x = run.run_block(model, L, x, base_order)
             for h in handles:
                 h.remove()
             handles = []

@@ -1,0 +1,426 @@
+"""Training a tuned lens on cached activations, and the cache of trained lenses.
+
+Data: corpus documents (:func:`tracekit.corpus.iter_documents`; default the offline ``stdlib``
+corpus) are split **by document** into training and held-out text, deterministically
+(:func:`document_split`: a document -- paragraphs sharing a topic/docstring owner count as one -- is
+held out when the sha256 of its id is 0 mod 5, so ~20% of the text), and cut into windows of at
+most ``seq_len`` tokens (:func:`tracekit.corpus.token_windows`). The residual stream at every
+hidden state is cached once, at the windows' real tokens only (BOS and padding excluded), into a
+memory-mapped scratch file (float32, ``[n_layers + 1, n_tokens, d_model]``; memory stays bounded by
+one batch of windows).
+
+Loss (tuned-lens ``scripts/train_loop.py``, ``--loss kl``): for every translator ``h < n_layers``,
+``KL(p_final || p_lens_h)`` in nats, averaged over tokens, where ``p_final`` is the model's own
+output distribution (the :class:`~tracekit.model.readout.Readout` of the last hidden state) and
+``p_lens_h`` the tuned lens at ``h``. Each translator's loss is back-propagated on its own (as the
+package, bounding memory), then one optimizer step for all. Optimizer: Adam (default; with a
+budget of a few thousand tokens it converges in fewer steps than SGD-Nesterov) or SGD with
+Nesterov momentum (the package's default, lr ``lr * (1 - momentum)``); weight decay on the
+translators, i.e. towards the identity; gradient norm clipped to 1; linear warm-up (10%) and decay
+of the learning rate; seeded (token order and nothing else is random: translators start at zero).
+
+Cache: the trained lens is saved under ``$TRACEKIT_CACHE_DIR/tuned_lenses/<key>`` (default
+``~/.cache/tracekit``), ``key`` = sha256 of the model's fingerprint, residual basis, BOS and dtype,
+the training config and the token ids trained and evaluated on (the corpus content), written
+atomically with a files manifest (sizes and sha256, checked on every hit); so the first run trains
+and later runs load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Callable, Iterator, Literal, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from ..core.cachedir import remove_stale_temps
+from ..core.errors import ConfigError, CorpusError
+from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
+from ..core.strict import StrictModel
+from ..corpus import Window, iter_documents, token_windows, window_batches
+from ..fastpath import residual_stream
+from ..logit_lens import lens_points
+from ..model.readout import Readout
+from ..scratch import scratch_dir
+from .tuned import CONFIG_FILE, PARAMS_FILE, TRACEKIT_FILE, TunedLens, lens_log_probs, residual_basis
+
+__all__ = ["TunedLensSpec", "document_split", "split_windows", "cache_residuals", "train_tuned_lens",
+           "load_or_train_tuned_lens", "tuned_lens_cache_dir", "held_out_kl", "ResidualCache"]
+
+#: One document in this many is held out (by the sha256 of its id).
+HELD_OUT_EVERY = 5
+
+
+class TunedLensSpec(StrictModel):
+    """How to get a tuned lens: load one (``path``) or train one (the other fields).
+
+    Fields:
+        path: a saved lens folder (tracekit's or the tuned-lens package's layout); then nothing is
+            trained and the training fields are ignored.
+        corpus: training text: ``stdlib`` (default, offline), a ``.txt``/``.md``/``.jsonl`` file, a
+            folder of them, or a list; only its training documents are used (:func:`document_split`).
+        train_tokens: tokens trained on (BOS excluded; default 4096).
+        seq_len: tokens per window (BOS included; default 128).
+        epochs: passes over the training tokens (default 3).
+        batch_tokens: tokens per optimizer step (default 256).
+        optimizer: ``adam`` (default) or ``sgd`` (Nesterov momentum, as tuned-lens).
+        lr: learning rate (default 1e-3 for Adam, 1.0 for SGD, which is scaled by ``1 - momentum``).
+        momentum: SGD momentum / Adam beta1 (default 0.9).
+        weight_decay: decay of the translators towards the identity (default 1e-3).
+        bias: translators with a bias (default true).
+        held_out_tokens: held-out tokens on which the training records each hidden state's KL,
+            before and after training (default 256; 0: none).
+        batch_size: windows per forward pass when caching activations (default 8).
+        seed: seeds the token order (default 0).
+        cache: load / save the trained lens in the cache (default true).
+    """
+
+    path: Optional[str] = None
+    corpus: Union[str, list[str]] = "stdlib"
+    train_tokens: int = Field(default=4096, ge=8)
+    seq_len: int = Field(default=128, ge=4)
+    epochs: int = Field(default=3, ge=1)
+    batch_tokens: int = Field(default=256, ge=1)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: Optional[float] = Field(default=None, gt=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=1e-3, ge=0)
+    bias: bool = True
+    held_out_tokens: int = Field(default=256, ge=0)
+    batch_size: int = Field(default=8, ge=1)
+    seed: int = 0
+    cache: bool = True
+
+    def training_fields(self) -> dict:
+        """The fields that change the trained lens (the cache key's part of the config)."""
+        return self.model_dump(mode="json", exclude={"path", "cache", "batch_size"})
+
+
+def tuned_lens_cache_dir() -> Path:
+    """``$TRACEKIT_CACHE_DIR/tuned_lenses`` (default ``~/.cache/tracekit/tuned_lenses``)."""
+    root = os.environ.get("TRACEKIT_CACHE_DIR")
+    base = Path(root).expanduser() if root else Path("~/.cache/tracekit").expanduser()
+    return base / "tuned_lenses"
+
+
+def document_split(doc_id: str) -> str:
+    """``"held_out"`` or ``"train"`` for a corpus document, from the sha256 of its id up to ``#`` (the
+    paragraphs of one reference topic, docstring or file paragraph group go to the same side)."""
+    group = doc_id.split("#", 1)[0]
+    return "held_out" if int(hashlib.sha256(group.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0 else "train"
+
+
+def split_windows(model, corpus: Union[str, Sequence[str], None], part: str, n_tokens: int, seq_len: int,
+                  field: str = "corpus") -> list[Window]:
+    """Windows of the documents of one side of the split, in corpus order, until ``n_tokens`` text
+    tokens (BOS excluded) are collected.
+
+    Args:
+        model: a hooked model or :class:`~tracekit.model.ModelInfo` (tokenizer and BOS setting).
+        corpus: the corpus source (:func:`tracekit.corpus.iter_documents`).
+        part: ``"train"`` or ``"held_out"``.
+        n_tokens: text tokens wanted.
+        seq_len: tokens per window, BOS included.
+        field: the config field quoted in errors.
+
+    Raises:
+        CorpusError: the corpus side holds fewer than ``n_tokens`` tokens.
+    """
+    docs = ((d, t) for d, t in iter_documents(corpus, field=field) if document_split(d) == part)
+    wins = list(token_windows(model, docs, seq_len=seq_len, max_tokens=n_tokens))
+    got = sum(len(w.ids) - w.n_prefix for w in wins)
+    if got < n_tokens:
+        raise CorpusError(f"{field}: the {part.replace('_', '-')} documents of the corpus give {got} tokens, fewer than "
+                          f"the {n_tokens} asked for; lower the token count or give a larger corpus")
+    return wins
+
+
+def _tokens_sha(windows: Sequence[Window]) -> str:
+    h = hashlib.sha256()
+    for w in windows:
+        h.update(np.asarray(w.ids, dtype=np.int64).tobytes() + b"|" + str(w.n_prefix).encode())
+    return h.hexdigest()
+
+
+class ResidualCache:
+    """Residuals at every hidden state of some windows' real tokens, memory-mapped from a file.
+
+    Attributes:
+        acts: ``[n_layers + 1, n_tokens, d_model]`` float32 (a ``numpy.memmap``).
+        next_ids: ``[n_tokens]`` the token after each one (-1 for a window's last token).
+    """
+
+    def __init__(self, acts: np.ndarray, next_ids: np.ndarray):
+        self.acts = acts
+        self.next_ids = next_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.acts.shape[1])
+
+    def rows(self, hidden_state: int, idx: np.ndarray, device) -> torch.Tensor:
+        """``[len(idx), d_model]`` float32 residuals of a hidden state at token rows ``idx``, on ``device``."""
+        return torch.from_numpy(np.ascontiguousarray(self.acts[hidden_state, np.sort(idx)])).to(device)
+
+
+@torch.no_grad()
+def cache_residuals(model, windows: Sequence[Window], folder: Path, batch_size: int = 8,
+                    progress: Optional[Callable[[int], object]] = None) -> ResidualCache:
+    """Run the model over ``windows`` once and store the residual stream at every hidden state
+    (``0 .. n_layers``) at each window's text tokens (``ids[n_prefix:]``: BOS and padding excluded)
+    in ``folder/residuals.npy`` (memory-mapped; memory stays bounded by one batch).
+
+    Args:
+        model: a hooked model.
+        windows: corpus windows (:func:`split_windows`).
+        folder: where the file is written (a scratch folder).
+        batch_size: windows per forward pass.
+        progress: optional callable receiving the number of windows done.
+
+    Returns:
+        The :class:`ResidualCache` (tokens in window order).
+    """
+    n_layers = int(model.cfg.n_layers)
+    hooks = [p.hook for p in lens_points(n_layers, "hidden_states")]
+    n = sum(len(w.ids) - w.n_prefix for w in windows)
+    acts = np.lib.format.open_memmap(folder / "residuals.npy", mode="w+", dtype=np.float32,
+                                     shape=(n_layers + 1, n, int(model.cfg.d_model)))
+    next_ids = np.full(n, -1, dtype=np.int64)
+    at = 0
+    for batch, group in window_batches(model, windows, batch_size=batch_size):
+        resid = residual_stream(model, batch, hooks)  # [H, b, pos, d]
+        for b, w in enumerate(group):
+            idx = batch.real_index(b)[w.n_prefix:]
+            k = len(idx)
+            acts[:, at:at + k] = resid[:, b, idx.to(resid.device)].float().cpu().numpy()
+            next_ids[at:at + k - 1] = np.asarray(w.ids[w.n_prefix + 1:], dtype=np.int64)
+            at += k
+        if progress is not None:
+            progress(len(group))
+        del resid
+    acts.flush()
+    return ResidualCache(acts, next_ids)
+
+
+def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[np.ndarray]:
+    perm = torch.randperm(n, generator=gen).numpy()
+    for s in range(0, n, size):
+        yield perm[s:s + size]
+
+
+def _optimizer(params, spec: TunedLensSpec) -> torch.optim.Optimizer:
+    if spec.optimizer == "sgd":  # the package's: PyTorch scales the lr by 1/(1 - momentum), undone here
+        return torch.optim.SGD(params, lr=(spec.lr or 1.0) * (1 - spec.momentum), momentum=spec.momentum,
+                               nesterov=spec.momentum > 0, weight_decay=spec.weight_decay)
+    return torch.optim.Adam(params, lr=spec.lr or 1e-3, betas=(spec.momentum, 0.999), amsgrad=True,
+                            weight_decay=spec.weight_decay)
+
+
+@torch.no_grad()
+def held_out_kl(model, lens: Optional[TunedLens], cache: ResidualCache, batch_tokens: int = 256) -> list[float]:
+    """Mean ``KL(p_final || p_lens_h)`` (nats) per hidden state ``0 .. n_layers`` over the cached tokens
+    (``lens=None``: the logit lens)."""
+    readout = Readout(model)
+    dev = readout.W_U.device
+    H = cache.acts.shape[0]
+    sums = np.zeros(H)
+    for s in range(0, cache.n_tokens, batch_tokens):
+        idx = np.arange(s, min(s + batch_tokens, cache.n_tokens))
+        fin = readout.log_probs(cache.rows(H - 1, idx, dev).to(readout.W_U.dtype))
+        pf = fin.exp()
+        for h in range(H):
+            x = cache.rows(h, idx, dev).to(readout.W_U.dtype)
+            lp = readout.log_probs(x if lens is None else lens.transform(x, h))
+            sums[h] += float((pf * (fin - lp)).sum(-1).sum())
+    return [float(v / max(1, cache.n_tokens)) for v in sums]
+
+
+def _fit(model, lens: TunedLens, cache: ResidualCache, spec: TunedLensSpec, progress: bool) -> list[float]:
+    """Train every translator on the cached residuals (module docstring); returns each translator's
+    mean training KL over the last epoch (nats)."""
+    from tqdm.auto import tqdm  # lazy: tqdm only for the bar
+
+    readout = Readout(model)
+    dev = readout.W_U.device
+    gen = torch.Generator().manual_seed(int(spec.seed))
+    opt = _optimizer([p for p in lens.parameters()], spec)
+    steps_per_epoch = math.ceil(cache.n_tokens / spec.batch_tokens)
+    total = steps_per_epoch * spec.epochs
+    warm = max(1, total // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm))))
+    n = len(lens.layer_translators)
+    bar = tqdm(total=total, desc="tuned lens", disable=not progress, leave=False)
+    last = np.zeros(n)
+    try:
+        for _epoch in range(spec.epochs):
+            last[:] = 0.0
+            for idx in _batches(cache.n_tokens, spec.batch_tokens, gen):
+                with torch.no_grad():
+                    fin = readout.log_probs(cache.rows(n, idx, dev).to(readout.W_U.dtype))
+                    pf = fin.exp()
+                for h in range(n):
+                    x = cache.rows(h, idx, dev).to(readout.W_U.dtype)
+                    lp = lens_log_probs(model, lens.transform(x, h))
+                    loss = (pf * (fin - lp)).sum(-1).mean()
+                    loss.backward()
+                    last[h] += float(loss.detach()) * len(idx)
+                torch.nn.utils.clip_grad_norm_(lens.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                sched.step()
+                bar.update(1)
+    finally:
+        bar.close()
+    return [float(v / cache.n_tokens) for v in last]
+
+
+def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: str = "tuned",
+                     windows: Optional[tuple[list[Window], list[Window]]] = None) -> TunedLens:
+    """Train a tuned lens for ``model`` (no cache: :func:`load_or_train_tuned_lens` caches).
+
+    Args:
+        model: a hooked model (its weights are not changed; gradients flow through its final norm
+            and unembedding only).
+        spec: the training config.
+        progress: show progress bars.
+        field: the config field quoted in errors.
+        windows: ``(train, held_out)`` windows (default: :func:`split_windows` of ``spec.corpus``).
+
+    Returns:
+        The trained lens on the model's device; its ``record`` holds the training config, token
+        counts, time, per-hidden-state training KL (last epoch) and held-out KL of the logit lens
+        (``held_out_kl_logit``) and of the tuned lens (``held_out_kl``), in nats.
+
+    Raises:
+        CorpusError: the corpus is too small for ``train_tokens`` / ``held_out_tokens``.
+    """
+    if windows is None:
+        windows = _spec_windows(model, spec, field)
+    train_w, held_w = windows
+    lens = TunedLens.from_model(model, bias=spec.bias)
+    t0 = time.time()
+    params = [p for p in model.parameters()]
+    grads = [p.requires_grad for p in params]
+    for p in params:  # the model stays frozen: gradients reach the translators only
+        p.requires_grad_(False)
+    try:
+        with scratch_dir("tuned-lens-") as scratch:
+            cache = cache_residuals(model, train_w, scratch.path, spec.batch_size)
+            t_acts = time.time() - t0
+            with torch.enable_grad():
+                train_kl = _fit(model, lens, cache, spec, progress)
+            del cache
+            held = {}
+            if held_w:
+                (scratch.path / "held").mkdir()
+                hc = cache_residuals(model, held_w, scratch.path / "held", spec.batch_size)
+                held = {"held_out_kl_logit": held_out_kl(model, None, hc), "held_out_kl": held_out_kl(model, lens, hc),
+                        "held_out_tokens": hc.n_tokens}
+                del hc
+    finally:
+        for p, g in zip(params, grads):
+            p.requires_grad_(g)
+    assert lens.record is not None
+    lens.record.update({"train": spec.training_fields(), "train_tokens": sum(len(w.ids) - w.n_prefix for w in train_w),
+                        "train_windows": len(train_w), "train_seconds": round(time.time() - t0, 2),
+                        "activation_seconds": round(t_acts, 2), "train_kl": train_kl, **held,
+                        "tokens_sha256": _tokens_sha(list(train_w) + list(held_w))})
+    return lens
+
+
+def _spec_windows(model, spec: TunedLensSpec, field: str) -> tuple[list[Window], list[Window]]:
+    train = split_windows(model, spec.corpus, "train", spec.train_tokens, spec.seq_len, f"{field}.corpus")
+    held = split_windows(model, spec.corpus, "held_out", spec.held_out_tokens, spec.seq_len, f"{field}.corpus") \
+        if spec.held_out_tokens else []
+    return train, held
+
+
+def _train_key(model, spec: TunedLensSpec, windows: tuple[list[Window], list[Window]]) -> str:
+    """sha256 (16 hex digits) of the model's fingerprint, basis, BOS, dtype, the training config and
+    the token ids of the training and held-out windows."""
+    lens = TunedLens.from_model(model, bias=spec.bias)
+    rec = lens.record or {}
+    blob = {"format": 1, "fingerprint": rec.get("model_fingerprint"), "basis": residual_basis(model),
+            "prepend_bos": rec.get("prepend_bos"), "dtype": rec.get("dtype"), "train": spec.training_fields(),
+            "tokens": _tokens_sha(list(windows[0]) + list(windows[1]))}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_FILES = (CONFIG_FILE, PARAMS_FILE, TRACEKIT_FILE)
+
+
+def _cached(out: Path, model, field: str) -> Optional[TunedLens]:
+    if not out.exists():
+        return None
+    try:
+        verify_files_manifest(out, _FILES)
+        return TunedLens.load(out, model, field)
+    except (ManifestInvalid, OSError, ConfigError) as e:
+        warnings.warn(f"the cached tuned lens {out} is invalid ({e}): training it again", stacklevel=3)
+        shutil.rmtree(out, ignore_errors=True)
+        return None
+
+
+def load_or_train_tuned_lens(model, spec: Optional[TunedLensSpec] = None, progress: bool = False,
+                             field: str = "tuned", cache_dir: Optional[Path] = None) -> TunedLens:
+    """The tuned lens a spec names: loaded from ``spec.path``, else from the cache, else trained
+    (:func:`train_tuned_lens`) and cached.
+
+    Args:
+        model: a hooked model.
+        spec: the lens spec (default :class:`TunedLensSpec()`: train on the stdlib corpus).
+        progress: show progress bars.
+        field: the config field quoted in errors.
+        cache_dir: the cache root (default :func:`tuned_lens_cache_dir`).
+
+    Returns:
+        The lens, checked against the model and on its device; ``lens.source`` says where it came
+        from: ``{"from": "path" | "cache" | "trained", "path": ..., "key": ...}``.
+
+    Raises:
+        ConfigError: a lens the model cannot use (:meth:`TunedLens.check_model`), a bad ``path``.
+        CorpusError: a corpus too small for the budget.
+    """
+    spec = spec or TunedLensSpec()
+    if spec.path is not None:
+        lens = TunedLens.load(spec.path, model, f"{field}.path")
+        lens.source = {"from": "path", "path": str(Path(spec.path).expanduser())}
+        return lens
+    windows = _spec_windows(model, spec, field)
+    root = Path(cache_dir) if cache_dir is not None else tuned_lens_cache_dir()
+    key = _train_key(model, spec, windows)
+    out = root / key
+    if spec.cache:
+        remove_stale_temps(root)
+        hit = _cached(out, model, field)
+        if hit is not None:
+            hit.source = {"from": "cache", "path": str(out), "key": key}
+            return hit
+    lens = train_tuned_lens(model, spec, progress, field, windows)
+    lens.check_model(model, field)
+    if spec.cache:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            lens.write_files(tmp)
+            write_files_manifest(tmp, {"key": key, "kind": "tuned_lens"})
+            if out.exists():
+                shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    lens.source = {"from": "trained", "path": str(out) if spec.cache else None, "key": key}
+    return lens

@@ -86,6 +86,11 @@ class CausalTracingInputs:
     subject_texts: tuple[Optional[str], ...]
     target_ids: tuple[Optional[int], ...]
 
+    @property
+    def ids(self) -> tuple[tuple[int, ...], ...]:
+        """Each row's token ids (BOS counted), as prepared once."""
+        return tuple(e.ids for e in self.data.examples)
+
 
 def _peak(ie: np.ndarray) -> tuple[int, int, float]:
     L, p = np.unravel_index(int(np.nanargmax(ie)), ie.shape)

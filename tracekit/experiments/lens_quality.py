@@ -52,6 +52,11 @@ class LensQualityInputs:
 
     windows: tuple[Window, ...]
 
+    @property
+    def ids(self) -> tuple[tuple[int, ...], ...]:
+        """Each held-out window's token ids, as tokenized once."""
+        return tuple(w.ids for w in self.windows)
+
 
 class LensQualityResult(Result):
     """Table ``quality``: ``lens``, ``hidden_state``, ``kl`` (mean KL(final || lens), nats),

@@ -58,6 +58,11 @@ class PatchscopeInputs:
     target_position: int
     target_hidden_state: Optional[int]
 
+    @property
+    def ids(self) -> tuple[tuple[int, ...], ...]:
+        """Each row's token ids (BOS counted), as prepared once."""
+        return tuple(e.ids for e in self.data.examples)
+
 
 def _none_int(v) -> Optional[int]:
     return None if v is None or pd.isna(v) else int(v)

@@ -28,12 +28,12 @@ def test_shipped_steering_config_on_the_embedded_model(embedded_model):
     r = Steering(**step).run(embedded_model, progress=False)
     s = r.summary()
     assert s["alpha0_max_abs_error"] <= 1e-6
-    assert s["clean_target_prob"] < 0.01  # the model answers ' Paris'
+    assert s["mean_clean_target_prob"] < 0.01  # the model answers ' Paris'
     # the direction, not the norm: at alpha 2 ' Rome' wins by far over the best random direction
-    assert s["top_alpha_target_prob"] > 0.5
+    assert s["top_alpha_mean_target_prob"] > 0.5
     assert s["effect_vs_random_max_by_alpha"][-1] > 0.3
-    assert s["logit_diff_by_alpha"][-1] > 0 > s["logit_diff_by_alpha"][0]
-    assert s["steered_first_token"] == " Rome" and s["unsteered_first_token"] == " Paris"
+    assert s["mean_logit_diff_by_alpha"][-1] > 0 > s["mean_logit_diff_by_alpha"][0]
+    assert s["steered_first_token_by_row"][0] == " Rome" and s["unsteered_first_token_by_row"][0] == " Paris"
 
     # the KV cache on the real architecture: cached = full-sequence loop, token for token
     ids = encode(embedded_model, step["prompts"][0])

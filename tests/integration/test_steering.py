@@ -332,7 +332,7 @@ def test_kind_runs_saves_and_loads(tmp_path, tiny_gpt2):
     s = r.summary()
     assert s["hook"] == HOOK and s["alphas"] == [0.0, 2.0, 8.0] and s["n_random"] == 2
     assert s["alpha0_max_abs_error"] <= 1e-6  # alpha 0 adds exactly 0 (batch shapes may differ)
-    assert s["target_prob_by_alpha"][0] == pytest.approx(s["clean_target_prob"], abs=1e-6)
+    assert s["mean_target_prob_by_alpha"][0] == pytest.approx(s["mean_clean_target_prob"], abs=1e-6)
     dr = r.tables["dose_response"]
     assert len(dr) == 3 * 3 and set(np.asarray(dr["n_rows"]).tolist()) == {2}
     assert torch.allclose(r.arrays["random_directions"].double().norm(dim=-1),

@@ -191,15 +191,15 @@ class SteeringResult(Result):
 
     Summary keys: ``hook``, ``vector_source``, ``vector_norm`` (the added vector's L2 norm, after
     ``normalize``), ``normalize``, ``alphas``, ``n_random``, ``n_rows``, ``metric``;
-    ``clean_target_prob`` (mean over rows, no hook) and ``alpha0_max_abs_error`` (max over rows of
+    ``mean_clean_target_prob`` (mean over rows, no hook) and ``alpha0_max_abs_error`` (max over rows of
     ``|p(alpha 0) - p(clean)|``; None without alpha 0); per alpha (lists aligned with ``alphas``):
-    ``target_prob_by_alpha`` / ``logit_diff_by_alpha`` (the vector), ``random_target_prob_mean_by_alpha``
+    ``mean_target_prob_by_alpha`` / ``mean_logit_diff_by_alpha`` (the vector, means over rows), ``random_target_prob_mean_by_alpha``
     / ``random_target_prob_max_by_alpha`` and ``random_logit_diff_mean_by_alpha`` /
     ``random_logit_diff_max_by_alpha`` (over the controls' means over rows), ``effect_vs_random_max_by_alpha``
     (vector minus the best control, target prob), ``beats_random_by_alpha``; at the largest alpha:
-    ``top_alpha``, ``top_alpha_target_prob``, ``top_alpha_random_max_target_prob``; with ``generate``:
-    ``generation_alpha``, ``steered_text``, ``unsteered_text``, ``steered_first_token``,
-    ``unsteered_first_token`` (the first row's).
+    ``top_alpha``, ``top_alpha_mean_target_prob``, ``top_alpha_random_max_target_prob``; with ``generate``:
+    ``generation_alpha``, ``generated_row_ids`` and, aligned with them, ``steered_text_by_row``,
+    ``unsteered_text_by_row``, ``steered_first_token_by_row``, ``unsteered_first_token_by_row``.
     """
 
     config: "Steering"
@@ -225,35 +225,34 @@ class SteeringResult(Result):
         s = {"hook": self.meta.get("hook"), "vector_source": self.meta.get("vector_source"),
              "vector_norm": self.meta.get("vector_norm"), "normalize": bool(self.config.normalize), "alphas": alphas,
              "n_random": int(self.config.controls.n_random), "n_rows": int(self.meta.get("n_rows", 0)),
-             "metric": self.meta.get("metric"), "clean_target_prob": self.meta.get("clean_target_prob"),
+             "metric": self.meta.get("metric"), "mean_clean_target_prob": self.meta.get("mean_clean_target_prob"),
              "alpha0_max_abs_error": self.meta.get("alpha0_max_abs_error"),
-             "target_prob_by_alpha": p, "logit_diff_by_alpha": [float(st.loc[a, "logit_diff"]) for a in alphas],
+             "mean_target_prob_by_alpha": p, "mean_logit_diff_by_alpha": [float(st.loc[a, "logit_diff"]) for a in alphas],
              "random_target_prob_mean_by_alpha": by_alpha(rnd, "target_prob", "mean"),
              "random_target_prob_max_by_alpha": r_max,
              "random_logit_diff_mean_by_alpha": by_alpha(rnd, "logit_diff", "mean"),
              "random_logit_diff_max_by_alpha": by_alpha(rnd, "logit_diff", "max"),
              "effect_vs_random_max_by_alpha": [None if m is None else x - m for x, m in zip(p, r_max)],
              "beats_random_by_alpha": [None if m is None else bool(x > m) for x, m in zip(p, r_max)],
-             "top_alpha": alphas[top], "top_alpha_target_prob": p[top], "top_alpha_random_max_target_prob": r_max[top]}
+             "top_alpha": alphas[top], "top_alpha_mean_target_prob": p[top], "top_alpha_random_max_target_prob": r_max[top]}
         gen = self.tables.get("generations")
         if gen is not None and len(gen):
-            g0 = gen.iloc[0]
-            s.update({"generation_alpha": float(g0["alpha"]), "steered_text": str(g0["steered_text"]),
-                      "unsteered_text": str(g0["unsteered_text"]),
-                      "steered_first_token": str(g0.get("steered_first_token", "")),
-                      "unsteered_first_token": str(g0.get("unsteered_first_token", ""))})
+            s.update({"generation_alpha": float(gen.iloc[0]["alpha"]),
+                      "generated_row_ids": [int(v) for v in gen["row_id"]],
+                      **{f"{c}_by_row": [str(v) for v in gen[c]] for c in
+                         ("steered_text", "unsteered_text", "steered_first_token", "unsteered_first_token")}})
         return s
 
     def report(self) -> str:
         s = self.summary()
         lines = [f"steering [{self.config.step_name}]: {s['vector_source']} vector, norm {s['vector_norm']:.4g}, added at "
                  f"{s['hook']} ({', '.join(map(str, self.config.steer_at))}); {s['n_rows']} row(s), metric {s['metric']}; "
-                 f"clean target prob {s['clean_target_prob']:.4g}"]
+                 f"clean target prob {s['mean_clean_target_prob']:.4g}"]
         rows = []
         for i, a in enumerate(s["alphas"]):
             rm, rx = s["random_target_prob_mean_by_alpha"][i], s["random_target_prob_max_by_alpha"][i]
-            rows.append((f"{a:g}", f"{s['target_prob_by_alpha'][i]:.4g}", "-" if rm is None else f"{rm:.4g}",
-                         "-" if rx is None else f"{rx:.4g}", f"{s['logit_diff_by_alpha'][i]:+.3f}"))
+            rows.append((f"{a:g}", f"{s['mean_target_prob_by_alpha'][i]:.4g}", "-" if rm is None else f"{rm:.4g}",
+                         "-" if rx is None else f"{rx:.4g}", f"{s['mean_logit_diff_by_alpha'][i]:+.3f}"))
         lines.append(plotting.text_table(rows, ["alpha", "p(target) steer", f"random mean ({s['n_random']})",
                                                 "random max", "logit diff steer"]))
         gen = self.tables.get("generations")
@@ -442,7 +441,7 @@ class Steering(RowTargetsExperiment):
                   "generations": self._generations(model, inputs, v, hook)}
         has_foil = all(r.foil_id is not None for r in rows)
         meta = {"hook": hook, "vector_source": vec.source.get("source"), "vector": dict(vec.source),
-                "vector_norm": float(v.double().norm()), "n_rows": len(rows), "clean_target_prob": float(np.mean(clean)),
+                "vector_norm": float(v.double().norm()), "n_rows": len(rows), "mean_clean_target_prob": float(np.mean(clean)),
                 "alpha0_max_abs_error": float(np.max(np.abs(a0 - clean))) if len(a0) else None,
                 "metric": "logit(target) - logit(foil)" if has_foil else "logit(target)",
                 "controls": "seeded standard Gaussian directions, normalised, then scaled to exactly the vector's norm",

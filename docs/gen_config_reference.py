@@ -87,11 +87,9 @@ def _flush(out: dict, names: list[str], cur: list[str]) -> None:
 
 
 def _type_name(t) -> str:
-    s = repr(t) if not isinstance(t, type) else t.__name__
-    s = re.sub(r"typing\.|pydantic\.|annotated_types\.|tracekit\.[\w.]+\.", "", s)
-    s = re.sub(r"<class '([\w.]+)'>", lambda m: m.group(1).split(".")[-1], s)
-    s = re.sub(r"Annotated\[(.*?), (BeforeValidator|FieldInfo|AfterValidator)\(.*\)\]$", r"\1", s)
-    return s.replace("NoneType", "None")
+    from tracekit.config import _type_name as type_name  # the one renderer (also `tracekit kinds KIND`)
+
+    return type_name(t)
 
 
 def _default(f) -> str:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -116,6 +118,8 @@ KIND_EXAMPLES: dict[str, dict] = {
 #: A tiny SAE trained by SAELens' runner on the tiny GPT-2 (cached by its config hash after the first test).
 TINY_SAE_TRAIN = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "training_tokens": 1024,
                   "eval_tokens": 128, "context_size": 32, "train_batch_size_tokens": 128}
+#: kind activations writes a store folder: one per test process (removed with the temp folder).
+_STORE_DIR = Path(tempfile.gettempdir()) / f"tracekit-test-store-{os.getpid()}"
 KIND_EXAMPLES.update({
     "attribution_patching": {"pairs": KIND_EXAMPLES["activation_patching"]["pairs"], "sites": ["head_out"],
                              "verify": {"top_k": 3, "n_random": 3}},
@@ -129,6 +133,8 @@ KIND_EXAMPLES.update({
                                "held_out_tokens": 0}, "eval": {"n_tokens": 64, "seq_len": 32}},
     "patchscope": {"prompts": ["The capital of France is"], "target": " Paris", "hidden_states": [0, 1, 3],
                    "top_k": 3, "n_generate": 2},
+    "activations": {"prompts": ["The capital of France is", "Hello world"], "hooks": ["blocks.0.hook_resid_post"],
+                    "path": str(_STORE_DIR), "overwrite": True},
     "steering": {"prompts": ["The capital of France is", "Hello world"], "target": " Rome", "foil": " Paris",
                  "vector": {"source": "mean_difference", "positive": ["The capital of Italy"],
                             "negative": ["The capital of France"]},
@@ -183,6 +189,8 @@ KIND_DATASET_EXAMPLES: dict[str, dict] = {
     "path_patching": {**_ROWS, "senders": ["a0.h*", ["a0.h1", "m0"]], "receivers": ["a2.h1", "logits"]},
     "circuit": {**_ROWS, "scores": {"method": "eap"}, "sizes": [0.05, 0.2, 0.5], "bootstrap": 20},
     "patchscope": {**_ROWS, "position": "S2", "hidden_states": [0, 3], "top_k": 3, "n_generate": 2},
+    "activations": {**_ROWS, "position": "END", "hooks": ["blocks.0.hook_resid_post"],
+                    "path": str(_STORE_DIR) + "-rows", "overwrite": True},
     "steering": {**_ROWS, "position": "END", "steer_at": ["IO"],
                  "vector": {"source": "mean_difference", "positive": ["The capital of Italy"],
                             "negative": ["The capital of France"]}, "layer": 1, "alphas": [0, 2],

@@ -5,32 +5,70 @@ Exit codes: 0 success; 1 a step failed or (with ``--strict``) an expectation was
 config / input / model / output folder (every :class:`tracekit.TracekitError`; the message names the
 field and the fix); 130 interrupted by Ctrl-C, 143 by SIGTERM (finished steps are kept and the run's
 status says where it stopped).
+
+Start-up: this module imports no torch. ``tracekit --help``, ``tracekit kinds [KIND]``, ``tracekit
+validate --schema-only`` and ``tracekit show`` read the generated schema
+(:mod:`tracekit.core.schema_check`) instead of the kind classes; every other command imports what it
+needs when it runs (``# lazy:`` imports). Sub-commands defined in other modules are listed in
+:data:`PLUGIN_COMMANDS` and imported only when one of them runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import re
+import shutil
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .core import schema_check
+from .core.errors import ConfigError, TracekitError
+from .core.yamlconf import apply_override, load_raw
+
+#: Sub-commands defined in other modules: command -> (module, one-line help). The module is imported
+#: only when its command runs (it may import torch); it has ``add_commands(subparsers)`` adding its
+#: parsers and ``main(args) -> int``. The help text here is what ``tracekit --help`` lists (a test
+#: checks it equals the module's own).
+PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "sweep": ("tracekit.sweep.cli", "run a config's sweep block: one run per point, an index (resumable)"),
+    "results": ("tracekit.sweep.cli", "print a sweep's index (and draw a comparison figure)"),
+    "cache-activations": ("tracekit.activations.cli", "write the activation stores of a config's `kind: activations` "
+                                                      "steps (resumable; read by linear_probe's store:)"),
+    "export": ("tracekit.export", "export an SAE (SAELens directory), a run's tables (CSV/Parquet) or SAE features "
+                                  "(Neuronpedia/SAEDashboard JSON)"),
+}
+
+#: Environment switches that silence library progress bars (``--no-progress``): tqdm (SAELens'
+#: training bar and every other tqdm bar; read when tqdm is imported), Hugging Face datasets and hub.
+QUIET_ENV = {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
+    """The argument parser. ``argv`` picks which :data:`PLUGIN_COMMANDS` module to import (only the
+    one whose command is being run; the others are listed by name and help only)."""
     p = argparse.ArgumentParser(prog="tracekit", description="Mechanistic-interpretability experiments from YAML configs.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="run a config; writes a run directory under --out")
     r.add_argument("config")
     r.add_argument("--out", default="results", help="parent folder of the run directory (default: results)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a config field, e.g. --set model.device=cpu --set experiments[0].top_k=5")
     r.add_argument("--strict", action="store_true", help="exit 1 when an expectation is not met")
-    r.add_argument("--no-progress", action="store_true")
-    v = sub.add_parser("validate", help="check a config against the model's tokenizer and config (no weights)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars (tracekit's and the libraries')")
+    v = sub.add_parser("validate", help="check a config against the model's tokenizer and config (no weights); "
+                                        "lists every problem")
     v.add_argument("config")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
-    v.add_argument("--schema-only", action="store_true", help="check only the YAML schema (no tokenizer)")
-    sub.add_parser("kinds", help="list experiment kinds and their fields")
+    v.add_argument("--schema-only", action="store_true",
+                   help="only keys, types, required fields, ranges and kinds, from the generated schema (fast, no "
+                        "torch); the kinds' own validators and the tokenizer checks run without this flag")
+    k = sub.add_parser("kinds", help="list experiment kinds; `tracekit kinds KIND` lists a kind's fields")
+    k.add_argument("kind", nargs="?", default=None, help="a kind: print each field's type, default and description")
     vf = sub.add_parser("verify", help="check tracekit's invariants on a model against plain transformers "
                                        "(a table, and verify.json)")
     vf.add_argument("model", nargs="?", default="smollm2-135m",
@@ -43,13 +81,27 @@ def _parser() -> argparse.ArgumentParser:
     vf.add_argument("--out", default=None, help="folder for verify.json (default: results/verify-<model>)")
     s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
     s.add_argument("run_dir")
+    s.add_argument("--max", type=int, default=6, help="headline numbers per step (default 6; 0: all)")
     # --- cache: every cache tracekit writes (weights, processed weights, trained SAEs) ------------
     c = sub.add_parser("cache", help="list tracekit's caches (weights, trained SAEs) or empty them (tracekit cache clear)")
     c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
-    from .sweep import add_commands  # sweeps: `tracekit sweep`, `tracekit results` (tracekit.sweep)
-    add_commands(sub)
     _trace_parser(sub)
+    _plugin_parsers(sub, _command_of(argv))
     return p
+
+
+def _command_of(argv: Optional[list[str]]) -> Optional[str]:
+    """The sub-command named in ``argv`` (its first word not starting with ``-``)."""
+    return next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+
+
+def _plugin_parsers(sub, cmd: Optional[str]) -> None:
+    """Add :data:`PLUGIN_COMMANDS`: the real parsers of ``cmd``'s module, placeholders for the others."""
+    if cmd in PLUGIN_COMMANDS:
+        importlib.import_module(PLUGIN_COMMANDS[cmd][0]).add_commands(sub)
+    for name, (_, help_text) in PLUGIN_COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=help_text, add_help=False)
 
 
 # ---- tracekit trace (the "Life of a Token" report; kind token_trace) ------------------------------
@@ -68,8 +120,7 @@ def _trace_parser(sub) -> None:
 def _trace(args) -> int:
     import time
 
-    from .errors import TracekitError
-    from .experiments.trace import TokenTrace
+    from .experiments.trace import TokenTrace  # lazy: torch and the model only for this command
     from .model.load import load_model
 
     try:
@@ -99,9 +150,9 @@ def _verify(args) -> int:
     import re
     from typing import cast
 
-    import torch
+    import torch  # lazy: torch, transformers and the model only for this command
 
-    from .errors import ModelLoadError, TracekitError
+    from .errors import ModelLoadError
     from .model.load import load_model
     from .model.source import _load_hf
     from .model.spec import DTYPES, ModelSpec, resolve_device
@@ -136,12 +187,185 @@ def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
 
 
-def _show(run_dir: str) -> int:
-    from .runner import read_status
+def _schema() -> dict:
+    """The generated kinds schema; when it is out of date (a kind's source changed since it was
+    written), the same schema computed from the live classes (imports torch: seconds)."""
+    data = schema_check.load_schema()
+    if data is None:
+        from .config import kinds_schema  # lazy: imports every kind (torch); only for a stale schema file
 
-    d = Path(run_dir)
+        data = kinds_schema()
+    return data
+
+
+def _plain(text: str) -> str:
+    """Docstring markup as terminal text: ``:mod:`~a.b``` -> ``a.b``, double backticks -> plain."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``(.+?)``", r"\1", text)
+
+
+def _width() -> int:
+    return max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
+
+
+def _wrap(text: str, indent: int) -> str:
+    return textwrap.fill(_plain(text), width=_width(), initial_indent=" " * indent, subsequent_indent=" " * indent)
+
+
+def _one_line(text: str, width: int) -> str:
+    """The first sentence of ``text``, cut to ``width`` characters."""
+    text = _plain(text)
+    m = re.search(r"\.\s+(?=[A-Z])", text)
+    text = text[:m.start() + 1] if m else text
+    return text if len(text) <= width else text[:width - 3].rstrip() + "..."
+
+
+def _field_lines(fields: list[dict]) -> list[str]:
+    out = []
+    for f in fields:
+        default = "required" if f["default"] == "required" else f"default {f['default']}"
+        extra = f"; {f['constraints']}" if f["constraints"] else ""
+        out.append(f"  {f['name']}: {f['type']}  ({default}{extra})")
+        out.append(_wrap(f["description"] or "(undocumented)", 6))
+    return out
+
+
+def _kinds(kind: Optional[str]) -> int:
+    """``tracekit kinds``: one line per kind; ``tracekit kinds KIND``: every field of KIND (type,
+    default, constraints, description: the rows of docs/reference/config.md) and of the config
+    classes nested in it."""
+    schema = _schema()
+    kinds = schema["kinds"]
+    if kind is None:
+        width = max(map(len, kinds))
+        for name, k in kinds.items():
+            print(f"{name:{width}s}  {_one_line(k['summary'], _width() - width - 2)}")
+        print("\n`tracekit kinds KIND` lists a kind's fields (type, default, description).")
+        return 0
+    if kind not in kinds:
+        _err(f"unknown experiment kind {kind!r}{schema_check.close_matches(kind, kinds)} "
+             f"(known kinds: {', '.join(kinds)})")
+        return 2
+    k = kinds[kind]
+    lines = [f"kind: {kind}  ({k['class']})", _wrap(k["summary"], 2), "", "fields:"] + _field_lines(k["fields"])
+    for name in k["nested"]:
+        n = schema["nested"][name]
+        lines += ["", f"{name} (nested):", _wrap(n["summary"], 2)] + _field_lines(n["fields"])
+    print("\n".join(lines))
+    return 0
+
+
+def _step_names(problems: list[str], raw: Any) -> list[str]:
+    """Each ``experiments[i]...: msg`` line with the step's name and kind after its path."""
+    steps = raw.get("experiments") if isinstance(raw, dict) else None
+    out = []
+    for line in problems:
+        path, sep, msg = line.partition(": ")
+        if sep and path.startswith("experiments[") and isinstance(steps, list):
+            i = int(path[len("experiments["):path.index("]")])
+            st = steps[i] if i < len(steps) and isinstance(steps[i], dict) else {}
+            if st.get("kind") is not None and "(" not in path:
+                path += f" (step {st.get('name', st['kind'])!r}, kind {st['kind']})"
+        out.append(path + sep + msg)
+    return out
+
+
+def _load_raw(args) -> dict:
+    raw = load_raw(args.config)
+    for a in args.overrides:
+        apply_override(raw, a)
+    return raw
+
+
+def _validate(args) -> int:
+    """``tracekit validate``: every problem of the config in one pass (exit 2), or "valid" (exit 0).
+    ``--schema-only`` checks the generated schema only (no torch, :mod:`tracekit.core.schema_check`)."""
+    raw = None
+    try:
+        raw = _load_raw(args)
+        schema = schema_check.load_schema() if args.schema_only else None
+        if schema is not None:
+            problems = _step_names(schema_check.check_raw(raw, schema), raw)
+            if problems:
+                raise ConfigError(f"{args.config}: invalid config:\n  " + "\n  ".join(problems))
+            names = ", ".join(f"{s.get('name', s['kind'])} ({s['kind']})" for s in raw["experiments"])
+            model = (raw.get("model") or {}).get("name", "smollm2-135m")
+        else:
+            from .config import parse_config  # lazy: the kind classes import torch
+
+            config = parse_config(raw, source=str(args.config))
+            if not args.schema_only:
+                from .runner import check_config  # lazy: tokenizer and model config
+
+                check_config(config)
+            names = ", ".join(f"{s.step_name} ({s.kind})" for s in config.experiments)
+            model = config.model.name
+    except TracekitError as e:
+        lines = _step_names(str(e).split("\n  "), raw)
+        _err("\n  ".join(lines) if isinstance(e, ConfigError) else f"{type(e).__name__}: " + "\n  ".join(lines))
+        return 2
+    what = "schema" if args.schema_only else "schema, tokenizer and model config"
+    print(f"{args.config}: valid ({what}). model={model!r}; steps: {names}")
+    return 0
+
+
+def _fmt(v: Any) -> str:
+    """A summary value as short text: numbers to 4 significant digits, lists by their first items."""
+    if isinstance(v, bool) or v is None:
+        return "null" if v is None else str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, str):
+        return repr(v) if v != v.strip() or not v else v
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v[:4]) + (f", ... ({len(v)} items)]" if len(v) > 4 else "]")
+    if isinstance(v, dict):
+        items = list(v.items())
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in items[:3]) + (", ...}" if len(items) > 3 else "}")
+    return str(v)
+
+
+def _metric(summary: dict, key: str) -> tuple[bool, Any]:
+    """``(found, value)`` of a summary key, ``key[i]`` indexing a list."""
+    m = re.fullmatch(r"(\w+)\[(-?\d+)\]", key)
+    if m is None:
+        return key in summary, summary.get(key)
+    v = summary.get(m[1])
+    i = int(m[2])
+    ok = isinstance(v, list) and -len(v) <= i < len(v)
+    return ok, v[i] if ok else None  # type: ignore[index]
+
+
+def _headline(summary: dict, first: list[str], n: int) -> list[tuple[str, Any]]:
+    """Headline ``(key, value)`` pairs of a step's summary: the kind's ``headline_keys`` and the
+    step's expectation metrics (``first``) first, then floats, other scalars (counts ``n_*`` last),
+    lists and dicts; the first ``n`` (all when ``n <= 0``)."""
+    s = {k: v for k, v in summary.items() if k not in ("expectations", "steps")}
+    pairs = [(k, v) for k in dict.fromkeys(first) for ok, v in [_metric(s, k)] if ok]
+    seen = {k for k, _ in pairs}
+
+    def rank(k: str) -> int:
+        v = s[k]
+        if isinstance(v, float):
+            return 0
+        if isinstance(v, (list, dict)):
+            return 3
+        return 2 if k.startswith("n_") else 1
+
+    rest = sorted((k for k in s if k not in seen), key=rank)  # stable: the summary's order within a rank
+    pairs += [(k, s[k]) for k in rest]
+    return pairs[:n] if n > 0 else pairs
+
+
+def _show(args) -> int:
+    """``tracekit show RUN``: status, then one row per headline number of each step (from the step's
+    saved ``summary.json``; the kind's ``headline_keys`` and the step's expectation metrics first,
+    :func:`_headline`), then the expectations."""
+    from .runner import read_status  # lazy: the runner imports torch; read_status itself does not need it
+
+    d = Path(args.run_dir)
     if not d.is_dir():
-        _err(f"{run_dir!r} is not a folder")
+        _err(f"{args.run_dir!r} is not a folder")
         return 2
     st = read_status(d)
     line = f"{d}: {st.get('status')}"
@@ -152,22 +376,97 @@ def _show(run_dir: str) -> int:
     print(line)
     if st.get("error"):
         print(f"  error: {st['error']}")
+    schema = schema_check.load_schema() or {"kinds": {}}
+    rows = []
     for name in st.get("steps", []):
         done = name in st.get("finished", [])
-        print(f"  {'done' if done else '----'}  {name}")
-    summ = d / "summary.json"
-    if summ.is_file():
-        s = json.loads(summ.read_text())
+        kind = summ = None
+        expect: list = []
+        try:
+            kind = json.loads((d / name / "manifest.json").read_text()).get("kind")
+            summ = json.loads((d / name / "summary.json").read_text())
+            expect = [e.get("metric") for e in json.loads((d / name / "config.json").read_text()).get("expect") or []]
+        except (OSError, ValueError, AttributeError):
+            pass
+        first = schema["kinds"].get(kind, {}).get("headline_keys", []) + [m for m in expect if isinstance(m, str)]
+        pairs = _headline(summ, first, args.max) if isinstance(summ, dict) else []
+        state = "done" if done else "----"
+        if not pairs:
+            rows.append([name, kind or "", state, "", ""])
+        for j, (key, val) in enumerate(pairs):
+            rows.append([name, kind or "", state, key, _fmt(val)] if j == 0 else ["", "", "", key, _fmt(val)])
+    if rows:
+        _print_table(rows, ["step", "kind", "status", "metric", "value"])
+    summ_file = d / "summary.json"
+    if summ_file.is_file():
+        s = json.loads(summ_file.read_text())
         if "expectations_total" in s:
-            print(f"  expectations met: {s['expectations_met']}/{s['expectations_total']}")
+            print(f"expectations met: {s['expectations_met']}/{s['expectations_total']}")
     return 0 if st.get("status") == "complete" else 1
+
+
+def _print_table(rows: list[list[str]], header: list[str]) -> None:
+    cells = [header] + [[c[:60] for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _run(args) -> int:
+    """``tracekit run CONFIG``: validate, run every step into a fresh run directory."""
+    import logging
+
+    from .config import parse_config  # lazy: the kinds and the runner import torch
+    from .runner import RunInterrupted, StepFailed, run_config
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        config = parse_config(_load_raw(args), source=str(args.config))
+    except TracekitError as e:
+        _err(str(e))
+        return 2
+    try:
+        run_dir, summary = run_config(config, args.out, stem=Path(args.config).stem, progress=not args.no_progress)
+    except RunInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 128 + int(e.signum)
+    except KeyboardInterrupt:
+        print("interrupted before the run started; nothing was written", file=sys.stderr)
+        return 130
+    except StepFailed as e:
+        _err(str(e))
+        return 2 if isinstance(e.__cause__, TracekitError) else 1
+    except TracekitError as e:
+        _err(f"{type(e).__name__}: {e}")
+        return 2
+    print(f"run directory: {run_dir}")
+    if "expectations_total" in summary:
+        print(f"expectations met: {summary['expectations_met']}/{summary['expectations_total']}")
+        if args.strict and summary["expectations_met"] < summary["expectations_total"]:
+            return 1
+    return 0
+
+
+def silence_progress() -> None:
+    """Turn off every progress bar of this process and its children: tracekit's own are turned off by
+    the caller (``progress=False``); this sets :data:`QUIET_ENV` (tqdm reads ``TQDM_DISABLE`` when it
+    is imported, so call this first) and, when already imported, transformers' and the hub's switches."""
+    os.environ.update(QUIET_ENV)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging  # lazy: only when already imported
+
+        hf_logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars  # lazy: only when already imported
+
+        disable_progress_bars()
 
 
 def _cache_cmd(action: str) -> int:
     """``tracekit cache [list|clear]``: every cache tracekit writes: the weight cache (dequantised
     GGUF weights and TransformerLens' processed weights) and the trained SAEs, one line per entry
     (size, key, created, what it holds), leftovers of killed writers included."""
-    from .model import weights_cache as cache
+    from .model import weights_cache as cache  # lazy: the caches' modules import torch
     from .sae import clear_sae_cache, sae_cache_dir, sae_cache_entries
 
     root = cache.cache_dir()
@@ -195,75 +494,31 @@ def _cache_cmd(action: str) -> int:
     return 0
 
 
+#: Built-in commands: name -> handler (``args -> exit code``).
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _run, "validate": _validate, "kinds": lambda a: _kinds(a.kind), "show": _show,
+    "cache": lambda a: _cache_cmd(a.action), "verify": _verify, "trace": _trace,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the command line (``argv`` default: ``sys.argv[1:]``); returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(argv).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "no_progress", False):
+        silence_progress()
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    from .config import load_config
-    from .errors import TracekitError
-    from .experiments import REGISTRY
-
-    if args.cmd == "cache":
-        return _cache_cmd(args.action)
-    if args.cmd in ("sweep", "results"):  # sweeps: tracekit.sweep
-        from .sweep import main as sweep_main
-        return sweep_main(args)
-
-    if args.cmd == "kinds":
-        for kind, cls in sorted(REGISTRY.items()):
-            fields = ", ".join(n for n in cls.model_fields if n not in ("kind",))
-            print(f"{kind:24s} {cls.__name__}: {fields}")
+    try:
+        if args.cmd in PLUGIN_COMMANDS:
+            return importlib.import_module(PLUGIN_COMMANDS[args.cmd][0]).main(args)
+        return COMMANDS[args.cmd](args)
+    except BrokenPipeError:  # output piped into `head` and cut: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if args.cmd == "show":
-        return _show(args.run_dir)
-    if args.cmd == "verify":
-        return _verify(args)
-    if args.cmd == "trace":
-        return _trace(args)
-
-    import logging
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        config, _ = load_config(args.config, args.overrides)
-        if args.cmd == "validate":
-            names = ", ".join(f"{s.step_name} ({s.kind})" for s in config.experiments)
-            if not args.schema_only:
-                from .runner import check_config
-
-                check_config(config)
-            what = "schema" if args.schema_only else "schema, tokenizer and model config"
-            print(f"{args.config}: valid ({what}). model={config.model.name!r}; steps: {names}")
-            return 0
-    except TracekitError as e:
-        _err(str(e))
-        return 2
-
-    from .runner import RunInterrupted, StepFailed, run_config
-
-    try:
-        run_dir, summary = run_config(config, args.out, stem=Path(args.config).stem, progress=not args.no_progress)
-    except RunInterrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
-        return 128 + int(e.signum)
-    except KeyboardInterrupt:
-        print("interrupted before the run started; nothing was written", file=sys.stderr)
-        return 130
-    except StepFailed as e:
-        _err(str(e))
-        return 2 if isinstance(e.__cause__, TracekitError) else 1
-    except TracekitError as e:
-        _err(f"{type(e).__name__}: {e}")
-        return 2
-    print(f"run directory: {run_dir}")
-    if "expectations_total" in summary:
-        print(f"expectations met: {summary['expectations_met']}/{summary['expectations_total']}")
-        if args.strict and summary["expectations_met"] < summary["expectations_total"]:
-            return 1
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,6 +25,7 @@ import difflib
 import re
 from typing import Any, Callable, Iterable, Iterator
 
+from .compat import check_hook_to_add, hook_alias_map
 from .errors import HookError
 
 __all__ = ["GATES", "hook_names", "gated_setting", "check_hooks", "enabled_hooks", "state_guard",
@@ -241,20 +242,18 @@ def fwd_hooks(model, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
         with model.hooks(fwd_hooks=hooks):
             yield model
         return
-    from transformer_lens.model_bridge.bridge import build_alias_to_canonical_map
-
     level = model.context_level + 1
     added = []
     try:
         model.context_level = level
         hd = model.hook_dict
-        aliases = build_alias_to_canonical_map(hd)
+        aliases = hook_alias_map(hd)
         for name, fn in hooks:
             actual = aliases.get(name, name)
             hp = hd.get(actual)
             if hp is None:
-                continue  # as model.hooks: an unknown name adds nothing (callers check names first)
-            model.check_hooks_to_add(actual)
+                continue  # as model.hooks in TL 3.9: an unknown name adds nothing (callers check names first)
+            check_hook_to_add(model, hp, actual, fn)
             if model.compatibility_mode and actual != hp.name:
                 alias_names = ([hp.name] if hp.name is not None else []) + [actual]
                 hp.add_hook(fn, dir="fwd", alias_names=alias_names, level=level)

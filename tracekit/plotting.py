@@ -3,7 +3,10 @@
 Figures are matplotlib (Agg backend, set once here, so nothing needs a display) and stay readable
 at any size: heatmaps cap their tick labels, curves over many series are drawn as a median line
 with a 10-90% band instead of one legend entry per series (:func:`curves`), and figure sizes are
-bounded. Anchor: tuned-lens ``tuned_lens/plotting/``.
+bounded. Series keep distinct styles beyond matplotlib's 10 default colours (:func:`series_styles`:
+``tab10``, then ``tab20``, then the 20 colours again with dashed, dotted and dash-dot lines), and a
+legend names a prompt by its shortened text (:func:`short_text`), not by its index. Anchor:
+tuned-lens ``tuned_lens/plotting/``.
 
 Functions return a ``Figure``; the caller (``Result.figures``) owns it and closes it.
 """
@@ -14,7 +17,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["plt", "heatmap", "curves", "bars", "text_table", "MAX_SERIES", "MAX_TICKS"]
+__all__ = ["plt", "heatmap", "curves", "bars", "text_table", "series_styles", "short_text", "fig_to_html",
+           "format_value", "html_card", "MAX_SERIES", "MAX_TICKS", "LINE_STYLES"]
 
 #: Above this many series, :func:`curves` draws a median and a band instead of one line each.
 MAX_SERIES = 12
@@ -34,6 +38,74 @@ def plt():
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+#: Line styles cycled (with the 20 ``tab20`` colours) once more than 20 series are drawn.
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def series_styles(n: int) -> list[dict]:
+    """``n`` distinct line styles for ``n`` series, as ``ax.plot`` keyword arguments.
+
+    Up to 10 series: the ``tab10`` colours (matplotlib's default cycle); 11-20: the ``tab20``
+    colours; beyond 20: the ``tab20`` colours again, each pass with the next of
+    :data:`LINE_STYLES`, so 80 series stay distinct (colour, line style) pairs; past 80 the pairs
+    repeat (a plot of that many lines is unreadable anyway: :func:`curves` draws a band instead).
+
+    Args:
+        n: number of series (>= 0).
+
+    Returns:
+        One ``{"color": (r, g, b, a), "linestyle": str}`` per series.
+    """
+    import matplotlib
+
+    if n <= 10:
+        cols = list(matplotlib.colormaps["tab10"].colors)  # type: ignore[attr-defined]
+    else:
+        cols = list(matplotlib.colormaps["tab20"].colors)  # type: ignore[attr-defined]
+    out = []
+    for i in range(n):
+        style = LINE_STYLES[(i // len(cols)) % len(LINE_STYLES)]
+        out.append({"color": tuple(cols[i % len(cols)]), "linestyle": style})
+    return out
+
+
+def short_text(text: str, width: int = 32) -> str:
+    """A prompt shortened for a legend or tick: its last ``width`` characters (the end is where the
+    prediction is read), whitespace runs collapsed, a leading ``…`` when cut.
+
+    Args:
+        text: the prompt (any string; newlines and tabs become spaces).
+        width: maximum length of the result in characters (>= 4).
+
+    Returns:
+        The shortened text (``text`` itself, whitespace collapsed, when it fits).
+    """
+    t = " ".join(str(text).split())
+    width = max(4, int(width))
+    return t if len(t) <= width else "…" + t[-(width - 1):]
+
+
+def fig_to_html(fig, dpi: int = 72, max_px: int = 900) -> str:
+    """A figure as a self-contained ``<img>`` (base64 PNG, no external file), width capped at
+    ``max_px`` CSS pixels. The figure is not closed (the caller owns it).
+
+    Args:
+        fig: a matplotlib ``Figure``.
+        dpi: resolution of the PNG in dots per inch.
+        max_px: the image's maximum displayed width in CSS pixels.
+
+    Returns:
+        An ``<img src="data:image/png;base64,...">`` tag.
+    """
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    return f'<img style="max-width:{int(max_px)}px;width:100%" src="data:image/png;base64,{data}"/>'
 
 
 def _thin(n: int, k: int = MAX_TICKS) -> list[int]:
@@ -76,6 +148,13 @@ def heatmap(grid, x_labels: Optional[Sequence] = None, y_labels: Optional[Sequen
     if y_labels is not None:
         idx = _thin(len(y_labels))
         ax.set_yticks(idx, [str(y_labels[i]) for i in idx], fontsize=6)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    cb = fig.colorbar(im, ax=ax, fraction=0.03)
+    if colorbar_label:
+        cb.set_label(colorbar_label)
+    fig.tight_layout()  # before the cell texts: they sit inside the axes, and laying out hundreds costs seconds
     if cell_text is not None and g.shape[0] * g.shape[1] <= 1500:
         top = vmax if vmax is not None else (finite.max() if finite.size else 1.0)
         for i in range(g.shape[0]):
@@ -84,14 +163,7 @@ def heatmap(grid, x_labels: Optional[Sequence] = None, y_labels: Optional[Sequen
                 if txt:
                     dark = np.isfinite(g[i, j]) and g[i, j] > 0.6 * top
                     ax.text(j, i, str(txt)[:10], ha="center", va="center", fontsize=6,
-                            color="white" if dark else "black")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    cb = fig.colorbar(im, ax=ax, fraction=0.03)
-    if colorbar_label:
-        cb.set_label(colorbar_label)
-    fig.tight_layout()
+                            color="white" if dark else "black", clip_on=True)
     return fig
 
 
@@ -104,10 +176,15 @@ def curves(ax, x, series: dict, *, marker: str = "o", band_label: str = "median,
         ax: a matplotlib ``Axes``.
         x: shared x values.
         series: label -> y values (same length as ``x``; NaN allowed).
+        marker: the matplotlib marker of each line.
+        band_label: the legend text of the median line (the part before the first comma).
+        max_series: above this many series, draw the median and band instead.
+
+    Lines take :func:`series_styles` (distinct beyond 10 series).
     """
     if len(series) <= max_series:
-        for lab, y in series.items():
-            ax.plot(x, y, marker=marker, ms=3, label=str(lab))
+        for (lab, y), st in zip(series.items(), series_styles(len(series))):
+            ax.plot(x, y, marker=marker, ms=3, label=str(lab), **st)
     else:
         Y = np.asarray(list(series.values()), dtype=float)
         med = np.nanmedian(Y, 0)
@@ -145,3 +222,61 @@ def text_table(rows: Sequence[Sequence], headers: Sequence[str], align: Optional
     for r in cells:
         out.append(" ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths)))
     return "\n".join(out)
+
+
+def format_value(v, max_items: int = 6, max_chars: int = 160) -> str:
+    """A summary value as short text: numbers to 4 significant digits (``4.128e-06``, ``0.9621``),
+    lists as their first ``max_items`` items and their length, dicts as ``key: value`` pairs;
+    the whole cut at ``max_chars`` characters.
+
+    Args:
+        v: a JSON-able value (number, string, bool, None, list, dict; numpy scalars too).
+        max_items: items of a list or dict shown before ``…``.
+        max_chars: maximum length of the text.
+
+    Returns:
+        The text (``null`` for None).
+    """
+    if isinstance(v, bool) or v is None:
+        txt = "null" if v is None else str(v).lower()
+    elif isinstance(v, (int, np.integer)):
+        txt = str(int(v))
+    elif isinstance(v, (float, np.floating)):
+        txt = f"{float(v):.4g}"
+    elif isinstance(v, str):
+        txt = repr(v) if (v != v.strip() or not v) else v
+    elif isinstance(v, dict):
+        items = [f"{k}: {format_value(x, 3, 40)}" for k, x in list(v.items())[:max_items]]
+        more = f", … ({len(v)} keys)" if len(v) > max_items else ""
+        txt = "{" + ", ".join(items) + more + "}"
+    elif isinstance(v, (list, tuple, np.ndarray)):
+        seq = list(v)
+        items = [format_value(x, 3, 40) for x in seq[:max_items]]
+        more = f", … ({len(seq)} items)" if len(seq) > max_items else ""
+        txt = "[" + ", ".join(items) + more + "]"
+    else:
+        txt = str(v)
+    return txt if len(txt) <= max_chars else txt[:max_chars - 1] + "…"
+
+
+def html_card(title: str, rows: Sequence[tuple[str, str]], figure_html: str = "", notes: Sequence[str] = ()) -> str:
+    """A small self-contained HTML block (inline styles only; no script, stylesheet or external
+    file): a title, a two-column table of ``(name, value)`` rows, a figure and notes. Every text is
+    HTML-escaped; ``figure_html`` is inserted as is (an ``<img>`` from :func:`fig_to_html`).
+
+    Args:
+        title: the heading.
+        rows: ``(name, value text)`` pairs of the table.
+        figure_html: markup of the figure, or ``""``.
+        notes: lines shown under the table (escaped).
+
+    Returns:
+        The HTML (one ``<div>``).
+    """
+    from html import escape
+
+    td = 'style="text-align:left;padding:1px 8px;vertical-align:top;font-family:monospace"'
+    body = "".join(f"<tr><td {td}>{escape(k)}</td><td {td}>{escape(v)}</td></tr>" for k, v in rows)
+    note = "".join(f'<div style="color:#555;font-size:90%">{escape(n)}</div>' for n in notes)
+    return (f'<div class="tracekit-result"><div style="font-weight:bold;margin-bottom:4px">{escape(title)}</div>'
+            f'<table style="border-collapse:collapse;font-size:90%">{body}</table>{note}{figure_html}</div>')

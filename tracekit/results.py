@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Optional, TypeVar, Union
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
+from . import plotting
 from .core import paths
 from .core.errors import OutputError, ResultLoadError
 from .core.io import atomic_folder, jsonable
@@ -48,7 +49,7 @@ ExperimentConfig = Any
 _E = TypeVar("_E", bound=type)
 
 __all__ = ["KINDS", "REGISTRY", "RESULTS", "RENAMED_COLUMNS", "shadowing_columns", "register", "experiment_class", "known_kinds", "Expectation",
-           "Result", "lookup", "MANIFEST"]
+           "Result", "lookup", "MANIFEST", "round_sig", "SUMMARY_DIGITS"]
 
 #: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`.
 KINDS: dict[str, str] = {
@@ -71,6 +72,7 @@ KINDS: dict[str, str] = {
     "patchscope": "tracekit.experiments.patchscope:Patchscope",
     "steering": "tracekit.experiments.steering:Steering",
     "causal_tracing": "tracekit.experiments.causal_tracing:CausalTracing",
+    "activations": "tracekit.experiments.activations:CacheActivations",
 }
 
 MANIFEST = "manifest.json"
@@ -78,13 +80,43 @@ MANIFEST = "manifest.json"
 
 class _Registry(dict):
     """``kind -> class``; a built-in kind not registered yet is imported from :data:`KINDS` on lookup
-    (``[]`` and ``get``; iteration and ``in`` see the registered kinds only)."""
+    (``[]`` and ``get``). ``in`` sees every built-in kind without importing it; iterating (and
+    ``len``, ``keys``, ``values``, ``items``) imports them all. So a config imports only the kinds
+    it uses (``tracekit.experiments`` is lazy too), and listing the registry lists every kind."""
 
     def __missing__(self, kind: str):
         if kind not in KINDS:
             raise KeyError(kind)
         _import_kind(kind)
         return dict.__getitem__(self, kind)
+
+    def __contains__(self, kind: object) -> bool:
+        return dict.__contains__(self, kind) or (isinstance(kind, str) and kind in KINDS)
+
+    def _all(self) -> None:
+        for kind in KINDS:  # listing the registry lists every built-in kind: import them all
+            if not dict.__contains__(self, kind):
+                _import_kind(kind)
+
+    def __iter__(self):
+        self._all()
+        return dict.__iter__(self)
+
+    def __len__(self) -> int:
+        self._all()
+        return dict.__len__(self)
+
+    def keys(self):  # type: ignore[override]
+        self._all()
+        return dict.keys(self)
+
+    def values(self):  # type: ignore[override]
+        self._all()
+        return dict.values(self)
+
+    def items(self):  # type: ignore[override]
+        self._all()
+        return dict.items(self)
 
     def get(self, kind, default=None):
         try:
@@ -143,6 +175,46 @@ def experiment_class(kind: Any) -> Optional[type[ExperimentConfig]]:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+#: Significant digits a summary keeps (:func:`round_sig`).
+SUMMARY_DIGITS = 6
+
+
+def round_sig(obj: Any, digits: int = SUMMARY_DIGITS) -> Any:
+    """``obj`` with every float rounded to ``digits`` *significant* digits (and never to fewer than
+    ``digits`` decimal places, so values above 1 keep 1e-6 absolute precision), in nested dicts,
+    lists and tuples (tuples become lists); numpy and float32 scalars become Python floats first.
+
+    The one rounding rule of summaries: significant digits, never decimal places. ``round(p, 6)``
+    turns a probability of 4.128e-06 into 4e-06 (and a float32 4e-06 prints as 3.99999e-06), so
+    the same number read from a list and from a scalar disagreed; with significant digits both read
+    4.128e-06. Non-finite floats, ints, bools, strings and None are returned unchanged.
+
+    Args:
+        obj: a JSON-like value.
+        digits: significant digits kept (>= 1).
+
+    Returns:
+        The rounded copy.
+    """
+    import numpy as np
+
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (str, int)):
+        return obj
+    if isinstance(obj, (float, np.floating)):
+        x = float(obj)
+        if not math.isfinite(x) or x == 0.0:
+            return x
+        d = max(1, int(digits))  # d significant digits, and never coarser than d decimals (2.2006046 -> 2.200605)
+        return round(x, max(d, d - 1 - math.floor(math.log10(abs(x)))))
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, dict):
+        return {k: round_sig(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [round_sig(v, digits) for v in obj]
+    return obj
 
 
 def lookup(obj: Any, path: str) -> Any:
@@ -311,6 +383,60 @@ class Result:
     def report(self) -> str:
         """Human-readable text printed by ``tracekit run`` (default: the summary as JSON)."""
         return json.dumps(jsonable(self.summary()), indent=2)
+
+    #: Summary keys shown first by the notebook display (:meth:`_repr_html_`); the rest follow in
+    #: the summary's order, scalars before lists and dicts, up to :attr:`html_max_rows` rows.
+    headline_keys: ClassVar[tuple[str, ...]] = ()
+    html_max_rows: ClassVar[int] = 24
+
+    def headline(self, summary: Optional[dict] = None) -> list[tuple[str, Any]]:
+        """The summary's headline ``(key, value)`` pairs, as the notebook display shows them:
+        :attr:`headline_keys` first, then scalar values, then lists and dicts (at most
+        :attr:`html_max_rows`).
+
+        Args:
+            summary: this result's :meth:`summary` when the caller has it already (default: computed).
+        """
+        s = {k: v for k, v in (self.summary() if summary is None else summary).items() if k != "expectations"}
+        first = [k for k in self.headline_keys if k in s]
+        scal = [k for k, v in s.items() if k not in first and not isinstance(v, (list, tuple, dict))]
+        rest = [k for k in s if k not in first and k not in scal]
+        return [(k, s[k]) for k in (first + scal + rest)[:self.html_max_rows]]
+
+    def _repr_html_(self) -> str:
+        """Rich notebook display: the kind, the tables' sizes, the headline numbers of
+        :meth:`summary` (:meth:`headline`; numbers to 4 significant digits) and the main figure
+        inline as a base64 PNG. Self-contained: inline styles only, no script or external file."""
+        cfg = self.config
+        name = getattr(cfg, "step_name", None) or getattr(cfg, "name", None)
+        title = f"{type(self).__name__} ({cfg.kind}" + (f", step {name!r})" if name else ")")
+        summary = self.summary()
+        rows = [(k, plotting.format_value(v)) for k, v in self.headline(summary)]
+        n_keys = len([k for k in summary if k != "expectations"])
+        notes = ["tables: " + ", ".join(f"{t} ({len(df)} x {df.shape[1]})" for t, df in sorted(self.tables.items()))]
+        if n_keys > len(rows):
+            notes.append(f"{n_keys - len(rows)} more summary keys: .summary()")
+        if getattr(cfg, "expect", None):
+            chk = [e.check(summary) for e in cfg.expect]
+            notes.append(f"expectations met: {sum(bool(c.get('met')) for c in chk)} of {len(chk)}")
+        return plotting.html_card(title, rows, self._figure_html(), notes)
+
+    def _figure_html(self) -> str:
+        """The main figure (:meth:`plot`) as an inline ``<img>``, or a line saying why there is none."""
+        from html import escape
+
+        import matplotlib.pyplot as plt
+
+        try:
+            fig = self.plot()
+        except ValueError:  # this result draws no figures
+            return ""
+        except Exception as e:  # noqa: BLE001 - a figure that fails must not hide the numbers
+            return f'<div style="color:#a00">main figure not drawn: {escape(type(e).__name__)}: {escape(str(e))}</div>'
+        try:
+            return plotting.fig_to_html(fig)
+        finally:
+            plt.close(fig)
 
     def check_expectations(self) -> list[dict]:
         """Every expectation of the config checked against :meth:`summary` (report rows)."""

@@ -31,6 +31,7 @@ step's folder when the runner saves it). Temporary files of a run live in ``<run
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -89,6 +90,7 @@ class RunInterrupted(KeyboardInterrupt):
 # environment
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -102,6 +104,7 @@ def _versions() -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _git_commit() -> Optional[str]:
     for where in (Path.cwd(), Path(__file__).resolve().parent):
         try:
@@ -259,15 +262,24 @@ def check_config(config: RunConfig, model=None) -> Any:
     ``model`` is an already-loaded model). Returns the model or :class:`~tracekit.model.ModelInfo`
     used.
 
+    Every step is checked, so one error lists every invalid step input.
+
     Raises:
-        TracekitError: the first invalid step input, naming the step and field.
+        TracekitError: the invalid step inputs, one line each naming the step and field (the class of
+            the first one; with several, the message lists them all).
     """
     info = model if model is not None else load_model_info(config.model)
+    errors: list[tuple[str, TracekitError]] = []
     for i, step in enumerate(config.experiments):
         try:
             step.check(info)
         except TracekitError as e:
-            raise type(e)(f"experiments[{i}] ({step.step_name}): {e}") from e
+            errors.append((f"experiments[{i}] ({step.step_name}): {e}", e))
+    if len(errors) == 1:
+        raise type(errors[0][1])(errors[0][0]) from errors[0][1]
+    if errors:
+        first = errors[0][1]
+        raise type(first)(f"{len(errors)} steps have invalid inputs:\n  " + "\n  ".join(m for m, _ in errors)) from first
     return info
 
 
@@ -283,7 +295,7 @@ def _half_precision_note(config: RunConfig, log: Callable) -> None:
 
 
 def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None, progress: bool = True,
-               log: Callable[[str], Any] = print) -> tuple[Path, dict]:
+               log: Callable[[str], Any] = print, figures: bool = True) -> tuple[Path, dict]:
     """Run every step of a config into a fresh run directory.
 
     Args:
@@ -293,6 +305,8 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         model: an already-loaded model (default: :func:`load_model` on ``config.model``).
         progress: show progress bars.
         log: where to print human-readable reports.
+        figures: write each step's figures (PNG) into its folder (sweeps leave them out:
+            ``Result.load(...).figures()`` draws them later from the tables).
 
     Returns:
         ``(run_dir, summary)``.
@@ -308,7 +322,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
     check_config(config, model)  # once, before anything is written (steps then run with check=False;
     # a step with references is checked when it runs, once its values are known)
     run_dir = new_run_dir(out, stem)
-    run = _Run(run_dir, config, progress, log)
+    run = _Run(run_dir, config, progress, log, figures)
     scratch = run_dir / ".scratch"
     old_scratch = os.environ.get("TRACEKIT_SCRATCH")
     os.environ["TRACEKIT_SCRATCH"] = str(scratch)
@@ -359,8 +373,9 @@ class _Run:
     """One run directory being filled: the only writer of its files (status, resolved config,
     references, environment, summaries, expectations, step folders, error)."""
 
-    def __init__(self, run_dir: Path, config: RunConfig, progress: bool, log: Callable):
+    def __init__(self, run_dir: Path, config: RunConfig, progress: bool, log: Callable, figures: bool = True):
         self.run_dir, self.config, self.progress, self.log = run_dir, config, progress, log
+        self.figures = figures
         self.status = _Status(run_dir, [s.step_name for s in config.experiments])
         self.resolved = resolved_config(config)
         self.references: dict = {}
@@ -413,7 +428,7 @@ class _Run:
             step = res.step
         seed_everything(self.config.seed)
         result = step.run(model, progress=self.progress, check=pending)
-        _save_step(result, self.run_dir / name, self.log)
+        _save_step(result, self.run_dir / name, self.log, self.figures)
         self.summaries[name] = result.summary()
         self.env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)
         self.env["peak_memory"] = _peak_memory()
@@ -431,10 +446,10 @@ class _Run:
         return _finish(self.run_dir, self.config, self.env, self.summaries, self.expectations, self.t0)
 
 
-def _save_step(result, directory: Path, log: Callable) -> None:
+def _save_step(result, directory: Path, log: Callable, figures: bool = True) -> None:
     """Save a step; if the folder cannot be written, save a rescue copy elsewhere and say where."""
     try:
-        result.save(directory)
+        result.save(directory, figures=figures)
     except OutputError as e:
         rescue = Path(tempfile.mkdtemp(prefix="tracekit-rescue-")) / directory.name
         try:

@@ -1,11 +1,14 @@
-# Over 600 lines (reason): one report, section by section; splitting sections from their render helpers is planned with the results/UX issue (#24), which rewrites this report.
+# Over 600 lines (reason): one report's engine, section by section (each section a few engine calls on the same
+# prompt), plus the small Jinja rendering helpers the kind's report uses.
 """The "Life of a Token" trace: one prompt through every stage of the model, one report.
 
 Like the article "Life of a Token" (after Chrome's "Life of a Pixel"), :func:`token_trace` follows
 one prompt through a model and collects, per stage, the numbers tracekit's engines compute:
 
 1. tokenization (ids, leading-space marker, BOS), 2. embedding (norms, nearest tokens, vector
-analogies), 3. attention at the last position (every head, labelled; raw scores of one head),
+analogies), 3. attention: the heads that matter for this prompt (ranked by their direct logit
+attribution), each as a query x key pattern, the last position's attention of every head, and the raw
+scores of one head (GPT-2's article head L0H6 on GPT-2 models, else the prompt's top head),
 4. FFN neurons as key-value memories at the block where the target jumps (Geva et al. 2021/2022),
 5. direct logit attribution per component (Elhage et al. 2021), 6. logit lens (nostalgebraist
 2020), 7. SAE features (not configured: placeholder), 8. output distribution and sampling
@@ -49,7 +52,7 @@ from .neurons import key_readout, value_readout
 from .tokens import single_token_id, str_tokens, token_text, tokenize
 
 __all__ = ["TraceTables", "token_trace", "TRACE_RENAMES", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
-           "render_html", "render_markdown", "SECTIONS", "parse_head"]
+           "render_html", "render_markdown", "SECTIONS", "parse_head", "is_gpt2", "shown_head", "PATTERN_WINDOW"]
 
 
 @dataclass
@@ -83,6 +86,68 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
     toks = str_tokens(model, batch.ids[0])
     return [_LastRow(toks, L, got[hook("head_scores", L)], got[hook("head_pattern", L)])
             for L in layers]
+
+
+#: Query and key positions shown per head in the small multiples (the last ones of the prompt).
+PATTERN_WINDOW = 32
+
+
+@torch.no_grad()
+def _head_patterns(model, prompt: str, heads: Sequence[tuple[int, int]], window: int = PATTERN_WINDOW) -> pd.DataFrame:
+    """The full ``[query, key]`` attention pattern of each of ``heads`` (``(layer, head)``), the last
+    ``window`` query and key positions, from one forward pass that keeps only those heads: a tidy
+    table ``component`` (``"L3H1"``), ``layer``, ``head_idx``, ``query_pos``, ``key_pos``,
+    ``query_token``, ``key_token``, ``weight`` (causal: keys after the query are absent).
+    ``tests/integration/test_trace.py`` checks it equals the attention engine's pattern."""
+    layers = sorted({L for L, _ in heads})
+    names = [hook("head_pattern", L) for L in layers]
+    batch = tokenize(model, [prompt])
+    n = batch.lengths[0]
+    lo = max(0, n - window)
+    got: dict = {}
+
+    def keep(act, hook):
+        got[hook.name] = act[0, :, lo:n, lo:n].detach().float().cpu().clone()
+
+    with enabled_hooks(model, names), fwd_hooks(model, [(nm, keep) for nm in names]):
+        model(batch.tokens)
+    toks = str_tokens(model, batch.ids[0])
+    frames = []
+    for L, H in heads:
+        w = got[hook("head_pattern", L)][H]
+        q, k = np.tril_indices(n - lo)
+        frames.append(pd.DataFrame({"component": f"L{L}H{H}", "layer": L, "head_idx": H, "query_pos": q + lo,
+                                    "key_pos": k + lo, "query_token": [toks[i + lo] for i in q],
+                                    "key_token": [toks[i + lo] for i in k], "weight": w[q, k].numpy().astype(float)}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["component", "layer", "head_idx", "query_pos", "key_pos", "query_token", "key_token", "weight"])
+
+
+def shown_head(model, head: Optional[tuple[int, int]], ranked: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], str]:
+    """The head whose raw scores the trace shows, and why: ``head`` when given (``"given"``); on a
+    GPT-2 with a head 6 in layer 0, the article's L0H6 (``"article (GPT-2)"``); else the prompt's top
+    head, ``ranked[0]`` (``"top head by DLA"``).
+
+    Args:
+        model: the model (its ``cfg`` and architecture).
+        head: ``(layer, head)`` from :func:`parse_head`, or None.
+        ranked: the prompt's heads, best first (at least one).
+
+    Returns:
+        ``((layer, head), source)``.
+    """
+    if head is not None:
+        return head, "given"
+    if is_gpt2(model) and int(model.cfg.n_heads) > 6:
+        return (0, 6), "article (GPT-2)"
+    return ranked[0], "top head by DLA"
+
+
+def is_gpt2(model) -> bool:
+    """Whether ``model`` is a GPT-2 (the article's model; its head L0H6 is shown only there)."""
+    arch = str(getattr(model.cfg, "architecture", "") or getattr(model.cfg, "original_architecture", "") or "")
+    cfg = getattr(getattr(model, "original_model", None), "config", None)
+    return arch.startswith("GPT2") or getattr(cfg, "model_type", None) == "gpt2"
 
 
 
@@ -154,15 +219,24 @@ class TraceTables:
     meta: dict = field(default_factory=dict)
 
 
-def parse_head(spec, model, field_name: str = "head") -> tuple[int, int]:
-    """``"L0H6"`` / ``[0, 6]`` / None (-> L0H6 when layer 0 has a head 6, else L0H0) to (layer, head).
+def parse_head(spec, model, field_name: str = "head") -> Optional[tuple[int, int]]:
+    """``"L0H6"`` / ``[0, 6]`` to (layer, head); None stays None (the trace then picks the head:
+    L0H6 on GPT-2, the article's, else the prompt's top head by direct logit attribution).
+
+    Args:
+        spec: the head, ``"L<layer>H<head>"`` or ``[layer, head]``, or None.
+        model: the model (or a :class:`tracekit.model.ModelInfo`): its ``cfg.n_layers`` / ``cfg.n_heads``.
+        field_name: the config field named in errors.
+
+    Returns:
+        ``(layer, head)`` or None.
 
     Raises:
         AttentionError: malformed or out of range (naming ``field_name``).
     """
     n_layers, n_heads = int(model.cfg.n_layers), int(model.cfg.n_heads)
     if spec is None:
-        return (0, 6) if n_heads > 6 else (0, 0)
+        return None
     if isinstance(spec, str):
         m = re.fullmatch(r"\s*L(\d+)\s*H(\d+)\s*", spec, re.I)
         if not m:
@@ -263,7 +337,26 @@ def _attention_section(model, prompt: str, head: tuple[int, int]):
     return pd.concat(rows, ignore_index=True), lab, picked
 
 
-def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus):
+def _top_heads(ranked: pd.DataFrame, attention: pd.DataFrame, head_types: pd.DataFrame) -> pd.DataFrame:
+    """The ranked heads (``heads_dla`` rows, best first) with their type at the last position and
+    the key token the last position attends to most."""
+    rows = []
+    for i, (L, H, dla) in enumerate(zip(ranked["layer"].tolist(), ranked["head"].tolist(),
+                                        ranked["contribution"].tolist())):
+        L, H = int(L), int(H)
+        a = cast(pd.DataFrame, attention[(attention["layer"] == L) & (attention["head"] == H)])
+        best = a.loc[cast(pd.Series, a["weight"]).idxmax()]
+        ty = cast(pd.Series, head_types[(head_types["layer"] == L) & (head_types["head"] == H)]["type"]).tolist()
+        rows.append({"rank": i + 1, "component": f"L{L}H{H}", "layer": L, "head": H, "dla": float(dla),
+                     "type": str(ty[0]) if ty else "", "top_key_pos": int(best["key_pos"]),
+                     "top_key_token": best["key_token"], "top_key_weight": float(best["weight"])})
+    return pd.DataFrame(rows)
+
+
+def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus,
+                 target_only=None):
+    """The jump block's top neurons by ``dla``'s contribution (the logit difference when a foil is
+    set); ``target_only``: the attribution of the target logit alone (adds ``contribution_target``)."""
     contrib = dla.neuron_contrib[layer]
     act = dla.neuron_act[layer]
     order = contrib.argsort(descending=True)[:n_neurons].tolist()  # the neurons that write the target most
@@ -274,6 +367,7 @@ def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_
         prom = vr[vr["side"] == "promoted"]
         rows.append({"rank": r + 1, "layer": layer, "neuron": n, "activation": float(act[n]),
                      "logit_per_activation": float(dla.neuron_value[layer][n]), "contribution": float(contrib[n]),
+                     **({"contribution_target": float(target_only.neuron_contrib[layer][n])} if target_only else {}),
                      "promotes": ", ".join(repr(t) for t in prom["token"])})
         values.append(vr)
     neurons = pd.DataFrame(rows)
@@ -307,7 +401,7 @@ def _sampling(model, logits: torch.Tensor, target_id: int, seed: int, n_samples:
         kept = int((probs > 0).sum())
         g = torch.Generator().manual_seed(seed)
         draws = torch.multinomial(probs[0], n_samples, replacement=True, generator=g).tolist()
-        top = probs[0].topk(3)
+        top = probs[0].topk(min(3, kept))  # runners-up only among the kept tokens (no 0% ties: BOS, EOS, pad)
         rows.append({"setting": name, "temperature": temp, "top_k": k, "top_p": p, "kept_tokens": kept,
                      "target_prob": float(probs[0, target_id]),
                      "top3": ", ".join(f"{t!r} {v:.1%}" for t, v in zip(str_tokens(model, top.indices.tolist()),
@@ -399,7 +493,7 @@ TRACE_RENAMES: dict[str, str] = {
     "head": "head_idx", "self": "self_weight", "first": "first_weight", "previous": "previous_weight",
     "lens.rank": "vocab_rank", "final_topk.rank": "vocab_rank", "analogies.rank": "vocab_rank",
     "nearest.rank": "top_rank", "neurons.rank": "top_rank", "neuron_values.rank": "top_rank",
-    "neuron_contexts.rank": "top_rank",
+    "neuron_contexts.rank": "top_rank", "top_heads.rank": "top_rank",
 }
 
 
@@ -427,6 +521,7 @@ def token_trace(
     top_k: int = 10,
     seed: int = 0,
     n_samples: int = 5,
+    top_heads: int = 6,
 ) -> TraceTables:
     """Trace ``prompt`` through every stage (module docstring) and return its tables.
 
@@ -435,10 +530,13 @@ def token_trace(
         prompt: the text.
         target: the next token followed (exactly one token, leading space included); default: the
             model's own top-1 prediction.
-        foil: optional second token; attribution then splits ``logit[target] - logit[foil]``.
-        head: the head whose raw (pre-softmax) scores are shown: ``"L0H6"`` (default when it exists,
-            else ``"L0H0"``).
-        top_neurons: neurons shown at the jump block (largest positive direct contribution).
+        foil: optional second token; attribution (components, heads, neurons) then splits
+            ``logit[target] - logit[foil]``; the neurons table adds ``contribution_target`` (the
+            target logit alone).
+        head: the head whose raw (pre-softmax) scores are shown, ``"L0H6"`` or ``[0, 6]``; default:
+            L0H6 on GPT-2 (the article's head), else the prompt's top head by |DLA|.
+        top_neurons: neurons shown at the jump block (largest positive direct contribution to the
+            attributed logit (difference)).
         value_tokens: promoted tokens per neuron (value readout).
         key_contexts: top-activating corpus contexts per neuron.
         key_max_tokens: corpus text tokens read for them (0 skips the key readout).
@@ -447,11 +545,17 @@ def token_trace(
         top_k: final tokens listed.
         seed: seed of the sampling draws (``torch.Generator``).
         n_samples: draws per sampling setting.
+        top_heads: heads shown as query x key patterns (ranked by |direct logit attribution|).
 
     Units: probabilities in [0, 1], logits, ranks (1 = top), bytes.
 
+    Returns:
+        :class:`TraceTables`: the tables (module docstring of :mod:`tracekit.experiments.trace`) and
+        the headline numbers.
+
     Raises:
-        TokenizationError: target/foil not one token, prompt too long. AttentionError: bad head.
+        TokenizationError: target/foil not one token, prompt too long.
+        AttentionError: bad head.
         AttributionError: an architecture whose residual stream is not embed + attention + MLP.
     """
     # Long (reason): one section of the report per block, in report order; each block is a few engine calls on the same cached run.
@@ -465,7 +569,7 @@ def token_trace(
         timings[name] = round(now - clock[0], 3)
         clock[0] = now
 
-    L_head = parse_head(head, model)
+    L_head = parse_head(head, model)  # None: picked once the heads are ranked (below)
     batch = tokenize(model, [prompt])
     ids = [int(i) for i in batch.ids[0]]
 
@@ -479,8 +583,7 @@ def token_trace(
     foil_id = single_token_id(model, foil, field="foil") if foil is not None else None
     tables: dict[str, pd.DataFrame] = {}
     meta: dict = {"prompt": prompt, "target": target, "target_id": target_id, "foil": foil, "foil_id": foil_id,
-                  "n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads),
-                  "head": f"L{L_head[0]}H{L_head[1]}"}
+                  "n_layers": int(model.cfg.n_layers), "n_heads": int(model.cfg.n_heads)}
 
     lap("forward")
     # 1. tokenization
@@ -512,25 +615,37 @@ def token_trace(
                  "emergence_hidden_state": lm["emergence_hidden_state"], "emergence_layer": lm["emergence_layer"],
                  "target_prob": float(pl.final_log_prob[last, 0].exp())})
     lap("lens")
-    # 3. attention
-    tables["attention"], tables["head_types"], tables["head_scores"] = _attention_section(model, prompt, L_head)
-    lap("attention")
-    # 5. direct logit attribution (with the neurons of the jump block)
+    # 5. direct logit attribution (with the neurons of the jump block); with a foil, a second call
+    # attributes the target logit alone, so the FFN table can show both
     jl = lm["jump_layer"]
     ffn_layer = jl if jl is not None and jl >= 0 else int(model.cfg.n_layers) - 1
     dla = logit_attribution(model, [prompt], target, foil, position="last", neuron_layers=[ffn_layer])[0]
+    dla_t = (logit_attribution(model, [prompt], target, None, position="last", neuron_layers=[ffn_layer])[0]
+             if foil is not None else None)
     comp = dla.components_frame().drop(columns=["prompt_idx", "position"])
     tables["components"] = comp
     assert dla.attributed is not None, "DirectAttribution fills attributed (with the logit by default)"
     meta.update({"logit": float(dla.logit), "attributed": float(dla.attributed), "output_transform": dla.transform,
                  "components_sum": float(cast(pd.Series, comp["contribution"]).sum()),
-                 "ffn_layer": ffn_layer})
+                 "ffn_layer": ffn_layer, "target_logit": float((dla_t or dla).logit)})
     hf = dla.heads_frame()
     tables["heads_dla"] = cast(pd.DataFrame, hf[hf["head"] >= 0]).drop(columns=["prompt_idx"]).reset_index(drop=True)
     lap("residual")
+    # 3. attention: the heads ranked by |direct logit attribution|; the raw scores of the article's
+    # head on GPT-2, else of the prompt's top head
+    hd = tables["heads_dla"]
+    ranked = hd.iloc[np.argsort(-np.abs(hd["contribution"].to_numpy(dtype=float)), kind="stable")]
+    picked = [(int(L), int(H)) for L, H in zip(ranked["layer"].head(top_heads), ranked["head"].head(top_heads))]
+    L_head, meta["head_source"] = shown_head(model, L_head, picked)
+    meta["head"] = f"L{L_head[0]}H{L_head[1]}"
+    tables["attention"], tables["head_types"], tables["head_scores"] = _attention_section(model, prompt, L_head)
+    tables["top_heads"] = _top_heads(ranked.head(top_heads), tables["attention"], tables["head_types"])
+    tables["head_patterns"] = _head_patterns(model, prompt, picked)
+    meta["pattern_window"] = PATTERN_WINDOW
+    lap("attention")
     # 4. FFN neurons
     tables["neurons"], tables["neuron_values"], tables["neuron_contexts"] = _ffn_section(
-        model, dla, ffn_layer, top_neurons, value_tokens, key_contexts, key_max_tokens, corpus)
+        model, dla, ffn_layer, top_neurons, value_tokens, key_contexts, key_max_tokens, corpus, dla_t)
     meta["key_max_tokens"] = key_max_tokens
     lap("ffn")
     # 8. output and sampling
@@ -585,7 +700,7 @@ def table_rows(df: pd.DataFrame, max_rows: int = 60) -> tuple[list[str], list[li
     cols = list(df.columns)
     rows = []
     for rec in df.head(max_rows).itertuples(index=False):
-        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected")
+        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected", "top_key_token")
                      and not v.startswith("<bytes ") else _fmt(v, c) for c, v in zip(cols, rec)])
     return cols, rows
 

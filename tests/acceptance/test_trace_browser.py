@@ -1,6 +1,8 @@
 """The token-trace report in a real browser: headless Chromium opens ``report.html`` from disk with
 every non-file request blocked; every section renders (figures decoded, tables shown) with no console
-error and no failed request; a screenshot is saved next to the report.
+error and no failed request; nothing is clipped (no element scrolls its content, nothing wider than
+the page, and the full-page screenshot is as tall as the document); a screenshot is saved next to
+the report. A tiny-model version runs in the default suite; the embedded-model one is ``slow``.
 
 Needs ``chromium`` (``apt-get install -y chromium``) and Playwright's Python package (``pip install
 playwright``; no browser download: the system Chromium is used). Skips with the reason otherwise.
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import tracekit as tk
+from tracekit.experiments.trace import TOP_COMPONENTS
 from tracekit.trace import SECTIONS
 
 PROMPT = "The capital of China is Beijing. The capital of France is"
@@ -61,20 +64,67 @@ def _render(report: Path, shot: Path) -> dict:
                     id: s.id, height: s.getBoundingClientRect().height,
                     imgs: [...s.querySelectorAll('img')].map(i => [i.complete, i.naturalWidth]),
                     tables: s.querySelectorAll('table').length})),
+                doc_height: document.documentElement.scrollHeight,
+                doc_width: document.documentElement.scrollWidth,
+                view_width: document.documentElement.clientWidth,
+                // elements that hide part of their content (a scroll box or a clip)
+                clipped: [...document.querySelectorAll('body *')].filter(e => {
+                    const st = getComputedStyle(e);
+                    const hides = [st.overflowX, st.overflowY].some(o => o !== 'visible');
+                    return hides && (e.scrollHeight > e.clientHeight + 1 || e.scrollWidth > e.clientWidth + 1);
+                }).map(e => e.tagName + (e.className ? '.' + e.className : '')),
+                // tables or figures wider than the page body
+                too_wide: [...document.querySelectorAll('table, figure img')].filter(
+                    e => e.getBoundingClientRect().right > document.body.getBoundingClientRect().right + 1
+                ).map(e => e.dataset.table || e.alt),
             })""")
             page.screenshot(path=str(shot), full_page=True)
         finally:
             browser.close()
-    return {"errors": errors, "failed": failed, "blocked": blocked, "requested": requested, **info}
+    from PIL import Image
+
+    with Image.open(shot) as im:
+        shot_height = im.size[1]
+    return {"errors": errors, "failed": failed, "blocked": blocked, "requested": requested,
+            "shot_height": shot_height, **info}
+
+
+def _check_not_clipped(out: dict) -> None:
+    """Nothing hidden: no scroll box or clip, nothing wider than the page, and the full-page
+    screenshot is the whole document (its height is the document's)."""
+    assert out["clipped"] == [], out["clipped"]
+    assert out["too_wide"] == [], out["too_wide"]
+    assert out["doc_width"] <= out["view_width"], (out["doc_width"], out["view_width"])
+    assert out["shot_height"] == out["doc_height"], (out["shot_height"], out["doc_height"])
+
+
+def test_tiny_report_is_not_clipped_in_chromium(tmp_path):
+    """The same browser checks on a tiny model with a foil (fast: in the default suite)."""
+    from helpers import make_tiny
+
+    _browser_or_skip()
+    model = make_tiny("llama")
+    res = tk.TokenTrace(prompts=PROMPT, target=" Paris", foil=" Beijing", key_max_tokens=0,
+                        top_neurons=3).run(model, progress=False)
+    d = res.save(tmp_path / "trace")
+    out = _render(d / "report.html", d / "screenshot.png")
+    assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
+    assert [s["id"] for s in out["sections"]] == [k for k, _ in SECTIONS]
+    _check_not_clipped(out)
 
 
 @pytest.mark.slow
 def test_report_renders_offline_in_chromium(embedded_model, tmp_path):
     _browser_or_skip()
-    res = tk.TokenTrace(prompts=PROMPT, target=" Paris", key_max_tokens=512).run(embedded_model, progress=False)
+    res = tk.TokenTrace(prompts=PROMPT, target=" Paris", foil=" Beijing", key_max_tokens=512).run(
+        embedded_model, progress=False)
     d = res.save(tmp_path / "trace")
     out = _render(d / "report.html", d / "screenshot.png")
     assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
+    _check_not_clipped(out)
+    # SmolLM2 is not GPT-2: the raw-score head is the prompt's top head, not the article's L0H6
+    assert res.meta["head_source"] == "top head by DLA" and res.meta["head"] == res.tables["top_heads"]["component"][0]
+    assert len(res.tables["components"]) > TOP_COMPONENTS and (d / "components.csv").is_file()
     assert [s["id"] for s in out["sections"]] == [k for k, _ in SECTIONS]
     for s in out["sections"]:
         assert s["height"] > 20, s

@@ -14,6 +14,8 @@ import json
 import pytest
 from conformance import harness  # noqa: I001
 
+from tracekit.compat import tl_major
+
 CASES = harness.cases()
 
 
@@ -47,6 +49,9 @@ def test_every_supported_architecture_is_classified():
 
 def test_docs_table_is_current():
     """docs/reference/conformance.json (and the page made from it) states this run's outcomes."""
+    if tl_major() >= 4:
+        pytest.skip("the committed table states the default environment's outcomes (TransformerLens 3.x); "
+                    "TransformerLens 4 adapts some architectures differently (e.g. HunYuanDenseV1 verifies)")
     import importlib.util
 
     path = harness.ROOT / "docs" / "gen_architectures.py"

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conformance import harness  # noqa: I001
 
+from tracekit.compat import tl_major
 from tracekit.errors import ModelLoadError, PatchingError
 from tracekit.model.architectures import MethodRefused
 from tracekit.model.load import clear_cache, load_model
@@ -208,6 +209,9 @@ def test_bloom_patching_runs_and_a_full_residual_patch_restores_the_clean_run():
                                                 ("CodeGenForCausalLM", None, "cannot run"),
                                                 ("HunYuanDenseV1ForCausalLM", None, "different log-probabilities")])
 def test_an_unusable_layout_is_refused_naming_its_architecture(arch, variant, where):
+    if arch == "HunYuanDenseV1ForCausalLM" and tl_major() >= 4:
+        tiny(arch, variant)  # TransformerLens 4's bridge matches transformers here: the load's verification passes
+        return
     with pytest.raises(ModelLoadError, match=f"{arch}.*{where}|{where}.*{arch}|{arch}"):
         tiny(arch, variant)
     try:

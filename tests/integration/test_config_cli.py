@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -99,7 +101,8 @@ def test_set_overrides():
     assert apply_override({"a": 1}, "a=3")["a"] == 3
     cfg = parse_config(raw)
     assert cfg.model.device == "cpu" and cfg.model.config_overrides == {"n_layer": 2}
-    assert cfg.experiments[0].target == " Rome" and cfg.experiments[0].top_k == 3
+    step: Any = cfg.experiments[0]  # a LogitLens
+    assert step.target == " Rome" and step.top_k == 3
     with pytest.raises(ConfigError, match="index"):
         apply_override(raw, "experiments[3].top_k=1")
     with pytest.raises(ConfigError, match="path=value"):
@@ -122,6 +125,25 @@ def test_cli_validate(capsys, gpt2_tokenizer_dir):
     # GPT-2's weights are not cached here: the full check says so at once
     assert main(["validate", cfg]) == 2
     assert "not in the local Hugging Face cache" in capsys.readouterr().err
+
+
+def test_validate_lists_every_invalid_step_input(tmp_path, capsys, gpt2_tokenizer_dir):
+    """The tokenizer checks of three steps fail: one `validate` lists all three, each naming its step."""
+    p = write(tmp_path, f"""
+        model: {{name: gpt2, random_init: true, tokenizer: {gpt2_tokenizer_dir}, device: cpu,
+                config_overrides: {{n_layer: 1, n_embd: 32, n_head: 2}}}}
+        experiments:
+          - {{kind: logit_lens, name: a, prompts: ["The capital of France is"], target: " Parisian"}}
+          - {{kind: logit_lens, name: b, prompts: ["The capital of France is"], target: " Paris"}}
+          - {{kind: direct_logit_attribution, name: c, prompts: ["The capital of France is"], target: " Romeward"}}
+          - {{kind: logit_lens, name: d, prompts: ["The capital of France is"], target: " Paris", foil: " Lyonnais"}}
+    """)
+    assert main(["validate", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "3 steps have invalid inputs" in err
+    for name in ("a", "c", "d"):
+        assert f"({name})" in err
+    assert "(b)" not in err and err.count("exactly one token") >= 3
 
 
 def test_missing_model_fails_fast_with_advice(monkeypatch):
@@ -166,6 +188,17 @@ def test_cli_run_gpt2_config_on_random_weights(tmp_path, gpt2_tokenizer_dir, cap
     assert toks["token_id"].tolist()[:3] == [464, 3139, 286]  # no BOS: starts with the article's 464 ("The")
     assert toks["token_id"].tolist()[-5:] == [383, 3139, 286, 4881, 318]  # " The capital of France is"
     assert "NOT MET" in out
+    # `tracekit show`: the step's headline numbers, read from its saved summary (4 significant digits)
+    assert main(["show", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    step = json.loads((run_dir / "paris" / "summary.json").read_text())
+    assert "paris" in shown and "logit_lens" in shown and "expectations met: 0/5" in shown
+    # the step's expectation metrics come first (then floats, other scalars, lists)
+    assert re.search(rf"paris\s+logit_lens\s+done\s+target_prob_final\s+{step['target_prob_final']:.4g}\n", shown)
+    assert re.search(rf"\s+final_top1\s+{step['final_top1']}\n", shown)
+    assert main(["show", str(run_dir), "--max", "0"]) == 0  # every key
+    every = capsys.readouterr().out
+    assert all(k in every for k in step if k != "expectations")
     assert main(["run", str(ROOT / "experiments/paris_logit_lens.yaml"), "--out", str(tmp_path), "--no-progress",
                  "--strict", "--set", "model.random_init=true", "--set", f"model.tokenizer={gpt2_tokenizer_dir}",
                  "--set", "model.config_overrides={n_layer: 2, n_embd: 64, n_head: 4}", "--set", "model.device=cpu"]) == 1

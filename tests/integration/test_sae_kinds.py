@@ -36,7 +36,7 @@ def test_sae_features_run_save_load_dashboards(tmp_path, tiny_gpt2):
     assert len(html) == 2
     page = html[0].read_text()
     assert "http://" not in page and "https://" not in page and "<script" not in page  # self-contained
-    assert "data:image/png;base64," in page
+    assert "<svg" in page and "<table class=prompts>" in page  # density (SVG, prompt marked), the rows' tokens
     back = Result.load(out)
     assert back.summary() == json.loads(json.dumps(s, default=float)) or back.summary()["top_features_mean"] == s["top_features_mean"]
     assert set(back.dashboards()) == set(res.dashboards())

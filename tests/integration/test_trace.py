@@ -13,21 +13,34 @@ import pytest
 import torch
 
 import tracekit as tk
+from tracekit.experiments.trace import MAX_TABLE_ROWS, TOP_COMPONENTS
 from tracekit.logit_lens import landmarks, logit_lens
 from tracekit.tokens import forward_kwargs, tokenize
 from tracekit.trace import SECTIONS, parse_head
 
 PROMPT = "The capital of China is Beijing. The capital of France is"
+FOIL = " Beijing"
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=[("gpt2", None), ("llama", FOIL)], ids=["gpt2", "llama-foil"])
 def traced(request, tmp_path_factory):
+    """A trace without a foil (GPT-2) and one with a foil (Llama, GQA)."""
     from helpers import make_tiny
 
-    model = make_tiny(request.param)
-    res = tk.TokenTrace(prompts=PROMPT, target=" Paris", key_max_tokens=256, top_neurons=3).run(model, progress=False)
-    d = res.save(tmp_path_factory.mktemp(f"trace-{request.param}") / "trace")
+    arch, foil = request.param
+    model = make_tiny(arch)
+    res = tk.TokenTrace(prompts=PROMPT, target=" Paris", foil=foil, key_max_tokens=256,
+                        top_neurons=3).run(model, progress=False)
+    d = res.save(tmp_path_factory.mktemp(f"trace-{arch}") / "trace")
     return model, res, d
+
+
+def _model_metric(model, target_id, foil_id) -> float:
+    """The model's own logit (difference) at the last position."""
+    batch = tokenize(model, [PROMPT])
+    with torch.no_grad():
+        logits = model(batch.tokens, **forward_kwargs(batch)).float()[0, -1]
+    return float(logits[target_id] - (logits[foil_id] if foil_id is not None else 0.0))
 
 
 class _Collect(HTMLParser):
@@ -73,10 +86,10 @@ def test_report_has_every_section_with_figures_and_tables(traced):
     html = (d / "report.html").read_text()
     p = _parse(html)
     assert p.sections == [k for k, _ in SECTIONS]
-    for name in ("tokens", "nearest", "analogies", "head_scores", "neurons", "neuron_contexts", "components",
-                 "lens", "final_topk", "sampling", "params", "kv_cache"):
+    for name in ("tokens", "nearest", "analogies", "top_heads", "head_scores", "neurons", "neuron_contexts",
+                 "components", "lens", "final_topk", "sampling", "params", "kv_cache"):
         assert name in p.tables, name
-    for name in ("embedding_norms", "attention_last_position", "head_scores", "neurons", "components", "lens",
+    for name in ("embedding_norms", "attention_heads", "heads_dla", "head_scores", "neurons", "components", "lens",
                  "lens_grid", "final_topk", "params"):
         assert name in p.figures, name
     assert p.imgs and all(s.startswith("data:image/png;base64,") and len(s) > 1000 for s in p.imgs)
@@ -89,13 +102,13 @@ def test_report_has_every_section_with_figures_and_tables(traced):
 
 
 def test_report_references_no_external_resource(traced):
-    """Browser-free: every src/href is inline (data:) or an in-page anchor; no @import, no url() to the
-    network; no script."""
+    """Browser-free: every src/href is inline (data:), an in-page anchor, or a file saved beside the
+    report (the linked CSV tables); no @import, no url() to the network; no script."""
     _, _, d = traced
     html = (d / "report.html").read_text()
     p = _parse(html)
     for r in p.refs:
-        assert r.startswith("data:") or r.startswith("#"), r
+        assert r.startswith("data:") or r.startswith("#") or ("/" not in r and (d / r).is_file()), r
     css = "\n".join(p.styles)
     assert "@import" not in css and "url(" not in css
     assert not re.search(r"<script|<link|<iframe", html, re.I)
@@ -118,14 +131,13 @@ def test_lens_numbers_equal_the_lens_engine(traced):
 
 
 def test_dla_sums_to_the_model_logit(traced):
+    """The components add up to the model's logit difference with a foil, its target logit without."""
     model, res, _ = traced
     comp = res.tables["components"]
-    batch = tokenize(model, [PROMPT])
-    with torch.no_grad():
-        logits = model(batch.tokens, **forward_kwargs(batch)).float()[0, -1]
-    tid = res.meta["target_id"]
-    assert abs(float(comp["contribution"].sum()) - float(logits[tid])) < 1e-3
-    assert abs(res.meta["logit"] - float(logits[tid])) < 1e-4
+    want = _model_metric(model, res.meta["target_id"], res.meta["foil_id"])
+    assert abs(float(comp["contribution"].sum()) - want) < 1e-3
+    assert abs(res.meta["logit"] - want) < 1e-4
+    assert abs(res.meta["target_logit"] - _model_metric(model, res.meta["target_id"], None)) < 1e-4
     n_layers = int(model.cfg.n_layers)
     assert sorted(comp[comp["kind"] == "attn"]["layer"]) == list(range(n_layers))
     assert sorted(comp[comp["kind"] == "mlp"]["layer"]) == list(range(n_layers))
@@ -248,3 +260,147 @@ def test_config_step_and_cli(tmp_path, tiny_gpt2, monkeypatch):
     rc = cli.main(["trace", PROMPT, "--target", " Paris", "--key-max-tokens", "0", "--out", str(tmp_path / "t")])
     assert rc == 0
     assert (Path(tmp_path / "t") / "report.html").is_file()
+
+
+def _section(html_text: str, sid: str) -> str:
+    """The unescaped HTML of one report section."""
+    from html import unescape
+
+    m = re.search(rf'<section id="{sid}".*?</section>', html_text, re.S)
+    assert m, sid
+    return unescape(m.group(0))
+
+
+def test_captions_name_target_and_foil(traced):
+    """Every number that depends on the target/foil says which: the header names both, the FFN text,
+    the DLA and head captions name ``logit(target) - logit(foil)`` (``logit(target)`` without a foil);
+    the FFN text no longer claims "the target logit" when the numbers are a difference."""
+    _, res, d = traced
+    html = (d / "report.html").read_text()
+    foil = res.meta["foil"]
+    metric = "logit(' Paris')" + (f" - logit({foil!r})" if foil else "")
+    header = _section(html.replace("<p class=\"meta\">", "<section id=\"header\">", 1), "header")
+    assert "' Paris'" in header and ((repr(foil) in header) if foil else "foil" not in header.split("</p>")[0])
+    for sid in ("attention", "ffn", "residual"):
+        sec = _section(html, sid)
+        assert metric in sec, sid
+        if not foil:
+            assert " - logit(" not in sec, sid
+    ffn = _section(html, "ffn")
+    assert "target logit" not in ffn
+    assert ("contribution_target" in ffn) == bool(foil)
+    for fig in ("heads_dla", "attention_heads", "components", "neurons"):
+        cap = re.search(rf'data-figure="{fig}">.*?<figcaption>(.*?)</figcaption>', html, re.S)
+        assert cap and metric in __import__("html").unescape(cap.group(1)), fig
+    md = (d / "report.md").read_text()
+    assert metric in md and (repr(foil) in md if foil else True)
+
+
+def test_long_tables_are_cut_and_linked_not_scrolled(traced):
+    """No scroll box (nothing clipped in print): no overflow rule, no fixed-height container; a long
+    table shows its top rows and links the full table as a CSV file beside the report, which equals
+    the result's table."""
+    _, res, d = traced
+    html = (d / "report.html").read_text()
+    css = "\n".join(_parse(html).styles)
+    assert "overflow:" not in css.replace("overflow-wrap", "") and "max-height" not in css
+    assert 'class="scroll"' not in html
+    for name, body in re.findall(r'<table data-table="(\w+)">(.*?)</table>', html, re.S):
+        n_rows = body.count("<tr>") - 1
+        assert n_rows <= 64, (name, n_rows)
+    comp_rows = re.search(r'<table data-table="components">(.*?)</table>', html, re.S).group(1).count("<tr>") - 1
+    assert comp_rows == min(TOP_COMPONENTS, len(res.tables["components"]))
+    assert 'href="components.csv"' in html and 'href="heads_dla.csv"' in html
+    for name in ("components", "heads_dla"):
+        csv = pd.read_csv(d / f"{name}.csv")
+        assert list(csv.columns) == list(res.tables[name].columns)
+        assert (csv["contribution"] - res.tables[name]["contribution"]).abs().max() < 1e-6
+    # the components shown are the largest by |contribution|, in that order
+    shown = re.findall(r"<tr><td>([\w.]+)</td>", re.search(r'<table data-table="components">(.*?)</table>', html,
+                                                          re.S).group(1))
+    comp = res.tables["components"]
+    want = comp.reindex(comp["contribution"].abs().sort_values(ascending=False).index)["component"].tolist()
+    assert shown == want[:len(shown)]
+    assert MAX_TABLE_ROWS >= 10
+
+
+def test_top_heads_are_ranked_by_dla_and_patterns_equal_the_engine(traced):
+    """The small multiples show the heads with the largest |DLA| (from ``heads_dla``), best first;
+    each pattern equals the attention engine's; the raw-score head is the top head (no GPT-2 head 6
+    here), and its DLA is the ``heads_dla`` entry."""
+    from tracekit.attention import attention_pattern
+
+    model, res, _ = traced
+    hd, top, hp = res.tables["heads_dla"], res.tables["top_heads"], res.tables["head_patterns"]
+    best = hd.reindex(hd["contribution"].abs().sort_values(ascending=False).index).head(len(top))
+    assert top["component"].tolist() == best["component"].tolist()
+    assert (top["dla"].to_numpy() - best["contribution"].to_numpy() == 0).all()
+    assert len(top) == min(6, model.cfg.n_layers * model.cfg.n_heads)
+    assert res.meta["head"] == top["component"].iloc[0] and res.meta["head_source"] == "top head by DLA"
+    for r in top.itertuples():
+        ref = attention_pattern(model, PROMPT, int(r.layer)).weights[int(r.head_idx)]
+        sub = hp[hp["component"] == r.component]
+        n = ref.shape[0]
+        assert len(sub) == n * (n + 1) // 2  # the whole (short) prompt, causal half
+        got = torch.tensor(sub["weight"].to_numpy(), dtype=torch.float32)
+        want = ref[torch.tensor(sub["query_pos"].to_numpy()), torch.tensor(sub["key_pos"].to_numpy())]
+        assert (got - want.float()).abs().max() < 1e-6
+        last = res.tables["attention"]
+        row = last[(last["layer"] == r.layer) & (last["head_idx"] == r.head_idx)]
+        assert r.top_key_pos == int(row.loc[row["weight"].idxmax(), "key_pos"])
+
+
+def test_shown_head_is_the_articles_only_on_gpt2(tiny_gpt2, tiny_llama):
+    """L0H6 only on a GPT-2 with a head 6; a 4-head GPT-2 and a Llama get the prompt's top head; a
+    given head wins."""
+    from helpers import GPT2_BPE
+    from tracekit.model.load import load_model
+    from tracekit.model.spec import ModelSpec
+    from tracekit.trace import is_gpt2, shown_head
+
+    gpt2_8 = load_model(ModelSpec(name="gpt2", random_init=True, tokenizer=GPT2_BPE, device="cpu",
+                                  config_overrides={"n_layer": 1, "n_embd": 64, "n_head": 8, "n_positions": 64}))
+    ranked = [(1, 2), (0, 1)]
+    assert is_gpt2(gpt2_8) and is_gpt2(tiny_gpt2) and not is_gpt2(tiny_llama)
+    assert shown_head(gpt2_8, None, ranked) == ((0, 6), "article (GPT-2)")
+    assert shown_head(tiny_gpt2, None, ranked) == ((1, 2), "top head by DLA")
+    assert shown_head(tiny_llama, None, ranked) == ((1, 2), "top head by DLA")
+    assert shown_head(tiny_llama, (0, 3), ranked) == ((0, 3), "given")
+    assert parse_head(None, tiny_llama) is None and parse_head("L1H2", tiny_llama) == (1, 2)
+
+
+def test_neurons_with_a_foil_show_the_difference_and_the_target_alone(traced):
+    """With a foil the neurons are ranked by their contribution to the logit difference (the number
+    the caption names); ``contribution_target`` is the target logit alone, and the two differ by the
+    foil's own contribution (independent attribution calls)."""
+    from tracekit.dla import logit_attribution
+
+    model, res, _ = traced
+    neu = res.tables["neurons"]
+    L = res.meta["ffn_layer"]
+    foil = res.meta["foil"]
+    if foil is None:
+        assert "contribution_target" not in neu
+        return
+    diff = logit_attribution(model, [PROMPT], " Paris", foil, neuron_layers=[L])[0].neuron_contrib[L]
+    tgt = logit_attribution(model, [PROMPT], " Paris", None, neuron_layers=[L])[0].neuron_contrib[L]
+    fo = logit_attribution(model, [PROMPT], foil, None, neuron_layers=[L])[0].neuron_contrib[L]
+    ids = neu["neuron"].tolist()
+    assert ids == diff.argsort(descending=True)[:len(ids)].tolist()
+    assert (neu["contribution"].to_numpy() - diff[ids].numpy()).__abs__().max() < 1e-5
+    assert (neu["contribution_target"].to_numpy() - tgt[ids].numpy()).__abs__().max() < 1e-5
+    assert (neu["contribution"].to_numpy() - (tgt[ids] - fo[ids]).numpy()).__abs__().max() < 1e-4
+
+
+def test_sampling_lists_only_kept_tokens(traced):
+    """The runners-up of a setting are tokens it keeps: greedy lists one token (no special tokens at
+    0.0%), every setting lists min(3, kept) tokens."""
+    _, res, _ = traced
+    samp = res.tables["sampling"].set_index("setting")
+
+    def n_listed(s: str) -> int:
+        return len(re.findall(r" \d+\.\d%(?:, |$)", s))
+
+    assert n_listed(samp.loc["greedy", "top3"]) == 1
+    for name, r in samp.iterrows():
+        assert n_listed(r["top3"]) == min(3, int(r["kept_tokens"])), name

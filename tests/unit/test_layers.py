@@ -16,15 +16,15 @@ PKG = Path(__file__).resolve().parents[2] / "tracekit"
 
 #: Lowest first. A module's layer is the first prefix (of its dotted name) found here.
 LAYERS: list[tuple[str, ...]] = [
-    ("tracekit.core", "tracekit.errors"),  # tracekit.errors: the old path of core.errors (a re-export)
+    ("tracekit.core", "tracekit.errors", "tracekit.compat"),  # compat: TL 3.9/4.x + optional SAELens; tracekit.errors: the old path of core.errors (a re-export)
     ("tracekit.model",),
     ("tracekit.tokens", "tracekit.hooks", "tracekit.dataset", "tracekit.metrics", "tracekit.fastpath", "tracekit.corpus",
      "tracekit.resources", "tracekit.scratch", "tracekit.plotting", "tracekit.inputs", "tracekit.units"),
     ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.neurons", "tracekit.patching",
      "tracekit.circuits", "tracekit.lenses", "tracekit.steering", "tracekit.causal_tracing",
-     "tracekit.sae", "tracekit.probing", "tracekit.trace", "tracekit.verify", "tracekit.results"),
+     "tracekit.sae", "tracekit.probing", "tracekit.activations", "tracekit.trace", "tracekit.verify", "tracekit.results"),
     ("tracekit.experiments",),
-    ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep"),
+    ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep", "tracekit.export", "tracekit.activations.cli"),
     ("tracekit.cli", "tracekit.__main__", "tracekit"),  # the package root re-exports everything
 ]
 #: Compatibility shims: old module paths re-exporting a lower module.

@@ -48,7 +48,9 @@ from .. import plotting
 from ..dataset import DatasetSpec, PreparedDataset
 from ..lenses.train import TunedLensSpec, load_or_train_tuned_lens
 from ..logit_lens import LENS_POSITIONS, LayerConvention, LensPoint, landmarks, lens_points, logit_lens
+from ..results import round_sig
 from ..tokens import parse_position, single_token_id, str_tokens
+from . import onepass
 from .base import Experiment, OptionalPrompts, Result, check_dataset_fields, kind_dataset, register
 
 __all__ = ["LogitLens", "LogitLensInputs", "LogitLensResult"]
@@ -76,8 +78,8 @@ def _none_int(v) -> Optional[int]:
     return None if v is None or pd.isna(v) else int(v)
 
 
-def _none_float(v, nd: int = 6) -> Optional[float]:
-    return None if v is None or pd.isna(v) else round(float(v), nd)
+def _none_float(v) -> Optional[float]:
+    return None if v is None or pd.isna(v) else float(v)
 
 
 def _pct(p: float) -> str:
@@ -188,7 +190,7 @@ class LogitLensResult(Result):
             "n_prompts": n,
             "final_top1_by_row": rows["final_top1"].tolist(),
             "mean_entropy_by_hidden_state": self._by_hidden_state(
-                at.groupby("hidden_state")["entropy"].mean().astype(float).round(6).to_dict()),
+                at.groupby("hidden_state")["entropy"].mean().astype(float).to_dict()),
         }
         if self.has_targets:
             t = rows[rows["target_id"] >= 0]
@@ -197,26 +199,26 @@ class LogitLensResult(Result):
             out.update({
                 "target_by_row": [None if tid < 0 else tg for tg, tid in zip(rows["target"], rows["target_id"])],
                 "target_prob_final_by_row": [_none_float(v) for v in rows["target_prob_final"]],
-                "mean_target_prob_final": round(float(t["target_prob_final"].mean()), 6),
+                "mean_target_prob_final": float(t["target_prob_final"].mean()),
                 "emergence_hidden_state_by_row": [_none_int(v) for v in rows["emergence_hidden_state"]],
                 "emergence_layer_by_row": [_none_int(v) for v in rows["emergence_layer"]],
                 "jump_layer_by_row": [_none_int(v) for v in rows["jump_layer"]],
                 "median_emergence_layer": float(em_layer.median()) if len(em_layer) else None,
-                "share_rows_emerged": round(float(t["emergence_hidden_state"].notna().mean()), 6),
+                "share_rows_emerged": float(t["emergence_hidden_state"].notna().mean()),
                 "mean_target_prob_by_hidden_state": self._by_hidden_state(
-                    tat.groupby("hidden_state")["prob"].mean().astype(float).round(6).to_dict()),
+                    tat.groupby("hidden_state")["prob"].mean().astype(float).to_dict()),
                 "median_target_rank_by_hidden_state": self._by_hidden_state(
                     {h: float(v) for h, v in tat.groupby("hidden_state")["vocab_rank"].median().items()}),
-                "top1_accuracy_final": round(float((t["target_vocab_rank_final"] == 1).mean()), 6),
+                "top1_accuracy_final": float((t["target_vocab_rank_final"] == 1).mean()),
             })
             if self.has_foils:
                 f = rows[(rows["target_id"] >= 0) & (rows["foil_id"] >= 0)]
                 fat = tat[tat["foil_id"] >= 0]
                 out.update({
                     "logit_diff_final_by_row": [_none_float(v) for v in rows["logit_diff_final"]],
-                    "mean_logit_diff_final": round(float(f["logit_diff_final"].mean()), 6),
+                    "mean_logit_diff_final": float(f["logit_diff_final"].mean()),
                     "mean_logit_diff_by_hidden_state": self._by_hidden_state(
-                        fat.groupby("hidden_state")["logit_diff"].mean().astype(float).round(6).to_dict()),
+                        fat.groupby("hidden_state")["logit_diff"].mean().astype(float).to_dict()),
                 })
         if "tracked" in self.tables:
             tr = self._at_read("tracked")
@@ -224,13 +226,13 @@ class LogitLensResult(Result):
             names = list(cfg.track)
             out["tracked"] = names
             out["mean_tracked_prob_final"] = {
-                tok: round(float(np.mean([p[j] for p in fin["tracked_probs"]])), 6) for j, tok in enumerate(names)}
+                tok: float(np.mean([p[j] for p in fin["tracked_probs"]])) for j, tok in enumerate(names)}
             out["mean_tracked_prob_by_hidden_state"] = {
-                tok: self._by_hidden_state(g.groupby("hidden_state")["prob"].mean().astype(float).round(6).to_dict())
+                tok: self._by_hidden_state(g.groupby("hidden_state")["prob"].mean().astype(float).to_dict())
                 for tok, g in tr.groupby("tracked_token", sort=False)}
         if n == 1:
             out.update(self._single_row(rows.iloc[0], first))
-        return out
+        return round_sig(out)  # significant digits, never decimals (a 4e-06 stays 4e-06)
 
     def _final_at_read(self) -> pd.DataFrame:
         fin = self.tables["final"]
@@ -242,8 +244,8 @@ class LogitLensResult(Result):
         out: dict[str, Any] = {
             "final_top1": row["final_top1"],
             "top1_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["top1"]))),
-            "top1_prob_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["top1_prob"].astype(float).round(6)))),
-            "entropy_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["entropy"].astype(float).round(6)))),
+            "top1_prob_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["top1_prob"].astype(float)))),
+            "entropy_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["entropy"].astype(float)))),
         }
         if int(row["target_id"]) >= 0:
             jump = None
@@ -255,11 +257,11 @@ class LogitLensResult(Result):
             out.update({
                 "target": row["target"],
                 "target_prob_final": float(row["target_prob_final"]),
-                "target_prob_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["prob"].astype(float).round(6)))),
+                "target_prob_by_hidden_state": self._by_hidden_state(dict(zip(g["hidden_state"], g["prob"].astype(float)))),
                 "target_rank_by_hidden_state": self._by_hidden_state(
                     dict(zip(g["hidden_state"], g["vocab_rank"].astype(int)))),
                 "target_log_prob_by_hidden_state": self._by_hidden_state(
-                    dict(zip(g["hidden_state"], g["log_prob"].astype(float).round(5)))),
+                    dict(zip(g["hidden_state"], g["log_prob"].astype(float)))),
                 "emergence_hidden_state": _none_int(row["emergence_hidden_state"]),
                 "emergence_layer": _none_int(row["emergence_layer"]),
                 "jump": jump,
@@ -372,9 +374,9 @@ class LogitLensResult(Result):
         rank = at.pivot_table(index="prompt_idx", columns="hidden_state", values="vocab_rank").reindex(columns=x)
         if len(prob) <= plotting.MAX_SERIES:
             labels = self._labels(rows)
-            for pi in prob.index:
-                a1.plot(x, prob.loc[pi].to_numpy(), marker="o", ms=3, label=labels[int(pi)])
-                a2.plot(x, rank.loc[pi].to_numpy(dtype=float), marker="o", ms=3, label=labels[int(pi)])
+            for pi, st in zip(prob.index, plotting.series_styles(len(prob))):  # distinct beyond 10 rows
+                a1.plot(x, prob.loc[pi].to_numpy(), marker="o", ms=3, label=labels[int(pi)], **st)
+                a2.plot(x, rank.loc[pi].to_numpy(dtype=float), marker="o", ms=3, label=labels[int(pi)], **st)
             a1.legend(fontsize=7)
         else:  # many rows: the mean (probability) / median (rank) with a 10-90% band
             for ax, df, stat in ((a1, prob, "mean"), (a2, rank, "median")):
@@ -625,11 +627,18 @@ class LogitLens(Experiment):
         data = inputs.data
         tuned = load_or_train_tuned_lens(model, self.tuned, progress, "tuned") if self.lens == "tuned" else None
         bar = tqdm(total=len(data), desc=f"{self.lens} lens", disable=not progress, leave=False)
-        try:
-            lens = logit_lens(model, data, position=self.position, layer_convention=self.layer_convention,
+
+        def engine(track: list[int]) -> list:
+            return logit_lens(model, data, position=self.position, layer_convention=self.layer_convention,
                               top_k=self.top_k, batch_size=self.batch_size, progress=bar.update,
-                              track=list(inputs.track_ids), reads=[list(p) for p in inputs.positions],
+                              track=track, reads=[list(p) for p in inputs.positions],
                               translator=None if tuned is None else tuned.transform)
+
+        try:  # in a sweep, steps differing only in target share one pass (tracekit.experiments.onepass)
+            shared = onepass.current() if tuned is None else None
+            got = shared.lens(model, self, len(data), list(inputs.track_ids), engine) if shared else None
+            lens = engine(list(inputs.track_ids)) if got is None else onepass.split_lens(
+                got[0], got[1], len(inputs.track_ids), [e.target_id for e in data.examples])
         finally:
             bar.close()
         decode = _Decoder(model)

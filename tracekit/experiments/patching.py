@@ -68,6 +68,7 @@ from ..core.errors import DatasetError
 from ..dataset import DatasetSpec, Example, PreparedDataset, Row
 from ..errors import PatchingError
 from ..tokens import Position, check_length, encode, parse_position, single_token_id
+from . import patching_tables as T
 from .base import Experiment, Indices, OptionalPrompts, Result, register
 from .pairs import PromptPair, load_pairs
 from .patching_tables import baselines_frame, job_frame, normalise, rows_frame, tokens_frame
@@ -142,7 +143,12 @@ class ActivationPatchingResult(Result):
       neuron, token, mean_value, mean_delta, mean_normalized, mean_effect}`` (``mean_value``: the
       mean over unflagged rows of the patched score; ``mean_delta``: minus the mean clean score;
       ``mean_normalized`` / ``mean_effect``: that mean normalised by the mean clean and corrupted
-      scores); ``top_by_site``: ``{"<intervention>/<site>": the top 3 such records}``.
+      scores). The list ranks the component sites (``attn``, ``mlp``, ``heads``, ``neurons``)
+      when the run patched any, else the residual stream (``top_sites_families`` says which);
+      ``top_resid_sites``: the residual-stream lines ranked apart (a residual patch moves a
+      position's whole state, so it would crowd out the components). Lines whose effect is fixed by
+      construction are left out of both (:meth:`top_sites`). ``top_by_site``:
+      ``{"<intervention>/<site>": the top 3 such records}``. Numbers are not rounded (float64 of the tables).
     """
 
     config: "ActivationPatching"
@@ -154,8 +160,12 @@ class ActivationPatchingResult(Result):
                     "interventions", "sites", "positions", "mean_clean", "mean_corrupted",
                     "clean_logit_diff_by_row", "corrupted_logit_diff_by_row", "correct_by_row",
                     "share_rows_correct", "flagged_rows", "n_rows_flagged", "n_rows_unflagged",
-                    "metrics_with_flagged_mean", "baseline_population", "ranked_by", "top_sites", "top_by_site")
+                    "metrics_with_flagged_mean", "baseline_population", "ranked_by", "top_sites", "top_sites_families",
+                    "top_resid_sites", "top_by_site")
     table_names = ("main", "rows", "baselines", "tokens")
+    #: First in the notebook display (``_repr_html_``).
+    headline_keys = ("n_rows", "main_metric", "ranked_by", "mean_clean", "mean_corrupted", "share_rows_correct",
+                     "n_rows_flagged", "top_sites_families", "top_sites")
     #: Why a summary value can be null (quoted when a pipeline reference resolves to null).
     null_reasons = {
         "share_rows_correct": "the rows have no foil, so there is no logit difference to call correct",
@@ -189,20 +199,82 @@ class ActivationPatchingResult(Result):
                          else f"pos {int(r['pos_from_end'])}")
         return " ".join(parts)
 
-    def top_sites(self, k: int | None = None, intervention: str | None = None, site: str | None = None,
-                  metric: str | None = None) -> pd.DataFrame:
+    def top_sites(self, n: int | None = None, intervention: str | None = None, site: str | None = None,
+                  metric: str | None = None, *, family: str | list[str] = "auto", trivial: bool = False,
+                  k: int | None = None) -> pd.DataFrame:
         """Mean-over-rows lines with the largest |effect| (|delta| without corrupted prompts; ties:
         lower layer first). ``effect`` is ``normalized`` for denoising and ``1 - normalized`` for
-        noising and ablations (the damage)."""
+        noising and ablations (the damage).
+
+        The residual stream is ranked apart from the components: a residual-stream patch moves the
+        whole state of a position, so late layers at the last token restore nearly everything and
+        would fill the list. ``family="auto"`` ranks the component sites (``attn``, ``mlp``,
+        ``heads``, ``neurons``) when the run patched any, else the residual stream; lines whose
+        effect is fixed by construction (:func:`~tracekit.experiments.patching_tables.trivial_lines`:
+        the last block's ``resid_post`` at the last token, block 0's ``resid_pre`` at the only
+        changed token, whole-layer residual sites) are left out unless ``trivial=True``.
+
+        Args:
+            n: lines returned (default: the config's ``top_k``).
+            intervention: only this intervention (``denoising``, ``noising``, ``zero``, ...).
+            site: only this site (``resid_pre``, ``head_out``, ...).
+            metric: the metric ranked (default: ``main_metric``).
+            family: ``auto``, ``all``, or one family or a list of
+                :data:`~tracekit.experiments.patching_tables.SITE_FAMILIES` (``resid``, ``attn``,
+                ``mlp``, ``heads``, ``neurons``).
+            trivial: keep the by-construction residual lines.
+            k: the former name of ``n`` (kept as an alias).
+
+        Returns:
+            The ``main`` lines (``scope`` ``mean``), best first, with columns ``family`` and ``trivial``.
+
+        Raises:
+            TypeError: ``n`` and ``k`` both given with different values.
+            ValueError: an unknown family.
+        """
+        if n is not None and k is not None and n != k:
+            raise TypeError(f"top_sites: give n (or its alias k), not both (n={n}, k={k})")
+        n = n if n is not None else k
         df = self._mean_rows(metric)
         if intervention is not None:
             df = df[df["intervention"] == intervention]
         if site is not None:
             df = df[df["site"] == site]
+        df = df.assign(family=df["site"].astype(str).map(T.site_family))
+        df = df.assign(trivial=self._trivial().reindex(df.index).fillna(False).astype(bool))
+        fams = self._families(family, df)
+        df = df[df["family"].isin(fams) & (trivial | ~df["trivial"])]
         col = self.ranked_by
         df = df[df[col].notna()]
         df = df.assign(_abs=df[col].abs()).sort_values(["_abs", "layer"], ascending=[False, True])
-        return df.drop(columns="_abs").head(k or self.config.top_k)
+        return df.drop(columns="_abs").head(n or self.config.top_k)
+
+    def _trivial(self) -> pd.Series:
+        """:func:`~tracekit.experiments.patching_tables.trivial_lines` of the mean lines (computed once)."""
+        main = self.tables["main"]
+        key = (id(main), len(main))
+        if getattr(self, "_trivial_key", None) != key:
+            mean = main[main["scope"] == "mean"]
+            self._trivial_flags = T.trivial_lines(mean, self._rows_table(), self.tables["tokens"],
+                                                  int(self.meta.get("n_layers", 0)))
+            self._trivial_key = key
+        return self._trivial_flags
+
+    def top_heads(self, n: int | None = None, **kw) -> pd.DataFrame:
+        """:meth:`top_sites` of the attention heads (``family="heads"``; the other arguments as there)."""
+        return self.top_sites(n, family="heads", **kw)
+
+    @staticmethod
+    def _families(family: str | list[str], df: pd.DataFrame) -> list[str]:
+        """The families ``top_sites`` ranks (``auto``: the components when any were patched)."""
+        if family == "auto":
+            comps = sorted(set(df["family"]) - {"resid"})
+            return comps or ["resid"]
+        fams = list(T.SITE_FAMILIES) + ["other"] if family == "all" else [family] if isinstance(family, str) else family
+        bad = [f for f in fams if f not in T.SITE_FAMILIES and f != "other"]
+        if bad:
+            raise ValueError(f"family: unknown {bad}; use 'auto', 'all' or of {list(T.SITE_FAMILIES)}")
+        return list(fams)
 
     def _rows_table(self) -> pd.DataFrame:
         """The ``rows`` table (results saved before it existed: built from ``baselines``)."""
@@ -264,7 +336,7 @@ class ActivationPatchingResult(Result):
                  "label": self._site_label(r)}
             for c in ("value", "delta", "normalized", "effect"):
                 v = r.get(c)
-                d[f"mean_{c}"] = None if pd.isna(v) else round(float(v), 6)
+                d[f"mean_{c}"] = None if pd.isna(v) else float(v)  # unrounded, as every number of this summary
             for c in ("position", "head_idx", "neuron"):
                 if not pd.isna(r.get(c)):
                     d[c] = int(r[c])
@@ -273,7 +345,10 @@ class ActivationPatchingResult(Result):
                     d[c] = r[c]
             return d
 
-        out["top_sites"] = [rec(r) for _, r in self.top_sites().iterrows()]
+        top = self.top_sites()
+        out["top_sites"] = [rec(r) for _, r in top.iterrows()]
+        out["top_sites_families"] = sorted(set(top["family"]))
+        out["top_resid_sites"] = [rec(r) for _, r in self.top_sites(family="resid").iterrows()]
         by = {}
         for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):
             top = self.top_sites(k=3, intervention=d, site=s)
@@ -311,9 +386,14 @@ class ActivationPatchingResult(Result):
         def num(v, w):
             return f"{v:+{w}.4f}" if v is not None else f"{'-':>{w}}"
 
-        for t in s["top_sites"]:
-            lines.append(f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
-                         f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
+        def line(t) -> str:
+            return (f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
+                    f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
+
+        lines += [line(t) for t in s["top_sites"]]
+        if "resid" not in s["top_sites_families"] and s["top_resid_sites"]:
+            lines.append("residual stream, ranked apart (a whole position's state; by-construction lines left out):")
+            lines += [line(t) for t in s["top_resid_sites"][:3]]
         return "\n".join(lines)
 
     # ---- figures -------------------------------------------------------------------------

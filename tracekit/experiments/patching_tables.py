@@ -20,7 +20,8 @@ from ..dataset import PreparedDataset
 from ..metrics import normalize
 from ..tokens import str_tokens
 
-__all__ = ["tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS"]
+__all__ = ["tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS", "SITE_FAMILIES",
+           "site_family", "trivial_lines"]
 
 #: Columns of the ``main`` table, in order.
 MAIN_COLUMNS = ["scope", "intervention", "site", "hook", "layer", "position", "position_name", "pos_from_end",
@@ -203,4 +204,80 @@ def normalise(main: pd.DataFrame, baselines: pd.DataFrame, equal: bool, min_deno
     for c in _INT_COLUMNS:
         out[c] = out[c].astype("Int64")
     out["position_name"] = out["position_name"].astype(object).where(out["position_name"].notna(), None)
+    return out
+
+
+#: Site families of :meth:`ActivationPatchingResult.top_sites` (``family=``): family -> its sites'
+#: name prefixes. ``resid`` is the residual stream (a cut through the whole state of a position);
+#: the others are components writing into it.
+SITE_FAMILIES: dict[str, tuple[str, ...]] = {"resid": ("resid_",), "attn": ("attn_out",), "mlp": ("mlp_out",),
+                                             "heads": ("head_",), "neurons": ("neuron",)}
+
+
+def site_family(site: str) -> str:
+    """The family (a key of :data:`SITE_FAMILIES`) of a site name, ``other`` for none."""
+    for fam, prefixes in SITE_FAMILIES.items():
+        if site.startswith(prefixes):
+            return fam
+    return "other"
+
+
+def _row_positions(line, rows: pd.DataFrame) -> np.ndarray | None:
+    """Each row's token index of a mean line's position (named: ``pos_<NAME>``; else from the end)."""
+    name = line["position_name"]
+    if isinstance(name, str):
+        col = f"pos_{name}"
+        return rows[col].to_numpy(dtype=np.int64) if col in rows else None
+    pfe = line["pos_from_end"]
+    return None if pd.isna(pfe) else rows["n_tokens"].to_numpy(dtype=np.int64) + int(pfe)
+
+
+def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame, n_layers: int) -> pd.Series:
+    """Which lines are residual-stream patches whose effect is fixed by construction (not a finding).
+
+    A line is trivial when its site is the residual stream and the patch replaces everything the
+    result depends on:
+
+    * a whole-layer residual site (``resid_pre_layer``, ``resid_mid_layer``, ``resid_post_layer``):
+      every position's whole state, so the run from there on is the source run (effect 1);
+    * ``resid_post`` of the last block at each row's last token: the very vector the unembedding
+      reads (effect 1, for every intervention);
+    * ``resid_pre`` of block 0 (the embeddings) at each row's only position where the clean and
+      corrupted tokens differ, for ``denoising``/``noising``: the patched run is the other run (effect 1).
+
+    Args:
+        lines: lines of the ``main`` table (``site``, ``layer``, ``intervention``, ``position_name``,
+            ``pos_from_end``).
+        rows: the ``rows`` table (``n_tokens``, ``pos_<NAME>``), one line per row in ``pair`` order.
+        tokens: the ``tokens`` table (clean and corrupted tokens of every row).
+        n_layers: the model's number of blocks.
+
+    Returns:
+        A boolean Series aligned with ``lines``.
+    """
+    out = pd.Series(False, index=lines.index)
+    if lines.empty:
+        return out
+    resid = lines["site"].astype(str).str.startswith("resid_")
+    out |= resid & lines["site"].astype(str).str.endswith("_layer")
+    if "n_tokens" not in rows:  # a result saved before the rows table: only the whole-layer rule
+        return out
+    last = rows["n_tokens"].to_numpy(dtype=np.int64) - 1
+    wide = tokens.pivot_table(index=["pair", "position"], columns="prompt", values="token_id", aggfunc="first")
+    diff: dict[int, set] = {int(p): set() for p in rows["pair"]}
+    if "corrupted" in wide:
+        d = wide[wide["clean"] != wide["corrupted"]]
+        for pair, pos in d.index:
+            diff[int(pair)].add(int(pos))
+    sole = [diff[int(p)] for p in rows["pair"]]
+    layer = lines["layer"].astype(int)
+    cand = lines[((lines["site"] == "resid_post") & (layer == n_layers - 1)) | ((lines["site"] == "resid_pre") & (layer == 0))]
+    for i, ln in cand.iterrows():
+        pos = _row_positions(ln, rows)
+        if pos is None:
+            continue
+        if ln["site"] == "resid_post":
+            out[i] = bool(np.all(pos == last))
+        elif ln["intervention"] in ("denoising", "noising"):
+            out[i] = all(s == {int(p)} for s, p in zip(sole, pos))
     return out

@@ -161,7 +161,8 @@ class PatchscopeResult(Result):
         if self.has_targets:
             fig, ax = plt.subplots(figsize=(7, 4))
             t = main[main["target_id"] >= 0]
-            series = {f"row {r.row_id}: {r.target!r}": t[t["prompt_idx"] == r.prompt_idx]["target_prob"].to_numpy()
+            series = {f"row {r.row_id}: {plotting.short_text(r.prompt, 28)} → {r.target!r}":
+                      t[t["prompt_idx"] == r.prompt_idx]["target_prob"].to_numpy()
                       for r in rows[rows["target_id"] >= 0].itertuples()}
             x = sorted(t["hidden_state"].unique().tolist())
             plotting.curves(ax, x, series)
@@ -181,7 +182,8 @@ class PatchscopeResult(Result):
             for j, h in enumerate(hs):
                 grid[i, j] = g.loc[h, "top1_prob"]
                 text[i][j] = repr(g.loc[h, "top1"])[1:-1]
-        figs["top1_grid"] = plotting.heatmap(grid, hs, [f"row {r}" for r in shown["row_id"]], vmin=0, vmax=1,
+        ylab = [f"row {r.row_id}: {plotting.short_text(r.prompt, 24)}" for r in shown.itertuples()]
+        figs["top1_grid"] = plotting.heatmap(grid, hs, ylab, vmin=0, vmax=1,
                                              cell_text=text, title="Patchscope top-1 token (colour: its probability)",
                                              xlabel=_HS_LABEL, colorbar_label="p(top-1)")
         return figs

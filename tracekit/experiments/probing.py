@@ -41,19 +41,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional, Union
 
+import numpy as np
 import pandas as pd
 import torch
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .. import plotting
+from ..activations import MANIFEST as STORE_MANIFEST
+from ..activations import ActivationStore
 from ..dataset import DatasetSpec, GeneratorSpec, Row
 from ..errors import ProbingError
 from ..hooks import check_hooks
 from ..probing import (
     EMBEDDING_HOOK,
     SITES,
+    Activations,
     ProbeDataset,
     country_dataset,
     extract_activations,
@@ -413,6 +418,10 @@ class LinearProbe(Experiment):
         cache_dir: write activations here as safetensors chunks (kept); default memory, spilling to a
             scratch folder (removed on exit, Ctrl-C and SIGTERM) above ``max_memory_mb``.
         max_memory_mb: in-memory activation budget (MiB).
+        store: read the activations from this activation store (a folder written by ``kind: activations``
+            / ``tracekit cache-activations`` from the same rows at the same ``position``, holding every
+            probed hook, the embedding baseline ``blocks.0.hook_resid_pre`` included) instead of running
+            the model; a store from another model, other rows or without a hook is refused. Default none.
         save_directions: keep every probe's weights in the result's arrays.
 
     Raises (from :meth:`check` / :meth:`run`):
@@ -444,6 +453,7 @@ class LinearProbe(Experiment):
     correction: Literal["bonferroni", "none"] = "bonferroni"
     shortcut_margin: float = Field(default=0.05, ge=0)
     cache_dir: Optional[str] = None
+    store: Optional[str] = None
     max_memory_mb: float = Field(default=1024.0, gt=0)
     save_directions: bool = True
 
@@ -470,6 +480,13 @@ class LinearProbe(Experiment):
             raise ValueError(f"position: {self.position!r} is not a position form here: named positions (END, SUBJ...) "
                              "come from a dataset's rows (dataset: {rows: ...} or {generator: ...}); use last, mean, "
                              "all, an index, token:<text> or field:<column>")
+        return self
+
+    @model_validator(mode="after")
+    def _store_or_cache(self):
+        if self.store is not None and self.cache_dir is not None:
+            raise ValueError("store: activations come from the store, so cache_dir has nothing to write; give one "
+                             "of store and cache_dir")
         return self
 
     @model_validator(mode="after")
@@ -522,7 +539,22 @@ class LinearProbe(Experiment):
             group_kfold(inputs.dataset, self.cv_folds, self.group_by, self.seed)
         else:
             group_split(inputs.dataset, self.group_by, self.test_size, self.seed)
+        if self.store is not None and (Path(self.store).expanduser() / STORE_MANIFEST).is_file():
+            self._store(inputs)  # a store an earlier step of the same run writes is checked when this step runs
         return inputs
+
+    def _store(self, inputs: LinearProbeInputs) -> tuple[ActivationStore, np.ndarray]:
+        """The ``store`` opened and checked against the hooks and the rows (token ids and read
+        positions; not the model): ``(store, the store row of each dataset row)``.
+
+        Raises:
+            StoreError: no complete store there, a probed hook missing, a row (at its position) missing.
+        """
+        assert self.store is not None
+        store = ActivationStore(self.store, "store")
+        store.require_hooks([h for _, _, h in inputs.targets], "store")
+        mean = parse_position(self.position, POSITION_FORMS_PROBING).kind == "mean"
+        return store, store.match_rows(inputs.ids, inputs.positions, mean, "store")
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -535,9 +567,15 @@ class LinearProbe(Experiment):
         ds = inputs.dataset
         targets = list(inputs.targets)
         fields = None if inputs.fields is None else list(inputs.fields)
-        with extract_activations(model, ds.texts, [h for _, _, h in targets], self.position, self.batch_size,
-                                 fields=fields, cache_dir=self.cache_dir,
-                                 max_memory_mb=self.max_memory_mb, progress=progress) as acts:
+        if self.store is not None:  # read from the store: no forward pass
+            store, store_rows = self._store(inputs)
+            store.check_model(model, "store")
+            source = Activations.from_store(store, [h for _, _, h in targets], store_rows)
+        else:
+            source = extract_activations(model, ds.texts, [h for _, _, h in targets], self.position, self.batch_size,
+                                         fields=fields, cache_dir=self.cache_dir,
+                                         max_memory_mb=self.max_memory_mb, progress=progress)
+        with source as acts:
             t_extract = time.time() - t0
             out = probe_layers(acts, ds, targets, group_by=self.group_by, test_size=self.test_size,
                                cv_folds=self.cv_folds, seed=self.seed, Cs=self.Cs, alphas=self.alphas,
@@ -555,6 +593,7 @@ class LinearProbe(Experiment):
                           "(standardisation undone); rows = classes (multiclass) or the positive class "
                           "classes[1] (binary)",
             "seconds": {"extract": round(t_extract, 2), "total": round(time.time() - t0, 2)},
+            "activations_from": self.store if self.store is not None else "model",
         })
         return LinearProbeResult(self, {"main": out.main, "predictions": out.predictions, "split": out.split},
                                  meta, out.directions)

@@ -24,8 +24,6 @@ the SAE's input units; ``direct``/``total``/``contribution`` in logits; losses i
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 from dataclasses import dataclass, replace
@@ -47,11 +45,11 @@ from ..sae import (
     check_sae,
     decoder_vocab,
     eval_windows,
-    feature_dashboard_html,
     random_features,
     sae_info,
     top_activating_contexts,
 )
+from ..sae.dashboard import feature_dashboards, prompt_activations, sae_identity
 from ..sae.decompose import feature_decompositions
 from ..sae.interventions import feature_interventions
 from ..tokens import PositionSpec, check_length, encode
@@ -145,21 +143,6 @@ class SAEDashboardConfig(StrictModel):
     batch_size: int = Field(default=8, ge=1)
     top_n: int = Field(default=8, ge=1)
     vocab_k: int = Field(default=10, ge=1)
-
-
-def _density_png(values: np.ndarray, feature: int) -> str:
-    p = plotting.plt()
-    fig, ax = p.subplots(figsize=(5, 2.4))
-    if len(values):
-        ax.hist(values, bins=30, color="C1")
-    ax.set_xlabel("activation (> 0)")
-    ax.set_ylabel("tokens")
-    ax.set_title(f"feature {feature}: activation histogram")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    p.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 @dataclass(frozen=True)
@@ -264,8 +247,10 @@ class SAEFeaturesResult(Result):
       ``top_feature_total``.
     * when asked: ``interventions``, ``vocab`` (``feature``, ``side``, ``top_rank``, ``token``,
       ``token_id``, ``logit``), ``contexts`` (``feature``, ``top_rank``, ``activation``, ``window``,
-      ``position``, ``token``, ``context``, ``tokens``, ``token_acts``) and ``density`` (activation
-      histograms).
+      ``position``, ``token``, ``context``, ``tokens``, ``token_acts``), ``density`` (activation
+      histograms) and ``prompt_acts`` (the dashboard features' activation on every token of every
+      row: ``row_id``, ``feature``, ``position``, ``token``, ``special``, ``read``, ``activation``;
+      :func:`tracekit.sae.dashboard.prompt_activations`).
 
     ``interventions``: one row per dataset row x (verb, value) x set; :data:`ROW_INTERVENTION_COLUMNS`,
     shared with ``neuron_attribution``: ``row_id``, ``set`` (top | random), ``draw`` (0 top,
@@ -305,7 +290,7 @@ class SAEFeaturesResult(Result):
                        "interventions.clean_logit": "clean_logit_diff", "interventions.logit": "patched_logit_diff",
                        "interventions.delta_logit": "delta_logit_diff", "rank": "top_rank", "prompt_idx": "row_id"}
     table_names = ("features", "features_mean", "terms", "tokens", "rows", "interventions", "vocab", "contexts",
-                   "density")
+                   "density", "prompt_acts")
     summary_keys = ("hook", "sae", "d_sae", "n_rows", "row_id_by_row", "dataset_source", "rows_dropped", "metric",
                     "target_by_row", "foil_by_row", "position_by_row", "rank_by", "logit_diff_by_row",
                     "mean_logit_diff", "top_features_mean", "top_features_by_row", "top_feature_by_row",
@@ -461,32 +446,9 @@ class SAEFeaturesResult(Result):
         return figs
 
     def dashboards(self) -> dict[int, str]:
-        """feature -> self-contained HTML page (from the ``contexts``, ``vocab`` and ``density`` tables)."""
-        ctx = self.tables.get("contexts")
-        if ctx is None:
-            return {}
-        vocab = self.tables.get("vocab", pd.DataFrame(columns=["feature", "side", "top_rank", "token", "logit"]))
-        dens = self.tables.get("density", pd.DataFrame(columns=["feature", "activation"]))
-        fm = self.tables["features_mean"]
-        n = int(len(self.tables["rows"]))
-        out = {}
-        for f in self.meta.get("dashboard_features", []):
-            row = fm[fm["feature"] == f]
-            vals = dens[dens["feature"] == f]["activation"].to_numpy()
-            n_tok = int(self.meta.get("dashboard_tokens", 0))
-            stats = {"hook": self.meta.get("hook"), "SAE": self.meta.get("sae"),
-                     f"mean activation at the read position over {n} row(s)":
-                         rounded(row["mean_activation"].iloc[0]) if len(row) else None,
-                     "mean direct contribution over rows (logits)": rounded(row["mean_direct"].iloc[0]) if len(row) else None,
-                     "mean total attribution over rows (logits)": rounded(row["mean_total"].iloc[0]) if len(row) else None,
-                     "rows where active": int(row["n_rows_active"].iloc[0]) if len(row) else 0,
-                     "corpus tokens scanned": n_tok,
-                     "activation density": rounded(len(vals) / n_tok, 6) if n_tok else None}
-            out[int(f)] = feature_dashboard_html(
-                int(f), f"Feature {f} of {self.meta.get('sae')} ({self.meta.get('hook')})", stats,
-                ctx[ctx["feature"] == f].rename(columns={"top_rank": "rank"}),
-                vocab[vocab["feature"] == f].rename(columns={"top_rank": "rank"}), _density_png(vals, int(f)))
-        return out
+        """feature -> self-contained HTML page (from the ``contexts``, ``vocab``, ``density`` and
+        ``prompt_acts`` tables; :func:`tracekit.sae.dashboard.feature_dashboards`)."""
+        return feature_dashboards(self.tables, self.meta)
 
     def save(self, directory, figures: bool = True):
         """:meth:`Result.save`, then the dashboards as ``dashboard_feature_<f>.html`` next to it."""
@@ -614,6 +576,7 @@ class SAEFeatures(RowTargetsExperiment):
         meta = {"hook": h.hook, "sae": h.info.source, "d_sae": h.d_sae, "d_in": h.d_in,
                 "max_sum_error": float(tables["rows"]["sum_error"].max()),
                 "sae_path": h.path, "sae_cache_hit": h.cache_hit, "sae_prepend_bos": h.info.prepend_bos,
+                "sae_identity": sae_identity(h),
                 "dataset": dataset_meta(data),
                 "attribution": "direct: activation x decoder row . u_eff / sigma (frozen final-norm scale); total: "
                                "activation x decoder row . d metric / d activation, summed over non-special positions"}
@@ -621,7 +584,7 @@ class SAEFeatures(RowTargetsExperiment):
             tables["interventions"] = self._interventions(model, h, inputs, features, decs)
         fm = tables["features_mean"]
         if self.dashboards is not None:
-            self._dashboards(model, h, tables, meta)
+            self._dashboards(model, h, tables, meta, decs, [e.row_id for e in data.examples])
         elif len(fm):
             tables["vocab"] = decoder_vocab(model, h, fm["feature"].head(self.top_k).tolist(), 10).rename(
                 columns={"rank": "top_rank"})
@@ -695,7 +658,7 @@ class SAEFeatures(RowTargetsExperiment):
         out.sort(key=lambda t: t[0])  # per row, then (verb, value), then set
         return pd.DataFrame([r for _, r in out], columns=ROW_INTERVENTION_COLUMNS)
 
-    def _dashboards(self, model, h, tables: dict, meta: dict) -> None:
+    def _dashboards(self, model, h, tables: dict, meta: dict, decs, row_ids: list) -> None:
         cfg = self.dashboards
         assert cfg is not None
         fm = tables["features_mean"].sort_values("top_rank")
@@ -708,8 +671,10 @@ class SAEFeatures(RowTargetsExperiment):
         tables["density"] = pd.DataFrame([{"feature": int(f), "activation": float(v)}
                                           for f, vals in hist.items() for v in vals],
                                          columns=["feature", "activation"])
+        tables["prompt_acts"] = prompt_activations(decs, row_ids, chosen)
         meta["dashboard_features"] = [int(f) for f in chosen]
         meta["dashboard_tokens"] = int(sum(len(w) for w in wins))
+        meta["dashboard_windows"] = len(wins)
 
 
 def torch_topk(a, k: int):

@@ -170,6 +170,8 @@ class SteeringInputs(RowInputs):
 
 
 def _position_items(v: Any) -> list:
+    if v is None:
+        return []  # `steer_at: null` -> the "give at least one position" error below
     return [v] if isinstance(v, (int, str)) else list(v)
 
 

@@ -7,7 +7,9 @@ held out when the sha256 of its id is 0 mod 5, so ~20% of the text), and cut int
 most ``seq_len`` tokens (:func:`tracekit.corpus.token_windows`). The residual stream at every
 hidden state is cached once, at the windows' real tokens only (BOS and padding excluded), into a
 memory-mapped scratch file (float32, ``[n_layers + 1, n_tokens, d_model]``; memory stays bounded by
-one batch of windows).
+one batch of windows). With ``store`` (:func:`store_tokens`) they are copied from an activation
+store (:mod:`tracekit.activations`) of the same model instead: corpus windows at position ``all``,
+split by document the same way, so the same corpus and ``seq_len`` give the same tokens and lens.
 
 Loss (tuned-lens ``scripts/train_loop.py``, ``--loss kl``): for every translator ``h < n_layers``,
 ``KL(p_final || p_lens_h)`` in nats, averaged over tokens, where ``p_final`` is the model's own
@@ -21,7 +23,8 @@ of the learning rate; seeded (token order and nothing else is random: translator
 
 Cache: the trained lens is saved under ``$TRACEKIT_CACHE_DIR/tuned_lenses/<key>`` (default
 ``~/.cache/tracekit``), ``key`` = sha256 of the model's fingerprint, residual basis, BOS and dtype,
-the training config and the token ids trained and evaluated on (the corpus content), written
+the training config and the token ids trained and evaluated on (the corpus content; with a store,
+also the sha256 of its manifest), written
 atomically with a files manifest (sizes and sha256, checked on every hit); so the first run trains
 and later runs load.
 """
@@ -36,6 +39,7 @@ import shutil
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Optional, Sequence, Union
 
@@ -43,19 +47,23 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from ..activations.store import MANIFEST, ActivationStore, StoreError
 from ..core.cachedir import remove_stale_temps
 from ..core.errors import ConfigError, CorpusError
-from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
+from ..core.io import ManifestInvalid, file_sha256, verify_files_manifest, write_files_manifest
 from ..core.strict import StrictModel
 from ..corpus import Window, iter_documents, token_windows, window_batches
 from ..fastpath import residual_stream
 from ..logit_lens import lens_points
+from ..model.load import model_spec_of
 from ..model.readout import Readout
 from ..scratch import scratch_dir
+from ..tokens import encode
 from .tuned import CONFIG_FILE, PARAMS_FILE, TRACEKIT_FILE, TunedLens, lens_log_probs, residual_basis
 
 __all__ = ["TunedLensSpec", "document_split", "split_windows", "cache_residuals", "train_tuned_lens",
-           "load_or_train_tuned_lens", "tuned_lens_cache_dir", "held_out_kl", "ResidualCache"]
+           "load_or_train_tuned_lens", "tuned_lens_cache_dir", "held_out_kl", "ResidualCache",
+           "StoreTokens", "store_tokens"]
 
 #: One document in this many is held out (by the sha256 of its id).
 HELD_OUT_EVERY = 5
@@ -67,6 +75,11 @@ class TunedLensSpec(StrictModel):
     Fields:
         path: a saved lens folder (tracekit's or the tuned-lens package's layout); then nothing is
             trained and the training fields are ignored.
+        store: an activation store (:mod:`tracekit.activations`) to train from instead of running
+            the model: written by this model from a corpus at position ``all`` with every hidden
+            state's hook (``blocks.0.hook_resid_pre``, ``blocks.{L}.hook_resid_post``); its windows
+            are split by document as the corpus's (:func:`document_split`), so ``corpus``,
+            ``seq_len`` and ``batch_size`` are the store's (ignored here).
         corpus: training text: ``stdlib`` (default, offline), a ``.txt``/``.md``/``.jsonl`` file, a
             folder of them, or a list; only its training documents are used (:func:`document_split`).
         train_tokens: tokens trained on (BOS excluded; default 4096).
@@ -86,6 +99,7 @@ class TunedLensSpec(StrictModel):
     """
 
     path: Optional[str] = None
+    store: Optional[str] = None
     corpus: Union[str, list[str]] = "stdlib"
     train_tokens: int = Field(default=4096, ge=8)
     seq_len: int = Field(default=128, ge=4)
@@ -103,7 +117,7 @@ class TunedLensSpec(StrictModel):
 
     def training_fields(self) -> dict:
         """The fields that change the trained lens (the cache key's part of the config)."""
-        return self.model_dump(mode="json", exclude={"path", "cache", "batch_size"})
+        return self.model_dump(mode="json", exclude={"path", "store", "cache", "batch_size"})
 
 
 def tuned_lens_cache_dir() -> Path:
@@ -212,6 +226,101 @@ def cache_residuals(model, windows: Sequence[Window], folder: Path, batch_size: 
     return ResidualCache(acts, next_ids)
 
 
+@dataclass
+class StoreTokens:
+    """The tokens a tuned lens trains and is evaluated on, read from an activation store.
+
+    Attributes:
+        store: the opened store (checked against the model).
+        train: the training windows (store rows of training-side documents, the last one cut to
+            ``train_tokens``; ``start`` is -1: the store does not record it).
+        held_out: the held-out windows (held-out-side documents, cut to ``held_out_tokens``).
+        train_examples: ``[n_train_tokens]`` the store examples of ``train``, increasing.
+        held_out_examples: ``[n_held_out_tokens]`` those of ``held_out``.
+        manifest_sha256: sha256 of the store's ``manifest.json`` (its identity in the cache key).
+    """
+
+    store: ActivationStore
+    train: list[Window]
+    held_out: list[Window]
+    train_examples: np.ndarray
+    held_out_examples: np.ndarray
+    manifest_sha256: str
+
+    def residuals(self, model, part: str, folder: Path) -> ResidualCache:
+        """The :class:`ResidualCache` of one side (``"train"`` / ``"held_out"``), copied from the store
+        into ``folder/residuals.npy`` (float32; one store slice in memory at a time)."""
+        wins, ex = (self.train, self.train_examples) if part == "train" else (self.held_out, self.held_out_examples)
+        n_layers = int(model.cfg.n_layers)
+        acts = np.lib.format.open_memmap(folder / "residuals.npy", mode="w+", dtype=np.float32,
+                                         shape=(n_layers + 1, len(ex), int(model.cfg.d_model)))
+        self.store.read_into([p.hook for p in lens_points(n_layers, "hidden_states")], ex, acts)
+        acts.flush()
+        next_ids = np.full(len(ex), -1, dtype=np.int64)
+        at = 0
+        for w in wins:
+            k = len(w.ids) - w.n_prefix
+            next_ids[at:at + k - 1] = np.asarray(w.ids[w.n_prefix + 1:], dtype=np.int64)
+            at += k
+        return ResidualCache(acts, next_ids)
+
+
+def store_tokens(model, spec: TunedLensSpec, field: str = "tuned") -> StoreTokens:
+    """Open ``spec.store`` and pick the tokens to train and evaluate on: its windows split by
+    document (:func:`document_split`), in store order, until ``train_tokens`` / ``held_out_tokens``
+    text tokens (the tokens :func:`split_windows` gives on the corpus the store was written from,
+    when the store holds enough of it and used the same ``seq_len``).
+
+    Args:
+        model: the hooked model the store must have been written with.
+        spec: the lens spec (``store`` set).
+        field: the config field quoted in errors (``<field>.store``).
+
+    Returns:
+        The :class:`StoreTokens`.
+
+    Raises:
+        StoreError: no complete store at the path; a store of another model; one not written from a
+            corpus at position ``all`` (or without its documents recorded); a hidden state's hook
+            missing; fewer training / held-out tokens than asked for.
+    """
+    assert spec.store is not None
+    f = f"{field}.store"
+    store = ActivationStore(spec.store, field=f)
+    store.check_model(model, f)
+    man = store.manifest
+    if man.get("source", {}).get("kind") != "corpus" or store.position != "all" or "row_docs" not in man:
+        raise StoreError(f"{f}: the store at {store.path} holds position {store.position!r} of "
+                         f"{man.get('source', {}).get('kind')!r} rows; a tuned lens trains on every token of corpus "
+                         "windows: write one with kind: activations, corpus: {...}, position: all (with this "
+                         "tracekit version, which records each window's document), or drop tuned.store")
+    store.require_hooks([p.hook for p in lens_points(int(model.cfg.n_layers), "hidden_states")], f)
+    rows, pos, tok = store.rows, store.positions, store.token_ids
+    starts = np.searchsorted(rows, np.arange(int(man["n_rows"]) + 1))
+    bos = list(encode(model, "", prepend_bos=True)) if model_spec_of(model).prepend_bos else []
+    want = {"train": spec.train_tokens, "held_out": spec.held_out_tokens}
+    wins: dict[str, list[Window]] = {"train": [], "held_out": []}
+    ex: dict[str, list[np.ndarray]] = {"train": [], "held_out": []}
+    got = {"train": 0, "held_out": 0}
+    for r, doc in enumerate(man["row_docs"]):
+        part = document_split(str(doc))
+        a, b = int(starts[r]), int(starts[r + 1])
+        k = min(b - a, want[part] - got[part])
+        if k <= 0:
+            continue
+        wins[part].append(Window(len(wins[part]), str(doc), -1, tuple(bos + tok[a:a + k].tolist()), int(pos[a])))
+        ex[part].append(np.arange(a, a + k))
+        got[part] += k
+    for part, name in (("train", "train_tokens"), ("held_out", "held_out_tokens")):
+        if got[part] < want[part]:
+            raise StoreError(f"{f}: the {part.replace('_', '-')} documents of the store at {store.path} give "
+                             f"{got[part]} tokens, fewer than {field}.{name} = {want[part]}; write a larger store "
+                             f"(corpus.max_tokens) or lower {field}.{name}")
+    cat = {p: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for p, v in ex.items()}
+    return StoreTokens(store, wins["train"], wins["held_out"], cat["train"], cat["held_out"],
+                       file_sha256(store.path / MANIFEST, memo=False))
+
+
 def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[np.ndarray]:
     perm = torch.randperm(n, generator=gen).numpy()
     for s in range(0, n, size):
@@ -286,7 +395,8 @@ def _fit(model, lens: TunedLens, cache: ResidualCache, spec: TunedLensSpec, prog
 
 
 def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: str = "tuned",
-                     windows: Optional[tuple[list[Window], list[Window]]] = None) -> TunedLens:
+                     windows: Optional[tuple[list[Window], list[Window]]] = None,
+                     stored: Optional[StoreTokens] = None) -> TunedLens:
     """Train a tuned lens for ``model`` (no cache: :func:`load_or_train_tuned_lens` caches).
 
     Args:
@@ -296,6 +406,8 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
         progress: show progress bars.
         field: the config field quoted in errors.
         windows: ``(train, held_out)`` windows (default: :func:`split_windows` of ``spec.corpus``).
+        stored: residuals read from an activation store instead of running the model (default:
+            :func:`store_tokens` when ``spec.store`` is set); its windows replace ``windows``.
 
     Returns:
         The trained lens on the model's device; its ``record`` holds the training config, token
@@ -304,10 +416,21 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
 
     Raises:
         CorpusError: the corpus is too small for ``train_tokens`` / ``held_out_tokens``.
+        StoreError: a store that cannot be used (:func:`store_tokens`).
     """
-    if windows is None:
+    if stored is None and spec.store is not None:
+        stored = store_tokens(model, spec, field)
+    if stored is not None:
+        windows = (stored.train, stored.held_out)
+    elif windows is None:
         windows = _spec_windows(model, spec, field)
     train_w, held_w = windows
+
+    def residuals(part: str, wins: Sequence[Window], folder: Path) -> ResidualCache:
+        if stored is not None:
+            return stored.residuals(model, part, folder)
+        return cache_residuals(model, wins, folder, spec.batch_size)
+
     lens = TunedLens.from_model(model, bias=spec.bias)
     t0 = time.time()
     params = [p for p in model.parameters()]
@@ -316,7 +439,7 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
         p.requires_grad_(False)
     try:
         with scratch_dir("tuned-lens-") as scratch:
-            cache = cache_residuals(model, train_w, scratch.path, spec.batch_size)
+            cache = residuals("train", train_w, scratch.path)
             t_acts = time.time() - t0
             with torch.enable_grad():
                 train_kl = _fit(model, lens, cache, spec, progress)
@@ -324,7 +447,7 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
             held = {}
             if held_w:
                 (scratch.path / "held").mkdir()
-                hc = cache_residuals(model, held_w, scratch.path / "held", spec.batch_size)
+                hc = residuals("held_out", held_w, scratch.path / "held")
                 held = {"held_out_kl_logit": held_out_kl(model, None, hc), "held_out_kl": held_out_kl(model, lens, hc),
                         "held_out_tokens": hc.n_tokens}
                 del hc
@@ -336,6 +459,9 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
                         "train_windows": len(train_w), "train_seconds": round(time.time() - t0, 2),
                         "activation_seconds": round(t_acts, 2), "train_kl": train_kl, **held,
                         "tokens_sha256": _tokens_sha(list(train_w) + list(held_w))})
+    if stored is not None:
+        lens.record["store"] = {"path": str(stored.store.path), "manifest_sha256": stored.manifest_sha256,
+                                "dtype": stored.store.dtype, "source": stored.store.manifest.get("source")}
     return lens
 
 
@@ -346,14 +472,17 @@ def _spec_windows(model, spec: TunedLensSpec, field: str) -> tuple[list[Window],
     return train, held
 
 
-def _train_key(model, spec: TunedLensSpec, windows: tuple[list[Window], list[Window]]) -> str:
-    """sha256 (16 hex digits) of the model's fingerprint, basis, BOS, dtype, the training config and
-    the token ids of the training and held-out windows."""
+def _train_key(model, spec: TunedLensSpec, windows: tuple[list[Window], list[Window]],
+               store_sha: Optional[str] = None) -> str:
+    """sha256 (16 hex digits) of the model's fingerprint, basis, BOS, dtype, the training config,
+    the token ids of the training and held-out windows and the store's manifest sha256 (if any)."""
     lens = TunedLens.from_model(model, bias=spec.bias)
     rec = lens.record or {}
     blob = {"format": 1, "fingerprint": rec.get("model_fingerprint"), "basis": residual_basis(model),
             "prepend_bos": rec.get("prepend_bos"), "dtype": rec.get("dtype"), "train": spec.training_fields(),
             "tokens": _tokens_sha(list(windows[0]) + list(windows[1]))}
+    if store_sha is not None:
+        blob["store"] = store_sha
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -391,15 +520,17 @@ def load_or_train_tuned_lens(model, spec: Optional[TunedLensSpec] = None, progre
     Raises:
         ConfigError: a lens the model cannot use (:meth:`TunedLens.check_model`), a bad ``path``.
         CorpusError: a corpus too small for the budget.
+        StoreError: a ``store`` that cannot be used (:func:`store_tokens`).
     """
     spec = spec or TunedLensSpec()
     if spec.path is not None:
         lens = TunedLens.load(spec.path, model, f"{field}.path")
         lens.source = {"from": "path", "path": str(Path(spec.path).expanduser())}
         return lens
-    windows = _spec_windows(model, spec, field)
+    stored = store_tokens(model, spec, field) if spec.store is not None else None
+    windows = (stored.train, stored.held_out) if stored is not None else _spec_windows(model, spec, field)
     root = Path(cache_dir) if cache_dir is not None else tuned_lens_cache_dir()
-    key = _train_key(model, spec, windows)
+    key = _train_key(model, spec, windows, stored.manifest_sha256 if stored is not None else None)
     out = root / key
     if spec.cache:
         remove_stale_temps(root)
@@ -407,7 +538,7 @@ def load_or_train_tuned_lens(model, spec: Optional[TunedLensSpec] = None, progre
         if hit is not None:
             hit.source = {"from": "cache", "path": str(out), "key": key}
             return hit
-    lens = train_tuned_lens(model, spec, progress, field, windows)
+    lens = train_tuned_lens(model, spec, progress, field, windows, stored)
     lens.check_model(model, field)
     if spec.cache:
         root.mkdir(parents=True, exist_ok=True)

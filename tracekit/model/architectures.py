@@ -30,7 +30,9 @@ __all__ = ["CATEGORIES", "READABLE", "ALIASES", "category", "architecture_name",
 
 
 _ENCODER = ("ASTForAudioClassification", "BertForMaskedLM", "BertLMHeadModel", "DeiTForImageClassification",
-            "DeiTModel", "HubertForCTC", "HubertModel", "ViTForImageClassification", "ViTModel")
+            "DeiTModel", "HubertForCTC", "HubertModel", "ViTForImageClassification", "ViTModel",
+            # adapted by TransformerLens 4.x only
+            "RobertaForMaskedLM", "Wav2Vec2ForCTC", "Wav2Vec2ForPreTraining", "Wav2Vec2Model")
 _ENCODER_DECODER = ("BartForConditionalGeneration", "BlenderbotForConditionalGeneration",
                     "LEDForConditionalGeneration", "LongT5ForConditionalGeneration", "M2M100ForConditionalGeneration",
                     "MBartForConditionalGeneration", "MT5ForConditionalGeneration", "MarianMTModel",
@@ -46,7 +48,8 @@ _MULTIMODAL = ("AudioFlamingo3ForConditionalGeneration", "Emu3ForConditionalGene
                "MusicFlamingoForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-               "Qwen3_5MoeForConditionalGeneration")
+               "Qwen3_5MoeForConditionalGeneration",
+               "MuseGlimmerForConditionalGeneration")  # TransformerLens 4.x only
 _DIFFUSION = ("BD3LM", "DreamModel", "GiddForDiffusionLM", "LLaDA2MoeModelLM", "LLaDAModelLM")
 _SSM = ("FalconMambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "RwkvForCausalLM")
 _HYBRID = ("BambaForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "JambaForCausalLM",

@@ -36,7 +36,7 @@ from ..core.errors import ModelLoadError
 from . import source
 from . import weights_cache as cache
 from .architectures import ALIASES, architecture_name, check_loadable
-from .checks import load_checks, probe_ids
+from .checks import _TOL, load_checks, probe_ids
 from .processed import processed_weights_cache
 from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, resolve_device
 from .state import state_of
@@ -98,7 +98,15 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
         boot_kw["n_devices"] = spec.n_devices
     elif spec.device_map is None:
         boot_kw["device"] = resolve_device(spec.device)
-    probe, ref_logits = _reference_logits(hf_model, tokenizer, spec, boot_kw.get("device"))
+    entry = cache_entry if cache_entry is not None else hf_model.__dict__.get("_tracekit_cache_entry")
+    vkey = _verification_key(hf_model, tokenizer, spec, boot_kw.get("device"), entry)
+    record = cache.read_verification(entry, vkey) if vkey is not None and entry is not None else None
+    if record is None:
+        probe, ref_logits = _reference_logits(hf_model, tokenizer, spec, boot_kw.get("device"))
+        fallback = None
+    else:  # the Hugging Face tensors, to rebuild the reference should the bridge not match the record
+        probe, ref_logits = None, None
+        fallback = (hf_model.config, dict(hf_model.state_dict()), dict(hf_model.named_buffers()), None, "")
     stage = "boot"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -106,7 +114,6 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
             bridge = TransformerBridge.boot_transformers(name, **boot_kw)
             stage = "weight processing" if spec.process_weights else "compatibility mode"
 
-            entry = cache_entry if cache_entry is not None else hf_model.__dict__.get("_tracekit_cache_entry")
             with processed_weights_cache(entry if spec.process_weights else None):
                 bridge.enable_compatibility_mode(disable_warnings=True, no_processing=not spec.process_weights)
         except ModelLoadError:
@@ -130,8 +137,61 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     bridge.__dict__["tracekit_spec"] = resolved
     bridge.__dict__["tracekit_requested_spec"] = spec
     if spec.verify:
-        _load_verification(bridge, arch, probe, ref_logits)
+        _verify_at_load(bridge, arch, spec, tokenizer, (vkey, entry, record, fallback), probe, ref_logits)
     return bridge
+
+
+def _verify_at_load(bridge, arch: str, spec: ModelSpec, tokenizer, cached: tuple, probe, ref_logits) -> None:
+    """Run the load-time verification, or reuse its cached result when the record's key matches and
+    the bridge's weights (after processing) have the fingerprint recorded with it. A record that does
+    not match is never trusted: the reference is rebuilt from the same tensors and everything rerun."""
+    vkey, entry, record, fallback = cached
+    bridge_fp = _weights_digest(dict(bridge.state_dict())) if vkey is not None else None
+    if record is not None and record.get("bridge") == bridge_fp and isinstance(record.get("verification"), dict):
+        state_of(bridge).verification = {**record["verification"], "cached": True}
+        return
+    if ref_logits is None and fallback is not None:  # a stale record: compute the reference now
+        hf = _hf_from_weights(fallback, DTYPES[spec.dtype])
+        probe, ref_logits = _reference_logits(hf, tokenizer, spec, str(model_device(bridge)))
+    _load_verification(bridge, arch, probe, ref_logits)  # raises when a check fails
+    if vkey is not None and entry is not None:
+        cache.write_verification(entry, vkey, {"bridge": bridge_fp, "verification": state_of(bridge).verification})
+
+
+def _verification_key(hf_model, tokenizer, spec: ModelSpec, device: Optional[str], entry) -> Optional[str]:
+    """Key of the load-time verification of ``hf_model`` (None when it is not cached: verification
+    off, no weight-cache entry, cache disabled). It hashes the entry, the Hugging Face weights' digest,
+    the probe's token ids, dtype, device, weight processing, the tolerances and the versions of
+    torch, transformers and TransformerLens."""
+    if not spec.verify or entry is None or not cache.cache_enabled():
+        return None
+    import hashlib
+    from importlib import metadata
+
+    def version(pkg: str) -> Optional[str]:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    vocab = int(getattr(hf_model.config, "vocab_size", 0) or len(tokenizer))
+    blob = {"format": 1, "entry": Path(entry).name, "class": type(hf_model).__name__,
+            "weights": _weights_digest(dict(hf_model.state_dict())),
+            "probe": probe_ids(tokenizer, vocab).tolist(), "dtype": spec.dtype, "device": str(device),
+            "process_weights": spec.process_weights, "tolerances": {str(k): v for k, v in _TOL.items()},
+            "versions": {"torch": torch.__version__, "transformers": version("transformers"),
+                         "transformer_lens": version("transformer-lens")}}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _weights_digest(state: dict) -> str:
+    """Digest of :func:`_fingerprints` of every tensor (shape, dtype and a strided sample of its
+    values). A sample suffices here: the values behind a cache entry are fixed by its sha256-checked
+    files and the processed weights' manifest; the digest catches a different model or basis."""
+    import hashlib
+
+    fps = _fingerprints(state)
+    return hashlib.sha256(b"".join(n.encode() + fps[n] for n in sorted(fps))).hexdigest()
 
 
 def _ensure_eager(hf_model) -> None:

@@ -15,6 +15,8 @@ Location: ``$TRACEKIT_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tracekit``, els
                           of every file, aliases of tied tensors
     processed-<key>/      TransformerLens' processed weights for this entry (see
                           :class:`processed_weights_cache`), with their own manifest
+    verification-<key>.json   the passing load-time verification of a model built from this entry
+                          (:func:`read_verification`; the key is made by :mod:`tracekit.model.load`)
 
 The key is a hash of the GGUF file's sha256, the dtype, the cache format and the versions of the
 packages that do the conversion (``transformers``, ``gguf``, ``torch``). An entry is used only
@@ -467,3 +469,34 @@ def clear_cache_dir() -> tuple[int, int]:
     """Remove every weight-cache entry (and leftover temporary folders): ``(entries removed, bytes freed)``."""
     return clear_dir(_gguf_root())
 
+
+
+# --- cached load-time verification ------------------------------------------------------------
+# The load-time verification (tracekit.model.load: the bridge's log-probs vs transformers', the
+# readout vs the output) costs two forwards of the model on its probe. Its passing result is kept
+# next to the entry the weights come from, as ``<entry>/verification-<key>.json``; the key (made by
+# tracekit.model.load) hashes everything the result depends on, so any change recomputes it.
+
+def read_verification(entry: str | Path, key: str) -> dict | None:
+    """The verification record stored under ``key`` in the cache entry ``entry``, or None (absent,
+    unreadable, or recorded under another key)."""
+    p = Path(entry) / f"verification-{key}.json"
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("key") == key else None
+
+
+def write_verification(entry: str | Path, key: str, record: dict) -> None:
+    """Store a verification record under ``key`` in the entry (atomic; an unwritable entry is skipped)."""
+    d = Path(entry)
+    if not d.is_dir():
+        return
+    tmp = d / f".verification-{key}.{uuid.uuid4().hex}.tmp"
+    try:
+        tmp.write_text(json.dumps({**record, "key": key}, sort_keys=True, default=str))
+        os.replace(tmp, d / f"verification-{key}.json")
+    except OSError as e:
+        log.debug("verification record not written to %s: %s", d, e)
+        tmp.unlink(missing_ok=True)

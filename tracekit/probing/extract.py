@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from jaxtyping import Float
 
+from ..activations.store import ActivationStore
 from ..core.sites import BLOCK_HOOKS, SITE_TABLE, check_layers, hook
 from ..errors import ProbingError
 from ..hooks import check_hooks, hook_layer
@@ -163,6 +164,40 @@ class Activations:
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
     @classmethod
+    def from_store(cls, store: ActivationStore, hooks: Sequence[str], store_rows: Optional[np.ndarray] = None
+                   ) -> "Activations":
+        """Read ``hooks`` from an activation store (:class:`tracekit.activations.ActivationStore`)
+        instead of running the model; memory holds one hook at a time, as from a chunk directory.
+
+        Args:
+            store: the opened store.
+            hooks: the hooks to read.
+            store_rows: ``[n_rows]`` the store row of each of this extraction's rows
+                (:meth:`~tracekit.activations.ActivationStore.match_rows`); default: every stored row,
+                in store order.
+
+        Raises:
+            StoreError: a hook the store does not hold.
+        """
+        store.require_hooks(hooks)
+        rows, positions = store.rows, store.positions
+        if store_rows is None:
+            return cls(list(hooks), rows, positions, None, store.path, store.files)
+        by_row: dict[int, np.ndarray] = {}
+        order = np.argsort(rows, kind="stable")
+        starts = np.searchsorted(rows[order], np.arange(int(rows.max(initial=-1)) + 2))
+        examples = []
+        for r in store_rows:
+            r = int(r)
+            if r not in by_row:
+                by_row[r] = order[starts[r]:starts[r + 1]]
+            examples.append(by_row[r])
+        ex = np.concatenate(examples) if examples else np.zeros(0, dtype=np.int64)
+        new_rows = np.concatenate([np.full(len(e), i, dtype=np.int64) for i, e in enumerate(examples)]) \
+            if examples else np.zeros(0, dtype=np.int64)
+        return _StoreSelection(store, list(hooks), new_rows, positions[ex], ex)
+
+    @classmethod
     def load(cls, directory: str | Path) -> "Activations":
         """Open a chunk directory written by :func:`extract_activations` (``cache_dir=``)."""
         d = Path(directory)
@@ -173,6 +208,21 @@ class Activations:
         """Delete a temporary chunk directory (no-op otherwise)."""
         if self._scratch is not None:
             self._scratch.remove()
+
+
+class _StoreSelection(Activations):
+    """Some examples of an activation store, in a given order (:meth:`Activations.from_store`)."""
+
+    def __init__(self, store: ActivationStore, hooks: list[str], rows: np.ndarray, positions: np.ndarray,
+                 examples: np.ndarray):
+        super().__init__(hooks, rows, positions, None, store.path, store.files)
+        self._store = store
+        self._examples = torch.as_tensor(examples, dtype=torch.long)
+
+    def iter_chunks(self, hook: str) -> Iterator[Float[torch.Tensor, "chunk d"]]:
+        if hook not in self.hooks:
+            raise ProbingError(f"hook {hook!r} was not extracted; have {self.hooks}")
+        yield self._store.get(hook)[self._examples]
 
 
 class _ChunkWriter:

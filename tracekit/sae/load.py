@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..compat import require_sae_lens
 from ..core.errors import SAEError
 from ..model.info import HookedModel
 from ..model.load import model_device, model_parameters
@@ -100,8 +101,10 @@ def load_sae(spec: SAESpec, model: HookedModel, field: str = "sae", progress: bo
     check it against the model (:func:`check_sae`).
 
     Raises:
-        SAEError: as :func:`sae_info` and :func:`check_sae`; SAELens cannot load the files.
+        SAEError: SAELens is not available (:func:`tracekit.compat.require_sae_lens`); as
+            :func:`sae_info` and :func:`check_sae`; SAELens cannot load the files.
     """
+    require_sae_lens(field)
     if spec.path is not None:
         info = sae_info(spec, model, field)
         check_sae(model, info, field)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..compat import require_sae_lens
 from ..core.errors import SAEError
 from ..hooks import enabled_hooks
 from ..model.info import HookedModel
@@ -174,8 +175,10 @@ def sae_quality(model: HookedModel, handle: LoadedSAE, windows: Sequence[Sequenc
     windows. Results do not depend on ``batch_size`` (per-token sums).
 
     Raises:
-        SAEError: the windows hold no token to evaluate (all padding or special tokens).
+        SAEError: the windows hold no token to evaluate (all padding or special tokens); SAELens
+            is not available.
     """
+    require_sae_lens("sae_quality")
     from sae_lens.evals import ExplainedVarianceCalculator  # lazy: sae_lens is heavy
 
     special = torch.tensor(special_token_ids(model))

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from ..compat import official_model_name, require_sae_lens
 from ..core.errors import HookError, SAEError
 from ..core.sites import hook as site_hook
 from ..core.strict import StrictModel
@@ -142,6 +143,12 @@ class SAESpec(_Strict):
             raise ValueError("release and id go together (sae: {release: gpt2-small-res-jb, id: blocks.8.hook_resid_pre})")
         return self
 
+    @model_validator(mode="after")
+    def _sae_lens_available(self):
+        # SAELens is the tracekit[sae] extra (it pins transformer-lens<4): refuse at config time, metadata only
+        require_sae_lens("sae", import_check=False)
+        return self
+
     def describe(self) -> str:
         if self.release is not None:
             return f"{self.release}/{self.id}"
@@ -259,9 +266,7 @@ def _same_model(a: str | None, b: str) -> bool:
 
     def norm(s: str) -> str:
         try:
-            from transformer_lens.loading_from_pretrained import get_official_model_name  # lazy: heavy
-
-            s = get_official_model_name(s)
+            s = official_model_name(s)
         except Exception:  # noqa: BLE001, S110
             pass
         return s.lower().split("/")[-1]
@@ -334,9 +339,10 @@ def sae_info(spec: SAESpec, model: HookedModel, field: str = "sae") -> SAEInfo:
     """The identity of the SAE a spec names, without loading weights or training.
 
     Raises:
-        SAEError: a path without ``cfg.json``, an unknown release/id, a pretrained SAE that is
-            neither cached nor downloadable.
+        SAEError: SAELens is not available (:func:`tracekit.compat.require_sae_lens`); a path without
+            ``cfg.json``, an unknown release/id, a pretrained SAE that is neither cached nor downloadable.
     """
+    require_sae_lens(field)
     if spec.path is not None:
         p = Path(spec.path).expanduser()
         if not (p / "cfg.json").is_file():

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import require_sae_lens
 from ..core.cachedir import clear_dir, dir_entries, remove_stale_temps, sizes_match
 from ..core.errors import SAEError
 from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
@@ -271,9 +272,12 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
         ``(directory, cache_hit, stats)``; ``stats`` has the training time and token counts.
 
     Raises:
-        SAEError: the hook cannot be read, or the corpus is too small.
+        SAEError: the hook cannot be read, the corpus is too small, or SAELens is not installed
+            (:func:`tracekit.compat.require_sae_lens`).
     """
     from datasets import Dataset  # lazy: datasets is heavy
+
+    require_sae_lens(field)
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
     remove_stale_temps(root)  # what killed trainings left behind

@@ -16,6 +16,7 @@ A config with a ``sweep`` block::
           rivers: ["The river through Paris is the"]
         experiments[0].name: [lens_capitals, lens_rivers]
       compare: [lens/target_prob_by_hidden_state]    # figures overlaying a metric over points (optional)
+      figures: false                          # each point's own figures (PNG); default false (speed)
 
 Any field path works (``model.name``, ``experiments[0].target``, ``seed``). Unless ``seed`` is swept,
 each point's ``seed`` is derived from the sweep seed and the point's parameters
@@ -24,7 +25,9 @@ each point's ``seed`` is derived from the sweep seed and the point's parameters
 ``tracekit sweep CONFIG --out DIR`` writes::
 
     DIR/sweep.yaml                   the config as given (after --set)
-    DIR/index.parquet                one row per point (written atomically after every point)
+    DIR/index.parquet                the wide index: one row per point, scalar metrics (rewritten after every point)
+    DIR/metrics.parquet              the long table: one row per point, step, metric and element
+    DIR/index.json                   steps' kinds, headline columns, constant columns and their value
     DIR/runs/<hash>/<pNNN>-<time>/   the point's run directory (tracekit run's layout)
     DIR/runs/<hash>/point.json       the point's record: parameters, seed, status, error, timings
     DIR/compare-<metric>.png         figures named in ``compare``
@@ -35,12 +38,18 @@ each point's ``seed`` is derived from the sweep seed and the point's parameters
 records its error and the sweep goes on; the exit code is 1 when any point failed (130 when
 interrupted, 2 for an invalid config). Killing the process loses at most the points in flight.
 
-Index columns: ``point``, ``label``, ``config_hash``, ``seed``, ``status``, ``error``, ``run_dir``,
-``started``, ``seconds``; one column per swept path (the value, or its name when values are named);
-``<step>/<summary key>`` for every number (and string) of every step's summary, nested keys
-joined by ``.`` and lists by ``[i]`` (``lens/target_prob_by_hidden_state[3]``); ``summary`` (all step
-summaries as JSON); ``env/...`` (device, package versions, git commit, load/step seconds).
-:func:`load_results` reads it; :func:`compare` draws one metric over points.
+The index (:mod:`.index`): ``point``, ``label``, one column per swept path (the value, or its name
+when values are named), ``status``, ``error``, ``seed``, ``config_hash``, ``run_dir`` (absolute when
+loaded), ``started``, ``seconds``; ``<step>/<key>`` for every scalar of every step's summary;
+``summary`` (all step summaries as JSON); ``env/...``. Lists and mappings (curves by hidden
+state, rankings) are rows of the long table (``metric``, ``element``, ``index``, ``value``,
+``text``), never ``key[i]`` columns; metric and ``env`` columns with one value in every point are
+left out of the wide table (``index.json`` keeps the value). :func:`load_results` (wide),
+:func:`load_metrics` (long), :func:`load_point` (one point's Result, from any working directory),
+:func:`compare` (one metric over points; log / rank axes).
+
+A sweep over ``target`` of a logit lens runs one lens pass for all targets
+(:mod:`tracekit.experiments.onepass`), split back into per-point results equal to separate runs.
 
 Executors: ``local`` groups the points by model so each model loads once; ``ray`` (the
 ``sweeps`` extra) runs one actor per GPU (or ``--workers N`` CPU actors without GPUs), each keeping
@@ -60,7 +69,7 @@ from .executors import execute_point as execute_point
 from .expand import SWEEP_KEYS as SWEEP_KEYS
 from .expand import Point, config_hash, derive_seed, expand_sweep
 from .figures import compare
-from .index import INDEX, load_results, run_status, stable_columns
+from .index import INDEX, headline_columns, load_metrics, load_point, load_results, run_status, stable_columns
 from .index import VOLATILE as VOLATILE
 from .index import build_index as build_index
 from .index import write_index as write_index
@@ -74,6 +83,9 @@ __all__ = [
     "config_hash",
     "derive_seed",
     "expand_sweep",
+    "headline_columns",
+    "load_metrics",
+    "load_point",
     "load_results",
     "run_status",
     "run_sweep",

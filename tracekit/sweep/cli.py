@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import sys
 from pathlib import Path
@@ -9,8 +10,8 @@ from pathlib import Path
 from ..core.errors import TracekitError
 from ..plotting import text_table
 from .expand import _groups, expand_sweep
-from .figures import _safe, compare
-from .index import FIXED_COLUMNS, INDEX, load_results
+from .figures import SCALES, _safe, compare
+from .index import FIXED_COLUMNS, INDEX, headline_columns, load_results
 from .run import run_sweep
 
 __all__ = ["COMMANDS", "add_commands", "main"]
@@ -31,32 +32,46 @@ def add_commands(sub) -> None:
     s.add_argument("--no-progress", action="store_true")
     r = sub.add_parser("results", help="print a sweep's index (and draw a comparison figure)")
     r.add_argument("directory")
-    r.add_argument("--columns", default=None, help="comma-separated index columns to show (default: a summary)")
+    r.add_argument("--columns", default=None, help="comma-separated index columns or glob patterns to show "
+                   "(e.g. 'lens/*'); default: the swept paths, status and each step's headline metrics")
     r.add_argument("--plot", default=None, metavar="METRIC", help="draw METRIC over points (e.g. "
                    "lens/target_prob_by_hidden_state)")
     r.add_argument("--by", default=None, help="swept path naming each series (default: all swept paths)")
+    r.add_argument("--scale", choices=list(SCALES), default="auto", help="y axis of --plot (auto: log for "
+                   "values spanning > 2 decades, rank axis for ranks)")
     r.add_argument("--output", default=None, help="figure file (default: DIR/compare-METRIC.png)")
 
 
+def _chosen_columns(df, columns: str | None) -> list[str]:
+    """``columns`` (comma-separated names or glob patterns such as ``lens/*``), or by default the
+    point, the swept paths, status, seconds and each step's headline metrics
+    (:func:`tracekit.sweep.index.headline_columns`).
+
+    Raises:
+        KeyError: a name or pattern that matches no column of the index.
+    """
+    if not columns:
+        swept = [c for c in df.attrs.get("swept") or
+                 [c for c in df.columns if "/" not in c and c not in FIXED_COLUMNS] if c in df.columns]
+        head = [c for c in (df.attrs.get("headline") or headline_columns(df)) if c in df.columns]
+        return list(dict.fromkeys(["point", *swept, "status", "seconds", *head]))
+    cols: list[str] = []
+    for item in (c.strip() for c in columns.split(",") if c.strip()):
+        hits = [c for c in df.columns if fnmatch.fnmatchcase(c, item)] if any(x in item for x in "*?[") else \
+            ([item] if item in df.columns else [])
+        if not hits:
+            raise KeyError(f"--columns: no column matches {item!r}; columns: {list(df.columns)}")
+        cols += hits
+    return list(dict.fromkeys(cols))
+
+
 def _print_index(df, columns: str | None) -> None:
-    """Print the index as a text table: ``columns`` (comma-separated), or the swept parameters,
-    status, seconds and the six numbers most points have.
+    """Print the index as a text table of :func:`_chosen_columns`.
 
     Raises:
         KeyError: a named column the index does not have.
     """
-    if columns:
-        cols = [c.strip() for c in columns.split(",") if c.strip()]
-        missing = [c for c in cols if c not in df.columns]
-        if missing:
-            raise KeyError(f"--columns: no column(s) {missing}; columns: {list(df.columns)}")
-    else:
-        fixed = ["point"]
-        swept = [c for c in df.columns if "/" not in c and c not in FIXED_COLUMNS]
-        nums = [c for c in df.columns if "/" in c and not c.startswith("env/") and "[" not in c
-                and df[c].dtype.kind in "fi" and df[c].notna().any()]
-        nums.sort(key=lambda c: -int(df[c].notna().sum()))  # the numbers most points have first
-        cols = fixed + swept + ["status", "seconds"] + nums[:6]
+    cols = _chosen_columns(df, columns)
     rows = []
     for _, r in df[cols].iterrows():
         rows.append([(f"{v:.4g}" if isinstance(v, float) else "" if v is None else
@@ -70,7 +85,7 @@ def _results(args) -> int:
         df = load_results(args.directory)
         _print_index(df, args.columns)
         if args.plot:
-            fig = compare(df, args.plot, by=args.by)
+            fig = compare(df, args.plot, by=args.by, scale=args.scale)
             dest = Path(args.output) if args.output else Path(args.directory) / f"compare-{_safe(args.plot)}.png"
             fig.savefig(dest, dpi=110, bbox_inches="tight")
             print(f"figure: {dest}")

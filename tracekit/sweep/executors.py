@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..core.errors import ConfigError
 from ..core.io import atomic_write
+from ..experiments.onepass import SharedPasses, shared_passes
 from ..model.load import load_model
 from ..runner import run_config
 from .expand import Point, _groups
@@ -30,9 +31,26 @@ def _quiet(*args, **kwargs) -> None:
     pass
 
 
-def execute_point(point: Point, out: str | Path, model=None) -> dict:
+def _run_point_config(point: Point, hdir: Path, model, figures: bool):
+    """``run_config`` for one point; ``figures=False`` leaves out each step's PNGs (the slowest part
+    of saving a small step; ``Result.load(...).figures()`` draws them later)."""
+    return run_config(point.config, hdir, stem=point.stem, model=model, progress=False, log=_quiet,
+                      figures=figures)
+
+
+def execute_point(point: Point, out: str | Path, model=None, figures: bool = True) -> dict:
     """Run one point into ``out/runs/<hash>/`` (partial runs of the same hash are deleted first)
-    and write its record ``point.json``. Errors are recorded, not raised (KeyboardInterrupt is)."""
+    and write its record ``point.json``. Errors are recorded, not raised (KeyboardInterrupt is).
+
+    Args:
+        point: the point.
+        out: the sweep folder.
+        model: the loaded model (default: the runner loads the point's).
+        figures: write each step's figures (PNG) into its folder.
+
+    Returns:
+        The point's record (``status``, ``error``, ``run_dir`` relative to ``out``, ``seconds``...).
+    """
     out = Path(out)
     hdir = out / "runs" / point.hash
     hdir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +63,7 @@ def execute_point(point: Point, out: str | Path, model=None) -> dict:
            "seed": point.seed, "started": started, "status": "running", "error": None, "run_dir": None}
     status, error, run_dir = "failed", None, None
     try:
-        run_dir, _ = run_config(point.config, hdir, stem=point.stem, model=model, progress=False, log=_quiet)
+        run_dir, _ = _run_point_config(point, hdir, model, figures)
         status = run_status(run_dir)
         if status != "complete":  # a runner that records a failure without raising
             error = (run_dir / "error.txt").read_text().strip() if (run_dir / "error.txt").is_file() else status
@@ -68,8 +86,12 @@ def _progress(total: int, enabled: bool):
                 file=sys.stderr, desc="sweep")
 
 
-def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool, log) -> None:
+def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool, log, figures: bool = False
+               ) -> SharedPasses:
+    """Run the points, grouped by model (each model loaded once); logit-lens steps differing only in
+    ``target`` share one pass (:mod:`tracekit.experiments.onepass`). Returns the shared passes."""
     bar = _progress(len(todo), progress)
+    shared = SharedPasses(s for p in todo for s in p.config.experiments)
     try:
         for group in _groups(todo):
             spec = group[0].config.model
@@ -82,15 +104,18 @@ def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool
                     bar.update(1)
                 continue
             try:
-                for p in group:
-                    bar.set_postfix_str(p.label[:60])
-                    on_record(p, execute_point(p, out, model))
-                    bar.update(1)
+                with shared_passes(shared):
+                    for p in group:
+                        bar.set_postfix_str(p.label[:60])
+                        on_record(p, execute_point(p, out, model, figures=figures))
+                        bar.update(1)
             finally:
+                shared.cache.clear()  # the passes of this model
                 del model
                 gc.collect()
     finally:
         bar.close()
+    return shared
 
 
 # ---- Ray ------------------------------------------------------------------------------------------
@@ -99,8 +124,9 @@ def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool
 class _RayWorker:
     """A Ray actor: keeps the last model it loaded and runs points into the shared output dir."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, figures: bool = False):
         os.environ.update(env)
+        self.figures = figures
         warnings.filterwarnings("ignore")
         self.key: str | None = None
         self.model = None
@@ -114,7 +140,7 @@ class _RayWorker:
             except Exception as e:  # noqa: BLE001
                 return _failed_record(point, f"{type(e).__name__}: {e}")
             self.key = point.model_key
-        return execute_point(point, out, self.model)
+        return execute_point(point, out, self.model, figures=self.figures)
 
 
 def _ray_env() -> dict:
@@ -207,7 +233,7 @@ def _drive_actors(ray, actors: list, make_actor: Callable, sched: _Scheduler, ou
 
 
 def _run_ray(todo: list[Point], out: Path, on_record: Callable, progress: bool, log, address: str | None,
-             workers: int | None) -> None:
+             workers: int | None, figures: bool = False) -> None:
     try:
         import ray  # lazy: optional/heavy (the `sweeps` extra)
     except ImportError as e:
@@ -218,11 +244,11 @@ def _run_ray(todo: list[Point], out: Path, on_record: Callable, progress: bool, 
     try:
         n, opts, gpus = _actor_plan(ray, len(todo), workers)
         Actor = ray.remote(**opts)(_RayWorker)
-        actors = [Actor.remote(env) for _ in range(n)]
+        actors = [Actor.remote(env, figures) for _ in range(n)]
         log(f"ray: {n} {'GPU' if gpus else 'CPU'} actor(s) for {len(todo)} point(s)")
         bar = _progress(len(todo), progress)
         try:
-            _drive_actors(ray, actors, lambda: Actor.remote(env), _Scheduler(todo, n), out, on_record, bar)
+            _drive_actors(ray, actors, lambda: Actor.remote(env, figures), _Scheduler(todo, n), out, on_record, bar)
         finally:
             bar.close()
     finally:

@@ -21,7 +21,7 @@ from ..inputs import input_files
 
 __all__ = ["SWEEP_KEYS", "Point", "config_hash", "derive_seed", "expand_sweep"]
 
-SWEEP_KEYS = ("grid", "zip", "compare")
+SWEEP_KEYS = ("grid", "zip", "compare", "figures")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ..plotting import plt
 from .executors import _run_local, _run_ray
 from .expand import Point, _groups, expand_sweep
 from .figures import _safe, compare
-from .index import INDEX, _complete_run, _record_path, _runs_of, build_index, write_index
+from .index import INDEX, _complete_run, _record_path, _runs_of, absolute_run_dirs, build_index, write_index
 
 __all__ = ["SweepOutcome", "run_sweep"]
 
@@ -33,10 +33,23 @@ class SweepOutcome:
     skipped: list[int] = field(default_factory=list)  # complete before
     failed: list[int] = field(default_factory=list)
     interrupted: bool = False
+    shared_passes: int = 0                        # logit-lens passes shared by points differing in target
 
     @property
     def exit_code(self) -> int:
         return 130 if self.interrupted else (1 if self.failed else 0)
+
+
+def _figures_flag(spec: dict) -> bool:
+    """The sweep block's ``figures`` (default false: no per-point PNGs).
+
+    Raises:
+        ConfigError: not a boolean.
+    """
+    v = spec.get("figures", False)
+    if not isinstance(v, bool):
+        raise ConfigError(f"sweep.figures: must be true or false (write each point's figures), got {v!r}")
+    return v
 
 
 def _lock_out(out: Path):
@@ -158,6 +171,7 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
     if executor not in ("local", "ray"):
         raise ConfigError(f"--executor: unknown executor {executor!r}; use 'local' or 'ray'")
     points, raw = expand_sweep(config, overrides)
+    figures = _figures_flag(raw.get("sweep", {}))
     out = Path(out)
     lock = _lock_out(out)
     try:
@@ -173,9 +187,10 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
                 if not todo:
                     pass
                 elif executor == "ray":
-                    _run_ray(todo, out, rec.on_record, progress, log, address, workers)
+                    _run_ray(todo, out, rec.on_record, progress, log, address, workers, figures=figures)
                 else:
-                    _run_local(todo, out, rec.on_record, progress, log)
+                    outcome.shared_passes = _run_local(todo, out, rec.on_record, progress, log,
+                                                       figures=figures).passes
         except KeyboardInterrupt:
             outcome.interrupted = True
             for p in todo:
@@ -183,7 +198,7 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
                     records[p.index] = {"status": "interrupted", "error": "interrupted (KeyboardInterrupt)"}
         df = build_index(out, points, records)
         write_index(out, df)
-        outcome.index = df
+        outcome.index = absolute_run_dirs(df, out)
         outcome.failed = [int(r["point"]) for r in df.to_dict("records") if r["status"] == "failed"]
         _compare_figures(out, df, raw.get("sweep", {}), log)
         return outcome

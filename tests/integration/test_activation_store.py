@@ -1,0 +1,205 @@
+"""The activation store (tracekit.activations): written -> read equals a direct extraction, a killed
+write resumes to the same store, another model's store is refused, probing from a store equals
+probing from the model. Tiny models (tests/helpers.py); several shards are forced with a small
+``shard_mb`` so that shard boundaries, resumes and lazy reads are exercised."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tracekit.activations import ActivationStore, StoreError, corpus_rows, prompt_rows, write_store
+from tracekit.activations import write as store_write
+from tracekit.core.io import file_sha256
+from tracekit.experiments.activations import CacheActivations
+from tracekit.experiments.probing import LinearProbe
+from tracekit.probing import extract_activations
+from tracekit.results import Result
+from tracekit.tokens import encode
+
+PROMPTS = ["The capital of France is", "The capital city of Japan, as everyone knows, is", "In the capital",
+           "A capital letter", "Our capital of Spain is nice", "The capital of Italy is", "Some capital here",
+           "Money and capital"]
+#: residual, MLP-internal, per-head (attn.hook_z: [n_heads, d_head] flattened) and a gated hook.
+HOOKS = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.1.mlp.hook_post", "blocks.0.attn.hook_z",
+         "blocks.1.hook_mlp_in"]
+SMALL = 0.004  # MiB: a few examples per shard
+
+
+def _write(model, path, position="last", prompts=PROMPTS, hooks=HOOKS, **kw):
+    kw = {"batch_size": 3, "shard_mb": SMALL, **kw}
+    return write_store(model, prompt_rows(model, prompts, position), hooks, path, position=str(position),
+                       source={"kind": "prompts", "n": len(prompts)}, **kw)
+
+
+@pytest.mark.parametrize("position", ["last", "all", "mean", "token: capital"])
+def test_written_store_reads_back_the_direct_extraction(tiny_llama, tmp_path, position):
+    # atol 0 and the same dtype: the store runs the same padded batches (batch_size 3) as probing's
+    # extraction and keeps the model's float32; nothing but reading differs.
+    info = _write(tiny_llama, tmp_path, position)
+    store = ActivationStore(tmp_path)
+    assert info["n_shards"] > 1 and store.manifest["complete"]
+    with extract_activations(tiny_llama, PROMPTS, HOOKS, position, batch_size=3) as acts:
+        assert np.array_equal(store.rows, acts.rows) and np.array_equal(store.positions, acts.positions)
+        for h in HOOKS:
+            got, want = store.get(h), acts.get(h)
+            assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+            assert torch.equal(got, want), h
+            parts = list(store.iter_batches(h, 5))  # lazy batches: at most 5 rows each, same values
+            assert max(p.shape[0] for p in parts) <= 5 and torch.equal(torch.cat(parts), want)
+    ids = [encode(tiny_llama, p) for p in PROMPTS]
+    expect_tok = [-1 if p < 0 else ids[r][p] for r, p in zip(store.rows, store.positions)]
+    assert store.token_ids.tolist() == expect_tok
+    for s in store.manifest["shards"]:
+        assert file_sha256(tmp_path / s["file"], memo=False) == s["sha256"]
+
+
+def test_named_dataset_position_and_the_kind(tiny_gpt2, tmp_path):
+    exp = CacheActivations.model_validate({"path": str(tmp_path / "st"), "dataset": {"generator": "capitals", "limit": 12},
+                                           "position": "SUBJ", "sites": ["resid_post"], "layers": [0, -1],
+                                           "batch_size": 4, "shard_mb": SMALL})
+    inputs = exp.check(tiny_gpt2)
+    res = exp.run(tiny_gpt2, progress=False)
+    s = res.summary()
+    assert s["hooks"] == ["blocks.0.hook_resid_pre", "blocks.0.hook_resid_post", "blocks.2.hook_resid_post"]
+    assert s["n_examples"] == s["n_rows"] == len(inputs.rows) and s["shards_written"] == s["n_shards"] > 1
+    data = inputs.data
+    subj = [str(p) for p in data.position("SUBJ")]
+    store = ActivationStore(tmp_path / "st")
+    assert store.row_ids == [e.row_id for e in data.examples]
+    with extract_activations(tiny_gpt2, data.prompts, s["hooks"], "SUBJ", batch_size=4, fields=subj) as acts:
+        for h in s["hooks"]:
+            assert torch.equal(store.get(h), acts.get(h))
+    again = exp.run(tiny_gpt2, progress=False).summary()  # the same plan: up to date, no forward pass
+    assert again["up_to_date"] and again["shards_written"] == 0
+    assert len(res.tables["shards"]) == s["n_shards"] and res.report()
+    back = Result.load(res.save(tmp_path / "result"))
+    assert back.summary() == s and back.tables["hooks"].equals(res.tables["hooks"])
+
+
+def test_corpus_rows_all_positions(tiny_gpt2, tmp_path):
+    text = tmp_path / "c.txt"
+    text.write_text("one two three four five six seven eight nine ten\n\nalpha beta gamma delta epsilon zeta eta")
+    rows = list(corpus_rows(tiny_gpt2, str(text), seq_len=6, max_tokens=None, position="all"))
+    assert all(r.read == tuple(range(1, len(r.ids))) for r in rows)  # BOS never read
+    write_store(tiny_gpt2, iter(rows), ["blocks.1.hook_resid_post"], tmp_path / "st", position="all",
+                source={"kind": "corpus"}, batch_size=2, shard_mb=SMALL)
+    store = ActivationStore(tmp_path / "st")
+    assert len(store) == sum(len(r.read) for r in rows) and store.row_ids == [r.row_id for r in rows]
+    assert store.token_ids.tolist() == [r.ids[p] for r in rows for p in r.read]
+
+
+def test_killed_write_resumes_to_the_same_store(tiny_gpt2, tmp_path, monkeypatch):
+    prompts = PROMPTS * 2
+    ref = _write(tiny_gpt2, tmp_path / "ref", "all", prompts, batch_size=2)
+    n = ref["n_shards"]
+    assert n >= 5
+    real_write, real_read = store_write._write_shard, store_write._read_batch
+    written: list[Path] = []
+
+    def dies_after_three(path, tensors):
+        if len(written) == 3:
+            raise KeyboardInterrupt("killed")
+        real_write(path, tensors)
+        written.append(path)
+
+    monkeypatch.setattr(store_write, "_write_shard", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        _write(tiny_gpt2, tmp_path / "s", "all", prompts, batch_size=2)
+    man = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert not man["complete"] and len(man["shards"]) == 3
+    with pytest.raises(StoreError, match="store: the store at .* is unfinished .*rerun"):
+        ActivationStore(tmp_path / "s")
+    (tmp_path / "s" / man["shards"][2]["file"]).write_bytes(b"truncated")  # a damaged shard is written again
+    monkeypatch.setattr(store_write, "_write_shard", real_write)
+    batches = []
+    monkeypatch.setattr(store_write, "_read_batch", lambda *a: batches.append(len(a[2])) or real_read(*a))
+    out = _write(tiny_gpt2, tmp_path / "s", "all", prompts, batch_size=2)
+    assert out["shards_reused"] == 2 and out["shards_written"] == n - 2
+    assert sum(batches) == len(prompts) - man["shards"][1]["rows"][1]  # rows of reused shards are not run
+    ref_files = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ref_files  # no temporary files left
+    for f in ref_files:
+        if f != "manifest.json":
+            assert (tmp_path / "s" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("s", "ref"))
+    assert a["complete"] and a == b
+    assert _write(tiny_gpt2, tmp_path / "s", "all", prompts, batch_size=2)["up_to_date"]
+
+
+def test_another_models_store_and_other_plans_are_refused(tiny_gpt2, tiny_llama, tmp_path):
+    _write(tiny_gpt2, tmp_path / "g")
+    store = ActivationStore(tmp_path / "g")
+    store.check_model(tiny_gpt2)
+    with pytest.raises(StoreError, match=r"store: the store at .* was made from another model .*fingerprint.*"
+                                         r"write a store with this model"):
+        store.check_model(tiny_llama)
+    with pytest.raises(StoreError, match="path: .* holds another activation store .*overwrite: true"):
+        _write(tiny_gpt2, tmp_path / "g", hooks=HOOKS[:2])
+    assert _write(tiny_gpt2, tmp_path / "g", hooks=HOOKS[:2], overwrite=True)["n_examples"] == len(PROMPTS)
+    with pytest.raises(StoreError, match="no activation store at"):
+        ActivationStore(tmp_path / "none")
+    with pytest.raises(StoreError, match=r"has no \['blocks.1.mlp.hook_post'\]"):
+        next(ActivationStore(tmp_path / "g").iter_batches("blocks.1.mlp.hook_post"))
+
+
+PROBE = {"dataset": {"generator": "capitals", "label": "group", "group": "country", "drop_small_classes": True},
+         "position": "SUBJ", "layers": [0, 1], "bootstrap": 20, "Cs": [1.0], "inner_folds": 2}
+
+
+def test_probing_from_a_store_equals_probing_from_the_model(tiny_gpt2, tiny_llama, tmp_path):
+    path = str(tmp_path / "st")
+    CacheActivations.model_validate({"path": path, "dataset": {"generator": "capitals"}, "position": "SUBJ",
+                                     "sites": ["resid_post"], "layers": [0, 1], "shard_mb": SMALL}
+                                    ).run(tiny_gpt2, progress=False)
+    direct = LinearProbe(**PROBE).run(tiny_gpt2, progress=False)
+    stored = LinearProbe(**PROBE, store=path).run(tiny_gpt2, progress=False)
+    assert stored.meta["activations_from"] == path
+    # The probe keeps a subset of the stored rows (drop_small_classes) in other batches; the tiny
+    # model's activations at a row's real tokens do not depend on the batch's padding here, so
+    # every accuracy, prediction and weight is equal.
+    for t in ("main", "predictions", "split"):
+        pd.testing.assert_frame_equal(direct.tables[t], stored.tables[t])
+    assert direct.arrays.keys() == stored.arrays.keys()
+    for k in direct.arrays:
+        assert torch.equal(direct.arrays[k], stored.arrays[k]), k
+    with pytest.raises(StoreError, match="store: .* was made from another model"):
+        LinearProbe(**PROBE, store=path).run(tiny_llama, progress=False)
+    with pytest.raises(StoreError, match=r"store: .* has no \['blocks.2.hook_resid_post'\]"):
+        LinearProbe(**{**PROBE, "layers": [0, 2]}, store=path).check(tiny_gpt2)
+    with pytest.raises(StoreError, match="store: .* does not hold .* rows .* at these positions"):
+        LinearProbe(**{**PROBE, "position": "last"}, store=path).check(tiny_gpt2)
+    with pytest.raises(ValueError, match="give one of store and cache_dir"):
+        LinearProbe(**PROBE, store=path, cache_dir=str(tmp_path / "c"))
+
+
+def test_cli_refuses_a_config_without_activations_steps(tmp_path, capsys):
+    import argparse
+
+    from tracekit.activations.cli import add_commands, main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("experiments:\n  - kind: logit_lens\n    prompts: hi\n")
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="cmd"))
+    assert main(p.parse_args(["cache-activations", str(cfg)])) == 2
+    assert "no step of kind 'activations'" in capsys.readouterr().err
+
+
+def test_left_padding_reads_the_same_tokens(tmp_path):
+    # Left padding shifts each row by its own pad count (Batch.offsets); the store must read the same
+    # tokens as probing's extraction (atol 0, same batches).
+    from helpers import make_tiny
+
+    model = make_tiny("gpt2", padding_side="left")
+    for position in ("last", "all"):
+        _write(model, tmp_path / position, position, hooks=HOOKS[:2])
+        store = ActivationStore(tmp_path / position)
+        with extract_activations(model, PROMPTS, HOOKS[:2], position, batch_size=3) as acts:
+            for h in HOOKS[:2]:
+                assert torch.equal(store.get(h), acts.get(h))

@@ -213,3 +213,18 @@ def hook_keys(model) -> dict:
             keys |= {("tl", id(h)) for h in tl}
         out[name] = keys
     return out
+
+
+def quiet(*a, **k):
+    """A ``log`` that prints nothing."""
+
+
+class one_thread:
+    """``with one_thread():`` torch on one thread (sweep tests time points against each other)."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)

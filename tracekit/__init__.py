@@ -22,6 +22,7 @@ one engine module per method, ``experiments`` (the kinds over the engines), ``co
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they load on first use
@@ -191,6 +192,8 @@ _LAZY: dict[str, str] = {
 def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a subpackage: tk.sweep, tk.patching, ...
         raise AttributeError(f"module 'tracekit' has no attribute {name!r}")
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value  # cached: later accesses are plain module attributes

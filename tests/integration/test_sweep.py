@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 import yaml
 
-from helpers import GPT2_BPE, tiny_overrides
+from helpers import GPT2_BPE, one_thread, quiet, tiny_overrides
 from tracekit.errors import ConfigError, ResultLoadError
 from tracekit.experiments.base import Result
 from tracekit.sweep import (
@@ -56,19 +55,6 @@ SWEEP = {
     },
 }
 N_POINTS, N_FAILING = 8, 4
-
-
-def quiet(*a, **k):
-    pass
-
-
-class one_thread:
-    def __enter__(self):
-        self.n = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.n)
 
 
 @pytest.fixture(scope="module")

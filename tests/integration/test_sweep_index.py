@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
-from helpers import GPT2_BPE, tiny_overrides
+from helpers import GPT2_BPE, one_thread, quiet, tiny_overrides
 from tracekit.errors import ResultLoadError
 from tracekit.experiments.logit_lens import LogitLens
 from tracekit.experiments.onepass import SharedPasses, shared_passes
@@ -41,19 +40,6 @@ SWEEP = {
                        "experiments[0].target": TARGETS},
               "compare": ["step/mean_target_prob_by_hidden_state"]},
 }
-
-
-def quiet(*a, **k):
-    pass
-
-
-class one_thread:
-    def __enter__(self):
-        self.n = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.n)
 
 
 @pytest.fixture(scope="module")

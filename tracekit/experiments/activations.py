@@ -61,6 +61,11 @@ class CacheActivationsInputs:
     rows: Optional[tuple[StoreRow, ...]]
     data: Optional[PreparedDataset]
 
+    @property
+    def ids(self) -> tuple[tuple[int, ...], ...]:
+        """Each row's token ids (as every kind's inputs: ``.ids``); empty for a corpus (streamed in the run)."""
+        return tuple(tuple(r.ids) for r in self.rows or ())
+
 
 class CacheActivationsResult(Result):
     """Tables: ``shards`` (``file``, ``n_examples``, ``row_start``, ``row_end``, ``bytes``, ``sha256``)

@@ -35,7 +35,7 @@ torch.set_num_threads(2)
 # --- SAELens is optional (the [sae] extra; it pins transformer-lens<4, SAELens issue #738) -------------
 #: Files that are SAE tests throughout.
 SAE_FILES = {"test_sae.py", "test_sae_kinds.py", "test_faults_sae.py", "test_dashboard.py",
-             "test_export.py"}  # export: SAELens directories and an SAE kind's tables
+             "test_export.py", "test_sae_store.py"}  # export: SAELens directories and an SAE kind's tables
 
 
 #: Files that test the SAELens-missing case itself (they run in both environments).

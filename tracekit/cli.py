@@ -38,7 +38,7 @@ PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("tracekit.sweep.cli", "run a config's sweep block: one run per point, an index (resumable)"),
     "results": ("tracekit.sweep.cli", "print a sweep's index (and draw a comparison figure)"),
     "cache-activations": ("tracekit.activations.cli", "write the activation stores of a config's `kind: activations` "
-                                                      "steps (resumable; read by linear_probe's store:)"),
+                                                      "steps (resumable; read by linear_probe's store:, tuned.store, sae.train.store)"),
     "export": ("tracekit.export", "export an SAE (SAELens directory), a run's tables (CSV/Parquet) or SAE features "
                                   "(Neuronpedia/SAEDashboard JSON)"),
 }

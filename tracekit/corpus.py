@@ -33,7 +33,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from .tokens import Batch, encode, pad_ids
 
-__all__ = ["Window", "iter_documents", "stdlib_documents", "token_windows", "window_batches",
+__all__ = ["Window", "iter_documents", "stdlib_documents", "token_windows", "packed_windows", "window_batches",
            "CorpusError", "STDLIB"]
 
 STDLIB = "stdlib"
@@ -221,6 +221,46 @@ def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64
             yield Window(n_win, doc_id, start, tuple(bos + chunk), n_prefix)
             n_win += 1
             n_tok += len(chunk)
+
+
+def packed_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, skip_tokens: int = 0,
+                   max_tokens: Optional[int] = None) -> Iterator[tuple[int, ...]]:
+    """Windows of exactly ``seq_len`` tokens packed across documents, as SAELens packs its training
+    contexts: documents are tokenized one by one and concatenated, each followed by the tokens of a
+    blank line (text), then cut into windows of ``seq_len`` tokens, BOS first when the model prepends
+    one. The tail shorter than a window is dropped. Deterministic.
+
+    Args:
+        model: hooked model (tokenizer, ``prepend_bos`` from its spec).
+        documents: ``(doc_id, text)`` pairs, e.g. from :func:`iter_documents`.
+        seq_len: tokens per window, BOS included.
+        skip_tokens: text tokens skipped first (whole windows: a window never starts mid-skip).
+        max_tokens: stop once this many text tokens have been yielded (None: the whole corpus).
+
+    Yields:
+        Each window's token ids (``seq_len`` of them).
+
+    Raises:
+        CorpusError: ``seq_len`` leaves no room for text after the BOS.
+    """
+    bos = encode(model, "", prepend_bos=True) if _has_bos(model) else []
+    width = seq_len - len(bos)
+    if width < 1:
+        raise CorpusError(f"seq_len: {seq_len} leaves no room for text after the BOS; raise it")
+    sep = encode(model, "\n\n", prepend_bos=False)
+    buf: list[int] = []
+    seen = n_out = 0
+    for _, text in documents:
+        buf.extend(encode(model, text, prepend_bos=False) + sep)
+        while len(buf) >= width:
+            chunk, buf = buf[:width], buf[width:]
+            if seen < skip_tokens:
+                seen += width
+                continue
+            yield tuple(bos + chunk)
+            n_out += 1
+            if max_tokens is not None and n_out * width >= max_tokens:
+                return
 
 
 def _has_bos(model) -> bool:

@@ -52,7 +52,7 @@ import yaml
 
 from .config import RunConfig
 from .core import signals
-from .core.errors import OutputError, TracekitError
+from .core.errors import ConfigError, OutputError, TracekitError
 from .core.io import atomic_write, jsonable, write_json
 from .inputs import input_files
 from .model.architectures import architecture_name
@@ -257,6 +257,44 @@ def _sigterm_as_interrupt():
 # running
 
 
+def _store_refs(raw: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Every ``store`` field (``store``, ``tuned.store``, ``sae.train.store``) of a step's config: ``(field, path)``."""
+    out: list[tuple[str, str]] = []
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            where = f"{prefix}.{k}" if prefix else str(k)
+            if k == "store" and isinstance(v, str):
+                out.append((where, v))
+            else:
+                out += _store_refs(v, where)
+    return out
+
+
+def _check_store_refs(step, written: set[Path]) -> None:
+    """Refuse a step reading an activation store that neither exists complete on disk nor is written
+    by an earlier ``activations`` step of the config (before any model is loaded).
+
+    Raises:
+        ConfigError: naming the field, the path and the fix.
+    """
+    for field, value in _store_refs(step.model_dump(mode="json")):
+        p = Path(value).expanduser().resolve()
+        if p in written:
+            continue
+        man = p / "manifest.json"
+        try:
+            complete = bool(json.loads(man.read_text()).get("complete")) if man.is_file() else None
+        except (OSError, ValueError):
+            complete = False
+        if complete is None:
+            raise ConfigError(f"{field}: no activation store at {value} (no manifest.json), and no earlier "
+                              "`activations` step of this config writes it; add one before this step (kind: "
+                              "activations, path: ...), write it with `tracekit cache-activations`, or fix the path")
+        if not complete:
+            raise ConfigError(f"{field}: the activation store at {value} is unfinished (or its manifest is "
+                              "unreadable); rerun the step that writes it (it resumes), or add that step before this one")
+
+
 def check_config(config: RunConfig, model=None) -> Any:
     """Check every step against the model's tokenizer and config (no weights are read unless
     ``model`` is an already-loaded model). Returns the model or :class:`~tracekit.model.ModelInfo`
@@ -270,11 +308,15 @@ def check_config(config: RunConfig, model=None) -> Any:
     """
     info = model if model is not None else load_model_info(config.model)
     errors: list[tuple[str, TracekitError]] = []
+    written: set[Path] = set()  # stores written by earlier `activations` steps
     for i, step in enumerate(config.experiments):
         try:
+            _check_store_refs(step, written)
             step.check(info)
         except TracekitError as e:
             errors.append((f"experiments[{i}] ({step.step_name}): {e}", e))
+        if step.kind == "activations":
+            written.add(Path(str(step.model_dump(mode="json")["path"])).expanduser().resolve())
     if len(errors) == 1:
         raise type(errors[0][1])(errors[0][0]) from errors[0][1]
     if errors:
@@ -344,8 +386,9 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         run.status.write(status="failed", step=where, error=f"{type(e).__name__}: {e}")
         if isinstance(e, TracekitError) and where == "(loading model)":
             raise
-        raise StepFailed(f"step {where!r} failed: {type(e).__name__}: {e} (earlier results kept in {run_dir})",
-                         run_dir) from e
+        kept = (f"earlier results kept in {run_dir}" if run.status.state.get("finished")
+                else f"no step had finished; the error is recorded in {run_dir}")
+        raise StepFailed(f"step {where!r} failed: {type(e).__name__}: {e} ({kept})", run_dir) from e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if old_scratch is None:

@@ -203,3 +203,89 @@ def test_left_padding_reads_the_same_tokens(tmp_path):
         with extract_activations(model, PROMPTS, HOOKS[:2], position, batch_size=3) as acts:
             for h in HOOKS[:2]:
                 assert torch.equal(store.get(h), acts.get(h))
+
+
+def _kind(model, path, **kw):
+    cfg = {"path": str(path), "hooks": HOOKS[:2], "shard_mb": SMALL, "batch_size": 3, **kw}
+    return CacheActivations.model_validate(cfg).run(model, progress=False).summary()
+
+
+def test_edited_inputs_are_another_plan_and_overwrite_writes_afresh(tiny_gpt2, tmp_path):
+    """A complete store is "up to date" only for the same rows: an edited corpus file or other prompts
+    (same count) are another plan, refused at the same path; overwrite: true always writes afresh."""
+    text = tmp_path / "c.txt"
+    text.write_text("\n\n".join(f"Paragraph {i} tells of the river and the old stone bridge." for i in range(20)))
+    corpus = {"source": str(text), "seq_len": 16, "max_tokens": 200}
+    first = _kind(tiny_gpt2, tmp_path / "st", corpus=corpus)
+    assert _kind(tiny_gpt2, tmp_path / "st", corpus=corpus)["up_to_date"] is True
+    before = ActivationStore(tmp_path / "st").token_ids
+    text.write_text("\n\n".join(f"Chapter {i} speaks of a winter market by the harbour." for i in range(20)))
+    with pytest.raises(StoreError, match="holds another activation store .*overwrite: true"):
+        _kind(tiny_gpt2, tmp_path / "st", corpus=corpus)
+    again = _kind(tiny_gpt2, tmp_path / "st", corpus=corpus, overwrite=True)
+    assert again["up_to_date"] is False and again["shards_written"] == again["n_shards"] >= 1
+    assert not np.array_equal(ActivationStore(tmp_path / "st").token_ids, before)
+    # overwrite on an up-to-date store of the same plan writes it again too
+    assert _kind(tiny_gpt2, tmp_path / "st", corpus=corpus, overwrite=True)["up_to_date"] is False
+    assert first["n_shards"] >= 1
+    # prompts: other prompts of the same count are another plan
+    _kind(tiny_gpt2, tmp_path / "p", prompts=PROMPTS)
+    with pytest.raises(StoreError, match="holds another activation store"):
+        _kind(tiny_gpt2, tmp_path / "p", prompts=PROMPTS[::-1])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_shards_are_refused_on_read_and_rewritten(tiny_gpt2, tmp_path, damage):
+    _kind(tiny_gpt2, tmp_path / "st", prompts=PROMPTS, position="all")
+    man = json.loads((tmp_path / "st" / "manifest.json").read_text())
+    f = tmp_path / "st" / man["shards"][1]["file"]
+    good = f.read_bytes()
+    if damage == "truncate":
+        f.write_bytes(good[: len(good) // 2])
+    elif damage == "flip":
+        raw = bytearray(good)
+        raw[-3] ^= 0x01  # one bit of the last activation
+        f.write_bytes(bytes(raw))
+    else:
+        f.unlink()
+    why = {"truncate": "bytes, not the", "flip": "does not match its recorded sha256", "delete": "is missing"}[damage]
+    with pytest.raises(StoreError, match=f"store: shard {f.name} of the store at .* {why}.*rerun the step"):
+        ActivationStore(tmp_path / "st")
+    fixed = _kind(tiny_gpt2, tmp_path / "st", prompts=PROMPTS, position="all")  # the same step repairs it
+    assert fixed["up_to_date"] is False and fixed["shards_reused"] == 1  # shard 0 kept; 1 on rewritten
+    assert f.read_bytes() == good
+    ActivationStore(tmp_path / "st")
+
+
+def test_store_written_with_another_bos_setting_is_refused_naming_it(tmp_path):
+    from helpers import make_tiny
+
+    with_bos, without = make_tiny("gpt2"), make_tiny("gpt2", prepend_bos=False)
+    _write(without, tmp_path / "st")
+    with pytest.raises(StoreError, match="written with model.prepend_bos False .* set model.prepend_bos: false"):
+        ActivationStore(tmp_path / "st").check_model(with_bos)
+
+
+def test_validate_refuses_a_missing_store_before_loading_a_model(tmp_path, tiny_gpt2):
+    """A step reading a store that is neither on disk nor written by an earlier activations step is
+    refused by check_config (tracekit validate / run), before any model is loaded."""
+    from tracekit.config import parse_config
+    from tracekit.errors import ConfigError
+    from tracekit.runner import check_config
+
+    probe = {"kind": "linear_probe", **PROBE, "store": str(tmp_path / "st")}
+    writes = {"kind": "activations", "path": str(tmp_path / "st"), "dataset": {"generator": "capitals"},
+              "position": "SUBJ", "sites": ["resid_post"], "layers": [0, 1]}
+    with pytest.raises(ConfigError, match=r"store: no activation store at .* no earlier `activations` step"):
+        check_config(parse_config({"experiments": [probe]}), model=tiny_gpt2)
+    check_config(parse_config({"experiments": [writes, probe]}), model=tiny_gpt2)  # written first: fine
+    with pytest.raises(ConfigError, match="no activation store"):  # written after the reader: refused
+        check_config(parse_config({"experiments": [probe, writes]}), model=tiny_gpt2)
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "manifest.json").write_text(json.dumps({"complete": False}))
+    with pytest.raises(ConfigError, match="unfinished"):
+        check_config(parse_config({"experiments": [probe]}), model=tiny_gpt2)
+    lens = {"kind": "logit_lens", "prompts": ["The capital of France is"], "lens": "tuned",
+            "tuned": {"store": str(tmp_path / "nope")}}
+    with pytest.raises(ConfigError, match=r"tuned\.store: no activation store"):
+        check_config(parse_config({"experiments": [lens]}), model=tiny_gpt2)

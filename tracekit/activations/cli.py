@@ -25,7 +25,7 @@ COMMANDS = ("cache-activations",)
 def add_commands(sub) -> None:
     """Add ``cache-activations`` to the CLI's subparsers."""
     c = sub.add_parser("cache-activations", help="write the activation stores of a config's `kind: activations` "
-                                                 "steps (resumable; read by linear_probe's store:)")
+                                                 "steps (resumable; read by linear_probe's store:, tuned.store, sae.train.store)")
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a config field, e.g. --set experiments[0].path=stores/x")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence, Union
 
 from ..core.errors import TokenizationError
-from ..corpus import iter_documents, token_windows
+from ..corpus import iter_documents, packed_windows, token_windows
 from ..dataset import PreparedDataset
 from ..tokens import Position, PositionSpec, encode, parse_position
 from .write import StoreRow
@@ -73,13 +73,20 @@ def prompt_rows(model, prompts: Sequence[str], position: PositionSpec, field: st
 
 
 def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
-                position: PositionSpec = "all", field: str = "position", corpus_field: str = "corpus"
-                ) -> Iterator[StoreRow]:
-    """Corpus windows (:func:`tracekit.corpus.token_windows`: at most ``seq_len`` tokens, BOS first
-    when the model prepends one), streamed; row id = window index.
+                position: PositionSpec = "all", field: str = "position", corpus_field: str = "corpus",
+                packed: bool = False) -> Iterator[StoreRow]:
+    """Corpus windows, streamed; row id = window index.
+
+    Per document (default): :func:`tracekit.corpus.token_windows` (at most ``seq_len`` tokens, BOS
+    first when the model prepends one; each row records its document). ``packed``: windows of
+    exactly ``seq_len`` tokens packed across documents (:func:`tracekit.corpus.packed_windows`), as
+    SAELens packs its training contexts; position ``all`` then reads *every* position, the BOS
+    included (SAELens' cached activations hold the whole window and mask special tokens by id), so
+    an SAE can train from the store (``sae.train.store``).
 
     Raises:
-        TokenizationError: ``token:<text>`` or a named position (a corpus has neither).
+        TokenizationError: ``token:<text>`` or a named position (a corpus has neither); a packed
+            corpus at another position than ``all``.
         CorpusError: a corpus source that cannot be read.
     """
     pos = store_position(position, field)
@@ -87,6 +94,13 @@ def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, ma
         raise TokenizationError(f"{field}: {position!r} needs a prompt or a dataset row; on a corpus use all, "
                                 "last, mean or an index")
     docs = iter_documents(corpus, field=corpus_field)
+    if packed:
+        if pos.kind != "all":
+            raise TokenizationError(f"{field}: a packed corpus stores every position of its windows (position: all); "
+                                    f"got {position!r}: set position: all or drop corpus.packed")
+        for i, ids in enumerate(packed_windows(model, docs, seq_len, 0, max_tokens)):
+            yield StoreRow(i, tuple(ids), tuple(range(len(ids))), False, None)
+        return
     for w in token_windows(model, docs, seq_len=seq_len, max_tokens=max_tokens):
         read = list(range(w.n_prefix, len(w.ids))) if pos.kind in ("all", "mean") else \
             pos.resolve(model, "", w.ids, f"{field} (window {w.window})")

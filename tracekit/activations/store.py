@@ -112,10 +112,11 @@ class ActivationStore:
 
     Raises (on opening):
         StoreError: no store at ``path``, or one whose write did not finish (rerun the same write:
-            it resumes).
+            it resumes), or (``verify``, default) a shard missing, truncated or altered since it was
+            written (:meth:`verify`).
     """
 
-    def __init__(self, path: str | Path, field: str = "store"):
+    def __init__(self, path: str | Path, field: str = "store", verify: bool = True):
         self.path = Path(path).expanduser()
         self.field = field
         man = self.path / MANIFEST
@@ -135,6 +136,27 @@ class ActivationStore:
                              "step to resume it")
         self.hooks: list[str] = list(self.manifest["hooks"])
         self.files: list[str] = [s["file"] for s in self.manifest["shards"]]
+        if verify:
+            self.verify()
+
+    def verify(self) -> None:
+        """Check every shard against the manifest: present, its size and its sha256 (memoised
+        in-process by path, size, mtime and inode, so a store read twice is hashed once).
+
+        Raises:
+            StoreError: a missing, truncated or altered shard (naming it and the fix).
+        """
+        from ..core.io import file_sha256  # lazy: readers only
+
+        for rec in self.manifest["shards"]:
+            f = self.path / rec["file"]
+            why = ("is missing" if not f.is_file() else
+                   f"has {f.stat().st_size} bytes, not the {rec['bytes']} recorded" if f.stat().st_size != rec["bytes"]
+                   else "does not match its recorded sha256" if file_sha256(f) != rec["sha256"] else None)
+            if why:
+                raise StoreError(f"{self.field}: shard {rec['file']} of the store at {self.path} {why} (damaged "
+                                 "after it was written); rerun the step that wrote the store (kind: activations, the "
+                                 "same config: it rewrites a damaged shard and those after it, keeping the ones before)")
 
     # ---- what it holds ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -193,6 +215,11 @@ class ActivationStore:
         field = field or self.field
         have = model_identity(model)
         made = self.manifest.get("model", {})
+        if "prepend_bos" in made and made["prepend_bos"] != have.get("prepend_bos"):
+            raise StoreError(f"{field}: the store at {self.path} was written with model.prepend_bos "
+                             f"{made['prepend_bos']} but this model has prepend_bos {have.get('prepend_bos')} (its rows' "
+                             f"token ids and positions differ); set model.prepend_bos: {str(made['prepend_bos']).lower()} "
+                             "or write the store again with this model")
         diff = [k for k in IDENTITY_KEYS if made.get(k) != have.get(k)]
         if diff:
             detail = ", ".join(f"{k} {made.get(k)!r} vs {have.get(k)!r}" for k in diff)

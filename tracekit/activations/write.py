@@ -169,7 +169,7 @@ def _prepare_folder(path: Path, key: str, overwrite: bool, field: str) -> Option
             old = json.loads(man.read_text())
         except (OSError, json.JSONDecodeError):
             old = {}
-        if old.get("format") == FORMAT and old.get("plan_key") == key:  # the same plan: resume or up to date
+        if old.get("format") == FORMAT and old.get("plan_key") == key and not overwrite:  # resume or up to date
             return old
         if not overwrite:
             raise StoreError(f"{field}: {path} holds another activation store (model, rows, hooks, position, dtype, "
@@ -207,9 +207,9 @@ def _batches(rows: Iterable[StoreRow], size: int) -> Iterator[list[StoreRow]]:
 
 
 def _shard_ok(path: Path, rec: dict) -> bool:
-    """A recorded shard is on disk with its recorded size (the sha256 is kept for verification)."""
+    """A recorded shard is on disk with its recorded size and sha256."""
     f = path / rec["file"]
-    return f.is_file() and f.stat().st_size == rec["bytes"]
+    return f.is_file() and f.stat().st_size == rec["bytes"] and file_sha256(f) == rec["sha256"]
 
 
 def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str | Path, *, position: str,
@@ -228,7 +228,8 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
         dtype: ``model`` (the activations' own dtype), ``float32``, ``float16`` or ``bfloat16``.
         batch_size: rows per forward pass.
         shard_mb: target shard size in MiB (a shard closes at the first batch boundary past it).
-        overwrite: replace a store of another plan at ``path``.
+        overwrite: delete what is at ``path`` (a store of any plan, complete or not) and write
+            afresh; off, a store of another plan there is refused and the same plan resumes.
         progress: show a progress bar (rows).
         field: the config field quoted in errors about ``path``.
 
@@ -251,7 +252,9 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
     key = _plan_key(ident, hooks, position, dtype, batch_size, shard_mb, source)
     old = _prepare_folder(path, key, overwrite, field)
     if old is not None and old.get("complete"):
-        return _summary(old, path, 0, len(old["shards"]), time.time() - t0, True)
+        if all(_shard_ok(path, s) for s in old["shards"]):
+            return _summary(old, path, 0, len(old["shards"]), time.time() - t0, True)
+        old["complete"] = False  # a damaged shard: resume, rewriting it (and keeping the intact ones)
     done = list(old["shards"]) if old else []
     man = {"format": FORMAT, "version": 1, "complete": False, "plan_key": key, "model": ident, "hooks": hooks,
            "dtype": (old or {}).get("dtype"), "position": position, "source": source,

@@ -4,12 +4,14 @@ The rows (a ``dataset``, ``prompts`` or a ``corpus``) x ``hooks`` (or ``sites`` 
 ``position`` are run once and written to ``path`` as sharded safetensors with a manifest
 (:mod:`tracekit.activations`); a killed write resumes when the step is run again, and a complete
 store with the same plan is found up to date without a forward pass. Other steps read the store
-(``linear_probe``'s ``store:``). The result lists the shards and the hooks; the activations stay in
+(``linear_probe``'s ``store:``, ``tuned: {store: ...}``, ``sae: {train: {store: ...}}``). The result lists the shards and the hooks; the activations stay in
 the store, not in the result.
 """
 
 from __future__ import annotations
 
+import hashlib
+import platform
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -25,9 +27,11 @@ from ..activations import (
     store_position,
     write_store,
 )
+from ..activations.store import row_key
 from ..core.strict import StrictModel
 from ..dataset import DatasetSpec, PreparedDataset
 from ..hooks import check_hooks
+from ..inputs import input_files
 from ..probing import probe_hooks
 from ..tokens import PositionSpec
 from .base import Experiment, Indices, OptionalPrompts, Result, dataset_meta, register
@@ -45,11 +49,16 @@ class CorpusSource(StrictModel):
             ``.jsonl`` file, a folder of them, or a list.
         seq_len: tokens per window, BOS included (default 128).
         max_tokens: text tokens stored at most (BOS excluded; default 4096; null: the whole corpus).
+        packed: pack documents into windows of exactly ``seq_len`` tokens across document ends (as
+            SAELens packs its training contexts) and store every position, the BOS included: the
+            store an SAE trains from (``sae.train.store``, with ``context_size`` = ``seq_len``).
+            Needs position ``all``. Default false: one document per window, text tokens only.
     """
 
     source: Union[str, list[str]] = "stdlib"
     seq_len: int = Field(default=128, ge=2)
     max_tokens: Optional[int] = Field(default=4096, ge=1)
+    packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,8 @@ class CacheActivationsResult(Result):
             f"{s['n_rows']} rows -> {s['n_examples']} examples at position {s['position']!r}, "
             f"{len(s['hooks'])} hook(s), {s['dtype']}, {s['n_shards']} shard(s), {s['megabytes']:.2f} MiB, "
             f"{s['seconds']} s",
-            "read it with store: " + str(s["path"]) + " (linear_probe) or tracekit.activations.ActivationStore"])
+            "read it with linear_probe's store: / tuned.store / sae.train.store (packed corpus) = " + str(s["path"])
+            + ", or tracekit.activations.ActivationStore"])
 
 
 @register
@@ -119,7 +129,11 @@ class CacheActivations(Experiment):
         dtype: ``model`` (default: the activations' own dtype), ``float32``, ``float16``, ``bfloat16``.
         batch_size: rows per forward pass (part of the plan: a resume needs the same).
         shard_mb: target shard size in MiB (a shard closes at the first batch boundary past it).
-        overwrite: replace a store of another plan at ``path``.
+        overwrite: delete what is at ``path`` (a store of any plan, complete or not) and write it
+            afresh. Off (default): a store of another plan there is refused, the same plan resumes
+            or is up to date. The plan includes the rows' content (prompts and dataset rows, a
+            corpus' files, the Python version of the ``stdlib`` corpus), so an edited input is
+            another plan.
     """
 
     kind: Literal["activations"] = "activations"
@@ -153,6 +167,9 @@ class CacheActivations(Experiment):
         if not self.hooks and not self.sites:
             raise ValueError("hooks: give the hooks to store (TransformerLens names, e.g. blocks.3.hook_resid_post) "
                              "or sites (with layers)")
+        if self.corpus is not None and self.corpus.packed and self.position not in (None, "all"):
+            raise ValueError(f"position: a packed corpus (corpus.packed: true) stores every position of its windows; "
+                             f"got {self.position!r}: set position: all (or leave it out) or drop corpus.packed")
         return self
 
     @property
@@ -190,12 +207,28 @@ class CacheActivations(Experiment):
             rows = None
         return CacheActivationsInputs(tuple(hooks), rows, data)
 
-    def _source(self) -> dict:
+    def _source(self, inputs: CacheActivationsInputs) -> dict:
+        """Where the rows come from, recorded in the manifest and part of the store's plan, with
+        their content: the prepared rows' keys (prompts, dataset), or the corpus files' sha256 and
+        the Python version (whose documentation the ``stdlib`` corpus is)."""
         if self.dataset is not None:
-            return {"kind": "dataset", "dataset": self.dataset.model_dump(mode="json")}
-        if self.corpus is not None:
-            return {"kind": "corpus", **self.corpus.model_dump(mode="json")}
-        return {"kind": "prompts", "n_prompts": len(self.prompts)}
+            src = {"kind": "dataset", "dataset": self.dataset.model_dump(mode="json")}
+        elif self.corpus is not None:
+            src = {"kind": "corpus", **self.corpus.model_dump(mode="json")}
+        else:
+            src = {"kind": "prompts", "n_prompts": len(self.prompts)}
+        if inputs.rows is not None:
+            h = hashlib.sha256()
+            for r in inputs.rows:
+                h.update(row_key(r.ids, r.read, r.mean).encode())
+            src["rows_sha256"] = h.hexdigest()[:16]
+        else:
+            assert self.corpus is not None
+            src["content_sha256"] = {k: v["sha256"] for k, v in input_files({"corpus": self.corpus.source}).items()}
+            names = [self.corpus.source] if isinstance(self.corpus.source, str) else list(self.corpus.source)
+            if "stdlib" in names:
+                src["python"] = platform.python_version()
+        return src
 
     def _run(self, model, inputs: CacheActivationsInputs, progress: bool = True) -> CacheActivationsResult:
         """Write (or resume) the store (:func:`tracekit.activations.write_store`) and describe it."""
@@ -204,11 +237,11 @@ class CacheActivations(Experiment):
         else:
             assert self.corpus is not None
             rows = corpus_rows(model, self.corpus.source, self.corpus.seq_len, self.corpus.max_tokens,
-                               self.position_spec, corpus_field="corpus.source")
-        info = write_store(model, rows, inputs.hooks, self.path, position=self.position_spec, source=self._source(),
+                               self.position_spec, corpus_field="corpus.source", packed=self.corpus.packed)
+        info = write_store(model, rows, inputs.hooks, self.path, position=self.position_spec, source=self._source(inputs),
                            dtype=self.dtype, batch_size=self.batch_size, shard_mb=self.shard_mb,
                            overwrite=self.overwrite, progress=progress)
-        store = ActivationStore(self.path, "path")
+        store = ActivationStore(self.path, "path", verify=False)  # just written or checked by write_store
         man = store.manifest
         shards = pd.DataFrame([{"file": s["file"], "n_examples": s["n_examples"], "row_start": s["rows"][0],
                                 "row_end": s["rows"][1], "bytes": s["bytes"], "sha256": s["sha256"]}

@@ -162,7 +162,8 @@ class SAETrainResult(SAEEvalResult):
     def report(self) -> str:
         s = self.summary()
         head = (f"SAE train [{self.config.step_name}] {'cache hit' if s['cache_hit'] else 'trained'} -> {s['path']} "
-                f"({s.get('train_tokens')} tokens, {s.get('train_seconds')} s)")
+                f"({s.get('train_tokens')} tokens, {'trained earlier in' if s['cache_hit'] else 'in'} "
+                f"{s.get('train_seconds')} s{', activations from a store' if s.get('activations_from') == 'store' else ''})")
         return head + "\n" + super().report()
 
 

@@ -289,6 +289,10 @@ def store_tokens(model, spec: TunedLensSpec, field: str = "tuned") -> StoreToken
     store = ActivationStore(spec.store, field=f)
     store.check_model(model, f)
     man = store.manifest
+    if man.get("source", {}).get("packed"):
+        raise StoreError(f"{f}: the store at {store.path} holds packed corpus windows (corpus.packed: true: windows "
+                         "across documents, BOS included), which an SAE trains on; a tuned lens trains on per-document "
+                         "windows split by document: write one without corpus.packed, or drop tuned.store")
     if man.get("source", {}).get("kind") != "corpus" or store.position != "all" or "row_docs" not in man:
         raise StoreError(f"{f}: the store at {store.path} holds position {store.position!r} of "
                          f"{man.get('source', {}).get('kind')!r} rows; a tuned lens trains on every token of corpus "

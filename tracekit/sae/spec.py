@@ -56,7 +56,14 @@ class SAETrainSpec(_Strict):
             as dead (the TopK auxiliary loss then trains dead features on the residual error,
             Gao et al. 2024); keep it well below the number of steps or the auxiliary loss never acts.
         corpus: ``stdlib`` (offline default), a text/JSONL file or a directory.
-        seed: SAELens' seed.
+        seed: seeds torch for the SAE's initialisation and SAELens' buffer shuffles (SAELens' runner
+            does not seed torch itself); the caller's RNG state is restored after training.
+        store: an activation store to train from instead of running the model
+            (:mod:`tracekit.sae.store`): written with this model from packed windows of the same
+            ``corpus`` (``kind: activations``, ``corpus: {source: <corpus>, packed: true, seq_len:
+            <context_size>, max_tokens: >= dataset_tokens}``, ``hooks: [<hook>]``). The SAE trained
+            from it equals the one trained by running the model (tested); held-out tokens still come
+            from the corpus. The store's manifest, not its path, is part of the cache key.
 
     The trained SAE is saved in SAELens' format under ``$TRACEKIT_CACHE_DIR/saes/<hash>`` (default
     ``~/.cache/tracekit/saes``), keyed by this block, the model's fingerprint and basis, so the
@@ -78,6 +85,7 @@ class SAETrainSpec(_Strict):
     dead_feature_window: int = Field(default=1000, ge=1)
     corpus: str | list[str] = "stdlib"
     seed: int = 0
+    store: str | None = None
 
     @model_validator(mode="after")
     def _means_what_it_says(self):

@@ -40,6 +40,7 @@ from ..model.load import model_device, model_fingerprint, model_parameters, mode
 from ..model.spec import ModelSpec
 from ..tokens import pad_ids
 from .spec import SAETrainSpec, hook_width
+from .store import StoreWindows, cache_activations_from_store, store_windows
 from .windows import _corpus_windows, special_token_ids
 
 __all__ = ["SAE_FILES", "clear_sae_cache", "sae_cache_dir", "sae_cache_entries", "train_sae"]
@@ -72,14 +73,18 @@ def sae_cache_dir() -> Path:
     return base / "saes"
 
 
-def _train_key(model: HookedModel, t: SAETrainSpec) -> str:
-    """The cache key of a training: sha256 (16 hex digits) of the training block, the corpus files'
-    sha256, the model's fingerprint, basis, BOS and dtype, and SAELens' version."""
+def _train_key(model: HookedModel, t: SAETrainSpec, store_sha256: str | None = None) -> str:
+    """The cache key of a training: sha256 (16 hex digits) of the training block (with a store: the
+    sha256 of its manifest instead of its path), the corpus files' sha256, the model's fingerprint,
+    basis, BOS and dtype, and SAELens' version."""
     import sae_lens  # lazy: sae_lens is heavy
 
     spec = model_spec_of(model)
     corpus = {k: v["sha256"] for k, v in input_files({"corpus": t.corpus}).items()}  # what the files hold
-    blob = {"train": t.model_dump(mode="json"), "corpus_sha256": corpus, "fingerprint": model_fingerprint(model),
+    train = t.model_dump(mode="json", exclude={"store"})
+    if store_sha256 is not None:  # the store's content, not its path
+        train["store_manifest_sha256"] = store_sha256
+    blob = {"train": train, "corpus_sha256": corpus, "fingerprint": model_fingerprint(model),
             "process_weights": bool(spec.process_weights), "prepend_bos": bool(spec.prepend_bos),
             "dtype": spec.dtype, "sae_lens": getattr(sae_lens, "__version__", "?")}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
@@ -223,19 +228,30 @@ def _quiet_sae_lens() -> Iterator[None]:
 
 
 def _fit(model: HookedModel, t: SAETrainSpec, cfg: Any, ds: Any, wins: list[list[int]], acts_dir: Path,
-         progress: bool) -> float:
-    """Cache the activations at ``t.hook``, then run SAELens' trainer on them, with the model's state,
-    gated hooks, warning filters and signal handlers restored after and its parameters left frozen.
+         progress: bool, sw: StoreWindows | None = None) -> float:
+    """Cache the activations at ``t.hook`` (from the store ``sw`` when given, else by running the
+    model), then run SAELens' trainer on them, with the model's state, gated hooks, warning filters
+    and signal handlers restored after and its parameters left frozen.
     Returns the time (``time.time()``) at which the activations were cached."""
     from sae_lens import LanguageModelSAETrainingRunner  # lazy: sae_lens is heavy
 
     with state_guard(model), enabled_hooks(model, [t.hook]), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _cache_activations(model, t.hook, wins, acts_dir, progress=progress)
+        if sw is not None:
+            cache_activations_from_store(sw, t.hook, wins, acts_dir, progress=progress)
+        else:
+            _cache_activations(model, t.hook, wins, acts_dir, progress=progress)
         acts_done = time.time()
-        runner = _runner_class(LanguageModelSAETrainingRunner)(cfg, override_dataset=ds, override_model=model)
-        with preserved_signal_handlers(_sae_lens_interrupts()):
-            runner.run()
+        dev = model_device(model)
+        # SAELens' runner never seeds torch (its ``seed`` is not used for the SAE's initialisation or
+        # the buffer shuffles), so the SAE depended on the global RNG state: seeded here with
+        # ``t.seed``, the caller's RNG state restored after.
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [],
+                                   device_type=dev.type if dev.type == "cuda" else "cuda"):
+            torch.manual_seed(t.seed)
+            runner = _runner_class(LanguageModelSAETrainingRunner)(cfg, override_dataset=ds, override_model=model)
+            with preserved_signal_handlers(_sae_lens_interrupts()):
+                runner.run()
         # sae-lens' runner may leave the trainer's grad settings on: the model stays frozen.
         for p in model_parameters(model):
             p.requires_grad_(False)
@@ -271,9 +287,14 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
     Returns:
         ``(directory, cache_hit, stats)``; ``stats`` has the training time and token counts.
 
+    With ``t.store``, the activations are read from that activation store
+    (:mod:`tracekit.sae.store`) instead of running the model; the SAE is the same.
+
     Raises:
         SAEError: the hook cannot be read, the corpus is too small, or SAELens is not installed
             (:func:`tracekit.compat.require_sae_lens`).
+        StoreError: ``t.store`` cannot stand in for the model (another model, not packed corpus
+            windows of ``context_size``, another corpus, no such hook, too few windows).
     """
     from datasets import Dataset  # lazy: datasets is heavy
 
@@ -281,7 +302,13 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
     remove_stale_temps(root)  # what killed trainings left behind
-    key = _train_key(model, t)
+    sw: StoreWindows | None = None
+    wins: list[list[int]] | None = None
+    n_tok = n_held = 0
+    if t.store is not None:  # checked before the cache: a bad store is refused, not hidden by a hit
+        wins, n_tok, n_held = _training_windows(model, t, field)
+        sw = store_windows(model, t, wins, field)
+    key = _train_key(model, t, sw.manifest_sha256 if sw is not None else None)
     out = root / key
     stats = _cached_stats(out)
     if stats is not None:
@@ -291,7 +318,8 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
         raise SAEError(f"{field}.hook: cannot tell the width of hook {t.hook!r}; train on a residual, attn_out, "
                        "mlp_out or mlp.hook_post hook")
     d_sae = t.d_sae or width * t.expansion_factor
-    wins, n_tok, n_held = _training_windows(model, t, field)
+    if wins is None:
+        wins, n_tok, n_held = _training_windows(model, t, field)
     spec = model_spec_of(model)
     tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     acts_dir = tmp / "activations"
@@ -300,13 +328,16 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
     t0 = time.time()
     try:
         with _quiet_sae_lens():
-            t_acts = _fit(model, t, cfg, ds, wins, acts_dir, progress) - t0
+            t_acts = _fit(model, t, cfg, ds, wins, acts_dir, progress, sw) - t0
             _record_provenance(tmp, model, spec)
             shutil.rmtree(acts_dir, ignore_errors=True)
             stats = {"train_seconds": round(time.time() - t0, 2), "activation_seconds": round(t_acts, 2),
                      "train_tokens": t.training_tokens,
                      "dataset_tokens": n_tok, "train_windows": len(wins), "held_out_tokens": n_held,
-                     "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json")}
+                     "d_sae": d_sae, "d_in": width, "key": key, "train": t.model_dump(mode="json"),
+                     "activations_from": "store" if sw is not None else "model"}
+            if sw is not None:
+                stats["store_manifest_sha256"] = sw.manifest_sha256
             _publish(tmp, out, key, stats)
     finally:
         if tmp.exists():

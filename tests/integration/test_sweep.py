@@ -273,6 +273,7 @@ def test_ray_executor_gives_the_local_index(local_sweep, tmp_path):
     _, local = local_sweep
     outcome = run_sweep(SWEEP, tmp_path / "ray", executor="ray", workers=2, progress=False, log=quiet)
     assert outcome.exit_code == 1 and sorted(outcome.failed) == sorted(local.failed)
+    assert outcome.shared_passes == local.shared_passes  # target points share their lens pass on Ray too
     pd.testing.assert_frame_equal(stable_columns(outcome.index), stable_columns(local.index))
 
 

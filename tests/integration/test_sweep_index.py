@@ -217,6 +217,21 @@ def test_steps_that_differ_elsewhere_or_use_a_tuned_lens_do_not_share():
     assert len(SharedPasses([a, c.model_copy(update={"target": " London"})]).siblings(a)) == 2
 
 
+def test_ray_units_keep_the_points_sharing_a_pass_together():
+    """The Ray executor hands an actor every point of a one-pass group at once (so the pass is shared
+    there too); the other points go alone."""
+    from tracekit.sweep.executors import _Scheduler, _units
+
+    points, _ = expand_sweep(copy.deepcopy(SWEEP))
+    units = _units(points)
+    lens = sorted(p.index for p in points if p.config.experiments[0].kind == "logit_lens")
+    assert sorted(len(u) for u in units) == [1, 1, 1, 3]
+    assert [sorted(p.index for p in u) for u in units if len(u) == 3] == [lens]
+    sched = _Scheduler(points, 2)
+    got = [sched.next_unit(a % 2) for a in range(5)]
+    assert got[-1] is None and sorted(p.index for u in got if u for p in u) == sorted(p.index for p in points)
+
+
 def test_sweep_groups_the_target_points_and_matches_a_sweep_without_grouping(sweep, tmp_path):
     out, outcome = sweep
     assert outcome.shared_passes == 1  # 3 lens targets, one pass

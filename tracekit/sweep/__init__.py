@@ -53,7 +53,8 @@ A sweep over ``target`` of a logit lens runs one lens pass for all targets
 
 Executors: ``local`` groups the points by model so each model loads once; ``ray`` (the
 ``sweeps`` extra) runs one actor per GPU (or ``--workers N`` CPU actors without GPUs), each keeping
-its model loaded, with points handed to actors by model; workers write run directories into the
+its model loaded, with points handed to actors by model (the points sharing one lens pass together,
+to one actor); workers write run directories into the
 shared ``DIR`` and the driver keeps the index.
 
 Modules: :mod:`.expand` (points, seeds, hashes), :mod:`.index` (records, ``index.parquet``),

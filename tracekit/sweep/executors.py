@@ -122,7 +122,8 @@ def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool
 
 
 class _RayWorker:
-    """A Ray actor: keeps the last model it loaded and runs points into the shared output dir."""
+    """A Ray actor: keeps the last model it loaded and runs units of points (:func:`_units`: logit-lens
+    points differing only in ``target`` share one pass, as locally) into the shared output dir."""
 
     def __init__(self, env: dict, figures: bool = False):
         os.environ.update(env)
@@ -131,16 +132,36 @@ class _RayWorker:
         self.key: str | None = None
         self.model = None
 
-    def run(self, point: Point, out: str) -> dict:
-        if point.model_key != self.key:
+    def run(self, unit: list[Point], out: str) -> tuple[list[dict], int]:
+        """Run one unit: ``(each point's record, forward passes shared)``; a model that fails to
+        load fails every point of the unit."""
+        key = unit[0].model_key
+        if key != self.key:
             self.model, self.key = None, None
             gc.collect()
             try:
-                self.model = load_model(point.config.model)
+                self.model = load_model(unit[0].config.model)
             except Exception as e:  # noqa: BLE001
-                return _failed_record(point, f"{type(e).__name__}: {e}")
-            self.key = point.model_key
-        return execute_point(point, out, self.model, figures=self.figures)
+                return [_failed_record(p, f"{type(e).__name__}: {e}") for p in unit], 0
+            self.key = key
+        shared = SharedPasses(s for p in unit for s in p.config.experiments)
+        try:
+            with shared_passes(shared):
+                return [execute_point(p, out, self.model, figures=self.figures) for p in unit], shared.passes
+        finally:
+            shared.cache.clear()
+
+
+def _units(points: list[Point]) -> list[list[Point]]:
+    """The points of one model cut into units for the actors: points whose logit-lens steps share
+    passes (:meth:`SharedPasses.siblings`: equal but for ``target`` / ``name``) go to one actor
+    together, every other point alone; first-seen order."""
+    shared = SharedPasses(s for p in points for s in p.config.experiments)
+    units: dict[str, list[Point]] = {}
+    for p in points:
+        keys = [SharedPasses.key(s) for s in p.config.experiments if shared.siblings(s)]
+        units.setdefault(json.dumps(keys) if keys else f"#{p.index}", []).append(p)
+    return list(units.values())
 
 
 def _ray_env() -> dict:
@@ -169,7 +190,7 @@ def _start_ray(ray, env: dict, address: str | None, workers: int | None) -> bool
 
 def _actor_plan(ray, n_points: int, workers: int | None) -> tuple[int, dict, int]:
     """``(actors, actor options, GPUs)``: one actor per GPU, else ``workers`` (or all CPUs) CPU actors;
-    never more actors than points."""
+    never more actors than ``n_points`` (the units of work)."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus > 0:
         n, opts = gpus, {"num_gpus": 1, "num_cpus": 1}
@@ -180,60 +201,67 @@ def _actor_plan(ray, n_points: int, workers: int | None) -> tuple[int, dict, int
 
 
 class _Scheduler:
-    """Hands points to actors by model: an actor keeps its model while that model has points left,
-    then takes the model with the most points per actor already on it."""
+    """Hands units of points (:func:`_units`) to actors by model: an actor keeps its model while that
+    model has units left, then takes the model with the most units per actor already on it."""
 
     def __init__(self, todo: list[Point], n: int):
-        self.pending: dict[str, list[Point]] = {}
+        by_model: dict[str, list[Point]] = {}
         for p in todo:
-            self.pending.setdefault(p.model_key, []).append(p)
+            by_model.setdefault(p.model_key, []).append(p)
+        self.pending: dict[str, list[list[Point]]] = {k: _units(v) for k, v in by_model.items()}
         self.current: dict[int, str | None] = {a: None for a in range(n)}
 
-    def next_point(self, a: int) -> Point | None:
+    def next_unit(self, a: int) -> list[Point] | None:
         pending, current = self.pending, self.current
         key = current[a]
-        if key is None or not pending.get(key):  # no model yet, or its points are all handed out
+        if key is None or not pending.get(key):  # no model yet, or its units are all handed out
             busy = {k: sum(1 for b in current if current[b] == k and b != a) for k in pending}
             cands = [k for k in pending if pending[k]]
             if not cands:
                 return None
             key = max(cands, key=lambda k: len(pending[k]) / (1 + busy.get(k, 0)))
         current[a] = key
-        p = pending[key].pop(0)
+        u = pending[key].pop(0)
         if not pending[key]:
             del pending[key]
-        return p
+        return u
 
 
 def _drive_actors(ray, actors: list, make_actor: Callable, sched: _Scheduler, out: Path, on_record: Callable,
-                  bar) -> None:
-    """Keep every actor busy until no point is left; an actor that dies fails its point and is replaced
-    (``make_actor()``: a new one)."""
+                  bar) -> int:
+    """Keep every actor busy until no unit is left; an actor that dies fails its unit's points and is
+    replaced (``make_actor()``: a new one). Returns the forward passes shared."""
     inflight: dict = {}
     idle = list(range(len(actors)))
+    passes = 0
     while sched.pending or inflight:
         while idle and sched.pending:
             a = idle.pop(0)
-            p = sched.next_point(a)
-            if p is None:
+            u = sched.next_unit(a)
+            if u is None:
                 break
-            inflight[actors[a].run.remote(p, str(out))] = (a, p)
+            inflight[actors[a].run.remote(u, str(out))] = (a, u)
         done, _ = ray.wait(list(inflight), num_returns=1)
         for ref in done:
-            a, p = inflight.pop(ref)
+            a, u = inflight.pop(ref)
             try:
-                rec = ray.get(ref)
+                recs, n = ray.get(ref)
+                passes += n
             except Exception as e:  # noqa: BLE001 - the actor died (OOM, crash): record and replace it
-                rec = _failed_record(p, f"{type(e).__name__}: {e}")
+                recs = [_failed_record(p, f"{type(e).__name__}: {e}") for p in u]
                 actors[a] = make_actor()
                 sched.current[a] = None
-            on_record(p, rec)
-            bar.update(1)
+            for p, rec in zip(u, recs):
+                on_record(p, rec)
+                bar.update(1)
             idle.append(a)
+    return passes
 
 
 def _run_ray(todo: list[Point], out: Path, on_record: Callable, progress: bool, log, address: str | None,
-             workers: int | None, figures: bool = False) -> None:
+             workers: int | None, figures: bool = False) -> int:
+    """Run the points on Ray actors (:func:`_actor_plan`), units of points sharing a lens pass on one
+    actor. Returns the forward passes shared."""
     try:
         import ray  # lazy: optional/heavy (the `sweeps` extra)
     except ImportError as e:
@@ -242,13 +270,15 @@ def _run_ray(todo: list[Point], out: Path, on_record: Callable, progress: bool, 
     env = _ray_env()
     started_here = _start_ray(ray, env, address, workers)
     try:
-        n, opts, gpus = _actor_plan(ray, len(todo), workers)
+        sched = _Scheduler(todo, 0)
+        n, opts, gpus = _actor_plan(ray, sum(len(u) for u in sched.pending.values()), workers)  # <= one per unit
+        sched.current = {a: None for a in range(n)}
         Actor = ray.remote(**opts)(_RayWorker)
         actors = [Actor.remote(env, figures) for _ in range(n)]
         log(f"ray: {n} {'GPU' if gpus else 'CPU'} actor(s) for {len(todo)} point(s)")
         bar = _progress(len(todo), progress)
         try:
-            _drive_actors(ray, actors, lambda: Actor.remote(env, figures), _Scheduler(todo, n), out, on_record, bar)
+            return _drive_actors(ray, actors, lambda: Actor.remote(env, figures), sched, out, on_record, bar)
         finally:
             bar.close()
     finally:

@@ -187,7 +187,8 @@ def run_sweep(config: str | Path | dict, out: str | Path, overrides: list[str] |
                 if not todo:
                     pass
                 elif executor == "ray":
-                    _run_ray(todo, out, rec.on_record, progress, log, address, workers, figures=figures)
+                    outcome.shared_passes = _run_ray(todo, out, rec.on_record, progress, log, address, workers,
+                                                     figures=figures)
                 else:
                     outcome.shared_passes = _run_local(todo, out, rec.on_record, progress, log,
                                                        figures=figures).passes

@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -21,6 +24,37 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2_BPE = str(ROOT / "tracekit" / "data" / "gpt2-bpe")
 
 _PERTURBED: dict = {}
+
+
+def start_child(cmd: list[str], **kw) -> subprocess.Popen:
+    """``subprocess.Popen`` for the signal tests: the child never inherits an ignored SIGINT (a test
+    runner started as a background job of a non-interactive shell ignores SIGINT, and so would every
+    child, which then cannot be interrupted: observed once as three SIGINT tests timing out in one
+    run), and has faulthandler on so :func:`communicate_or_dump` can print where it hangs."""
+    kw["env"] = {**(kw.get("env") or os.environ), "PYTHONFAULTHANDLER": "1"}
+    ignored = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets it to SIG_DFL in the child
+    try:
+        return subprocess.Popen(cmd, **kw)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple:
+    """``proc.communicate(timeout=...)``; past the timeout the child gets SIGABRT (faulthandler prints
+    every thread's stack), is killed if still alive, and the test fails with its output."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"the child did not exit within {timeout} s; its output and stacks:\n{out}\n{err}") from None
 
 
 def tiny_overrides(arch: str, n_layers: int = 3, tied: bool = False) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import GPT2_BPE, TINY_SAE_TRAIN, tiny_overrides
+from helpers import GPT2_BPE, TINY_SAE_TRAIN, communicate_or_dump, start_child, tiny_overrides
 from tracekit.config import parse_config
 from tracekit.errors import ConfigError, SAEError
 
@@ -156,8 +156,8 @@ LONG_TRAIN = {**TINY_SAE_TRAIN, "training_tokens": 50_000_000, "dataset_tokens":
 
 def _start(args, cache: Path, cwd: Path):
     env = {**os.environ, "TRACEKIT_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "tracekit.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_child([sys.executable, "-m", "tracekit.cli", *args], cwd=cwd, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_training(cache: Path, proc, timeout: float = 240.0) -> None:
@@ -183,7 +183,7 @@ def test_an_interrupted_training_run_is_interrupted_not_failed(tmp_path, sig, co
     proc = _start(["run", str(cfg), "--out", str(tmp_path / "out"), "--no-progress"], cache, tmp_path)
     _wait_training(cache, proc)
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = communicate_or_dump(proc, 120)
     assert proc.returncode == code, out
     run_dir = next((tmp_path / "out").iterdir())
     status = json.loads((run_dir / "status.json").read_text())
@@ -200,7 +200,7 @@ def test_ctrl_c_stops_a_sweep_of_trainings(tmp_path):
     proc = _start(["sweep", str(cfg), "--out", str(tmp_path / "sw"), "--no-progress"], cache, tmp_path)
     _wait_training(cache, proc)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = communicate_or_dump(proc, 120)
     assert proc.returncode == 130, out
     import pandas as pd
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tracekit as tk
-from helpers import make_tiny
+from helpers import make_tiny, start_child
 from tracekit.probing import (
     EMBEDDING_HOOK,
     Activations,
@@ -780,8 +780,8 @@ def test_signal_during_extraction_leaves_no_scratch(tmp_path):
         scratch = tmp_path / f"scratch-{sig}-{when}"
         env = {**os.environ, "TRACEKIT_SCRATCH": str(scratch), "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1",
                "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=str(root), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = start_child([sys.executable, str(script)], env=env, cwd=str(root), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
         cases[(sig, when)] = (proc, scratch)
 
     def chunks_written(scratch):

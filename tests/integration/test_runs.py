@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 import tracekit as tk
+from helpers import communicate_or_dump, start_child
 from tracekit.runner import read_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +41,9 @@ def _config(tmp_path: Path, n_slow: int = 4000) -> Path:
 
 def _start(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "tracekit.cli", "run", str(cfg), "--out", str(out),
-                             "--no-progress", *RANDOM, *extra], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return start_child([sys.executable, "-m", "tracekit.cli", "run", str(cfg), "--out", str(out),
+                        "--no-progress", *RANDOM, *extra], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_step(out: Path, step: str, proc: subprocess.Popen, timeout: float = 120) -> Path:
@@ -66,7 +67,7 @@ def test_interrupt_keeps_finished_steps_and_records_where(tmp_path, sig, code):
     run_dir = _wait_for_step(out, "slow", proc)
     time.sleep(0.5)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = communicate_or_dump(proc, 60)
     assert proc.returncode == code, (stdout, stderr)
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr  # one line, no 23-frame traceback

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from helpers import GPT2_BPE, one_thread, quiet, tiny_overrides
+from helpers import GPT2_BPE, one_thread, quiet, start_child, tiny_overrides
 from tracekit.errors import ConfigError, ResultLoadError
 from tracekit.experiments.base import Result
 from tracekit.sweep import (
@@ -202,9 +202,9 @@ def test_points_sharing_a_model_do_not_leak_state(tmp_path):
 def _cli(config: Path, out: Path, *extra) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "tracekit.cli", "sweep", str(config), "--out", str(out),
-                             "--no-progress", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return start_child([sys.executable, "-m", "tracekit.cli", "sweep", str(config), "--out", str(out),
+                        "--no-progress", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
 
 
 def _records(out: Path) -> dict:

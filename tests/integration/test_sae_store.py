@@ -51,7 +51,10 @@ def test_packed_store_holds_the_sae_windows_and_activations(model, tmp_path):
     assert torch.equal(store.get(HOOK), direct)
 
 
-def test_sae_from_store_equals_sae_from_model(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, processed", [("gpt2", True), ("llama", False)], ids=["gpt2-processed", "llama-raw"])
+def test_sae_from_store_equals_sae_from_model(arch, processed, tmp_path, monkeypatch):
+    """Perturbed GPT-2 (LayerNorm, biases; weights processed) and Llama (RMSNorm, GQA; raw)."""
+    model = make_perturbed(arch, process_weights=processed)
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
     path = _store(model, tmp_path / "st")
     d_store, hit, s_store = train_sae(model, SAETrainSpec(**TRAIN, store=path))

@@ -37,7 +37,7 @@ from ..hooks import check_hooks, enabled_hooks, fwd_hooks
 from ..tokens import Batch, forward_kwargs, pad_rows
 from .store import FORMAT, MANIFEST, StoreError, model_identity, row_key, shard_name, token_ids_sha256
 
-__all__ = ["StoreRow", "write_store", "DTYPES"]
+__all__ = ["StoreRow", "write_store", "rows_sha256", "DTYPES"]
 
 #: Store dtypes: ``model`` keeps the model's activation dtype.
 DTYPES = {"model": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -254,7 +254,7 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
     if old is not None and old.get("complete"):
         if all(_shard_ok(path, s) for s in old["shards"]):
             return _summary(old, path, 0, len(old["shards"]), time.time() - t0, True)
-        old["complete"] = False  # a damaged shard: resume, rewriting it (and keeping the intact ones)
+        old["complete"] = False  # a damaged shard: resume (the shards before it kept, it and the rest rewritten)
     done = list(old["shards"]) if old else []
     man = {"format": FORMAT, "version": 1, "complete": False, "plan_key": key, "model": ident, "hooks": hooks,
            "dtype": (old or {}).get("dtype"), "position": position, "source": source,
@@ -287,7 +287,7 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
     def flush() -> None:
         k = len(shards)
         first = len(row_ids) - len(buf_rows)
-        inputs_sha = _inputs_sha(buf_rows)
+        inputs_sha = rows_sha256(buf_rows)
         meta = _meta_tensors(buf_rows, first)
         if k < len(done):  # recorded by the interrupted write: reuse it if intact, else write it again
             if done[k]["rows"] != [first, len(row_ids)] or done[k].get("inputs_sha256") != inputs_sha:
@@ -345,8 +345,9 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
     return _summary(man, path, counts["written"], len(shards) - counts["written"], time.time() - t0, False)
 
 
-def _inputs_sha(rows: Sequence[StoreRow]) -> str:
-    """sha256 of a shard's rows: their token ids, read positions and ``mean`` flags."""
+def rows_sha256(rows: Sequence[StoreRow]) -> str:
+    """sha256 of rows: their token ids, read positions and ``mean`` flags (a shard's inputs; all the
+    prepared rows of a store, in its plan)."""
     return token_ids_sha256([r.ids for r in rows] + [[int(r.mean), *r.read] for r in rows])
 
 

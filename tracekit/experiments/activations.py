@@ -4,13 +4,12 @@ The rows (a ``dataset``, ``prompts`` or a ``corpus``) x ``hooks`` (or ``sites`` 
 ``position`` are run once and written to ``path`` as sharded safetensors with a manifest
 (:mod:`tracekit.activations`); a killed write resumes when the step is run again, and a complete
 store with the same plan is found up to date without a forward pass. Other steps read the store
-(``linear_probe``'s ``store:``, ``tuned: {store: ...}``, ``sae: {train: {store: ...}}``). The result lists the shards and the hooks; the activations stay in
-the store, not in the result.
+(``linear_probe``'s ``store:``, ``tuned: {store: ...}``, ``sae: {train: {store: ...}}``). The result
+lists the shards and the hooks; the activations stay in the store, not in the result.
 """
 
 from __future__ import annotations
 
-import hashlib
 import platform
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -27,7 +26,7 @@ from ..activations import (
     store_position,
     write_store,
 )
-from ..activations.store import row_key
+from ..activations.write import rows_sha256
 from ..core.strict import StrictModel
 from ..dataset import DatasetSpec, PreparedDataset
 from ..hooks import check_hooks
@@ -218,10 +217,7 @@ class CacheActivations(Experiment):
         else:
             src = {"kind": "prompts", "n_prompts": len(self.prompts)}
         if inputs.rows is not None:
-            h = hashlib.sha256()
-            for r in inputs.rows:
-                h.update(row_key(r.ids, r.read, r.mean).encode())
-            src["rows_sha256"] = h.hexdigest()[:16]
+            src["rows_sha256"] = rows_sha256(inputs.rows)
         else:
             assert self.corpus is not None
             src["content_sha256"] = {k: v["sha256"] for k, v in input_files({"corpus": self.corpus.source}).items()}

@@ -234,3 +234,130 @@ def test_trace_follows_the_chosen_rows_own_target_and_foil():
         TokenTrace(dataset={"rows": rows}, row=2).prepare(m)
     with pytest.raises(ValueError, match="target/foil beside a dataset"):
         TokenTrace(dataset={"rows": rows}, target=" Paris")
+
+
+# --- issue #33: one checked file reader, one checked generator draw ------------------------------
+
+
+def test_a_repeated_column_is_refused_naming_it(model, tmp_path):
+    """A CSV header (or a JSON record, or a Parquet schema) naming a column twice kept the last one."""
+    (tmp_path / "d.csv").write_text("prompt,target,target\nThe capital of France is, Paris, Rome\n")
+    with pytest.raises(DatasetError, match=r"dataset\.path: d\.csv names the column 'target' twice"):
+        DatasetSpec(path=str(tmp_path / "d.csv")).prepare(model)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "The capital of France is", "target": " Paris", "target": " Rome"}\n')
+    with pytest.raises(DatasetError, match=r"dataset\.path: d\.jsonl line 1 names the key 'target' twice"):
+        DatasetSpec(path=str(tmp_path / "d.jsonl")).prepare(model)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table([["The capital of France is"], [" Paris"], [" Rome"]], names=["prompt", "target", "target"]),
+                   tmp_path / "d.parquet")
+    with pytest.raises(DatasetError, match=r"dataset\.path: d\.parquet names the column 'target' twice"):
+        DatasetSpec(path=str(tmp_path / "d.parquet")).prepare(model)
+
+
+def test_a_files_own_row_id_is_kept(model, tmp_path):
+    body = "The capital of France is, Paris\nThe capital of Italy is, Rome\nThe capital of Spain is, Madrid\n"
+    (tmp_path / "d.csv").write_text("row_id,prompt,target\n" + "".join(
+        f"{i},{line}\n" for i, line in zip((7, 3, 12), body.splitlines())))
+    data = DatasetSpec(path=str(tmp_path / "d.csv")).prepare(model)
+    assert [e.row_id for e in data.examples] == [7, 3, 12]
+    assert list(data.frame()["row_id"]) == [7, 3, 12]
+    assert [e.row_id for e in data.select([0, 2]).examples] == [7, 12]
+    inline = DatasetSpec(rows=[{"prompt": "a b c", "row_id": 5}, {"prompt": "d e f", "row_id": 1}]).prepare(model)
+    assert [e.row_id for e in inline.examples] == [5, 1]
+    for ids, why in (("7 7 12", r"\[1\]\.row_id: 7 is also row 0's row_id"),
+                     ("7 x 12", r"\[1\]\.row_id: 'x' is not a row id"), ("7 -1 12", r"\[1\]\.row_id: '-1' is not a row id")):
+        (tmp_path / "bad.csv").write_text("row_id,prompt,target\n" + "".join(
+            f"{i},{line}\n" for i, line in zip(ids.split(), body.splitlines())))
+        with pytest.raises(DatasetError, match=rf"dataset\.path row{why}"):
+            DatasetSpec(path=str(tmp_path / "bad.csv")).prepare(model)
+    (tmp_path / "half.jsonl").write_text('{"prompt": "a b", "row_id": 4}\n{"prompt": "c d"}\n')
+    with pytest.raises(DatasetError, match=r"dataset\.path row\[1\]\.row_id: this row has none but row 0 has one"):
+        DatasetSpec(path=str(tmp_path / "half.jsonl")).prepare(model)
+
+
+@pytest.mark.parametrize("name,content,why", [
+    ("latin1.csv", "prompt,target\nCaf\xe9 au lait is, hot\n".encode("latin-1"), r"is not UTF-8 .*save it as UTF-8"),
+    ("latin1.jsonl", '{"prompt": "Caf\xe9"}\n'.encode("latin-1"), r"is not UTF-8 .*save it as UTF-8"),
+    ("damaged.parquet", b"PAR1\x00\x01garbage", r"is not a readable Parquet file .*write it again"),
+    ("damaged.json", b'[{"prompt": "a"', r"is not valid JSON .*one list of objects"),
+    ("empty.csv", b"", r"is empty"),
+    ("blank.jsonl", b"\n\n  \n", r"is empty"),
+], ids=lambda v: v if isinstance(v, str) and "." in v and " " not in v else "")
+def test_unreadable_files_name_the_file_and_the_fix(model, tmp_path, name, content, why):
+    """Non-UTF-8 text, a damaged Parquet file, broken JSON, an empty file: a DatasetError naming the
+    field and the file, never a UnicodeDecodeError / pyarrow / pandas traceback."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DatasetError, match=rf"dataset\.path: {name} {why}"):
+        DatasetSpec(path=str(tmp_path / name)).prepare(model)
+
+
+def test_pairs_files_go_through_the_checked_reader(tmp_path):
+    from tracekit.core.errors import ConfigError
+    from tracekit.experiments.pairs import load_pairs
+
+    (tmp_path / "p.csv").write_bytes("clean,corrupted,target,foil\nCaf\xe9 is,Tea is, hot, cold\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"pairs_file: p\.csv is not UTF-8 .*save it as UTF-8"):
+        load_pairs(tmp_path / "p.csv")
+    (tmp_path / "d.csv").write_text("clean,corrupted,target,target\na,b, x, y\n")
+    with pytest.raises(ConfigError, match=r"pairs_file: d\.csv names the column 'target' twice"):
+        load_pairs(tmp_path / "d.csv")
+    (tmp_path / "ok.csv").write_text('clean,corrupted,target,foil\na b,c b, x,\nd e,f e,"["" x"", "" y""]",\n')
+    pairs = load_pairs(tmp_path / "ok.csv")
+    assert [(p.target, p.foil) for p in pairs] == [(" x", None), ([" x", " y"], None)]
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _bounded(seconds, fn):
+    """``fn()``, failing (not hanging) when it runs longer than ``seconds``."""
+    import signal
+
+    def ring(*_):
+        raise _Alarm(f"still running after {seconds}s (an unbounded redraw loop)")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _prep(model, **generator):
+    return _bounded(20, lambda: DatasetSpec(generator=generator).prepare(model))
+
+
+def test_ioi_names_that_collide_fail_before_the_draw(model):
+    """Every 3 of these names hold a name that starts another: the draw redrew forever."""
+    with pytest.raises(DatasetError, match=r"dataset\.generator\.names: .*' Dan' starts ' Danny', ' Sara' starts "
+                                           r"' Sarah'"):
+        _prep(model, name="ioi", names=["Sara", "Sarah", "Dan", "Danny"])
+    ok = _prep(model, name="ioi", names=["Sara", "Sarah", "John", "Mary", "Paul"], n=6)
+    names = {e.row.target for e in ok.examples} | {e.row.foil for e in ok.examples}
+    assert names <= {" Sara", " Sarah", " John", " Mary", " Paul"} and len(ok) == 6
+
+
+def test_ioi_names_given_twice_or_too_few_are_named(model):
+    """A name given twice was blamed on a row's foil ("target and foil are the same token")."""
+    with pytest.raises(DatasetError, match=r"dataset\.generator\.names: 'John' is given twice"):
+        _prep(model, name="ioi", names=["John", "Mary", "John", "Paul"])
+    with pytest.raises(DatasetError, match=r"dataset\.generator\.names: ioi draws 3 distinct names per row \(.*\); "
+                                           r"2 names are given, 2 of them one token"):
+        _prep(model, name="ioi", names=["John", "Mary"])
+
+
+def test_capitals_and_induction_options_say_what_is_asked_and_available(model):
+    """capitals n: 1 said "only 1 capitals are one token" (the sample, not the tokenizer, was short)."""
+    with pytest.raises(DatasetError, match=r"dataset\.generator\.n: capitals needs n >= 2 \(a row's foil is another "
+                                           r"row's capital\); n is 1"):
+        _prep(model, name="capitals", n=1)
+    assert len(_prep(model, name="capitals", n=2)) == 2
+    with pytest.raises(DatasetError, match=r"dataset\.generator\.seq_len: induction draws seq_len \+ 1 = 1000 "
+                                           r"distinct words per row \(seq_len words and a foil\); only \d+ of the \d+ "
+                                           r"built-in words are one token for this model; use seq_len <= \d+"):
+        _prep(model, name="induction", seq_len=999)

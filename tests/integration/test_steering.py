@@ -377,3 +377,34 @@ def test_kind_on_dataset_rows_steers_named_positions(tiny_gpt2):
     rows = r.tables["rows"]
     assert sorted(set(rows["target"])) == sorted({row["target"] for row in DATASET_ROWS})
     assert r.summary()["alpha0_max_abs_error"] <= 1e-6
+
+
+def test_damaged_or_foreign_vector_files_name_the_file_and_how_to_make_one(tmp_path):
+    """Issue #33: a damaged .npy advised allow_pickle; a damaged .pt / .safetensors raised torch's or
+    safetensors' own error. Each is a SteeringError naming vector.path, the file and how to save a
+    vector, and never advises unpickling (allow_pickle / weights_only=False)."""
+    cases = {
+        "damaged.npy": b"\x93NUMPY\x01\x00garbage",
+        "text.npy": b"not an array at all",
+        "damaged.pt": b"PK\x03\x04 broken zip",
+        "damaged.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}",
+    }
+    for name, raw in cases.items():
+        (tmp_path / name).write_bytes(raw)
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "strings.npy", np.array(["a", "b"]))
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype=np.float32))
+    torch.save({"v": [1.0, 2.0]}, tmp_path / "list.pt")
+    import fractions
+
+    torch.save({"v": fractions.Fraction(1, 3)}, tmp_path / "pickled.pt")  # weights-only loading refuses it
+    for f in sorted(tmp_path.iterdir()):
+        with pytest.raises(SteeringError) as err:
+            file_vector(f, "v" if f.name == "list.pt" else None)
+        msg = str(err.value)
+        assert msg.startswith(f"vector.path: {f.name}") or msg.startswith("vector.key:"), msg
+        assert "allow_pickle" not in msg and "weights_only" not in msg, msg
+        if f.suffix == ".npy":
+            assert "numpy.save" in msg, msg
+        elif f.suffix == ".pt":
+            assert "torch.save" in msg, msg

@@ -22,14 +22,18 @@ rows whose names and answers are single tokens for that model's tokenizer, count
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections import Counter
 from collections.abc import Sequence
 from importlib import resources
 
+from ..core.errors import DatasetError
 from ..tokens import encode
 from .rows import At, Row
 
-__all__ = ["IOI_TEMPLATES", "IOI_NAMES", "generate", "GENERATORS", "ioi", "capitals", "induction"]
+__all__ = ["IOI_TEMPLATES", "IOI_NAMES", "generate", "GENERATORS", "ioi", "capitals", "induction", "GeneratorError",
+           "MAX_DRAWS"]
 
 #: Wang et al. 2022's BABA templates (``[B]`` = S, ``[A]`` = IO), the answer " [A]" removed.
 #: ABBA rows swap the first two names.
@@ -78,8 +82,70 @@ _WORDS = (
 FEW_SHOT_CAPITALS = "The capital of China is Beijing. "
 
 
+#: Every redraw loop stops after this many draws per row asked for, then fails saying what is short.
+MAX_DRAWS = 1000
+
+
+class GeneratorError(DatasetError):
+    """A generator option the draw cannot satisfy (too few usable names, words or capitals; names
+    that collide); ``option`` names the option (``names``, ``n``, ``seq_len``), so the message is
+    reported at its YAML path (``dataset.generator.names``)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+def _plural(k: int, one: str, many: str | None = None) -> str:
+    """``1 capital is`` / ``2 capitals are``: ``k`` and the word in the number it takes."""
+    return f"{k} {one if k == 1 else (many or one + 's')}"
+
+
 def _one_token(model, word: str) -> bool:
     return len(encode(model, word, prepend_bos=False)) == 1
+
+
+def _ioi_names(model, pool: list[str]) -> tuple[list[str], dict[str, int]]:
+    """The names of ``pool`` the ioi draw can use, checked before any draw.
+
+    A row draws 3 distinct names (IO, S and a third, C, for ``corrupt: abc``), each one token with a
+    leading space, no two the same token, and none the start of another (`` Sara`` in `` Sarah``:
+    a text position of one would find the other).
+
+    Raises:
+        GeneratorError: a name given twice; fewer than 3 one-token names; no 3 names free of each
+            other (the message lists the colliding pairs).
+    """
+    count = Counter(pool)
+    twice = [x for x, c in count.items() if c > 1]
+    if twice:
+        raise GeneratorError("names", "; ".join(f"{x!r} is given {'twice' if count[x] == 2 else f'{count[x]} times'}"
+                                                for x in twice) + "; give each name once (a row's IO and S must differ)")
+    ids = {x: encode(model, " " + x, prepend_bos=False) for x in pool}
+    usable = [x for x in pool if len(ids[x]) == 1]
+    dropped = {"names not one token": len(pool) - len(usable)}
+    not_one = [x for x in pool if len(ids[x]) != 1]
+    if len(usable) < 3:
+        why = f" ({', '.join(repr(x) for x in not_one[:8])}{' ...' if len(not_one) > 8 else ''} not)" if not_one else ""
+        raise GeneratorError("names", f"ioi draws 3 distinct names per row (IO, S and a third for corrupt: abc); "
+                                      f"{_plural(len(pool), 'name is', 'names are')} given, {len(usable)} of them one "
+                                      f"token with a leading space for this model{why}; give at least 3 names that are")
+    same_tok = {}
+    for x in usable:
+        same_tok.setdefault(ids[x][0], []).append(x)
+    clash = [v for v in same_tok.values() if len(v) > 1]
+    if clash:
+        raise GeneratorError("names", "; ".join(" / ".join(repr(x) for x in v) for v in clash) + " are the same token "
+                             "for this model; give names that are distinct tokens")
+    collide = {(a, b) for a in usable for b in usable if a != b and (" " + b).startswith(" " + a)}
+    free = lambda a, b: (a, b) not in collide and (b, a) not in collide  # noqa: E731
+    ok = any(free(a, b) and free(a, c) and free(b, c) for a, b, c in itertools.combinations(usable, 3))
+    if not ok:
+        pairs = ", ".join(f"' {a}' starts ' {b}'" for a, b in sorted(collide))
+        raise GeneratorError("names", f"ioi draws 3 names per row, none the start of another (a text position of one "
+                                      f"would find the other); no 3 of the {len(usable)} one-token names are free of "
+                                      f"each other ({pairs}); add names that start no other name")
+    return usable, dropped
 
 
 def ioi(model, n: int = 64, seed: int = 0, corrupt: str = "swap_s2",
@@ -94,22 +160,25 @@ def ioi(model, n: int = 64, seed: int = 0, corrupt: str = "swap_s2",
         names: the first names to draw from (default :data:`IOI_NAMES`).
 
     Raises:
-        ValueError: fewer than 3 usable names (the message says how many were dropped).
+        GeneratorError: (a ``ValueError``) checked before drawing: a name given twice, fewer than 3
+            names that are one token, two names that are one token, no 3 names of which none starts
+            another (``Sara`` / ``Sarah``); or, with few such triples, no free triple within
+            :data:`MAX_DRAWS` draws. Each names the colliding names and the fix.
     """
-    pool = list(names) if names is not None else list(IOI_NAMES)
-    usable = [x for x in pool if _one_token(model, " " + x)]
-    dropped = {"names not one token": len(pool) - len(usable)}
-    if len(usable) < 3:
-        raise ValueError(f"ioi: only {len(usable)} of {len(pool)} names are one token (with a leading space) for this "
-                         "model; give names that are")
+    pool = [str(x) for x in names] if names is not None else list(IOI_NAMES)
+    usable, dropped = _ioi_names(model, pool)
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        while True:
+        for _ in range(MAX_DRAWS):
             io, s, c = rng.sample(usable, 3)
             ws = (" " + io, " " + s, " " + c)
             if not any(a != b and b.startswith(a) for a in ws for b in ws):
                 break  # no name is a prefix of another (" Sara" in " Sarah") so text positions are exact
+        else:
+            raise GeneratorError("names", f"ioi: {MAX_DRAWS} draws of 3 names found none where no name starts "
+                                          "another; most of the names collide (one is the start of another): add "
+                                          "names that start no other name")
         tpl = IOI_TEMPLATES[rng.randrange(len(IOI_TEMPLATES))]
         place, obj = rng.choice(_PLACES), rng.choice(_OBJECTS)
         order = "ABBA" if i % 2 == 0 else "BABA"
@@ -138,16 +207,24 @@ def capitals(model, n: int | None = None, seed: int = 0, few_shot: bool = False)
     Args:
         n: keep at most this many rows (a seeded sample); default all usable rows.
         few_shot: prefix :data:`FEW_SHOT_CAPITALS` (China is then left out).
+
+    Raises:
+        GeneratorError: (a ``ValueError``) ``n`` < 2, or fewer than 2 capitals that are one token
+            (a row's foil is another row's capital).
     """
+    if n is not None and n < 2:
+        raise GeneratorError("n", f"capitals needs n >= 2 (a row's foil is another row's capital); n is {n}")
     table = [r for r in _countries() if not (few_shot and r["country"] == "China")]
     usable = [r for r in table if _one_token(model, " " + r["capital"])]
     dropped = {"capital not one token": len(table) - len(usable)}
+    if len(usable) < 2:
+        k = len(usable)
+        raise GeneratorError("name", f"capitals needs 2 capitals that are one token for this model (a row's foil is "
+                                     f"another row's capital); only {_plural(k, 'capital')} of the {len(table)} "
+                                     f"{'is' if k == 1 else 'are'}; use another generator or give rows")
     rng = random.Random(seed)
     if n is not None and n < len(usable):
         usable = sorted(rng.sample(usable, n), key=usable.index)
-    if len(usable) < 2:
-        raise ValueError(f"capitals: only {len(usable)} capitals are one token for this model; need 2 (a row's foil is "
-                         "another row's capital)")
     rows = []
     prefix = FEW_SHOT_CAPITALS if few_shot else ""
     for i, r in enumerate(usable):
@@ -163,12 +240,24 @@ def induction(model, n: int = 32, seed: int = 0, seq_len: int = 10) -> tuple[lis
 
     Args:
         n: number of rows; seq_len: words per copy (>= 2).
+
+    Raises:
+        GeneratorError: (a ``ValueError``) ``seq_len`` < 2, fewer than ``seq_len + 1`` built-in
+            words that are one token, or fewer than ``n`` rows that tokenize word by word within
+            ``20 n`` draws.
     """
+    if seq_len < 2:
+        raise GeneratorError("seq_len", f"induction needs seq_len >= 2 (the answer follows a repeated word); seq_len "
+                                        f"is {seq_len}")
     words = [w for w in _WORDS if _one_token(model, " " + w)]
     dropped = {"words not one token": len(_WORDS) - len(words), "rows that do not tokenize word by word": 0}
     if len(words) < seq_len + 1:
-        raise ValueError(f"induction: only {len(words)} built-in words are one token for this model; use "
-                         f"seq_len <= {len(words) - 1}")
+        fix = (f"use seq_len <= {len(words) - 1}" if len(words) >= 3 else
+               "this model's tokenizer splits the built-in words: give rows instead")
+        raise GeneratorError("seq_len", f"induction draws seq_len + 1 = {seq_len + 1} distinct words per row (seq_len "
+                                        f"words and a foil); only {len(words)} of the "
+                                        f"{len(_WORDS)} built-in words {'is' if len(words) == 1 else 'are'} one token "
+                                        f"for this model; {fix}")
     rng = random.Random(seed)
     rows: list[Row] = []
     tries = 0
@@ -182,6 +271,10 @@ def induction(model, n: int = 32, seed: int = 0, seq_len: int = 10) -> tuple[lis
             continue
         rows.append(Row(prompt=prompt, target=" " + body[-1], foil=" " + foil,
                         positions={"SRC": seq_len - 1, "PREV": seq_len - 2, "END": -1}))
+    if len(rows) < n:
+        raise GeneratorError("n", f"induction: only {_plural(len(rows), 'row')} of the n = {n} asked for tokenize "
+                                  f"word by word after {tries} draws (this tokenizer merges the words); lower n or "
+                                  "seq_len, or give rows")
     return rows, dropped
 
 
@@ -190,5 +283,10 @@ GENERATORS = {"ioi": ioi, "capitals": capitals, "induction": induction}
 
 
 def generate(model, name: str, **options) -> tuple[list[Row], dict[str, int]]:
-    """Rows of the built-in generator ``name`` (one of :data:`GENERATORS`) for ``model``."""
+    """Rows of the built-in generator ``name`` (one of :data:`GENERATORS`) for ``model``.
+
+    Raises:
+        GeneratorError: options the draw cannot satisfy, checked before drawing (``option`` names the
+            option); every redraw loop is bounded (:data:`MAX_DRAWS`).
+    """
     return GENERATORS[name](model, **options)

@@ -21,6 +21,7 @@ Position values in a row (``positions: {IO: " Mary", S1: {text: " John", occurre
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -36,7 +37,7 @@ from ..model.load import model_spec_of
 from ..tokens import Batch, check_length, encode, single_token_id, str_tokens, token_index_of_substring
 
 __all__ = ["At", "PositionValue", "Row", "Example", "PreparedDataset", "prepare_rows", "rows_from_prompts", "per_row_values",
-           "RESERVED_COLUMNS"]
+           "RESERVED_COLUMNS", "own_row_ids"]
 
 #: Row fields with a meaning; every other key of a row is an extra column, kept as it is.
 RESERVED_COLUMNS = ("row_id", "prompt", "target", "foil", "positions", "corrupted", "group")
@@ -121,8 +122,9 @@ class Example:
     """One prepared row: the row as given plus what the model's tokenizer makes of it.
 
     Attributes:
-        row_id: the row's index in the dataset (after generators and filters: stable ids are kept
-            from the source, so a filtered dataset keeps the ids of its rows).
+        row_id: the row's id: its own ``row_id`` column when the rows have one (a file's ids are
+            kept, never renumbered), else its index in the dataset (after generators); filters keep
+            the ids of the rows they keep.
         ids: the prompt's token ids (BOS included when the model spec prepends one).
         target_id / foil_id: token ids of ``row.target`` / ``row.foil`` (None when not given).
         positions: each named position as an index into ``ids`` (BOS counted), non-negative.
@@ -276,19 +278,22 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
         where: how errors name a row: ``f"{where}[{i}].target"``.
         source: recorded on the result (see :class:`PreparedDataset`).
         dropped: recorded on the result (see :class:`PreparedDataset`).
-        row_ids: the rows' ids (default ``0..n-1``).
+        row_ids: the rows' ids (default: the rows' own ``row_id`` column when they have one, see
+            :func:`own_row_ids`, else ``0..n-1``).
 
     Returns:
         A :class:`PreparedDataset`.
 
     Raises:
-        DatasetError: no rows, a target or foil that is not one token (with its tokenization), target
+        DatasetError: no rows, a ``row_id`` column that is not unique whole numbers >= 0, a target or foil that is not one token (with its tokenization), target
             equal to foil, a position that does not resolve, a corrupted prompt of another length; each
             names the row (``dataset.rows[3].target``).
         TokenizationError: a prompt longer than the model's context.
     """
     if not rows:
         raise DatasetError(f"{where}: the dataset has no rows")
+    if row_ids is None:
+        row_ids = own_row_ids(rows, where)
     ids_of = list(row_ids) if row_ids is not None else list(range(len(rows)))
     n_bos = int(bool(model_spec_of(model).resolved_prepend_bos(model.tokenizer)))  # encode adds exactly one
     out = []
@@ -320,6 +325,54 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
                                    f"corrupted {str_tokens(model, list(cids))})")
         out.append(Example(rid, r, ids, tid, fid, pos, cids, n_bos))
     return PreparedDataset(tuple(out), source, dict(dropped or {}))
+
+
+def _as_row_id(v: Any) -> Optional[int]:
+    """``v`` as a row id (a whole number >= 0: an int, an integral float, or its decimal text as a
+    CSV cell holds it), else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, numbers.Integral):
+        return int(v) if int(v) >= 0 else None
+    if isinstance(v, numbers.Real) and float(v).is_integer():
+        return int(float(v)) if float(v) >= 0 else None
+    if isinstance(v, str) and v.strip().isdecimal() and v.strip().isascii():
+        return int(v.strip())
+    return None
+
+
+def own_row_ids(rows: Sequence[Row], where: str = "dataset.rows") -> Optional[list[int]]:
+    """The rows' own ids when they carry a ``row_id`` column (a file's, or inline rows'), else None.
+
+    A dataset's own ids are kept, never renumbered: every per-row table's ``row_id`` is then the
+    id the file gives the row.
+
+    Raises:
+        DatasetError: some rows with a ``row_id`` and some without, a ``row_id`` that is not a whole
+            number >= 0, or one given to two rows; each names the row.
+    """
+    given = [r.extra.get("row_id") for r in rows]
+    has = [v is not None for v in given]
+    if not any(has):
+        return None
+    ids: list[int] = []
+    seen: dict[int, int] = {}
+    for i, v in enumerate(given):
+        at = f"{where}[{i}].row_id"
+        if v is None:
+            other = has.index(True)
+            raise DatasetError(f"{at}: this row has none but row {other} has one; give every row a row_id (unique "
+                               "whole numbers >= 0) or drop the column (rows are then numbered 0, 1, ...)")
+        rid = _as_row_id(v)
+        if rid is None:
+            raise DatasetError(f"{at}: {str(v)!r} is not a row id (a whole number >= 0); fix it or drop the row_id "
+                               "column (rows are then numbered 0, 1, ...)")
+        if rid in seen:
+            raise DatasetError(f"{at}: {rid} is also row {seen[rid]}'s row_id; row ids must be unique (every "
+                               "per-row table is keyed by them)")
+        seen[rid] = i
+        ids.append(rid)
+    return ids
 
 
 def per_row_values(value: Any, n: int, name: str, rows_word: str = "prompt") -> list[Any]:

@@ -22,7 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from ..core.errors import DatasetError
 from ..core.strict import StrictModel
 from ..tokens import pad_ids
-from .generators import GENERATORS, generate
+from .generators import GENERATORS, GeneratorError, generate
 from .read import read_records
 from .rows import RESERVED_COLUMNS, PreparedDataset, Row, _json_cell, prepare_rows
 
@@ -144,6 +144,8 @@ class DatasetSpec(StrictModel):
         if self.generator is not None:
             try:
                 rows, dropped = generate(model, self.generator.name, **self.generator.options())
+            except GeneratorError as e:
+                raise DatasetError(f"{field}.generator.{e.option}: {e}") from None
             except ValueError as e:
                 raise DatasetError(f"{field}.generator: {e}") from None
             return rows, dropped, f"{field} (generator {self.generator.name}) row"

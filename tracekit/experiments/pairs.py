@@ -2,12 +2,11 @@
 """Prompt pairs of activation patching: the clean/corrupted pair config class and the pairs-file reader.
 
 A pair is ``{clean, corrupted, target, foil}`` (:class:`PromptPair`), given inline in a config's
-``pairs`` or in a ``pairs_file`` (JSONL, JSON or CSV; :func:`load_pairs`).
+``pairs`` or in a ``pairs_file`` (JSONL, JSON, CSV/TSV or Parquet; :func:`load_pairs`).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from pydantic import ConfigDict, model_validator
 
 from ..core.errors import ConfigError
 from ..core.strict import StrictModel
+from ..dataset.read import FILE_TYPES, read_records
 
 __all__ = ["PromptPair", "load_pairs", "RETIRED_PAIR_KEYS"]
 
@@ -77,42 +77,27 @@ def _maybe_list(v):
 
 
 def load_pairs(path: str | Path, field: str = "pairs_file") -> list[PromptPair]:
-    """Read prompt pairs from JSONL (one object per line), JSON (a list) or CSV (header row).
+    """Read prompt pairs from JSONL (one object per line), JSON (a list), CSV/TSV (header row) or
+    Parquet, through the checked reader :func:`tracekit.dataset.read_records` (UTF-8 text, no column
+    named twice, damaged files refused naming the file and the fix).
 
     Keys/columns: ``clean``, ``corrupted``, ``target``, ``foil`` (a JSON list string such as
     ``["' Paris'"]`` for several targets in CSV). The retired keys ``answer``/``wrong`` are refused
     with an error naming the new key.
 
     Raises:
-        ConfigError: missing file, unknown extension, or a record without the needed keys; the
-            message names ``field`` and the record.
+        ConfigError: missing, empty, damaged or non-UTF-8 file, unknown extension, a column named
+            twice, or a record without the needed keys; the message names ``field``, the file and
+            the record.
     """
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{field}: no such file {str(path)!r} (paths are relative to the working directory)")
-    ext = p.suffix.lower()
-    if ext == ".jsonl":
-        recs = []
-        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{field}: {p} line {lineno} is not valid JSON ({e.msg}); "
-                                 "each line must be one object with clean, corrupted, target, foil") from e
-    elif ext == ".json":
-        try:
-            recs = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{field}: {p} is not valid JSON ({e})") from e
-        if not isinstance(recs, list):
-            raise ConfigError(f"{field}: {p} must hold a JSON list of pair objects")
-    elif ext == ".csv":
-        with p.open(newline="") as f:
-            recs = [{k: _maybe_list(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
-    else:
-        raise ConfigError(f"{field}: {p} must end in .jsonl, .json or .csv")
+    if p.suffix.lower() not in FILE_TYPES:
+        raise ConfigError(f"{field}: {p} must end in {', '.join(FILE_TYPES)}")
+    raw, _ = read_records(p, field, ConfigError)
+    text_cells = p.suffix.lower() in (".csv", ".tsv")  # a list of targets is written as a JSON list string
+    recs = [{k: (_maybe_list(v) if text_cells else v) for k, v in r.items() if v is not None} for r in raw]
     out = []
     for i, r in enumerate(recs):
         try:

@@ -66,11 +66,31 @@ class SteeringVector:
 
 
 def _float_vector(v: Any, field: str) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v).detach().float().cpu()
+    """``v`` (a tensor or an array of real numbers) as a ``[d]`` float32 CPU tensor.
+
+    Raises:
+        SteeringError: not a tensor or array of numbers (strings, objects, complex, bool), not one
+            row ``[d]`` (a ``[1, d]`` or ``[d, 1]`` is flattened), empty, or NaN/inf values.
+    """
+    if not isinstance(v, torch.Tensor):
+        try:
+            v = np.asarray(v)
+        except (ValueError, TypeError):
+            raise SteeringError(f"{field}: a {type(v).__name__} that is no array of numbers; a steering vector is "
+                                "one row [d] of real numbers (float)") from None
+        if v.dtype.kind not in "fiu":
+            raise SteeringError(f"{field}: an array of {v.dtype} values; a steering vector is one row [d] of real "
+                                "numbers (float)")
+        v = torch.from_numpy(np.ascontiguousarray(v))
+    elif v.is_complex() or v.dtype == torch.bool:
+        raise SteeringError(f"{field}: a {v.dtype} tensor; a steering vector is one row [d] of real numbers (float)")
+    t = v.detach().float().cpu()
     if t.ndim == 2 and 1 in t.shape:
         t = t.flatten()
     if t.ndim != 1:
         raise SteeringError(f"{field}: a steering vector is one row [d]; got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise SteeringError(f"{field}: the vector is empty (shape [0]); a steering vector has the hook's width")
     if not torch.isfinite(t).all():
         raise SteeringError(f"{field}: the vector holds NaN/inf values")
     return t
@@ -195,36 +215,93 @@ def sae_vector(model, sae: Union[SAESpec, LoadedSAE], feature: int) -> SteeringV
                           loaded.hook)
 
 
-def file_vector(path: Union[str, Path], key: Optional[str] = None) -> SteeringVector:
-    """A vector saved in a file: ``.pt`` / ``.pth`` (a tensor, or a dict of tensors with ``key``),
-    ``.npy``, or ``.safetensors`` (``key`` needed when it holds more than one tensor).
+#: How to write each file type :func:`file_vector` reads (quoted in its errors).
+_HOW_TO_SAVE = {
+    ".npy": "numpy.save(path, vector) with a float array [d]",
+    ".pt": "torch.save(vector, path) with a float tensor [d] (or a dict of them: torch.save({'name': vector}, path) "
+           "and key: name)",
+    ".safetensors": "safetensors.torch.save_file({'name': vector}, path) and key: name",
+}
+_HOW_TO_SAVE[".pth"] = _HOW_TO_SAVE[".pt"]
+
+
+def _load_vector_file(p: Path) -> Any:
+    """The object saved in ``p``, loaded without unpickling anything but tensors.
+
+    ``.npy``: ``numpy.load(allow_pickle=False)``; ``.pt`` / ``.pth``: ``torch.load(weights_only=True)``
+    (tensors and plain containers only); ``.safetensors``: ``safetensors.torch.load_file``.
 
     Raises:
-        SteeringError: no such file, an unknown suffix, a missing or ambiguous key, not one row.
+        SteeringError: an unknown suffix, or a file that is damaged or not a saved vector (the
+            message names the file and how to save one; it never advises unpickling).
+    """
+    import pickle
+    import zipfile
+
+    suffix = p.suffix.lower()
+    if suffix not in _HOW_TO_SAVE:
+        raise SteeringError(f"vector.path: {p.name!r}: give a .pt, .npy or .safetensors file")
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError, EOFError, RuntimeError, pickle.UnpicklingError,
+                                               zipfile.BadZipFile, AttributeError, ImportError, TypeError, KeyError)
+    try:
+        if suffix == ".npy":
+            return np.load(str(p), allow_pickle=False)
+        if suffix == ".safetensors":
+            from safetensors import SafetensorError  # lazy: only for this format
+            from safetensors.torch import load_file
+
+            try:
+                return load_file(str(p))
+            except SafetensorError as e:
+                raise ValueError(str(e)) from None
+        return torch.load(str(p), map_location="cpu", weights_only=True)
+    except errors as e:
+        what = {".npy": "a NumPy array of numbers", ".safetensors": "a safetensors file"}.get(suffix, "a saved tensor")
+        npy = suffix == ".npy" and p.read_bytes()[:6] == b"\x93NUMPY"
+        why = ("it holds Python objects, which are never unpickled" if npy and "pickle" in str(e)
+               else "weights-only loading refuses the Python objects it holds" if "Weights only load failed" in str(e)
+               else f"damaged or another format ({type(e).__name__})")
+        raise SteeringError(f"vector.path: {p.name} is not {what}: {why}. Save a vector with "
+                            f"{_HOW_TO_SAVE[suffix]}") from None
+
+
+def file_vector(path: Union[str, Path], key: Optional[str] = None) -> SteeringVector:
+    """A vector saved in a file: ``.pt`` / ``.pth`` (a tensor, or a dict of tensors with ``key``),
+    ``.npy``, or ``.safetensors`` (``key`` needed when it holds more than one tensor). The one
+    checked loader of steering vectors: nothing is unpickled but tensors (``.npy`` with
+    ``allow_pickle=False``, ``.pt`` with ``torch.load(weights_only=True)``); the vector must be one
+    row ``[d]`` of finite real numbers.
+
+    Returns:
+        The vector (``[d]`` float32, CPU) with ``source = {"source": "file", "path", "key"}``.
+
+    Raises:
+        SteeringError: no such file, an unknown suffix, a damaged file or one that is not a saved
+            vector, a missing or ambiguous key, not one row of numbers; each names the field
+            (``vector.path`` / ``vector.key``), the file and how to save a vector.
     """
     p = Path(path).expanduser()
     if not p.is_file():
         raise SteeringError(f"vector.path: {str(p)!r} is not a file")
-    suffix = p.suffix.lower()
-    if suffix in (".pt", ".pth"):
-        obj = torch.load(str(p), map_location="cpu", weights_only=True)
-    elif suffix == ".npy":
-        obj = np.load(str(p))
-    elif suffix == ".safetensors":
-        from safetensors.torch import load_file  # lazy: only for this format
-
-        obj = load_file(str(p))
-    else:
-        raise SteeringError(f"vector.path: {p.name!r}: give a .pt, .npy or .safetensors file")
+    obj = _load_vector_file(p)
+    how = _HOW_TO_SAVE[p.suffix.lower()]
     if isinstance(obj, dict):
         if key is None and len(obj) == 1:
             key = next(iter(obj))
         if key is None or key not in obj:
-            raise SteeringError(f"vector.key: {p.name} holds {sorted(obj)}; name one with key: (got {key!r})")
+            raise SteeringError(f"vector.key: {p.name} holds {sorted(map(str, obj))}; name one with key: (got "
+                                f"{key!r})")
         obj = obj[key]
     elif key is not None:
         raise SteeringError(f"vector.key: {p.name} holds one tensor, not a dict; leave key out")
-    return SteeringVector(_float_vector(obj, "vector"), {"source": "file", "path": str(p), "key": key})
+    where = f"vector.path: {p.name}" + (f" [{key!r}]" if key is not None else "")
+    if not isinstance(obj, (torch.Tensor, np.ndarray)):
+        raise SteeringError(f"{where} holds {type(obj).__name__} data, not a tensor or array. Save a vector with {how}")
+    try:
+        vec = _float_vector(obj, where)
+    except SteeringError as e:
+        raise SteeringError(f"{e}. Save a vector with {how}") from None
+    return SteeringVector(vec, {"source": "file", "path": str(p), "key": key})
 
 
 def check_vector(model, vector: Union[SteeringVector, torch.Tensor], hook: str, field: str = "vector"

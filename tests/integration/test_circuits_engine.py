@@ -17,6 +17,8 @@ so a wrong engine cannot pass by returning zeros.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -211,7 +213,8 @@ def test_path_patching_into_every_receiver_is_activation_patching(arch):
     n_rows = len(clean)
     senders = g.upstream  # input, every head, every MLP
     recv = [[d for d in g.downstream if g.mask[g.down_index[d], g.up_index[s]]] for s in senders]
-    pr = path_patch(m, clean, corr, [[s] for s in senders], recv, tgt, foil)
+    # the live rule: receivers in later blocks see the changed earlier ones, as activation patching does
+    pr = path_patch(m, clean, corr, [[s] for s in senders], recv, tgt, foil, recipe="live")
     ex = run_patching(m, clean, corr, ["head_out", "mlp_out_layer", "resid_pre_layer"], ["denoising"],
                       ["logit_diff"], [[t] for t in tgt], [[f] for f in foil])
     assert torch.allclose(pr.corrupted, ex.corrupted, atol=1e-5) and torch.allclose(pr.clean, ex.clean, atol=1e-5)
@@ -251,6 +254,111 @@ def test_path_patching_a_head_into_one_mlp_is_a_pre_hook_on_its_norm():
     want = lg[rows, tgt] - lg[rows, foil]
     assert (pr.values[0, :, 0] - want).abs().max() < 1e-5, (pr.values[0, :, 0], want)
     assert (want - pr.corrupted[:, 0]).abs().max() > 1e-3
+
+
+def _transcribe_path_patching(m, clean, corr, senders, receivers, tgt, foil, mode, recipe):
+    """Path patching of head ``senders`` ``[(layer, head)]`` into ``receivers`` ``[(hook name, head
+    or None)]`` (split q/k/v inputs, ``hook_mlp_in``) written out with plain hooks (no tracekit engine).
+
+    ``wang`` (Wang et al. 2022, section 3.1; ARENA's ``get_path_patch_head_to_heads``): run 1 caches the
+    base and source runs; run 2 runs the base prompt with the senders' ``hook_z`` from the source run,
+    every other head's ``hook_z`` and every MLP's output frozen to the base run, and records the
+    receivers' inputs; run 3 runs the base prompt with the receivers' inputs set to the recorded ones.
+    ``live``: run the base prompt adding ``sum_senders (write_src - write_base)`` to the receivers'
+    live inputs. Returns ``[rows]`` logit differences."""
+    from tracekit.hooks import enabled_hooks
+
+    n_layers = m.cfg.n_layers
+    base_t, src_t = (torch.tensor(corr), torch.tensor(clean)) if mode == "denoising" else \
+        (torch.tensor(clean), torch.tensor(corr))
+    zs = [f"blocks.{L}.attn.hook_z" for L in range(n_layers)]
+    mlps = [f"blocks.{L}.hook_mlp_out" for L in range(n_layers)]
+    hooks = sorted({h for h, _ in receivers})
+
+    def heads_of(name):
+        return [h for r, h in receivers if r == name]
+
+    def at(act, head):
+        return act if head is None else act[:, :, head]
+
+    with torch.no_grad(), enabled_hooks(m, hooks):
+        _, cb = m.run_with_cache(base_t, names_filter=lambda n: n in zs + mlps)
+        _, cs = m.run_with_cache(src_t, names_filter=lambda n: n in zs)
+        if recipe == "wang":
+            # hooks are bound to the names asked for (a bridge calls them with its own alias as hook.name)
+            def freeze_z(act, hook, name):
+                out = cb[name].clone()
+                for L, h in senders:
+                    if name == zs[L]:
+                        out[:, :, h] = cs[name][:, :, h]
+                return out
+
+            rec = {}
+
+            def record(act, hook, name):
+                rec[name] = act.clone()
+
+            m.run_with_hooks(base_t, fwd_hooks=[(z, partial(freeze_z, name=z)) for z in zs]
+                             + [(x, lambda a, hook, x=x: cb[x]) for x in mlps] + [(r, partial(record, name=r)) for r in hooks])
+
+            def put(act, hook, name):
+                act = act.clone()
+                for h in heads_of(name):
+                    at(act, h)[...] = at(rec[name], h)
+                return act
+        else:
+            delta = sum(head_writes(m, L, cs[zs[L]])[:, :, h] - head_writes(m, L, cb[zs[L]])[:, :, h]
+                        for L, h in senders)
+
+            def put(act, hook, name):
+                act = act.clone()
+                for h in heads_of(name):
+                    at(act, h)[...] += delta
+                return act
+        lg = m.run_with_hooks(base_t, fwd_hooks=[(r, partial(put, name=r)) for r in hooks])[:, -1]
+    rows = torch.arange(len(clean))
+    return lg[rows, tgt] - lg[rows, foil]
+
+
+@pytest.mark.parametrize("mode", ["denoising", "noising"])
+def test_path_patching_recipes_with_receivers_in_several_blocks(mode):
+    """Receivers in blocks 0, 1 and 2 (an MLP, a head's q/k/v inputs, an MLP, a head): ``wang`` (the
+    default) gives each later receiver the base run's input plus the senders' difference, ``live``
+    its live input (seeing what the changed earlier receivers wrote) plus the difference. Each equals
+    its hand transcription; they differ; with receivers in one block they are the same."""
+    m = make_perturbed("gpt2")
+    clean, corr, tgt, foil = _pairs(changed=(6,))
+    senders = [(0, 1), (0, 3)]
+    names_r = ["m0", "a1.h0", "m1", "a2.h1"]
+    receivers = [("blocks.0.hook_mlp_in", None), ("blocks.1.hook_mlp_in", None)]
+    receivers += [(f"blocks.{L}.attn.hook_{w}_input", h) for L, h in [(1, 0), (2, 1)] for w in "qkv"]
+    names_s = [f"a{L}.h{h}" for L, h in senders]
+    got = {}
+    for recipe in ("wang", "live"):
+        pr = path_patch(m, clean, corr, [names_s], [names_r], tgt, foil, mode=mode, recipe=recipe)
+        assert pr.recipe == recipe
+        want = _transcribe_path_patching(m, clean, corr, senders, receivers, tgt, foil, mode, recipe)
+        err = (pr.values[0, :, 0] - want).abs().max().item()
+        assert err < 1e-5, (recipe, pr.values[0, :, 0], want)
+        assert (want - _base(pr, mode)).abs().max() > 1e-2  # the patch does something
+        got[recipe] = pr.values[0, :, 0]
+    default = path_patch(m, clean, corr, [names_s], [names_r], tgt, foil, mode=mode)
+    assert default.recipe == "wang" and torch.equal(default.values[0, :, 0], got["wang"])
+    assert (got["wang"] - got["live"]).abs().max() > 2e-3, got
+    # receivers in one block: one rule
+    one = [path_patch(m, clean, corr, [names_s], [["a1.h0", "a1.h2<q>"]], tgt, foil, mode=mode, recipe=r).values
+           for r in ("wang", "live")]
+    assert (one[0] - one[1]).abs().max() < 1e-6
+
+
+def test_path_patching_refuses_a_sender_named_twice():
+    """A sender listed twice in one variant would add its difference twice: refused, naming it."""
+    m = make_perturbed("gpt2")
+    clean, corr, tgt, foil = _pairs()
+    with pytest.raises(MethodRefused, match=r"'a0.h0' is listed twice"):
+        path_patch(m, clean, corr, [["a0.h0", "a0.h0"]], [["logits"]], tgt, foil)
+    with pytest.raises(MethodRefused, match="recipe"):
+        path_patch(m, clean, corr, [["a0.h0"]], [["logits"]], tgt, foil, recipe="paper")
 
 
 @pytest.mark.parametrize("sender,receiver", [("a1.h0", "a0.h2<q>"), ("m1", "a1.h0<k>"), ("a1.h0", "a1.h1<q>"),
@@ -392,7 +500,7 @@ def test_nothing_is_left_on_the_model_when_the_metric_raises(warm_gpt2, monkeypa
     # the model still computes what it did: path patching with every receiver of m0 is its activation patching
     g = build_graph(m)
     recv = [d for d in g.downstream if g.mask[g.down_index[d], g.up_index["m0"]]]
-    pr = path_patch(m, clean, corr, [["m0"]], [recv], tgt, foil)
+    pr = path_patch(m, clean, corr, [["m0"]], [recv], tgt, foil, recipe="live")
     ex = run_patching(m, clean, corr, ["mlp_out_layer"], ["denoising"], ["logit_diff"], [[t] for t in tgt],
                       [[f] for f in foil], layers=[0])
     assert (pr.values[0, :, 0] - ex.jobs[0].values[:, 0]).abs().max() < 1e-5

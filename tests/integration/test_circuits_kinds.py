@@ -297,9 +297,9 @@ def test_path_patching_into_every_receiver_is_activation_patching(arch):
     m = make_perturbed(arch)
     g = build_graph(m)
     recv = [d for d in g.downstream if g.mask[g.down_index[d], g.up_index["a0.h1"]]]
-    pp = PathPatching(dataset=DS, senders=["a0.h1"], receivers=recv).run(m, progress=False)
+    pp = PathPatching(dataset=DS, senders=["a0.h1"], receivers=recv, recipe="live").run(m, progress=False)
     s = pp.summary()
-    assert s["receivers"] == recv and s["n_variants"] == 1 and s["skipped"] == []
+    assert s["receivers"] == recv and s["n_variants"] == 1 and s["skipped"] == [] and s["recipe"] == "live"
     main = pp.tables["main"]
     got = main[main["scope"] == "row"].sort_values("pair")
     ap = ActivationPatching(dataset=DS, sites=["head_out"], layers=[0], directions=["denoising"]).run(m, progress=False)
@@ -365,8 +365,22 @@ def test_bad_configs_are_refused_naming_the_field(make, match):
     (lambda: Circuit(dataset=DS, level="nodes", nodes=["m1", "a0.h9"]), MethodRefused, r"nodes\[1\]: 'a0.h9'"),
     (lambda: EdgeAttribution(dataset={"rows": [{k: v for k, v in r.items() if k != "corrupted"} for r in ROWS]}),
      DatasetError, "corrupted"),
+    # one duplicate policy: a repeated entry is refused, naming the field and the entry
+    (lambda: PathPatching(dataset=DS, senders=["m0", ["a0.h1", "a0.h1"]], receivers=["logits"]), MethodRefused,
+     r"senders\[1\]: 'a0.h1' is listed twice"),
+    (lambda: PathPatching(dataset=DS, senders=["a0.h*", "a0.h2"], receivers=["logits"]), MethodRefused,
+     r"senders\[1\]: a0.h2 is also given by senders\[0\]"),
+    (lambda: PathPatching(dataset=DS, senders=[["a0.h1", "m0"], ["m0", "a0.h1"]], receivers=["logits"]), MethodRefused,
+     r"senders\[1\]: m0\+a0.h1 is also given by senders\[0\]"),
+    (lambda: PathPatching(dataset=DS, senders=["a0.h1"], receivers=["a2.h0<q>", "logits", "a2.h0<q>"]), MethodRefused,
+     r"receivers: 'a2.h0<q>' is listed twice"),
+    (lambda: Circuit(dataset=DS, edges=["m0->logits", "a0.h1->m1", "m0 -> logits"]), MethodRefused,
+     r"edges\[2\]: 'm0 -> logits' is listed twice \(also edges\[0\]\)"),
+    (lambda: Circuit(dataset=DS, level="nodes", nodes=["m1", "a0.h2", "m1"]), MethodRefused,
+     r"nodes\[2\]: 'm1' is listed twice \(also nodes\[0\]\)"),
 ], ids=["unknown-sender", "sender-after-receiver", "listed-sender-after-receiver", "glob-no-match", "unknown-receiver", "circuit-not-an-edge",
-        "circuit-unknown-node", "edges-without-corrupted"])
+        "circuit-unknown-node", "edges-without-corrupted", "sender-twice-in-group", "sender-twice-by-glob",
+        "sender-group-twice", "receiver-twice", "circuit-edge-twice", "circuit-node-twice"])
 def test_bad_inputs_are_refused_before_running(gpt2, monkeypatch, make, error, match):
     cfg = make()
 
@@ -401,3 +415,38 @@ def test_circuit_reads_saved_edge_scores(gpt2, tmp_path):
     bad.to_csv(tmp_path / "bad.csv", index=False)
     with pytest.raises(DatasetError, match="scores.edges_file"):
         Circuit(dataset=DS, scores={"edges_file": str(tmp_path / "bad.csv")}, sizes=sizes).run(gpt2, progress=False)
+
+
+def test_circuit_refuses_a_bad_edges_file(gpt2, tmp_path):
+    """scores.edges_file: a NaN score, an edge scored twice and scores saved with another model (same
+    graph shape) are refused naming the file, the row(s) or both models; the same model's saved result
+    folder is read."""
+    from helpers import make_tiny
+
+    eap = EdgeAttribution(dataset=DS, method="eap", verify={"enabled": False}).run(gpt2, progress=False)
+    saved = eap.save(tmp_path / "eap")  # edges.parquet + meta.json recording the model
+    sizes = [0.05, 0.2]
+
+    def circuit(path, model=gpt2):
+        return Circuit(dataset=DS, scores={"method": "eap", "edges_file": str(path)}, sizes=sizes,
+                       bootstrap=0).run(model, progress=False)
+
+    direct = Circuit(dataset=DS, scores={"method": "eap"}, sizes=sizes, bootstrap=0).run(gpt2, progress=False)
+    read = circuit(saved / "edges.parquet")
+    pd.testing.assert_frame_equal(direct.tables["curve"], read.tables["curve"], atol=1e-6)
+    assert read.meta["scores_file_model"]["fingerprint"] == eap.meta["model_fingerprint"]
+    edges = eap.tables["edges"]
+    nan = edges.copy()
+    nan.loc[3, "score"] = np.nan
+    nan.to_parquet(tmp_path / "nan.parquet")
+    with pytest.raises(DatasetError, match=r"nan.parquet' row 3 \(.*\) has score nan, not a finite number"):
+        circuit(tmp_path / "nan.parquet")
+    twice = pd.concat([edges, edges.iloc[[1]].assign(score=99.0)], ignore_index=True)
+    twice.to_csv(tmp_path / "twice.csv", index=False)
+    with pytest.raises(DatasetError, match=rf"rows 1 and {len(edges)} both score edge {edges['edge'][1]}"):
+        circuit(tmp_path / "twice.csv")
+    other = make_tiny("gpt2", seed=1)
+    assert build_graph(other).edge_names() == build_graph(gpt2).edge_names()
+    with pytest.raises(DatasetError, match=r"holds scores of model 'gpt2' \(fingerprint [0-9a-f]+.*this run's model "
+                                           r"is 'gpt2' \(fingerprint [0-9a-f]+\); compute the scores on this model"):
+        circuit(saved / "edges.parquet", other)

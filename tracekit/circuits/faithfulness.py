@@ -66,11 +66,17 @@ def circuit_from_edges(graph: Graph, edges: Sequence[str], field: str = "edges")
     """``[n_down, n_up]`` bool circuit of the named edges (``u->v``).
 
     Raises:
-        MethodRefused: a name that is not an edge (:meth:`Graph.parse_edge`).
+        MethodRefused: a name that is not an edge (:meth:`Graph.parse_edge`); an edge listed twice
+            (naming both entries: a circuit's size counts each edge once).
     """
     c = torch.zeros_like(graph.mask)
+    first: dict[tuple[int, int], int] = {}
     for i, e in enumerate(edges):
         v, u = graph.parse_edge(e, f"{field}[{i}]")
+        if (v, u) in first:
+            raise MethodRefused(f"{field}[{i}]: {e!r} is listed twice (also {field}[{first[(v, u)]}]); list each "
+                                "edge once")
+        first[(v, u)] = i
         c[v, u] = True
     return c
 
@@ -94,12 +100,15 @@ def circuit_from_nodes(graph: Graph, nodes: Sequence[str], field: str = "nodes")
     ``m{L}``; ``input`` and ``logits`` are always in).
 
     Raises:
-        MethodRefused: a name that is not a head or an MLP of the model.
+        MethodRefused: a name that is not a head or an MLP of the model; a node listed twice.
     """
     keep = {"input", "logits"}
     for i, n in enumerate(nodes):
         if n not in graph.up_index or n == "input":
             raise MethodRefused(f"{field}[{i}]: {n!r} is not a node; use 'a{{L}}.h{{H}}' (a head) or 'm{{L}}' (an MLP)")
+        if n in keep:
+            raise MethodRefused(f"{field}[{i}]: {n!r} is listed twice (also {field}[{list(nodes).index(n)}]); list "
+                                "each node once")
         keep.add(n)
     up = torch.tensor([u in keep for u in graph.upstream])
     down = torch.tensor([any(o in keep for o in _down_owner(graph, v)) for v in graph.downstream])

@@ -3,11 +3,20 @@ Goldowsky-Dill et al. 2023, "Localizing Model Behavior with Path Patching").
 
 A *sender* set (upstream nodes, :mod:`tracekit.circuits.graph`) is patched from the source run
 *only along its direct paths into the receivers* (downstream nodes: heads' q/k/v inputs, MLP
-inputs, the logits): every receiver's input becomes ``input_base + sum_senders (write_src -
-write_base)``; no other component sees the change (everything else is frozen to the run it came
-from), and what the receivers then compute flows on through the rest of the model as usual. With
-every component downstream of the senders as a receiver this is activation patching of the
-senders; with one sender and one receiver it is the exact effect of one edge (what EAP estimates).
+inputs, the logits): every receiver's input gets ``sum_senders (write_src - write_base)`` added;
+no other component sees the change, and what the receivers then compute flows on through the rest
+of the model as usual. Where the receivers sit in more than one block, two rules differ in what a
+later receiver's input is (``recipe``):
+
+* ``wang`` (default; Wang et al. 2022's three runs): ``input_base + delta``, what it reads in a run
+  with the senders patched and *every* other head and MLP frozen to the base run (receivers
+  included); a later receiver does not see what earlier receivers' changed outputs write.
+* ``live``: ``input_live + delta``, its live input in the patched run (which carries what earlier
+  receivers' changed outputs wrote) plus the senders' difference. With every component downstream
+  of the senders as a receiver this is activation patching of the senders.
+
+With the receivers in one block (one edge, or a head's q/k/v inputs) both are the same, and with one
+sender and one receiver it is the exact effect of one edge (what EAP estimates).
 
 Engine: the batched replay of :mod:`tracekit.patching` -- one cached run of ``[corrupted; clean]``
 per group of equal-length rows records each block's inputs and the senders' writes; each
@@ -34,7 +43,11 @@ from ..patching.run import _check_pairs, _length_groups
 from .graph import Graph, build_graph, check_separable, receiver_hooks, upstream_hooks
 from .writes import check_writes, stack_writes
 
-__all__ = ["PathRun", "path_patch", "replay", "receiver_hook"]
+__all__ = ["PathRun", "RECIPES", "path_patch", "replay", "receiver_hook"]
+
+#: Path-patching rules for receivers in several blocks (module docstring): ``wang`` (Wang et al.
+#: 2022: later receivers read the frozen base input plus the senders' difference) and ``live``.
+RECIPES = ("wang", "live")
 
 
 @dataclass
@@ -45,6 +58,7 @@ class PathRun:
         values: ``[variants, rows, n_metrics]`` the metrics of each path-patched run.
         clean, corrupted: ``[rows, n_metrics]`` the unpatched runs.
         metrics: metric names. senders / receivers: per variant the node names.
+        recipe: the rule used for receivers in several blocks (``wang`` or ``live``).
     """
 
     values: Float[torch.Tensor, "variants rows n_metrics"]
@@ -53,6 +67,7 @@ class PathRun:
     metrics: list[str]
     senders: list[list[str]]
     receivers: list[list[str]]
+    recipe: str = "wang"
 
 
 def receiver_hook(graph: Graph, name: str) -> tuple[str, int | None, int]:
@@ -77,6 +92,19 @@ def _add(module, inputs, output, rows: torch.Tensor, head: int | None, delta: to
         act[rows] += d
     else:
         act[rows, :, head] += d
+    return conv.revert(act) if conv is not None else act
+
+
+def _set(module, inputs, output, rows: torch.Tensor, head: int | None, value: torch.Tensor):
+    """Set the receiver's input of ``rows`` (``head``'s slice) to ``value`` (the ``wang`` rule)."""
+    conv = getattr(module, "hook_conversion", None)
+    act = conv.convert(output) if conv is not None else output
+    act = act.clone()
+    v = value.to(act.dtype)
+    if head is None:
+        act[rows] = v
+    else:
+        act[rows, :, head] = v
     return conv.revert(act) if conv is not None else act
 
 
@@ -108,7 +136,7 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
                senders: Sequence[Sequence[str]], receivers: Sequence[Sequence[str]],
                target_ids: Sequence[int], foil_ids: Sequence[int] | None = None, *,
                metrics: Sequence[str] = ("logit_diff",), mode: str = "denoising",
-               batch_size: int | str = "auto") -> PathRun:
+               batch_size: int | str = "auto", recipe: str = "wang") -> PathRun:
     """Exact path patching: per variant ``j``, the senders ``senders[j]`` patched from the source
     run into the receivers ``receivers[j]`` only (module docstring), on every row.
 
@@ -124,21 +152,29 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
         metrics: metric names (:mod:`tracekit.metrics`).
         mode: ``denoising`` (base = corrupted run, source = clean) or ``noising``.
         batch_size: (variant, row) runs per replay batch, or ``auto``.
+        recipe: ``wang`` (default: a receiver in a later block than the variant's first receivers
+            reads ``input_base + delta``, its input with every non-sender frozen, as in Wang et al.
+            2022's run 2, and ARENA's / TransformerLens-based path patching) or ``live``
+            (``input_live + delta``: it sees what earlier receivers' changed outputs wrote).
 
     Returns:
         :class:`PathRun`.
 
     Raises:
-        MethodRefused: an unknown node, a receiver that reads before one of its senders writes, a
-            model whose writes are not separable.
+        MethodRefused: an unknown node or recipe, a sender named twice in one variant, a receiver
+            that reads before one of its senders writes, a model whose writes are not separable.
     """
     if mode not in ("denoising", "noising"):
         raise MethodRefused(f"mode: {mode!r}; use denoising or noising")
+    if recipe not in RECIPES:
+        raise MethodRefused(f"recipe: {recipe!r}; use 'wang' (Wang et al. 2022's frozen receivers' inputs) or 'live'")
     if len(senders) != len(receivers) or not senders:
         raise MethodRefused("path patching: give one receiver list per sender list (at least one variant)")
     check_separable(model, "path patching")
     graph = build_graph(model)
     send_idx, recv = _check_variants(graph, senders, receivers)
+    late = _late_receivers(graph, recv) if recipe == "wang" else [[] for _ in recv]
+    base_hooks = sorted({receiver_hook(graph, r)[0] for rs in late for r in rs if r != "logits"})
     clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
     dev = model_device(model)
     n, V = len(clean_ids), len(senders)
@@ -151,7 +187,7 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
             midx = torch.tensor(members)
             g = len(members)
             toks = torch.tensor([corrupted_ids[i] for i in members] + [clean_ids[i] for i in members], device=dev)
-            run = cache_run(model, toks, upstream_hooks(graph))
+            run = cache_run(model, toks, list(dict.fromkeys(upstream_hooks(graph) + base_hooks)))
             half = {k: v[:g] for k, v in run.acts.items()}, {k: v[g:] for k, v in run.acts.items()}
             check_writes(model, graph, half[1], half[0], "path patching")
             inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev),
@@ -166,14 +202,14 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
 
             def do(sl: slice, deltas=deltas, run=run, inputs=inputs, base_off=base_off, g=g, midx=midx):
                 vs = list(range(V))[sl]
-                logits = _replay_variants(model, graph, run, vs, recv, deltas, base_off, g)
+                logits = _replay_variants(model, graph, run, vs, recv, deltas, base_off, g, late)
                 rows = torch.arange(g).repeat(len(vs))
                 vals = M.compute_metrics(list(metrics), logits, inputs.rows(rows.to(logits.device))).float().cpu()
                 values[sl.start:sl.stop][:, midx] = vals.reshape(len(vs), g, -1)
 
             run_chunked(do, V, max(1, bs // g))
     return PathRun(values, clean_v, corr_v, list(metrics), [list(s) for s in senders],
-                   [[r for r in rs] for rs in recv])
+                   [[r for r in rs] for rs in recv], recipe)
 
 
 def _check_variants(graph: Graph, senders, receivers) -> tuple[list[list[int]], list[list[str]]]:
@@ -184,6 +220,9 @@ def _check_variants(graph: Graph, senders, receivers) -> tuple[list[list[int]], 
             raise MethodRefused(f"path patching variant {j}: give at least one sender and one receiver")
         idx = []
         for s in ss:
+            if list(ss).count(s) > 1:
+                raise MethodRefused(f"senders (variant {j}): {s!r} is listed twice; each sender's difference would "
+                                    "be added once per listing (name each sender once)")
             if s not in graph.up_index:
                 raise MethodRefused(f"senders: {s!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or "
                                     f"'m{{L}}' (layers 0..{graph.n_layers - 1}, heads 0..{graph.n_heads - 1})")
@@ -199,43 +238,68 @@ def _check_variants(graph: Graph, senders, receivers) -> tuple[list[list[int]], 
     return send_idx, recv
 
 
+def _late_receivers(graph: Graph, recv: list[list[str]]) -> list[list[str]]:
+    """Per variant the receivers that read later than its first ones (``wang``: they get the frozen
+    base input plus the difference; the first ones' live input is the base input already)."""
+    out = []
+    for rs in recv:
+        t0 = min(graph.down_time(r) for r in rs)
+        out.append([r for r in rs if graph.down_time(r) > t0])
+    return out
+
+
 def _replay_variants(model, graph: Graph, run: CachedRun, vs: list[int], recv: list[list[str]],
-                     deltas: torch.Tensor, base_off: int, g: int) -> torch.Tensor:
+                     deltas: torch.Tensor, base_off: int, g: int, late: list[list[str]]) -> torch.Tensor:
     """Logits ``[len(vs) * g, d_vocab]`` of variants ``vs`` (variant major), each row's receivers
-    getting its variant's difference."""
+    getting its variant's difference: added to the live input, or for the receivers in ``late[j]``
+    added to the base run's cached input (``wang``)."""
     dev = run.resid[0].device
-    by_hook: dict[tuple[str, int | None], list[int]] = {}
-    final_rows: list[int] = []
+    by_hook: dict[tuple[str, int | None, bool], list[int]] = {}
+    final_rows: dict[bool, list[int]] = {False: [], True: []}
     start = graph.n_layers
     for k, j in enumerate(vs):
+        frozen = set(late[j])
         for r in recv[j]:
             hook, head, layer = receiver_hook(graph, r)
             start = min(start, layer)
             if r == "logits":
-                final_rows.append(k)
+                final_rows[r in frozen].append(k)
             else:
-                by_hook.setdefault((hook, head), []).append(k)
+                by_hook.setdefault((hook, head, r in frozen), []).append(k)
     sub = deltas[vs]  # [len(vs), g, pos, d]
 
-    def rows_of(ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_of(ks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(replay rows, their differences, their base rows in the cached run)."""
         kt = torch.tensor(ks)
         rows = (kt[:, None] * g + torch.arange(g)[None]).flatten().to(dev)
-        return rows, sub[kt].reshape(len(ks) * g, *sub.shape[2:]).to(dev)
+        base = (torch.arange(g) + base_off).repeat(len(ks)).to(dev)
+        return rows, sub[kt].reshape(len(ks) * g, *sub.shape[2:]).to(dev), base
 
     def layer_hooks(L: int):
         out = []
-        for (hook, head), ks in by_hook.items():
-            if int(hook.split(".")[1]) == L:
-                rows, d = rows_of(ks)
+        for (hook, head, frozen), ks in by_hook.items():
+            if int(hook.split(".")[1]) != L:
+                continue
+            rows, d, base = rows_of(ks)
+            if frozen:
+                cached = run.acts[hook][base]
+                value = (cached if head is None else cached[:, :, head]).float() + d
+                out.append((hook, lambda m, i, o, rows=rows, head=head, v=value: _set(m, i, o, rows, head, v)))
+            else:
                 out.append((hook, lambda m, i, o, rows=rows, head=head, d=d: _add(m, i, o, rows, head, d)))
         return out
 
     def final(x):
-        if not final_rows:
+        if not any(final_rows.values()):
             return x
-        rows, d = rows_of(final_rows)
         x = x.clone()
-        x[rows] += d.to(x.dtype)
+        for frozen, ks in final_rows.items():
+            if ks:
+                rows, d, base = rows_of(ks)
+                if frozen:
+                    x[rows] = (run.resid[graph.n_layers][base].float() + d).to(x.dtype)
+                else:
+                    x[rows] += d.to(x.dtype)
         return x
 
     base_rows = (torch.arange(g) + base_off).repeat(len(vs)).to(dev)

@@ -11,6 +11,7 @@ faithfulness over circuit sizes with the MIB measures (CPR, CMD) and bootstrap i
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal, Optional
 
 import numpy as np
@@ -49,6 +50,9 @@ class ScoreSpec(StrictModel):
             ``edge`` and ``score``, e.g. an ``edge_attribution`` step's ``edges.parquet`` through a
             pipeline reference ``{from: eap_ig, path: edges.parquet}``) instead of computing them;
             ``method`` then only names them. The rows should be the same (the file does not say).
+            One row per edge, every score a finite number; when the file sits in a saved result
+            folder, the model recorded there (``meta.json``'s ``model_fingerprint``) must be this
+            run's model (else refused, naming both); a file without one is used unchecked (a warning).
     """
 
     method: Literal["eap", "eap_ig", "atp"] = "eap_ig"
@@ -223,7 +227,7 @@ class Circuit(CircuitRowsExperiment):
         clean, corr, tgt, foil = self.ids(inputs)
         graph = build_graph(model)
         hand = self.edges is not None or self.nodes is not None
-        es = None
+        es, scores_model = None, None
         if hand:
             circ = (circuit_from_edges(graph, self.edges) if self.edges is not None
                     else circuit_from_nodes(graph, self.nodes))[None]
@@ -232,9 +236,14 @@ class Circuit(CircuitRowsExperiment):
             scores_df = pd.DataFrame({"name": cand, "score": np.nan})
         else:
             sp = self.scores
-            es = _read_edges(graph, sp.edges_file) if sp.edges_file else edge_attribution(
-                model, clean, corr, tgt, foil, metric=self.metric, mode=sp.mode,
-                method="eap_ig" if sp.method == "eap_ig" else "eap", ig_steps=sp.ig_steps)
+            if sp.edges_file:
+                es, scores_model = _read_edges(graph, sp.edges_file, model)
+                if scores_model is None:
+                    warnings.warn(f"scores.edges_file: {sp.edges_file} records no model (no meta.json with a "
+                                  "model_fingerprint beside it); its scores are used as they are, unchecked", stacklevel=2)
+            else:
+                es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=sp.mode,
+                                      method="eap_ig" if sp.method == "eap_ig" else "eap", ig_steps=sp.ig_steps)
             if self.level == "edges":
                 mean = es.mean()
                 counts = self._counts(graph.n_edges)
@@ -293,17 +302,41 @@ class Circuit(CircuitRowsExperiment):
         rows[f"circuit_{self.metric}"] = m_c[j]
         tables = {"curve": curve, "circuit": circuit_df, "scores": scores_df.head(5000).reset_index(drop=True),
                   "rows": rows}
-        return CircuitResult(self, tables, {"summary": summary, "n_scores": int(len(scores_df))})
+        return CircuitResult(self, tables, {"summary": summary, "n_scores": int(len(scores_df)),
+                                            "scores_file_model": scores_model})
 
 
-def _read_edges(graph, path: str) -> EdgeScores:
-    """Edge scores (one row: their mean) from a saved ``edges`` table.
+def _edges_file_model(path: str) -> Optional[dict]:
+    """The model recorded with a saved edges table: ``{name, fingerprint, file}`` from the
+    ``meta.json`` of the result folder holding it (what :meth:`Result.save` writes), or None when
+    the folder records none (a table saved by hand)."""
+    import json
+    from pathlib import Path
+
+    meta = Path(path).parent / "meta.json"
+    try:
+        m = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict) or not m.get("model_fingerprint"):
+        return None
+    name = m.get("model", {}).get("name") if isinstance(m.get("model"), dict) else None
+    return {"name": name, "fingerprint": str(m["model_fingerprint"]), "file": str(meta)}
+
+
+def _read_edges(graph, path: str, model=None) -> tuple[EdgeScores, Optional[dict]]:
+    """Edge scores (one row: their mean) from a saved ``edges`` table, and the model recorded with
+    it (:func:`_edges_file_model`; checked against ``model``'s fingerprint).
 
     Raises:
-        DatasetError: the file cannot be read, lacks ``edge``/``score``, or names an edge this model's
-            graph does not have (another model's scores).
+        DatasetError: the file cannot be read, lacks ``edge``/``score``, has a row without an edge
+            name or with a score that is not a finite number (NaN), names an edge twice, names an
+            edge this model's graph does not have, or was computed on another model (its result
+            folder's ``meta.json`` records another fingerprint).
     """
     from pathlib import Path
+
+    from ..model.load import model_fingerprint, model_spec_of
 
     p = Path(path)
     try:
@@ -312,15 +345,40 @@ def _read_edges(graph, path: str) -> EdgeScores:
         raise DatasetError(f"scores.edges_file: cannot read {path!r} ({type(e).__name__}: {e})") from e
     if not {"edge", "score"} <= set(df.columns):
         raise DatasetError(f"scores.edges_file: {path!r} needs columns 'edge' and 'score' (has {list(df.columns)[:8]})")
+    recorded = _edges_file_model(path)
+    if model is not None and recorded is not None:
+        fp = model_fingerprint(model)
+        if recorded["fingerprint"] != fp:
+            raise DatasetError(
+                f"scores.edges_file: {path!r} holds scores of model {recorded['name']!r} (fingerprint "
+                f"{recorded['fingerprint']}, {recorded['file']}), but this run's model is "
+                f"{model_spec_of(model).name!r} (fingerprint {fp}); compute the scores on this model (an "
+                "edge_attribution step with the same model, or drop scores.edges_file) or run the circuit on "
+                "the model the scores came from")
     scores = torch.zeros(1, *graph.mask.shape)
+    first: dict[tuple[int, int], int] = {}
     for i, (e, v) in enumerate(zip(df["edge"], df["score"])):
+        if not isinstance(e, str) or not e.strip():
+            raise DatasetError(f"scores.edges_file: {path!r} row {i} has no edge name ({e!r}); give every row an "
+                               "edge 'upstream->downstream' or drop the row")
         try:
-            d, u = graph.parse_edge(str(e), f"scores.edges_file row {i}")
+            d, u = graph.parse_edge(e, f"scores.edges_file row {i}")
         except MethodRefused as err:
             raise DatasetError(f"{err} (scores from another model?)") from None
-        scores[0, d, u] = float(v)
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            x = float("nan")
+        if not np.isfinite(x):
+            raise DatasetError(f"scores.edges_file: {path!r} row {i} ({e}) has score {v!r}, not a finite number; "
+                               "recompute the scores (an edge_attribution step) or repair that row")
+        if (d, u) in first:
+            raise DatasetError(f"scores.edges_file: {path!r} rows {first[(d, u)]} and {i} both score edge {e}; "
+                               "keep one row per edge")
+        first[(d, u)] = i
+        scores[0, d, u] = x
     nan = torch.full((1,), float("nan"))
-    return EdgeScores(graph, scores, nan, nan, "file", "denoising", "", 0)
+    return EdgeScores(graph, scores, nan, nan, "file", "denoising", "", 0), recorded
 
 
 def _circuit_nodes(circuit_df: pd.DataFrame) -> tuple[list[str], list[str]]:

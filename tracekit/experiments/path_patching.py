@@ -35,7 +35,8 @@ class PathPatchingResult(Result):
     ``delta`` = value - base, ``normalized`` = (value - corrupted) / (clean - corrupted), ``effect``
     = normalized for denoising, 1 - normalized for noising); ``rows``.
 
-    Summary keys: ``mode``, ``metric``, ``n_rows``, ``receivers``, ``n_variants``, ``skipped``
+    Summary keys: ``mode``, ``recipe`` (the rule for receivers in several blocks: ``wang`` or
+    ``live``), ``metric``, ``n_rows``, ``receivers``, ``n_variants``, ``skipped``
     (expanded senders dropped because they write after a receiver reads), ``mean_clean``,
     ``mean_corrupted``, ``effects`` (per variant ``{senders, mean_delta, mean_effect}``, by |effect|).
     """
@@ -43,7 +44,7 @@ class PathPatchingResult(Result):
     config: "PathPatching"
     main_table = "main"
     table_names = ("main", "rows")
-    summary_keys = ("mode", "metric", "n_rows", "receivers", "n_variants", "skipped", "mean_clean", "mean_corrupted",
+    summary_keys = ("mode", "recipe", "metric", "n_rows", "receivers", "n_variants", "skipped", "mean_clean", "mean_corrupted",
                     "effects")
 
     def summary(self) -> dict:
@@ -52,7 +53,7 @@ class PathPatchingResult(Result):
         mean = mean.assign(_a=mean["effect"].abs()).sort_values("_a", ascending=False)
         rows = self.tables["rows"]
         m = self.config.metric
-        return {"mode": self.config.mode, "metric": m, "n_rows": int(len(rows)),
+        return {"mode": self.config.mode, "recipe": self.config.recipe, "metric": m, "n_rows": int(len(rows)),
                 "receivers": list(self.meta["receivers"]), "n_variants": int(len(mean)),
                 "skipped": list(self.meta.get("skipped", [])),
                 "mean_clean": float(rows[f"clean_{m}"].mean()), "mean_corrupted": float(rows[f"corrupted_{m}"].mean()),
@@ -62,7 +63,7 @@ class PathPatchingResult(Result):
 
     def report(self) -> str:
         s = self.summary()
-        lines = [f"path patching ({s['mode']}) [{self.config.step_name}]: {s['n_rows']} row(s); receivers "
+        lines = [f"path patching ({s['mode']}, recipe {s['recipe']}) [{self.config.step_name}]: {s['n_rows']} row(s); receivers "
                  f"{', '.join(s['receivers'][:12])}{' ...' if len(s['receivers']) > 12 else ''}",
                  f"  {s['metric']} clean {s['mean_clean']:+.4f} corrupted {s['mean_corrupted']:+.4f}",
                  "  senders by |effect| (effect through the receivers only; 1 = the whole clean-corrupted gap):"]
@@ -100,13 +101,24 @@ class PathPatching(CircuitRowsExperiment):
         receivers: downstream nodes shared by every variant: ``a{L}.h{H}`` (its q, k and v inputs),
             ``a{L}.h{H}<q>`` / ``<k>`` / ``<v>``, ``m{L}`` (MLP input), ``logits``, or glob patterns.
         mode: ``denoising`` (default; clean senders into the corrupted run) or ``noising``.
+        recipe: what a receiver in a later block than the first receivers reads. ``wang`` (default;
+            Wang et al. 2022's three runs, as ARENA's path patching): its input in a run with the
+            senders patched and every other head and MLP frozen to the base run, i.e. the base input
+            plus the senders' difference (it does not see what earlier receivers' changed outputs
+            write); ``live``: its live input plus the senders' difference (it does). The same for
+            receivers in one block.
         batch_size: (variant, row) runs per replay batch, or ``auto``.
+
+    Repeats are refused, naming the field and the entry: a sender twice in one group (its
+    difference would count twice), two ``senders`` entries giving the same variant, a receiver
+    twice in ``receivers``.
     """
 
     kind: Literal["path_patching"] = "path_patching"
     senders: list[Union[str, list[str]]] = Field(min_length=1)
     receivers: list[str] = Field(min_length=1)
     mode: Mode = "denoising"
+    recipe: Literal["wang", "live"] = "wang"
     batch_size: Union[int, Literal["auto"]] = "auto"
 
     result_class = PathPatchingResult
@@ -115,9 +127,12 @@ class PathPatching(CircuitRowsExperiment):
         """``(sender lists, receivers, skipped)`` with patterns expanded.
 
         Raises:
-            MethodRefused: a name or pattern matching no node; an explicit sender after a receiver.
+            MethodRefused: a name or pattern matching no node; an explicit sender after a receiver; a
+                name repeated in a sender group or in ``receivers``; two ``senders`` entries giving the
+                same variant.
         """
         graph = build_graph(model)
+        _refuse_repeats("receivers", self.receivers)
         recv: list[str] = []
         for i, r in enumerate(self.receivers):
             if any(ch in r for ch in "*?["):
@@ -129,17 +144,30 @@ class PathPatching(CircuitRowsExperiment):
                 recv += graph.receivers_of(r)
         recv = list(dict.fromkeys(recv))
         variants, skipped = [], []
+        origin: dict[frozenset, int] = {}  # each variant's sender set -> the senders entry giving it
+
+        def add(names: list[str], i: int) -> None:
+            key = frozenset(names)
+            if key in origin:
+                raise MethodRefused(f"senders[{i}]: {'+'.join(names)} is also given by senders[{origin[key]}] "
+                                    f"({self.senders[origin[key]]!r}); the same variant twice: list it once")
+            origin[key] = i
+            variants.append(list(names))
 
         def ok(s: str) -> bool:
             return all(bool(graph.mask[graph.down_index[r], graph.up_index[s]]) for r in recv)
 
         for i, s in enumerate(self.senders):
             names = s if isinstance(s, list) else [s]
+            if isinstance(s, list):
+                _refuse_repeats(f"senders[{i}]", s, "its difference would be added twice")
             if isinstance(s, str) and any(ch in s for ch in "*?["):
                 hits = [u for u in graph.upstream if fnmatch.fnmatchcase(u, s)]
                 if not hits:
                     raise MethodRefused(f"senders[{i}]: {s!r} matches no upstream node")
-                variants += [[h] for h in hits if ok(h)]
+                for h in hits:
+                    if ok(h):
+                        add([h], i)
                 skipped += [h for h in hits if not ok(h)]
                 continue
             for n in names:
@@ -149,7 +177,7 @@ class PathPatching(CircuitRowsExperiment):
                 if not ok(n):
                     raise MethodRefused(f"senders[{i}]: {n} writes after a receiver reads ({recv[:3]}...); path "
                                         "patching needs every receiver downstream of its senders")
-            variants.append(list(names))
+            add(list(names), i)
         if not variants:
             raise MethodRefused(f"senders: every sender writes after a receiver reads (skipped {skipped[:5]})")
         return variants, recv, skipped
@@ -163,7 +191,7 @@ class PathPatching(CircuitRowsExperiment):
         clean, corr, tgt, foil = self.ids(inputs)
         variants, recv, skipped = self._variants(model)
         run = path_patch(model, clean, corr, variants, [recv] * len(variants), tgt, foil, metrics=[self.metric],
-                         mode=self.mode, batch_size=self.batch_size)
+                         mode=self.mode, batch_size=self.batch_size, recipe=self.recipe)
         c, x = run.clean[:, 0].numpy(), run.corrupted[:, 0].numpy()
         base = x if self.mode == "denoising" else c
         recs = []
@@ -184,5 +212,20 @@ class PathPatching(CircuitRowsExperiment):
         for col in ("pair", "row_id"):
             df[col] = df[col].astype("Int64")
         tables = {"main": df, "rows": self._rows_table(inputs, c, x)}
-        return PathPatchingResult(self, tables, {"receivers": recv, "skipped": skipped,
+        return PathPatchingResult(self, tables, {"receivers": recv, "skipped": skipped, "recipe": run.recipe,
                                                  "variants": ["+".join(v) for v in variants]})
+
+
+def _refuse_repeats(field: str, items, why: str = "list each once") -> None:
+    """Refuse a list naming one entry twice (tracekit's one duplicate policy: never silently
+    double or drop an entry).
+
+    Raises:
+        MethodRefused: naming ``field``, the repeated entry and its positions.
+    """
+    seen: dict = {}
+    for i, x in enumerate(items):
+        if x in seen:
+            shown = "[" + ", ".join(x) + "]" if isinstance(x, tuple) else repr(x)
+            raise MethodRefused(f"{field}: {shown} is listed twice (entries {seen[x]} and {i}); {why}")
+        seen[x] = i

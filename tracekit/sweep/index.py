@@ -212,7 +212,8 @@ def _check_on_disk(df: pd.DataFrame) -> pd.DataFrame:
         return df
     metric = [c for c in df.columns if "/" in c and not c.startswith("env/")]
     df = df.copy()
-    for i in df.index[df["status"] == "complete"]:
+    complete = (df["status"] == "complete").to_numpy(dtype=bool)
+    for i in df.index[complete]:
         rd = df.at[i, "run_dir"] if "run_dir" in df.columns else None
         problem = run_problem(rd) if isinstance(rd, str) and rd else "no run folder is recorded"
         if problem:

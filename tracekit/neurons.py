@@ -72,10 +72,12 @@ from .tokens import (
     Position,
     PositionSpec,
     check_length,
+    display_text,
     encode,
     forward_kwargs,
     pad_rows,
     run_with_cache,
+    token_text,
     tokenize,
 )
 from .units import (
@@ -370,10 +372,10 @@ class KeyReadout:
 
 
 def _context(model, ids, p, n_prefix, before, after) -> tuple[str, str]:
-    tok = model.tokenizer
-    left = tok.decode(list(ids[max(n_prefix, p - before):p]))
-    mid = tok.decode([ids[p]])
-    right = tok.decode(list(ids[p + 1:p + 1 + after]))
+    # a piece of a character (cut by the window, or the token itself) shows its bytes, not U+FFFD
+    left = display_text(model, list(ids[max(n_prefix, p - before):p]))
+    mid = token_text(model, int(ids[p]))
+    right = display_text(model, list(ids[p + 1:p + 1 + after]))
     clean = lambda s: s.replace("\n", " ")  # noqa: E731
     return mid, clean(left) + "[[" + clean(mid) + "]]" + clean(right)
 

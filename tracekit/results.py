@@ -49,7 +49,7 @@ ExperimentConfig = Any
 _E = TypeVar("_E", bound=type)
 
 __all__ = ["KINDS", "REGISTRY", "RESULTS", "RENAMED_COLUMNS", "shadowing_columns", "register", "experiment_class", "known_kinds", "Expectation",
-           "Result", "lookup", "MANIFEST", "round_sig", "SUMMARY_DIGITS"]
+           "Result", "ResultFolder", "lookup", "MANIFEST", "round_sig", "SUMMARY_DIGITS"]
 
 #: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`.
 KINDS: dict[str, str] = {
@@ -499,35 +499,143 @@ class Result:
         """Load a result saved by :meth:`save` (the right subclass is found from ``config.json``,
         through :data:`REGISTRY`: the kind's module is imported if it is not yet).
 
+        Every file is read through :class:`ResultFolder` (one checked loader): the manifest,
+        ``config.json`` (validated by the kind's config class), ``meta.json``, ``summary.json``,
+        every table and the arrays.
+
         Raises:
             ResultLoadError: the folder is not a complete saved result (no manifest: the save was
-                interrupted, or it is not a step folder; a listed file missing or truncated), or
-                its kind is unknown.
+                interrupted, or it is not a step folder; a foreign manifest; a listed file missing,
+                truncated or unreadable; a config its kind refuses), or its kind is unknown. The
+                message names the folder, the file and what is wrong.
         """
-        d = Path(directory)
-        manifest = _read_manifest(d)
-        cfg = json.loads((d / "config.json").read_text())
+        f = ResultFolder(directory)
+        exp = f.config()
+        kind = exp.kind
+        f.json("summary.json")  # a damaged summary is a damaged result, even though it is recomputed
+        tables = RESULTS[kind]._rename_old_columns({t: f.table(t) for t in f.tables})
+        meta = f.json("meta.json")
+        if not isinstance(meta, dict):
+            raise f.error("meta.json", f"holds {type(meta).__name__}, not a mapping")
+        return RESULTS[kind](exp, tables, meta, f.arrays())
+
+
+class ResultFolder:
+    """The one checked loader of a saved result folder (:meth:`Result.save`): every file it holds
+    (``manifest.json``, ``config.json``, ``meta.json``, ``summary.json``, ``<table>.parquet``,
+    ``arrays.safetensors``) is read here, and anything wrong (a foreign or half-written folder, a
+    file missing, truncated, not parseable, or a config its kind refuses) is a
+    :class:`~tracekit.core.errors.ResultLoadError` naming the folder, the file and the problem,
+    never a raw ``ValidationError`` / ``FileNotFoundError`` / ``JSONDecodeError``.
+
+    Used by :meth:`Result.load` and the sweep index (:func:`tracekit.sweep.load_results`,
+    :func:`tracekit.sweep.load_point`).
+
+    Args:
+        directory: the saved step folder (e.g. ``results/<run>/<step name>``).
+
+    Raises:
+        ResultLoadError: no manifest, a manifest that is not tracekit's, or a listed file missing
+            or of another size than written (:func:`_read_manifest`).
+    """
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory)
+        self.manifest = _read_manifest(self.path)
+        #: The tables the manifest lists (names, without ``.parquet``).
+        self.tables: list[str] = list(self.manifest.get("tables", []))
+
+    def error(self, name: str, what: str) -> ResultLoadError:
+        """The error for file ``name`` of this folder: ``<folder>: <name> <what>; rerun the step``."""
+        return ResultLoadError(f"{self.path}: {name} {what}; this is not a complete saved tracekit result "
+                               "(rerun the step, or pass a folder written by tracekit)")
+
+    def file(self, name: str) -> Path:
+        """The path of file ``name``, which must exist.
+
+        Raises:
+            ResultLoadError: the file is missing.
+        """
+        p = self.path / name
+        if not p.is_file():
+            raise self.error(name, "is missing")
+        return p
+
+    def json(self, name: str) -> Any:
+        """The parsed content of JSON file ``name`` (UTF-8).
+
+        Raises:
+            ResultLoadError: the file is missing, unreadable or not valid JSON.
+        """
+        p = self.file(name)
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self.error(name, f"is not valid JSON ({type(e).__name__}: {e})") from e
+
+    def table(self, name: str) -> pd.DataFrame:
+        """Table ``name`` (``<name>.parquet``) as saved (old column names are renamed by
+        :meth:`Result.load`, not here).
+
+        Raises:
+            ResultLoadError: the file is missing or not a readable parquet table.
+        """
+        fname = f"{name}.parquet"
+        p = self.file(fname)
+        try:
+            return pd.read_parquet(p)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises its own types for a damaged file
+            raise self.error(fname, f"is not a readable parquet table ({type(e).__name__}: {e})") from e
+
+    def config(self) -> ExperimentConfig:
+        """``config.json`` validated by its kind's config class (found through :data:`REGISTRY`).
+
+        Raises:
+            ResultLoadError: the file is missing or not JSON, names no or an unknown kind (or
+                another kind than the manifest), or its kind's class refuses it (each field
+                named).
+        """
+        from pydantic import ValidationError
+
+        cfg = self.json("config.json")
+        if not isinstance(cfg, dict):
+            raise self.error("config.json", f"holds {type(cfg).__name__}, not a mapping with a 'kind'")
         kind = cfg.get("kind")
         exp_cls = experiment_class(kind)
         if exp_cls is None:
-            raise ResultLoadError(f"{d}: unknown experiment kind {kind!r}; known: {known_kinds()}")
-        exp = exp_cls.model_validate(cfg)
-        tables = {t: pd.read_parquet(d / f"{t}.parquet") for t in manifest.get("tables", [])}
-        tables = RESULTS[kind]._rename_old_columns(tables)
-        meta = json.loads((d / "meta.json").read_text())
-        arrays = {}
-        if (d / "arrays.safetensors").exists():
-            from safetensors.torch import load_file
+            raise self.error("config.json", f"names an unknown experiment kind {kind!r}; known: {known_kinds()}")
+        if self.manifest.get("kind") not in (None, kind):
+            raise self.error("config.json", f"is a {kind!r} config but {MANIFEST} says {self.manifest['kind']!r}")
+        try:
+            return exp_cls.model_validate(cfg)
+        except ValidationError as e:
+            errs = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(top level)'}: {x['msg']}" for x in e.errors())
+            raise self.error("config.json", f"is not a valid {kind!r} config ({errs})") from e
 
-            arrays = load_file(str(d / "arrays.safetensors"))
-        return RESULTS[kind](exp, tables, meta, arrays)
+    def arrays(self) -> dict:
+        """The saved tensors (``arrays.safetensors``; ``{}`` when the result saved none).
+
+        Raises:
+            ResultLoadError: the manifest lists the file and it is missing or unreadable.
+        """
+        name = "arrays.safetensors"
+        if name not in self.manifest.get("files", {}) and not (self.path / name).exists():
+            return {}
+        p = self.file(name)
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(p))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged file
+            raise self.error(name, f"is not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
 def _read_manifest(d: Path) -> dict:
     """The manifest of a complete saved result folder.
 
     Raises:
-        ResultLoadError: no or unreadable manifest, or a listed file missing or of another size.
+        ResultLoadError: no or unreadable manifest, one that is not tracekit's (not a mapping of
+            ``files`` name -> size and ``tables`` names), or a listed file missing or of another size.
     """
     man = d / MANIFEST
     if not man.is_file():
@@ -536,11 +644,17 @@ def _read_manifest(d: Path) -> dict:
                 "its save did not finish (interrupted?); rerun the step")
         raise ResultLoadError(f"{d} is not a complete saved tracekit result (no {MANIFEST}); {hint}")
     try:
-        manifest = json.loads(man.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        manifest = json.loads(man.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ResultLoadError(f"{d}: unreadable {MANIFEST} ({e}); rerun the step") from e
+    files = manifest.get("files", {}) if isinstance(manifest, dict) else None
+    tables = manifest.get("tables", []) if isinstance(manifest, dict) else None
+    if (not isinstance(files, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in files.items())
+            or not isinstance(tables, list) or not all(isinstance(t, str) for t in tables)):
+        raise ResultLoadError(f"{d}: {MANIFEST} is not a tracekit result manifest (a mapping with 'files': "
+                              "name -> size and 'tables': names); pass a step folder saved by tracekit")
     problems = []
-    for name, size in manifest.get("files", {}).items():
+    for name, size in files.items():
         p = d / name
         if not p.is_file():
             problems.append(f"{name} is missing")
@@ -549,3 +663,7 @@ def _read_manifest(d: Path) -> dict:
     if problems:
         raise ResultLoadError(f"{d} is incomplete: " + "; ".join(problems) + "; rerun the step")
     return manifest
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

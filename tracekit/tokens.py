@@ -22,6 +22,7 @@ Target strings must be exactly one token, leading space included (``" Paris"``):
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
@@ -33,7 +34,8 @@ from .errors import TokenizationError
 from .model.load import model_device, model_spec_of
 
 __all__ = [
-    "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "describe_tokenization", "single_token_id",
+    "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "token_texts", "display_text", "show_token",
+    "describe_tokenization", "single_token_id",
     "Batch", "tokenize", "pad_ids", "forward_kwargs", "run_with_cache", "chunks", "check_length",
     "context_length", "Position", "PositionSpec", "parse_position", "POSITION_FORMS",
     "token_index_of_substring", "encode_prompts", "pad_rows",
@@ -100,6 +102,65 @@ def token_text(model, token_id: int) -> str:
     (byte-level BPE pieces of non-Latin text): never the replacement character ``\ufffd``."""
     r = token_repr(model, token_id)
     return r if r.startswith("<bytes ") else _tok(model).decode([int(token_id)])
+
+
+def token_texts(model, ids: Sequence[int]) -> list[str]:
+    """:func:`token_text` of each id: the tokens' texts, a piece of a character as its bytes
+    (``<bytes e5 b7>``), never U+FFFD. For tables and reports; :func:`str_tokens` gives the raw
+    decoded strings (for matching text)."""
+    return [token_text(model, i) for i in ids]
+
+
+#: How :func:`token_text` shows a token that is only part of a UTF-8 character.
+_BYTES = re.compile(r"<bytes [0-9a-f]{2}(?: [0-9a-f]{2})*>")
+
+
+def show_token(text: str) -> str:
+    """The one display form of a token's text in reports (report.md, report.html, figure labels):
+    ``repr`` so spaces and newlines are visible (``' Paris'``), except a piece of a character,
+    which :func:`token_text` already gives as its bytes (``<bytes e5 b7>``) and is shown as is.
+
+    Args:
+        text: a token's text as :func:`token_text` / :func:`token_texts` give it.
+
+    Returns:
+        The text to show.
+    """
+    return text if isinstance(text, str) and _BYTES.fullmatch(text) else repr(text)
+
+
+def display_text(model, ids: Sequence[int]) -> str:
+    """The text of a run of token ids for display: the decoded text, except that a piece of a
+    character the run does not complete (cut at the run's start or end, e.g. by a context window)
+    is shown as its bytes (``<bytes e5 b7>``), never as U+FFFD.
+
+    Args:
+        model: the model (its tokenizer).
+        ids: token ids, in order.
+
+    Returns:
+        The text (equal to the tokenizer's decode when that has no U+FFFD).
+    """
+    tok = _tok(model)
+    ids = [int(i) for i in ids]
+    whole = tok.decode(ids)
+    if "\ufffd" not in whole:
+        return whole
+    out: list[str] = []
+    cur: list[int] = []
+    for i in ids + [None]:  # None: the end; what is left must come out
+        if i is not None:
+            cur.append(i)
+        while cur:
+            s = tok.decode(cur)
+            if "\ufffd" not in s:
+                out.append(s)
+                cur = []
+            elif i is not None and len(cur) < 4:  # a UTF-8 character spans at most 4 byte pieces
+                break
+            else:  # the first id starts no character the next ones complete: its bytes
+                out.append(token_text(model, cur.pop(0)))
+    return "".join(out)
 
 
 def str_tokens(model, ids: Sequence[int]) -> list[str]:

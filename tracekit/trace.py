@@ -49,7 +49,7 @@ from .logit_lens import landmarks, logit_lens
 from .model.load import bos_info, model_device
 from .model.readout import Readout
 from .neurons import key_readout, value_readout
-from .tokens import single_token_id, str_tokens, token_text, tokenize
+from .tokens import show_token, single_token_id, token_texts, tokenize
 
 __all__ = ["TraceTables", "token_trace", "TRACE_RENAMES", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
            "render_html", "render_markdown", "SECTIONS", "parse_head", "is_gpt2", "shown_head", "PATTERN_WINDOW"]
@@ -83,7 +83,7 @@ def _attention(model, prompt: str, layers: Sequence[int]) -> list:
 
     with enabled_hooks(model, names), fwd_hooks(model, [(n, keep) for n in names]):
         model(batch.tokens)
-    toks = str_tokens(model, batch.ids[0])
+    toks = token_texts(model, batch.ids[0])
     return [_LastRow(toks, L, got[hook("head_scores", L)], got[hook("head_pattern", L)])
             for L in layers]
 
@@ -111,7 +111,7 @@ def _head_patterns(model, prompt: str, heads: Sequence[tuple[int, int]], window:
 
     with enabled_hooks(model, names), fwd_hooks(model, [(nm, keep) for nm in names]):
         model(batch.tokens)
-    toks = str_tokens(model, batch.ids[0])
+    toks = token_texts(model, batch.ids[0])
     frames = []
     for L, H in heads:
         w = got[hook("head_pattern", L)][H]
@@ -264,7 +264,7 @@ def _tok_id(model, text: str) -> Optional[int]:
 def _tokenization(model, batch) -> pd.DataFrame:
 
     ids = list(batch.ids[0])
-    toks = [token_text(model, i) for i in ids]  # a piece of a character shows its bytes, not '\ufffd'
+    toks = token_texts(model, ids)  # a piece of a character shows its bytes, not '\ufffd'
     bos = bos_info(model)
     rows = []
     for i, (t, tid) in enumerate(zip(toks, ids)):
@@ -280,14 +280,14 @@ def _embedding(model, ids: list[int], n_nearest: int):
     norms = W_E[ids].norm(dim=-1)
     W_pos = getattr(model, "W_pos", None) if hook("pos_embed") in model.hook_dict else None
     pos_norm = [float(W_pos[i].float().norm()) for i in range(len(ids))] if W_pos is not None else [None] * len(ids)
-    norms_df = pd.DataFrame({"position": range(len(ids)), "token": str_tokens(model, ids), "token_id": ids,
+    norms_df = pd.DataFrame({"position": range(len(ids)), "token": token_texts(model, ids), "token_id": ids,
                              "embed_norm": norms.numpy(), "pos_embed_norm": pos_norm})
     unit = W_E / W_E.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     last = ids[-1]
     cos = unit @ unit[last]
     cos[last] = -2.0
     v, i = cos.topk(min(n_nearest, len(cos) - 1))
-    nearest = pd.DataFrame({"rank": range(1, len(v) + 1), "token": str_tokens(model, i.tolist()),
+    nearest = pd.DataFrame({"rank": range(1, len(v) + 1), "token": token_texts(model, i.tolist()),
                             "token_id": i.tolist(), "cosine": v.numpy()})
     rows = []
     for name, a, b, c, exp in ANALOGIES:
@@ -303,7 +303,7 @@ def _embedding(model, ids: list[int], n_nearest: int):
         sims = unit @ (q / q.norm())
         sims[wid[:3]] = -2.0  # the inputs are excluded, as in word2vec's analogy evaluation
         row["rank"] = int((sims > sims[wid[3]]).sum()) + 1
-        row["top5"] = ", ".join(repr(t) for t in str_tokens(model, sims.topk(5).indices.tolist()))
+        row["top5"] = ", ".join(show_token(t) for t in token_texts(model, sims.topk(5).indices.tolist()))
         rows.append(row)
     return norms_df, nearest, pd.DataFrame(rows)
 
@@ -368,7 +368,7 @@ def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_
         rows.append({"rank": r + 1, "layer": layer, "neuron": n, "activation": float(act[n]),
                      "logit_per_activation": float(dla.neuron_value[layer][n]), "contribution": float(contrib[n]),
                      **({"contribution_target": float(target_only.neuron_contrib[layer][n])} if target_only else {}),
-                     "promotes": ", ".join(repr(t) for t in prom["token"])})
+                     "promotes": ", ".join(show_token(t) for t in prom["token"])})
         values.append(vr)
     neurons = pd.DataFrame(rows)
     contexts = pd.DataFrame(columns=["layer", "neuron", "rank", "activation", "token", "context"])
@@ -404,9 +404,9 @@ def _sampling(model, logits: torch.Tensor, target_id: int, seed: int, n_samples:
         top = probs[0].topk(min(3, kept))  # runners-up only among the kept tokens (no 0% ties: BOS, EOS, pad)
         rows.append({"setting": name, "temperature": temp, "top_k": k, "top_p": p, "kept_tokens": kept,
                      "target_prob": float(probs[0, target_id]),
-                     "top3": ", ".join(f"{t!r} {v:.1%}" for t, v in zip(str_tokens(model, top.indices.tolist()),
-                                                                       top.values.tolist())),
-                     "seed": seed, "samples": " | ".join(repr(t) for t in str_tokens(model, draws))})
+                     "top3": ", ".join(f"{show_token(t)} {v:.1%}" for t, v in zip(token_texts(model, top.indices.tolist()),
+                                                                                top.values.tolist())),
+                     "seed": seed, "samples": " | ".join(show_token(t) for t in token_texts(model, draws))})
     return pd.DataFrame(rows)
 
 
@@ -604,12 +604,13 @@ def token_trace(
     tables["lens"] = pd.DataFrame({
         "hidden_state": hs, "layer": [p.layer for p in pl.points], "hook": [p.hook for p in pl.points],
         "prob": probs, "rank": [int(r) for r in ranks],
-        "top1": str_tokens(model, pl.topk_ids[:, last, 0].tolist()), "top1_prob": pl.topk_probs[:, last, 0].numpy()})
+        "top1": token_texts(model, pl.topk_ids[:, last, 0].tolist()), "top1_prob": pl.topk_probs[:, last, 0].numpy()})
     H, P = pl.topk_ids.shape[:2]
+    prompt_tokens = token_texts(model, pl.ids)
     tables["lens_grid"] = pd.DataFrame({
         "hidden_state": np.repeat(hs, P), "position": np.tile(pl.positions, H),
-        "token": np.tile([pl.tokens[p] for p in pl.positions], H),
-        "top1": str_tokens(model, pl.topk_ids[:, :, 0].reshape(-1).tolist()),
+        "token": np.tile([prompt_tokens[p] for p in pl.positions], H),
+        "top1": token_texts(model, pl.topk_ids[:, :, 0].reshape(-1).tolist()),
         "top1_prob": pl.topk_probs[:, :, 0].reshape(-1).numpy()})
     meta.update({"jump_layer": lm["jump_layer"], "jump": lm["jump"],
                  "emergence_hidden_state": lm["emergence_hidden_state"], "emergence_layer": lm["emergence_layer"],
@@ -652,7 +653,7 @@ def token_trace(
     p_all = logits.softmax(-1)
     lp_all = logits.log_softmax(-1)
     tv, ti = p_all.topk(min(top_k, p_all.numel()))
-    tables["final_topk"] = pd.DataFrame({"rank": range(1, len(tv) + 1), "token": str_tokens(model, ti.tolist()),
+    tables["final_topk"] = pd.DataFrame({"rank": range(1, len(tv) + 1), "token": token_texts(model, ti.tolist()),
                                          "token_id": ti.tolist(), "prob": tv.numpy(), "log_prob": lp_all[ti].numpy(),
                                          "logit": logits[ti].numpy()})
     meta["final_topk_mass"] = float(tv.sum())
@@ -695,13 +696,18 @@ def _fmt(v, col: str = "") -> str:
     return str(v)
 
 
+#: Report table columns holding one token's text (shown with :func:`tracekit.tokens.show_token`).
+_TOKEN_COLUMNS = ("token", "key_token", "query_token", "top1", "expected", "top_key_token")
+
+
 def table_rows(df: pd.DataFrame, max_rows: int = 60) -> tuple[list[str], list[list[str]]]:
-    """Column names and formatted cells (strings shown with ``repr`` so spaces are visible)."""
+    """Column names and formatted cells; token columns through :func:`tracekit.tokens.show_token`
+    (the one display of a token: ``repr`` so spaces are visible, a piece of a character as its bytes)."""
     cols = list(df.columns)
     rows = []
     for rec in df.head(max_rows).itertuples(index=False):
-        rows.append([repr(v) if isinstance(v, str) and c in ("token", "key_token", "top1", "expected", "top_key_token")
-                     and not v.startswith("<bytes ") else _fmt(v, c) for c, v in zip(cols, rec)])
+        rows.append([show_token(v) if isinstance(v, str) and c in _TOKEN_COLUMNS else _fmt(v, c)
+                     for c, v in zip(cols, rec)])
     return cols, rows
 
 
@@ -716,13 +722,14 @@ def _md_code(s) -> str:
 
 def _env(html: bool = True):
     """Jinja environment: HTML escaped for the HTML report; Markdown is text (never HTML-escaped).
-    ``pyrepr`` shows a string with its quotes and spaces, Unicode as it is (unlike ``tojson``'s
+    ``pyrepr`` shows a string with its quotes and spaces (:func:`tracekit.tokens.show_token`: a
+    piece of a character as its bytes), Unicode as it is (unlike ``tojson``'s
     ``\u4e2d`` escapes); ``mdcode`` makes Markdown inline code of any text."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("tracekit", "templates"), autoescape=html,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters["pyrepr"] = repr
+    env.filters["pyrepr"] = show_token
     env.filters["mdcode"] = _md_code
     return env
 

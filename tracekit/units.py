@@ -64,7 +64,7 @@ from .core.strict import StrictModel
 from .hooks import check_hooks, enabled_hooks, hook_layer
 from .metrics import logit_diff, target_log_prob, target_prob
 from .model.readout import Readout
-from .tokens import Batch, forward_kwargs, run_with_cache, str_tokens
+from .tokens import Batch, forward_kwargs, run_with_cache, token_texts
 
 __all__ = ["UnitError", "UnitBasis", "VERBS", "RETIRED_VERBS", "VERB_PARAM", "canonical_verb", "new_activations",
            "steer_vector", "UnitEdit", "intervene", "output_metrics", "random_units", "hook_values", "RunningTop",
@@ -646,7 +646,7 @@ def vocab_readout(model, basis: UnitBasis, units: Sequence[int], k: int = 10,
     for i, u in enumerate(units):
         s = scores[i] * (1.0 if signs is None or signs[i] >= 0 else -1.0)
         for side, vals in (("promoted", torch.topk(s, k)), ("suppressed", torch.topk(-s, k))):
-            toks = str_tokens(model, vals.indices.tolist())
+            toks = token_texts(model, vals.indices.tolist())  # a piece of a character: its bytes
             for r, (tid, v, t) in enumerate(zip(vals.indices.tolist(), vals.values.tolist(), toks)):
                 rows.append({"unit": int(u), "side": side, "rank": r + 1, "token": t, "token_id": int(tid),
                              "score": float(v if side == "promoted" else -v)})

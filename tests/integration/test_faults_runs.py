@@ -3,6 +3,7 @@ run's own files, and a full disk while the weight cache is written (a real file-
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,3 +51,79 @@ def test_a_full_disk_while_the_weight_cache_is_written_warns_and_goes_on(tmp_pat
     assert "WARNED: True" in r.stdout and "P_FINAL:" in r.stdout
     left = [p for p in cache.rglob("*") if ".tmp-" in p.name]
     assert not left, f"temporary folders left behind: {left}"
+
+
+def _same_size(path, text: str) -> None:
+    """Overwrite a file with ``text`` padded to its old size (the manifest's size check still passes)."""
+    n = path.stat().st_size
+    assert len(text.encode()) <= n
+    path.write_text(text + " " * (n - len(text.encode())))
+
+
+def _set_manifest(d, edit) -> None:
+    man = json.loads((d / "manifest.json").read_text())
+    edit(man)
+    (d / "manifest.json").write_text(json.dumps(man))
+
+
+def _resize(d, name) -> None:
+    _set_manifest(d, lambda m: m["files"].__setitem__(name, (d / name).stat().st_size))
+
+
+def _bad_config(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["top_kk"] = 3  # a key the kind does not have: pydantic's ValidationError before
+    (d / "config.json").write_text(json.dumps(cfg))
+    _resize(d, "config.json")
+
+
+def _drop_config(d):
+    (d / "config.json").unlink()
+    _set_manifest(d, lambda m: m["files"].pop("config.json"))
+
+
+#: name -> (how the saved folder is damaged, words the error must hold besides the folder)
+DAMAGE = {
+    "foreign manifest (a list)": (lambda d: (d / "manifest.json").write_text("[1, 2]"), ["manifest.json"]),
+    "foreign manifest, no config": (lambda d: ((d / "manifest.json").write_text('{"name": "other tool"}'),
+                                               (d / "config.json").unlink()), ["config.json", "missing"]),
+    "config not JSON": (lambda d: _same_size(d / "config.json", "{not json"), ["config.json", "not valid JSON"]),
+    "config of another shape": (_bad_config, ["config.json", "top_kk"]),
+    "config gone and unlisted": (_drop_config, ["config.json", "missing"]),
+    "meta not JSON": (lambda d: _same_size(d / "meta.json", "[[["), ["meta.json", "not valid JSON"]),
+    "table not parquet": (lambda d: _same_size(d / "main.parquet", "PAR1 garbage"), ["main.parquet"]),
+    "listed table unlisted file gone": (lambda d: (_set_manifest(d, lambda m: m["files"].pop("main.parquet")),
+                                                   (d / "main.parquet").unlink()), ["main.parquet", "missing"]),
+    "summary not JSON": (lambda d: _same_size(d / "summary.json", "nope"), ["summary.json", "not valid JSON"]),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_lens(tiny_gpt2, tmp_path_factory):
+    import tracekit as tk
+
+    res = tk.LogitLens(prompts=["The capital of France is"], target=" Paris").run(tiny_gpt2, progress=False)
+    return res.save(tmp_path_factory.mktemp("saved") / "lens")
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_loading_a_foreign_or_damaged_result_folder_is_a_tracekit_error(saved_lens, tmp_path, case):
+    """Every file of a result folder is read through one checked loader: a foreign or half-written
+    folder is a ResultLoadError naming the folder and the file, never a raw ValidationError /
+    FileNotFoundError / JSONDecodeError."""
+    import shutil
+
+    from tracekit.errors import ResultLoadError, TracekitError
+    from tracekit.results import Result
+
+    d = tmp_path / "lens"
+    shutil.copytree(saved_lens, d)
+    damage, words = DAMAGE[case]
+    damage(d)
+    with pytest.raises(TracekitError) as e:
+        Result.load(d).summary()
+    assert isinstance(e.value, ResultLoadError), f"{type(e.value).__name__}: {e.value}"
+    msg = str(e.value)
+    assert str(d) in msg, msg
+    for w in words:
+        assert w in msg, msg

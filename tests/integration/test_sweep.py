@@ -99,7 +99,8 @@ def test_expansion_grid_zip_names_and_seeds():
     (lambda s: s["sweep"]["grid"].update({"experiments[0].top_kk": [1, 2]}), ["16 sweep point(s) are invalid",
                                                                              "experiments[0].top_kk"]),
     (lambda s: s["sweep"]["grid"].update({"experiments[0].batch_size": []}), ["non-empty list"]),
-    (lambda s: s["sweep"]["grid"].update({"model.name": ["gpt2"]}), ["also in sweep.grid"]),
+    (lambda s: s["sweep"]["grid"].update({"model.name": ["gpt2"]}), ["sweep.grid['model.name']",
+                                                                     "sweep.zip['model.name']", "each field once"]),
     (lambda s: s["sweep"]["grid"].update({"experiments[0].batch_size": [4, 4]}), ["are the same config"]),
     (lambda s: s.pop("sweep"), ["sweep: must be a mapping"]),
 ])
@@ -110,6 +111,52 @@ def test_expansion_errors(edit, words):
         expand_sweep(bad)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+STEER = {"kind": "steering", "name": "steer", "prompts": ["The capital of France is"], "target": " Paris",
+         "layer": 0, "vector": {"source": "probe", "path": "probe", "layer": 0, "class": 0}}
+
+
+@pytest.mark.parametrize("first, second", [
+    ("experiments[0].target", "experiments.0.target"),          # dotted vs bracketed index
+    ("experiments[0].target", "experiments[0]['target']"),      # quoted key
+    ("experiments[0].target", "experiments[-1].target"),        # negative index, one step
+    ("experiments[0]", "experiments[0].target"),                # a step and its field
+    ("model", "model.name"),                                    # a mapping and a field inside
+])
+@pytest.mark.parametrize("where", ["grid", "zip"])
+def test_one_field_swept_by_two_paths_is_refused_naming_both(first, second, where):
+    """Two paths that set the same config field are refused at validation, naming both: before,
+    the point's config took whichever was set last and the index showed the other."""
+    cfg = copy.deepcopy(SWEEP)
+    base = cfg["experiments"][0]
+    # one value for the first path, two distinct ones for the second: every point differs, so
+    # nothing else refused the sweep, and the first path's value was silently lost
+    one = {"experiments[0]": [dict(base, target=" Rome")], "model": [tiny("gpt2")]}.get(first, [" Paris"])
+    two = {"model.name": ["gpt2", "llama"]}.get(second, [" London", " Oslo"])
+    cfg["sweep"] = {"grid": {first: one, second: two}} if where == "grid" else {"grid": {first: one},
+                                                                                 "zip": {second: two}}
+    with pytest.raises(ConfigError) as e:
+        expand_sweep(cfg)
+    msg = str(e.value)
+    assert f"[{first!r}]" in msg and f"[{second!r}]" in msg and "each field once" in msg, msg
+
+
+def test_swept_paths_are_compared_as_the_field_they_set():
+    """:func:`canonical_path`: spellings, negative indices and aliases (YAML ``class`` is the field
+    ``class_`` of a probe vector) give the field's one spelling."""
+    from tracekit.sweep.expand import canonical_path
+
+    base = {"experiments": [STEER, copy.deepcopy(SWEEP["experiments"][0])], "model": tiny("gpt2")}
+    want = ("experiments", 0, "vector", "class_")
+    for p in ("experiments[0].vector.class", "experiments.0.vector['class']", "experiments[-2].vector.class_"):
+        assert canonical_path(p, base) == want, p
+    assert canonical_path("experiments[-1].target", base) == ("experiments", 1, "target")
+    assert canonical_path("model.config_overrides.n_layer", base) == ("model", "config_overrides", "n_layer")
+    cfg = {**copy.deepcopy(SWEEP), "experiments": [copy.deepcopy(STEER)],
+           "sweep": {"grid": {"experiments[0].vector.class": [0], "experiments.0.vector['class']": [1, 2]}}}
+    with pytest.raises(ConfigError, match="each field once"):
+        expand_sweep(cfg)
 
 
 def test_tracekit_run_refuses_a_sweep_config(tmp_path):

@@ -275,3 +275,39 @@ def test_sweep_figures_flag(tmp_path):
     assert outcome.exit_code == 0
     assert list(Path(outcome.index["run_dir"].iloc[0]).glob("step/*.png"))
     assert np.isfinite(outcome.index["seconds"]).all()
+
+
+def test_a_run_folder_deleted_after_the_sweep_is_reported_missing(tmp_path, capsys):
+    """The index on disk says ``complete``; the run folder of point 0 is deleted, the step folder of
+    point 1 too: both read as ``missing`` (no metric reported from a result that is not on disk),
+    ``load_point`` says so, and rerunning the sweep redoes them."""
+    import shutil
+
+    from tracekit.cli import main
+
+    cfg = {**copy.deepcopy(SWEEP), "sweep": {"grid": {"experiments[0].target": TARGETS}}}
+    out = tmp_path / "out"
+    with one_thread():
+        assert run_sweep(copy.deepcopy(cfg), out, progress=False, log=quiet).exit_code == 0
+    before = load_results(out)
+    assert (before["status"] == "complete").all()
+    gone_run, gone_step = Path(before.loc[0, "run_dir"]), Path(before.loc[1, "run_dir"]) / "step"
+    shutil.rmtree(gone_run)
+    shutil.rmtree(gone_step)
+    df = load_results(out)
+    assert df["status"].tolist() == ["missing", "missing", "complete"]
+    for i, gone in ((0, gone_run), (1, gone_step)):
+        assert str(gone) in df.loc[i, "error"] and "rerun" in df.loc[i, "error"]
+        assert pd.isna(df.loc[i, "summary"])
+        assert all(pd.isna(df.loc[i, c]) for c in df.columns if c.startswith("step/"))
+        with pytest.raises(ResultLoadError, match="missing"):
+            load_point(out, i)
+    kept = [c for c in before.columns if c.startswith("step/")]
+    assert kept and df.loc[2, kept].tolist() == before.loc[2, kept].tolist()
+    assert load_point(out, 2).summary() == json.loads(df.loc[2, "summary"])["step"]
+    assert main(["results", str(out), "--columns", "point,status"]) == 0
+    assert capsys.readouterr().out.split().count("missing") == 2
+    with one_thread():
+        again = run_sweep(copy.deepcopy(cfg), out, progress=False, log=quiet)
+    assert sorted(again.ran) == [0, 1] and again.skipped == [2]
+    assert (load_results(out)["status"] == "complete").all()

@@ -404,3 +404,46 @@ def test_sampling_lists_only_kept_tokens(traced):
     assert n_listed(samp.loc["greedy", "top3"]) == 1
     for name, r in samp.iterrows():
         assert n_listed(r["top3"]) == min(3, int(r["kept_tokens"])), name
+
+
+def test_pieces_of_a_character_show_their_bytes_in_both_reports(tmp_path):
+    """A token that is only part of a UTF-8 character (GPT-2's byte-level BPE splits '巴黎') is shown
+    as its bytes (``<bytes e5 b7>``) by one display function, in every table and text of report.md
+    and report.html alike: never as U+FFFD, which loses which bytes they were."""
+    from helpers import make_tiny
+
+    model = make_tiny("gpt2")
+    res = tk.TokenTrace(prompts="The capital of China is 北京. 巴黎 is the capital of", target=" France",
+                        key_max_tokens=64, top_neurons=2).run(model, progress=False)
+    d = res.save(tmp_path / "trace")
+    md, html = (d / "report.md").read_text(encoding="utf-8"), (d / "report.html").read_text(encoding="utf-8")
+    for name, df in res.tables.items():
+        for c in df.columns:
+            bad = [v for v in df[c] if isinstance(v, str) and "\ufffd" in v]
+            assert not bad, f"table {name}.{c}: {bad[:3]}"
+    assert "\ufffd" not in md and "\ufffd" not in html
+    in_md = sorted(re.findall(r"<bytes ([0-9a-f ]+)>", md))
+    in_html = sorted(re.findall(r"&lt;bytes ([0-9a-f ]+)&gt;", html))
+    assert in_md and in_md == in_html  # one display: the same byte pieces in both reports
+    keys = res.tables["head_scores"]["key_token"].tolist()
+    assert sum(k.startswith("<bytes ") for k in keys) >= 2  # the attention table's keys, not only `tokens`
+
+
+def test_display_text_shows_a_cut_character_as_bytes(tiny_gpt2):
+    """A run of ids cut inside a character (a context window's edge) keeps its whole characters and
+    shows the cut pieces as bytes; a run with no cut is the tokenizer's own decode."""
+    from tracekit.tokens import display_text, encode, show_token, token_text
+
+    tok = tiny_gpt2.tokenizer
+    ids = encode(tiny_gpt2, " 巴黎 is", prepend_bos=False)
+    assert display_text(tiny_gpt2, ids) == tok.decode(ids) == " 巴黎 is"
+    cuts = [i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[i:]) + tok.decode(ids[:i])]
+    assert cuts  # GPT-2 splits these characters into byte pieces
+    for i in cuts:
+        for part in (ids[i:], ids[:i]):
+            shown = display_text(tiny_gpt2, part)
+            assert "\ufffd" not in shown
+            assert shown.endswith(" is") or part == ids[:i]  # whole text after the cut stays text
+    pieces = [token_text(tiny_gpt2, i) for i in ids if "\ufffd" in tok.decode([i])]
+    assert pieces and all(show_token(p) == p and p.startswith("<bytes ") for p in pieces)
+    assert show_token(" Paris") == "' Paris'"

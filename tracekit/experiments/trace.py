@@ -33,7 +33,7 @@ from .. import plotting
 from ..core.errors import DatasetError
 from ..model.load import bos_info, model_spec_of
 from ..results import round_sig
-from ..tokens import single_token_id
+from ..tokens import show_token, single_token_id
 from ..trace import (
     ARTICLE,
     SECTIONS,
@@ -82,7 +82,8 @@ def _metric(meta: dict) -> str:
 
 def _tick(tok) -> str:
     """A token as an axis label: its repr without the quotes (spaces visible), at most 10 characters."""
-    return repr(str(tok))[1:-1][:10]
+    shown = show_token(str(tok))
+    return (shown if shown == str(tok) else shown[1:-1])[:10]
 
 
 def _component_label(c: str) -> str:
@@ -155,7 +156,7 @@ class TokenTraceResult(Result):
         figs = {}
         en = t["embedding_norms"]
         figs["embedding_norms"] = plotting.bars(
-            {f"{i}:{tok!r}"[:18]: v for i, tok, v in zip(en["position"], en["token"], en["embed_norm"])},
+            {f"{i}:{show_token(tok)}"[:18]: v for i, tok, v in zip(en["position"], en["token"], en["embed_norm"])},
             title="Token-embedding norm per position", ylabel="||W_E[token]||")
         if "head_patterns" in t and len(t["top_heads"]):
             figs["attention_heads"] = self._fig_head_patterns()
@@ -168,7 +169,7 @@ class TokenTraceResult(Result):
         figs["lens"] = self._fig_lens()
         figs["lens_grid"] = self._fig_lens_grid()
         fin = t["final_topk"]
-        figs["final_topk"] = plotting.bars({repr(a): b for a, b in zip(fin["token"], fin["prob"])},
+        figs["final_topk"] = plotting.bars({show_token(a): b for a, b in zip(fin["token"], fin["prob"])},
                                            title="Final next-token distribution (top-k)", ylabel="probability")
         par = t["params"]
         figs["params"] = plotting.bars(dict(zip(par["part"], par["parameters"])), title="Parameters by part",
@@ -381,11 +382,11 @@ class TokenTraceResult(Result):
             st["article"].append(f"article (GPT-2 Small): 'The capital of France is' -> ids {ids}")
         se = sec["embedding"]
         last = toks["token"].iloc[-1]
-        se["text"].append(f"Each token id selects a row of the embedding matrix W_E. Nearest tokens to {last!r} by "
+        se["text"].append(f"Each token id selects a row of the embedding matrix W_E. Nearest tokens to {show_token(last)} by "
                           "cosine similarity of embedding rows; analogies add and subtract unit embedding vectors "
                           "and rank the expected token among all tokens except the three inputs.")
         se["figures"].append(fig("embedding_norms", "Euclidean norm of each prompt token's embedding row W_E[token]."))
-        se["tables"] += [tab(f"Nearest tokens to {last!r} (cosine of embedding rows)", "nearest"),
+        se["tables"] += [tab(f"Nearest tokens to {show_token(last)} (cosine of embedding rows)", "nearest"),
                          tab("Analogies (vocab_rank: rank of the expected token, 1 = nearest)", "analogies")]
         if art:
             se["article"].append("article: king - man + woman ~ queen; France + (Tokyo - Japan) ~ Paris in the top few")
@@ -409,16 +410,16 @@ class TokenTraceResult(Result):
                                      f"{m.get('pattern_window', '')} positions at most; the title gives the head's "
                                      "type at the last position and its DLA (logits)."))
             sa["tables"].append(tab(f"Top heads by |DLA| to {metric}; type and strongest key of the last token "
-                                    f"{last!r}", "top_heads", link="heads_dla"))
+                                    f"{show_token(last)}", "top_heads", link="heads_dla"))
         sa["figures"].append(fig("heads_dla", f"Every head's direct logit attribution to {metric} (logits; blue "
                                  "positive, red negative), layers x heads; numbered boxes: the top heads above."))
         why = {"given": "as configured", "article (GPT-2)": "the GPT-2 article's head",
                "top head by DLA": "the prompt's top head by |DLA|"}.get(m.get("head_source", ""), "")
-        sa["text"].append(f"Head types of the last token {last!r} over all heads: {kinds}. Raw scores are shown for "
+        sa["text"].append(f"Head types of the last token {show_token(last)} over all heads: {kinds}. Raw scores are shown for "
                           f"{m['head']} ({why}): pre-softmax q.k / sqrt(d_head) of the last token; the weights are "
                           "their softmax.")
         sa["figures"].append(fig("head_scores", f"{m['head']}: raw attention scores (left) and weights (right) of the "
-                                 f"last token {last!r} over the prompt."))
+                                 f"last token {show_token(last)} over the prompt."))
         sa["tables"].append(tab(f"{m['head']}: scores and weights of the last token", "head_scores", 64))
         if art and m["head"] == "L0H6":
             sa["article"].append("article L0H6 at ' is': scores France -5.20, capital -5.34, of -24.02; weights France "
@@ -479,7 +480,7 @@ class TokenTraceResult(Result):
         t, m = self.tables, self.meta
         sec["sae"]["text"].append("No SAE is configured for this trace; this section is left out.")
         so = sec["output"]
-        so["text"].append(f"Final distribution: {s['final_top1']!r} {_pct(s['final_top1_prob'])}; the target "
+        so["text"].append(f"Final distribution: {show_token(s['final_top1'])} {_pct(s['final_top1_prob'])}; the target "
                           f"{m['target']!r} has p = {_pct(m['target_prob'])} (rank {m['final_target_rank']}); the "
                           f"top-{len(t['final_topk'])} hold {_pct(m['final_topk_mass'])}. Temperature divides the "
                           "logits; top-k keeps the k largest, top-p the smallest set reaching p; the kept tokens are "

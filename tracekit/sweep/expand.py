@@ -9,17 +9,19 @@ import copy
 import hashlib
 import itertools
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import apply_override, load_raw, parse_config
+from ..config import RunConfig, apply_override, load_raw, parse_config
 from ..core import paths
 from ..core.errors import ConfigError
 from ..core.io import jsonable
 from ..inputs import input_files
+from ..results import experiment_class
 
-__all__ = ["SWEEP_KEYS", "Point", "config_hash", "derive_seed", "expand_sweep"]
+__all__ = ["SWEEP_KEYS", "Point", "canonical_path", "config_hash", "derive_seed", "expand_sweep"]
 
 SWEEP_KEYS = ("grid", "zip", "compare", "figures")
 
@@ -131,22 +133,99 @@ def _check_path(path: str) -> None:
         raise ConfigError(f"sweep: {e}") from e
 
 
-def _axes(spec: dict, source: str) -> list[list[dict]]:
+def _models_in(t: Any) -> list[type]:
+    """Every pydantic model class in an annotation (``Optional[list[A | B]]`` -> ``[A, B]``)."""
+    from pydantic import BaseModel
+
+    if isinstance(t, type) and issubclass(t, BaseModel):
+        return [t]
+    return [m for a in typing.get_args(t) for m in _models_in(a)]
+
+
+def canonical_path(path: str, base: dict) -> tuple:
+    """The config field a swept path sets, spelled one way: list indices as numbers
+    (``experiments.0`` and ``experiments[0]`` alike), negative indices counted from the end of
+    ``base``'s list, and every key that names a field by its alias (``class``) as the field's name
+    (``class_``), through the config classes (a step's class from its ``kind`` in ``base``). Keys
+    that are no field (mapping values such as ``model.config_overrides.n_layer``) stay as written.
+
+    Args:
+        path: a field path (:mod:`tracekit.core.paths`).
+        base: the raw config the path is set in (for list lengths and each step's ``kind``).
+
+    Returns:
+        The path's keys (str / int) as a tuple.
+
+    Raises:
+        ConfigError: the path cannot be parsed.
+    """
+    _check_path(path)
+    node: Any = base
+    models: list[type] = [RunConfig]
+    out: list = []
+    for k in paths.parse(path):
+        if isinstance(k, int):
+            if isinstance(node, list) and -len(node) <= k < len(node):
+                k %= len(node)
+                node = node[k]
+            else:
+                node = None
+            out.append(k)
+            if tuple(out) == ("experiments", k):  # a step: its kind's class holds its fields
+                cls = experiment_class(node.get("kind")) if isinstance(node, dict) else None
+                models = [cls] if cls is not None else []
+            continue
+        fields = [(name, f) for m in models for name, f in m.model_fields.items() if k in (name, f.alias)]
+        name = fields[0][0] if fields else k
+        out.append(name)
+        node = node.get(k, node.get(name)) if isinstance(node, dict) else None
+        models = [m for _, f in fields for m in _models_in(f.annotation)]
+    return tuple(out)
+
+
+def _check_each_field_once(where_paths: list[tuple[str, str]], base: dict, source: str) -> None:
+    """Refuse two swept paths that set the same field (two spellings, an alias and its field, a
+    step or mapping and a field inside it): one value would silently win over the other.
+
+    Raises:
+        ConfigError: naming both sweep entries and the field.
+    """
+    seen: list[tuple[str, tuple]] = []
+    for where, path in where_paths:
+        canon = canonical_path(path, base)
+        for w2, c2 in seen:
+            if canon == c2:
+                raise ConfigError(f"{source}: {w2} and {where} both sweep the field {paths.fmt(c2)} (one would "
+                                  "silently win over the other); sweep each field once")
+            short, long_ = sorted([(w2, c2), (where, canon)], key=lambda x: len(x[1]))
+            if long_[1][:len(short[1])] == short[1]:
+                raise ConfigError(f"{source}: {short[0]} sweeps the whole of {paths.fmt(short[1])} and {long_[0]} "
+                                  f"sweeps {paths.fmt(long_[1])} inside it (one would silently win over the "
+                                  "other); sweep each field once")
+        seen.append((where, canon))
+
+
+def _axes(spec: dict, source: str, base: dict) -> list[list[dict]]:
     """The sweep's axes: one per ``grid`` path, one for all ``zip`` paths together; each axis a
-    list of ``{path: (shown, value)}``."""
+    list of ``{path: (shown, value)}``.
+
+    Raises:
+        ConfigError: a bad path or value list, or two paths that set the same field
+            (:func:`_check_each_field_once`).
+    """
     axes: list[list[dict]] = []
     grid = spec.get("grid") or {}
+    zipped = spec.get("zip") or {}
+    _check_each_field_once([(f"sweep.grid[{p!r}]", p) for p in grid] + [(f"sweep.zip[{p!r}]", p) for p in zipped],
+                           base, source)
     for path, values in grid.items():
         _check_path(path)
         axes.append([{path: sv} for sv in _axis(values, f"{source}: sweep.grid[{path!r}]")])
-    zipped = spec.get("zip") or {}
     if zipped:
         cols = {}
         for path, values in zipped.items():
             where = f"{source}: sweep.zip[{path!r}]"
             _check_path(path)
-            if path in grid:
-                raise ConfigError(f"{where}: {path!r} is also in sweep.grid; sweep each field once")
             cols[path] = _axis(values, where)
         lens = {p: len(v) for p, v in cols.items()}
         if len(set(lens.values())) > 1:
@@ -224,13 +303,14 @@ def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), s
 
     Raises:
         ConfigError: a bad sweep block (unknown key, empty list, zip lists of different lengths, a
-            path swept twice, a path through a missing list item), any point whose config is
+            field swept by two paths -- two spellings, an alias and its field, a step and a field
+            inside it (:func:`canonical_path`) --, a path through a missing list item), any point whose config is
             invalid (every such point is listed with its parameters), or two identical points.
     """
     raw, source = _load(config, overrides, source)
     spec = _spec(raw, source)
     base = {k: v for k, v in raw.items() if k != "sweep"}
-    axes = _axes(spec, source)
+    axes = _axes(spec, source, base)
     points = _points(axes, base, _sweep_seed(raw, source), source)
     _check_distinct(points, source)
     return points, raw

@@ -32,11 +32,11 @@ import pandas as pd
 
 from ..core.errors import ResultLoadError
 from ..core.io import atomic_write
-from ..results import REGISTRY, Result
+from ..results import REGISTRY, Result, ResultFolder
 from .expand import Point
 
 __all__ = ["FIXED_COLUMNS", "HEADLINES", "INDEX", "INDEX_META", "METRICS", "VOLATILE", "build_index",
-           "build_metrics", "headline_columns", "load_metrics", "load_point", "load_results", "run_status",
+           "build_metrics", "headline_columns", "load_metrics", "load_point", "load_results", "run_problem", "run_status",
            "stable_columns", "write_index"]
 
 INDEX = "index.parquet"
@@ -85,13 +85,48 @@ def run_status(run_dir: str | Path) -> str:
     return "complete" if (d / "summary.json").is_file() else "running"
 
 
+def run_problem(run_dir: str | Path) -> str | None:
+    """What keeps a run's results from being on disk, or None when they all are: the run folder
+    exists, its status is ``complete`` (:func:`run_status`), and every step it ran has a complete
+    saved result folder (read through :class:`~tracekit.results.ResultFolder`, the checked loader
+    :meth:`Result.load` uses). The one check behind the sweep's skip-if-complete, its index and
+    :func:`load_point`, so a run folder deleted or damaged after a sweep is never reported complete.
+
+    Args:
+        run_dir: a run directory (``DIR/runs/<hash>/<pNNN>-<time>``).
+
+    Returns:
+        None, or one sentence naming the folder and what is wrong.
+    """
+    d = Path(run_dir)
+    if not d.is_dir():
+        return f"its run folder {d} is missing (deleted after the sweep?)"
+    st = run_status(d)
+    if st != "complete":
+        return f"its run folder {d} is {st}"
+    state = _read_json(d / "status.json")
+    steps = state.get("steps") if isinstance(state, dict) else None
+    if not steps:
+        summary = _read_json(d / "summary.json")
+        steps = list(summary.get("steps", {})) if isinstance(summary, dict) else []
+    for step in steps:
+        sd = d / str(step)
+        if not sd.is_dir():
+            return f"its step folder {sd} is missing (deleted after the sweep?)"
+        try:
+            ResultFolder(sd)
+        except ResultLoadError as e:
+            return f"its step {step!r} is damaged: {e}"
+    return None
+
+
 def _runs_of(out: Path, h: str) -> list[Path]:
     d = out / "runs" / h
     return sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: p.name) if d.is_dir() else []
 
 
 def _complete_run(out: Path, h: str) -> Path | None:
-    done = [p for p in _runs_of(out, h) if run_status(p) == "complete"]
+    done = [p for p in _runs_of(out, h) if run_problem(p) is None]
     return done[-1] if done else None
 
 
@@ -151,6 +186,11 @@ def _row(out: Path, point: Point, rec: dict) -> dict:
         row[p] = shown
     rd = out / rec["run_dir"] if rec.get("run_dir") else None
     summary = _step_summaries(rd)
+    if row["status"] == "complete":
+        problem = run_problem(rd) if rd is not None else "no run folder is recorded"
+        if problem:  # never report a result that is not on disk
+            row.update(status="missing", error=_missing_error(problem))
+            summary = {}
     for step, s in summary.items():
         for k, v in (s.items() if isinstance(s, dict) else ()):
             if _is_scalar(v):
@@ -158,6 +198,32 @@ def _row(out: Path, point: Point, rec: dict) -> dict:
     row["summary"] = json.dumps(summary, sort_keys=True) if summary else None
     _env_columns(rd, row)
     return row
+
+
+def _missing_error(problem: str) -> str:
+    return f"{problem}; rerun the sweep into this folder to redo the point"
+
+
+def _check_on_disk(df: pd.DataFrame) -> pd.DataFrame:
+    """The index (``run_dir`` absolute) with every ``complete`` point whose results are no longer on
+    disk (:func:`run_problem`) marked ``missing``: its error says what is gone, its ``summary`` and
+    metric columns are emptied (nothing is reported that cannot be loaded)."""
+    if "status" not in df.columns:
+        return df
+    metric = [c for c in df.columns if "/" in c and not c.startswith("env/")]
+    df = df.copy()
+    complete = (df["status"] == "complete").to_numpy(dtype=bool)
+    for i in df.index[complete]:
+        rd = df.at[i, "run_dir"] if "run_dir" in df.columns else None
+        problem = run_problem(rd) if isinstance(rd, str) and rd else "no run folder is recorded"
+        if problem:
+            df.at[i, "status"] = "missing"
+            df.at[i, "error"] = _missing_error(problem)
+            if "summary" in df.columns:
+                df.at[i, "summary"] = None
+            for c in metric:
+                df.at[i, c] = None
+    return df
 
 
 def _sanitize(df: pd.DataFrame) -> pd.DataFrame:
@@ -339,7 +405,9 @@ def _meta(root: Path) -> dict:
 def load_results(directory: str | Path) -> pd.DataFrame:
     """A sweep's wide index (``DIR/index.parquet``) as a DataFrame, one row per point; ``run_dir``
     absolute (loadable from any working directory); ``df.attrs`` holds ``kinds``, ``swept``,
-    ``headline`` and ``constant`` from ``index.json``.
+    ``headline`` and ``constant`` from ``index.json``. A point indexed ``complete`` whose run or
+    step folder is gone or damaged since (:func:`run_problem`) reads ``missing``: its ``error``
+    says what is gone, its ``summary`` and metric columns are empty.
 
     Args:
         directory: the sweep folder (``--out``) or its ``index.parquet``.
@@ -349,7 +417,7 @@ def load_results(directory: str | Path) -> pd.DataFrame:
     """
     root, f = _sweep_file(directory, INDEX)
     df = pd.read_parquet(f)
-    df = absolute_run_dirs(df, root)
+    df = _check_on_disk(absolute_run_dirs(df, root))
     df.attrs = _meta(root)
     return df
 
@@ -387,7 +455,8 @@ def load_point(sweep_dir: str | Path, point: int, step: str | None = None) -> Re
 
     Raises:
         ResultLoadError: no such sweep folder or point, the point has no complete run (its status
-            is named), or ``step`` is missing / not one of the point's steps (they are listed).
+            is named; ``missing`` when its run or step folder was deleted or damaged since the
+            sweep), or ``step`` is missing / not one of the point's steps (they are listed).
     """
     df = load_results(sweep_dir)
     hit = df[df["point"] == point]
@@ -395,8 +464,9 @@ def load_point(sweep_dir: str | Path, point: int, step: str | None = None) -> Re
         raise ResultLoadError(f"{sweep_dir}: no point {point}; points: {df['point'].tolist()}")
     r = hit.iloc[0]
     if r["status"] != "complete" or not r["run_dir"]:
+        why = f": {r['error']}" if isinstance(r.get("error"), str) and r["error"] else ""
         raise ResultLoadError(f"{sweep_dir}: point {point} ({r['label']}) has no complete run (status "
-                              f"{r['status']}); rerun the sweep to complete it")
+                              f"{r['status']}{why}); rerun the sweep to complete it")
     run_dir = Path(r["run_dir"])
     steps = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and (p / "manifest.json").is_file())
     if step is None:

@@ -31,6 +31,7 @@ from .core.exportdir import export_folder, export_target
 __all__ = ["COMMANDS", "add_commands", "export_tables", "main", "step_dirs"]
 
 COMMANDS = ("export",)
+_FORCE_HELP = "replace an earlier export at DIR (only a folder `tracekit export` wrote; never the source)"
 
 
 def add_commands(sub) -> None:
@@ -45,13 +46,13 @@ def add_commands(sub) -> None:
     s.add_argument("--to", required=True, metavar="DIR", help="the new SAELens directory")
     s.add_argument("--model-name", default=None, metavar="HUB_ID", help="the hub id written as model_name (default: "
                    "the model's hub id when known, e.g. HuggingFaceTB/SmolLM2-135M-Instruct for smollm2-135m)")
-    s.add_argument("--force", action="store_true", help="replace an earlier export at DIR (only a folder `tracekit export` wrote)")
+    s.add_argument("--force", action="store_true", help=_FORCE_HELP)
     t = es.add_parser("tables", help="every table of a saved step (or of each step of a run) as CSV or Parquet")
     t.add_argument("run_dir", metavar="RUN_DIR", help="a run directory or one of its step folders")
     t.add_argument("--to", required=True, metavar="DIR")
     t.add_argument("--format", choices=["csv", "parquet"], default="csv",
                    help="csv (default; list / dict cells as JSON) or parquet")
-    t.add_argument("--force", action="store_true", help="replace an earlier export at DIR (only a folder `tracekit export` wrote)")
+    t.add_argument("--force", action="store_true", help=_FORCE_HELP)
     f = es.add_parser("features", help="a sae_features result's dashboard features as a Neuronpedia / SAEDashboard "
                                        "batch JSON (batch-0.json)")
     f.add_argument("result_dir", metavar="RESULT_DIR", help="a sae_features step folder (run with `dashboards:`), "
@@ -60,7 +61,7 @@ def add_commands(sub) -> None:
     f.add_argument("--model-id", default=None, metavar="ID", help="Neuronpedia's model id (default: the run's model "
                                                                    "name)")
     f.add_argument("--sae-set", default="tracekit", metavar="NAME", help="Neuronpedia's SAE set name")
-    f.add_argument("--force", action="store_true", help="replace an earlier export at DIR (only a folder `tracekit export` wrote)")
+    f.add_argument("--force", action="store_true", help=_FORCE_HELP)
 
 
 # =============================================================================================

@@ -10,21 +10,28 @@
   ``sae_features`` result's dashboard features as SAEDashboard's Neuronpedia batch JSON
   (``batch-0.json``; :func:`tracekit.sae.export.neuronpedia_batch`).
 
+``DIR`` follows one rule for every export (:mod:`tracekit.core.exportdir`): it is not the source,
+not inside it and does not contain it (symlinks resolved); ``--force`` replaces only a folder an
+earlier export wrote (it holds ``.tracekit-export.json``, listing its files), never another folder;
+the export is written to a hidden sibling and renamed into place, so a failed export (disk full,
+read-only disk, a file in the way: an error naming DIR) leaves DIR as it was.
+
 Nothing heavy is imported at module top (``tracekit --help`` stays free of torch).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
+
+from .core.exportdir import export_folder, export_target
 
 __all__ = ["COMMANDS", "add_commands", "export_tables", "main", "step_dirs"]
 
 COMMANDS = ("export",)
+_FORCE_HELP = "replace an earlier export at DIR (only a folder `tracekit export` wrote; never the source)"
 
 
 def add_commands(sub) -> None:
@@ -39,13 +46,13 @@ def add_commands(sub) -> None:
     s.add_argument("--to", required=True, metavar="DIR", help="the new SAELens directory")
     s.add_argument("--model-name", default=None, metavar="HUB_ID", help="the hub id written as model_name (default: "
                    "the model's hub id when known, e.g. HuggingFaceTB/SmolLM2-135M-Instruct for smollm2-135m)")
-    s.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    s.add_argument("--force", action="store_true", help=_FORCE_HELP)
     t = es.add_parser("tables", help="every table of a saved step (or of each step of a run) as CSV or Parquet")
     t.add_argument("run_dir", metavar="RUN_DIR", help="a run directory or one of its step folders")
     t.add_argument("--to", required=True, metavar="DIR")
     t.add_argument("--format", choices=["csv", "parquet"], default="csv",
                    help="csv (default; list / dict cells as JSON) or parquet")
-    t.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    t.add_argument("--force", action="store_true", help=_FORCE_HELP)
     f = es.add_parser("features", help="a sae_features result's dashboard features as a Neuronpedia / SAEDashboard "
                                        "batch JSON (batch-0.json)")
     f.add_argument("result_dir", metavar="RESULT_DIR", help="a sae_features step folder (run with `dashboards:`), "
@@ -54,7 +61,7 @@ def add_commands(sub) -> None:
     f.add_argument("--model-id", default=None, metavar="ID", help="Neuronpedia's model id (default: the run's model "
                                                                    "name)")
     f.add_argument("--sae-set", default="tracekit", metavar="NAME", help="Neuronpedia's SAE set name")
-    f.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    f.add_argument("--force", action="store_true", help=_FORCE_HELP)
 
 
 # =============================================================================================
@@ -95,25 +102,6 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def _new_folder(to: str | Path, force: bool) -> tuple[Path, Path]:
-    """``(dest, tmp)``: ``to`` checked (see :func:`tracekit.sae.export._target_dir`) and a temporary
-    sibling folder to write into."""
-    from .sae.export import _target_dir  # lazy: keeps `tracekit --help` free of torch
-
-    dest = _target_dir(to, force)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return dest, tmp
-
-
-def _finish(tmp: Path, dest: Path) -> None:
-    """Move the finished ``tmp`` folder to ``dest`` (an existing ``dest`` is replaced)."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-
-
 def export_tables(run_dir: str | Path, to: str | Path, fmt: str = "csv", force: bool = False) -> list[Path]:
     """Write every table of a saved step (or of each step of a run directory) as one file each.
 
@@ -125,25 +113,28 @@ def export_tables(run_dir: str | Path, to: str | Path, fmt: str = "csv", force: 
         run_dir: a run directory or one of its step folders.
         to: the output folder (created; refused when non-empty unless ``force``).
         fmt: ``csv`` or ``parquet``.
-        force: replace a non-empty ``to``.
+        force: replace an earlier export at ``to`` (only a folder an export wrote).
 
     Returns:
         The files written, in their final place.
 
     Raises:
         ResultLoadError: RUN_DIR holds no saved step, or a step is incomplete.
-        OutputError: ``to`` is a file or non-empty without ``force``.
+        OutputError: ``to`` is refused by the export target rule
+            (:func:`tracekit.core.exportdir.export_target`: it is, is inside or contains RUN_DIR; a
+            file; non-empty without ``force``; with ``force``, a folder no export wrote), or the
+            write fails (disk full, read-only, a file in the way), naming the path.
         ValueError: ``fmt`` is neither csv nor parquet.
     """
     from .results import Result  # lazy: keeps `tracekit --help` free of torch
 
     if fmt not in ("csv", "parquet"):
         raise ValueError(f"--format: {fmt!r}; use csv or parquet")
+    dest = export_target(to, [run_dir], force)  # refused before anything is read
     steps = step_dirs(run_dir)
     single = len(steps) == 1 and (Path(run_dir).expanduser() / "manifest.json").is_file()
-    dest, tmp = _new_folder(to, force)
     written = []
-    try:
+    with export_folder(to, [run_dir], "tables", force) as tmp:
         for st in steps:
             res = Result.load(st)
             out = tmp if single else tmp / st.name
@@ -155,10 +146,6 @@ def export_tables(run_dir: str | Path, to: str | Path, fmt: str = "csv", force: 
                 else:
                     df.to_parquet(p, index=False)
                 written.append(dest / p.relative_to(tmp))
-        _finish(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return written
 
 
@@ -185,7 +172,7 @@ def export_features(result_dir: str | Path, to: str | Path, model_id: str | None
         to: the output folder (created; refused when non-empty unless ``force``).
         model_id: Neuronpedia's model id (default: the SAE's recorded model, else the run's model name).
         sae_set: Neuronpedia's SAE set name.
-        force: replace a non-empty ``to``.
+        force: replace an earlier export at ``to`` (only a folder an export wrote).
 
     Returns:
         The batch files written.
@@ -193,12 +180,14 @@ def export_features(result_dir: str | Path, to: str | Path, model_id: str | None
     Raises:
         ResultLoadError: no saved step in RESULT_DIR.
         SAEError: no ``sae_features`` step with dashboards; no model id known.
-        OutputError: ``to`` is a file or non-empty without ``force``.
+        OutputError: ``to`` is refused by the export target rule (as :func:`export_tables`), or
+            the write fails, naming the path.
     """
     from .core.errors import SAEError  # lazy: keeps `tracekit --help` light
     from .results import Result  # lazy: keeps `tracekit --help` free of torch
     from .sae.export import neuronpedia_batch  # lazy: keeps `tracekit --help` free of torch
 
+    dest = export_target(to, [result_dir], force)  # refused before anything is read
     steps = [s for s in step_dirs(result_dir) if json.loads((s / "config.json").read_text()).get("kind") == "sae_features"]
     if not steps:
         raise SAEError(f"RESULT_DIR: {str(result_dir)!r} holds no sae_features step; run sae_features with a "
@@ -214,18 +203,13 @@ def export_features(result_dir: str | Path, to: str | Path, model_id: str | None
         corpus = "" if cfg is None else (cfg.corpus if isinstance(cfg.corpus, str) else ",".join(cfg.corpus))
         batches.append((st, neuronpedia_batch(res.tables, res.meta, mid, sae_set, dataset=corpus,
                                               n_tokens_in_prompt=0 if cfg is None else int(cfg.seq_len))))
-    dest, tmp = _new_folder(to, force)
     written = []
-    try:
+    with export_folder(to, [result_dir], "features", force) as tmp:
         for st, b in batches:
             out = tmp if single else tmp / st.name
             out.mkdir(parents=True, exist_ok=True)
             (out / "batch-0.json").write_text(json.dumps(b))
             written.append(dest / (out / "batch-0.json").relative_to(tmp))
-        _finish(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return written
 
 

@@ -6,6 +6,12 @@ probing from the model. Tiny models (tests/helpers.py); several shards are force
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +147,10 @@ def test_another_models_store_and_other_plans_are_refused(tiny_gpt2, tiny_llama,
         store.check_model(tiny_llama)
     with pytest.raises(StoreError, match="path: .* holds another activation store .*overwrite: true"):
         _write(tiny_gpt2, tmp_path / "g", hooks=HOOKS[:2])
+    with pytest.raises(StoreError, match="path: the complete store at .* is being read .*overwrite: true .*wait"):
+        _write(tiny_gpt2, tmp_path / "g", hooks=HOOKS[:2], overwrite=True)  # `store` has it open
+    assert store.get(HOOKS[0]).shape[0] == len(PROMPTS)  # and it still reads
+    store.close()
     assert _write(tiny_gpt2, tmp_path / "g", hooks=HOOKS[:2], overwrite=True)["n_examples"] == len(PROMPTS)
     with pytest.raises(StoreError, match="no activation store at"):
         ActivationStore(tmp_path / "none")
@@ -289,3 +299,209 @@ def test_validate_refuses_a_missing_store_before_loading_a_model(tmp_path, tiny_
             "tuned": {"store": str(tmp_path / "nope")}}
     with pytest.raises(ConfigError, match=r"tuned\.store: no activation store"):
         check_config(parse_config({"experiments": [lens]}), model=tiny_gpt2)
+
+
+class _Flag(logging.Handler):
+    """Sets an event when the logger logs (a writer saying it waits for another)."""
+
+    def __init__(self, event: threading.Event):
+        super().__init__()
+        self.event, self.messages = event, []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+        self.event.set()
+
+
+def test_a_second_writer_never_disturbs_a_run_reading_the_complete_store(tiny_gpt2, tmp_path, monkeypatch):
+    """Issue #33 item 12. Writer A is writing a store when writer B (another run: the same plan, its
+    own model with the same weights) starts. B waits for A's lock; once A has finished and a run
+    reads the complete store, B finds it up to date and touches nothing, so the run's next step
+    (opening the store again) still reads the same store. (Without the lock B resumed the store
+    alongside A and rewrote the manifest as unfinished under the reader.)"""
+    from helpers import make_tiny
+
+    other = make_tiny("gpt2")  # the same weights (seed 0): the same plan; its own hooks (two threads)
+    prompts = PROMPTS * 2
+    ref = _write(tiny_gpt2, tmp_path / "ref", "all", prompts, batch_size=2)
+    assert ref["n_shards"] >= 5
+    path = tmp_path / "st"
+    real = store_write._write_shard
+    calls = {"A": 0, "B": 0}
+    a_paused, a_go = threading.Event(), threading.Event()
+    b_stopped, b_go, b_stopped2, b_go2 = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def gated(p, tensors):
+        who = threading.current_thread().name
+        calls[who] += 1
+        if who == "A" and calls["A"] == 2:  # A: one shard on disk, the second being written
+            a_paused.set()
+            assert a_go.wait(120)
+        if who == "B" and calls["B"] == 2:
+            b_stopped.set()
+            assert b_go.wait(120)
+        if who == "B" and calls["B"] == 3:
+            b_stopped2.set()
+            assert b_go2.wait(120)
+        real(p, tensors)
+
+    monkeypatch.setattr(store_write, "_write_shard", gated)
+    waits = _Flag(b_stopped)  # B waiting for A's lock (the fix) stops B as well as B pausing in a write
+    logging.getLogger("tracekit.activations").addHandler(waits)
+    out, errors = {}, []
+
+    def writer(name, model):
+        try:
+            out[name] = _write(model, path, "all", prompts, batch_size=2)
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append((name, e))
+
+    threads = {n: threading.Thread(target=writer, args=(n, m), name=n) for n, m in (("A", tiny_gpt2), ("B", other))}
+    try:
+        threads["A"].start()
+        assert a_paused.wait(120)
+        threads["B"].start()
+        assert b_stopped.wait(120)  # B waits for A (fixed) or resumed alongside A (before)
+        a_go.set()
+        threads["A"].join(120)
+        assert not errors and out["A"]["n_shards"] == ref["n_shards"]
+        reader = ActivationStore(path)  # a run reading the complete store A wrote
+        first = reader.get(HOOKS[1])
+        b_go.set()
+        while threads["B"].is_alive() and not b_stopped2.wait(0.05):
+            pass
+        # the run's next step opens the store again: still complete, the same data
+        again = ActivationStore(path)
+        assert torch.equal(again.get(HOOKS[1]), first) and torch.equal(reader.get(HOOKS[1]), first)
+        b_go2.set()
+        threads["B"].join(120)
+    finally:
+        for e in (a_go, b_go, b_go2):
+            e.set()
+        for t in threads.values():
+            t.join(120)
+        logging.getLogger("tracekit.activations").removeHandler(waits)
+    assert not errors, errors
+    assert out["B"]["up_to_date"] and out["B"]["shards_written"] == 0 and calls["B"] == 0
+    assert any("is writing the activation store at" in m and f"pid {os.getpid()}" in m for m in waits.messages)
+    for f in sorted(p.name for p in (tmp_path / "ref").glob("shard-*")):
+        assert (path / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+    # a reader opening a store while a writer rewrites it is told so (not "unfinished")
+    from tracekit.core.locks import acquire, release
+
+    assert acquire(path / ".read.lock") is None  # the open readers keep a rewrite out
+    reader.close()
+    again.close()
+    held = acquire(path / ".read.lock")
+    assert held is not None
+    try:
+        with pytest.raises(StoreError, match="store: the store at .* is being rewritten now .*wait for it"):
+            ActivationStore(path)
+    finally:
+        release(held)
+
+
+def _kind_spec(path, **kw):
+    return {"path": str(path), "prompts": PROMPTS, "hooks": HOOKS[:2], "position": "all", "shard_mb": SMALL,
+            "batch_size": 2, **kw}
+
+
+@pytest.mark.parametrize("where", ["shard", "manifest"])
+def test_a_full_disk_while_a_store_is_written_names_the_store_and_keeps_what_is_done(tiny_gpt2, tmp_path, monkeypatch,
+                                                                                       where):
+    """Issue #33 item 15: ENOSPC while the activations kind writes a shard (safetensors reports it
+    as a SafetensorError "... (os error 28)") or the manifest is an OutputError naming the store,
+    the reason and the fix, not a traceback; the manifest lists only finished shards (the partial
+    shard is gone) and a rerun resumes to the store an uninterrupted write gives."""
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from tracekit.core.errors import OutputError
+
+    CacheActivations.model_validate(_kind_spec(tmp_path / "ref")).run(tiny_gpt2, progress=False)
+    calls = {"n": 0}
+    if where == "shard":
+        real_save = safetensors.torch.save_file
+
+        def full_disk(tensors, filename, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                Path(filename).write_bytes(b"\0" * 100)  # what reached the disk before it filled up
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            return real_save(tensors, filename, *a, **k)
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    else:
+        real_json = store_write.write_json
+
+        def full_disk(p, obj):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(p))
+            return real_json(p, obj)
+
+        monkeypatch.setattr(store_write, "write_json", full_disk)
+    exp = CacheActivations.model_validate(_kind_spec(tmp_path / "st"))
+    with pytest.raises(OutputError) as e:
+        exp.run(tiny_gpt2, progress=False)
+    msg = str(e.value)
+    assert msg.startswith(f"path: cannot write {str(tmp_path / 'st')!r}") and "no space is left on the disk (ENOSPC)" in msg
+    assert "free space" in msg and "rerun the same step" in msg
+    man = json.loads((tmp_path / "st" / "manifest.json").read_text())
+    assert not man["complete"] and len(man["shards"]) == (2 if where == "shard" else 1)
+    assert all(store_write._shard_ok(tmp_path / "st", s) for s in man["shards"])
+    assert not [p for p in (tmp_path / "st").iterdir() if ".tmp-" in p.name]  # no partial file left
+    with pytest.raises(StoreError, match="unfinished"):
+        ActivationStore(tmp_path / "st")
+    monkeypatch.undo()
+    res = exp.run(tiny_gpt2, progress=False).summary()
+    assert res["shards_reused"] == len(man["shards"]) and not res["up_to_date"]
+    for f in sorted(p.name for p in (tmp_path / "ref").glob("shard-*")):
+        assert (tmp_path / "st" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+    (tmp_path / "file").write_text("x")  # a store path under a regular file
+    with pytest.raises(OutputError, match=r"path: cannot write .*file/st.* a part of the path is a file, not a folder"):
+        CacheActivations.model_validate(_kind_spec(tmp_path / "file" / "st" / "inner")).run(tiny_gpt2, progress=False)
+
+
+def test_a_file_size_limit_in_cache_activations_is_an_error_naming_the_store(tmp_path):
+    """Issue #33 item 15: a real file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails
+    with EFBIG) while `tracekit cache-activations` writes a shard: exit code 2 and one line naming
+    the store, the limit and the fix (no traceback); without the limit the same command completes."""
+    import yaml
+
+    from helpers import GPT2_BPE, tiny_overrides
+
+    model = {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "config_overrides": tiny_overrides("gpt2"),
+             "device": "cpu"}
+    store = tmp_path / "st"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": model, "experiments": [
+        {"kind": "activations", "path": str(store), "prompts": PROMPTS, "hooks": HOOKS, "position": "all",
+         "shard_mb": 1.0}]}))
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        from tracekit.cli import main
+        import tracekit.activations.write, safetensors.torch  # imported before the limit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), not the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        sys.exit(main(["cache-activations", {str(cfg)!r}, "--no-progress"]))
+    """)
+    env = {**os.environ, "TRACEKIT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"error: path: cannot write {str(store)!r}" in r.stderr and "file-size limit" in r.stderr, r.stderr[-3000:]
+    assert "(EFBIG)" in r.stderr and "smaller shard_mb" in r.stderr and "rerun" in r.stderr
+    man = json.loads((store / "manifest.json").read_text())
+    assert not man["complete"] and man["shards"] == []  # the one shard did not fit: nothing looks done
+    assert not [p for p in store.iterdir() if p.name.startswith("shard-") or ".tmp-" in p.name]
+    import argparse
+
+    from tracekit.activations.cli import add_commands, main
+
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="cmd"))
+    assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress"])) == 0  # no limit: it completes
+    assert ActivationStore(store).manifest["complete"]

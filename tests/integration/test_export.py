@@ -5,7 +5,11 @@ Neuronpedia batch JSON; bad arguments give exit code 2 and a message naming the 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -20,6 +24,8 @@ from tracekit.sae import SAETrainSpec, train_sae
 from tracekit.sae.export import export_sae, hub_model_id
 
 HOOK = "blocks.1.hook_resid_pre"
+#: The record every export writes into its folder (tracekit.core.exportdir.MARKER, docs/sae.md).
+MARKER = ".tracekit-export.json"
 #: values in the batch JSON are rounded to 3 decimals, as SAEDashboard writes them: at most 5e-4 off
 #: (plus float rounding of the half-way case)
 R3 = 5e-4 + 1e-9
@@ -70,7 +76,8 @@ def test_export_trained_sae_by_hash_round_trip(trained, tmp_path, capsys):
     out = tmp_path / "exported"
     rc = main_with_cache(cache, ["export", "sae", key[:8], "--to", str(out)])
     assert rc == 0, capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["cfg.json", "sae_weights.safetensors", "sparsity.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "cfg.json", "sae_weights.safetensors",
+                                                     "sparsity.safetensors"]
     cfg = json.loads((out / "cfg.json").read_text())
     # tiny_gpt2 is a random-init "gpt2": its hub id is "gpt2"; tracekit's training hash recorded
     assert cfg["metadata"]["model_name"] == "gpt2" and cfg["metadata"]["tracekit_training_hash"] == key
@@ -176,3 +183,107 @@ def test_export_features_neuronpedia_batch(features_run, tmp_path):
             assert a["bin_min"] == -1 and a["bin_contains"] == -1 and len(a["values"]) == len(a["tokens"])
             assert a["values"] == pytest.approx(json.loads(acts), abs=R3)
         assert f["n_tokens_in_prompt"] == 32 and f["n_prompts_total"] >= 1 and f["dataset"] == "stdlib"
+
+
+def _tree(d):
+    """Every file under ``d`` with its bytes."""
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_export_never_writes_into_over_or_around_its_source(features_run, trained, tmp_path, capsys):
+    """Issue #33 item 11: `--to` equal to the source, inside it, or containing it (a run, the step's
+    run, the SAE cache; through a symlink too) is refused even with --force, and the source is
+    untouched (it used to be deleted)."""
+    _, run0 = features_run
+    run = tmp_path / "run"
+    shutil.copytree(run0, run)
+    (tmp_path / "link").symlink_to(run)
+    before = _tree(run)
+    step = run / "features"
+    cases = [(step, run, "contains the SOURCE"), (run, run, "is the SOURCE itself"), (step, step, "SOURCE itself"),
+             (step, step / "sub", "is inside the SOURCE"), (run, tmp_path / "link", "SOURCE itself"),
+             (step, tmp_path / "link", "contains the SOURCE"), (step, tmp_path, "contains the SOURCE")]
+    for src, to, why in cases:
+        for what in ("tables", "features"):
+            assert cli(["export", what, str(src), "--to", str(to), "--force"]) == 2, (what, src, to)
+            err = capsys.readouterr().err
+            assert err.startswith("error: --to: ") and why in err, (what, src, to, err)
+    assert _tree(run) == before and Result.load(step).tables
+    # the trained SAEs' cache: its folder, the cache, the cache's parent
+    cache0, path0, key = trained
+    cache = tmp_path / "c" / "saes"
+    shutil.copytree(cache0, cache)
+    sae_before = _tree(cache)
+    for to in (cache / path0.name, cache, cache.parent):
+        assert main_with_cache(cache, ["export", "sae", key[:8], "--to", str(to), "--force"]) == 2, to
+        assert "--to: " in capsys.readouterr().err
+    assert _tree(cache) == sae_before
+
+
+def test_export_force_replaces_only_an_earlier_export(features_run, tmp_path, capsys):
+    """Issue #33 item 11: --force replaces a folder an earlier export wrote (its .tracekit-export.json
+    lists its files), never another folder, nor an export folder holding files the export did not
+    write."""
+    _, run = features_run
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    assert cli(["export", "tables", str(run / "features"), "--to", str(mine), "--force"]) == 2
+    assert MARKER in capsys.readouterr().err and (mine / "notes.txt").read_text() == "my notes"
+    out = tmp_path / "out"
+    assert cli(["export", "tables", str(run / "features"), "--to", str(out)]) == 0
+    rec = json.loads((out / MARKER).read_text())
+    assert rec["what"] == "tables" and set(rec["files"]) == set(_tree(out)) - {MARKER}
+    assert cli(["export", "tables", str(run), "--to", str(out), "--force"]) == 0  # an earlier export: replaced
+    assert (out / "features").is_dir() and not list(out.glob("*.csv"))
+    (out / "features" / "keep.txt").write_text("mine")
+    assert cli(["export", "tables", str(run / "features"), "--to", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "did not write" in err and "features/keep.txt" in err and (out / "features" / "keep.txt").is_file()
+
+
+def test_export_write_failures_name_the_target_and_keep_it(features_run, tmp_path, capsys, monkeypatch):
+    """Issue #33 item 15: an export under a regular file (ENOTDIR, EEXIST), into a read-only folder
+    (EROFS) or one without permission (EACCES), or onto a full disk (ENOSPC) is exit code 2 with a
+    message naming --to, the reason and the fix (not a traceback); an earlier export there is kept."""
+    _, run = features_run
+    step = str(run / "features")
+    f = tmp_path / "file"
+    f.write_text("x")
+    for to, why in ((f / "out", "(EEXIST)"), (f / "out" / "deeper", "a part of the path is a file, not a folder")):
+        for what in ("tables", "features"):
+            assert cli(["export", what, step, "--to", str(to)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: --to: cannot write {str(to)!r}") and why in err, err
+    assert f.read_text() == "x"
+    real_mkdir = Path.mkdir
+    for code, why in ((errno.EROFS, "read-only (EROFS)"), (errno.EACCES, "permission is denied (EACCES)")):
+        ro = tmp_path / f"ro-{code}"
+        real_mkdir(ro)
+
+        def refused(self, *a, _ro=ro, _code=code, **k):
+            if self.parent == _ro:
+                raise OSError(_code, os.strerror(_code), str(self))
+            return real_mkdir(self, *a, **k)
+
+        with monkeypatch.context() as m:
+            m.setattr(Path, "mkdir", refused)
+            assert cli(["export", "tables", step, "--to", str(ro / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --to: cannot write {str(ro / 'out')!r}") and why in err, err
+        assert "choose a folder" in err and not list(ro.iterdir())
+    out = tmp_path / "out"
+    assert cli(["export", "tables", step, "--to", str(out)]) == 0
+    kept = _tree(out)
+
+    def full(self, path, *a, **k):
+        Path(path).write_text("half a ta")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr(pd.DataFrame, "to_csv", full)
+        assert cli(["export", "tables", step, "--to", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --to: cannot write {str(out)!r}") and "no space is left on the disk (ENOSPC)" in err
+    assert "was left as it was" in err and _tree(out) == kept
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []

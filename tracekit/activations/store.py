@@ -16,6 +16,13 @@ One *example* is one (row, position) read: ``rows[i]`` is the row's index in the
 Shards are read memory-mapped (``safetensors.safe_open``): :meth:`ActivationStore.iter_batches`
 holds one batch of one hook at a time, whatever the store's size.
 
+Concurrency: one writer at a time per store folder (``.write.lock``, :mod:`tracekit.core.locks`,
+the lock sweeps use; a second writer waits for the first, then finds the store complete and
+returns without touching it). An open :class:`ActivationStore` holds a shared ``.read.lock``
+until :meth:`ActivationStore.close` (or until it is garbage-collected); a writer that would change
+a *complete* store (``overwrite``, or repairing a damaged shard) is refused while it is read,
+so a reader of a complete store is never affected by a writer.
+
 The model identity (:func:`model_identity`) is tracekit's fingerprint of the embedding and
 unembedding (:func:`tracekit.model.load.model_fingerprint`, as SAEs and tuned lenses record it)
 plus a strided sample of *every* parameter (two models sharing embeddings but not blocks differ),
@@ -34,13 +41,19 @@ import torch
 from jaxtyping import Float
 
 from ..core.errors import ConfigError
+from ..core.locks import acquire, holder_pid, release
 from ..model.load import model_fingerprint, model_spec_of
 
-__all__ = ["FORMAT", "MANIFEST", "META_TENSORS", "StoreError", "ActivationStore", "model_identity",
+__all__ = ["FORMAT", "MANIFEST", "WRITE_LOCK", "READ_LOCK", "META_TENSORS", "StoreError", "ActivationStore", "model_identity",
            "token_ids_sha256", "shard_name", "row_key"]
 
 FORMAT = "tracekit-activations"
 MANIFEST = "manifest.json"
+#: The writers' lock file (exclusive: one writer at a time) in a store folder.
+WRITE_LOCK = ".write.lock"
+#: The readers' lock file (shared while an :class:`ActivationStore` is open; exclusive while a
+#: writer changes a complete store).
+READ_LOCK = ".read.lock"
 #: The per-example tensors every shard holds besides the hooks.
 META_TENSORS = ("rows", "positions", "token_ids")
 #: Identity fields compared between a store and a model (in this order in messages).
@@ -101,6 +114,25 @@ def model_identity(model) -> dict:
     return dict(ident)
 
 
+def _read_lock(path: Path, field: str):
+    """A shared lock on ``path``'s :data:`READ_LOCK` (None: the folder is read-only, so no writer
+    can change it either).
+
+    Raises:
+        StoreError: a writer is replacing or repairing the store now.
+    """
+    try:
+        lock = acquire(path / READ_LOCK, shared=True)
+    except OSError:
+        return None
+    if lock is None:
+        pid = holder_pid(path / READ_LOCK)
+        raise StoreError(f"{field}: the store at {path} is being rewritten now by another writer"
+                         f"{'' if pid is None else f' (pid {pid})'} (overwrite, or a repair of a damaged shard); wait "
+                         "for it to finish, then rerun")
+    return lock
+
+
 class ActivationStore:
     """A complete activation store opened for reading (nothing is loaded until asked).
 
@@ -110,19 +142,49 @@ class ActivationStore:
         hooks: the hook names stored, in order.
         files: the shard file names, in order.
 
+    While open it holds a shared lock (``.read.lock``): a writer cannot overwrite or repair the
+    store under it (it is refused, naming the store). :meth:`close` (or ``with ActivationStore(p)
+    as store:``, or dropping the object) releases it.
+
     Raises (on opening):
         StoreError: no store at ``path``, or one whose write did not finish (rerun the same write:
             it resumes), or (``verify``, default) a shard missing, truncated or altered since it was
-            written (:meth:`verify`).
+            written (:meth:`verify`), or a writer is overwriting or repairing it now.
     """
 
     def __init__(self, path: str | Path, field: str = "store", verify: bool = True):
         self.path = Path(path).expanduser()
         self.field = field
+        self._lock = None
         man = self.path / MANIFEST
         if not man.is_file():
             raise StoreError(f"{field}: no activation store at {self.path} (no {MANIFEST}); write one with "
                              "`tracekit cache-activations CONFIG` (kind: activations) or fix the path")
+        self._lock = _read_lock(self.path, field)
+        try:
+            self._open_manifest(man, field, verify)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the store's shared read lock (a writer may then overwrite or repair it)."""
+        release(self._lock)
+        self._lock = None
+
+    def __enter__(self) -> "ActivationStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _open_manifest(self, man: Path, field: str, verify: bool) -> None:
         try:
             self.manifest = json.loads(man.read_text())
         except (OSError, json.JSONDecodeError) as e:

@@ -14,6 +14,18 @@ batch size and shard size: the manifest's ``plan_key``) skips every shard the ma
 (checked by size and by its rows' token ids), rewrites the rest and produces the same store,
 byte for byte, as an uninterrupted write. The manifest's ``complete`` flag turns true last.
 
+One writer at a time: a writer holds the folder's ``.write.lock`` (:mod:`tracekit.core.locks`, as
+sweeps lock their folder) for the whole write; a second writer waits for it (saying whom it waits
+for), then resumes, or finds the store complete and returns without touching it. A writer that
+would change a complete store (``overwrite``, or a damaged shard to rewrite) also takes the
+readers' lock exclusively and is refused while an :class:`~tracekit.activations.ActivationStore`
+has the store open, so a run reading a complete store is never disturbed.
+
+A failed write (disk full, a file-size limit, a read-only disk, no permission, a file in the way)
+is an :class:`~tracekit.core.errors.OutputError` naming the store and the fix; the shard being
+written is a temporary file that is removed, so the manifest lists exactly the finished shards and
+a rerun resumes from them.
+
 Conventions from SAELens' ``CacheActivationsRunner`` (one tensor per hook named by the hook, the
 token ids beside them, shards of bounded size) and tracekit's caches (atomic files, a manifest with
 sizes and sha256).
@@ -21,8 +33,11 @@ sizes and sha256).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -32,12 +47,25 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from ..core.io import atomic_write, file_sha256, jsonable, write_json
+from ..core.io import atomic_write, file_sha256, jsonable, write_errors, write_json
+from ..core.locks import acquire, holder_pid, release
 from ..hooks import check_hooks, enabled_hooks, fwd_hooks
 from ..tokens import Batch, forward_kwargs, pad_rows
-from .store import FORMAT, MANIFEST, StoreError, model_identity, row_key, shard_name, token_ids_sha256
+from .store import (
+    FORMAT,
+    MANIFEST,
+    READ_LOCK,
+    WRITE_LOCK,
+    StoreError,
+    model_identity,
+    row_key,
+    shard_name,
+    token_ids_sha256,
+)
 
 __all__ = ["StoreRow", "write_store", "rows_sha256", "DTYPES"]
+
+log = logging.getLogger("tracekit.activations")
 
 #: Store dtypes: ``model`` keeps the model's activation dtype.
 DTYPES = {"model": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -139,11 +167,31 @@ def _meta_tensors(rows: Sequence[StoreRow], first_row: int) -> dict[str, torch.T
             "token_ids": torch.tensor(tok, dtype=torch.int64)}
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one shard atomically (a temporary sibling renamed into place)."""
+    """Write one shard atomically (a temporary sibling renamed into place; removed on failure).
+
+    Raises:
+        OSError: the write failed (safetensors reports an I/O failure as ``SafetensorError``
+            ``... (os error N)``; it is raised as the ``OSError`` N it names, on the temporary file).
+    """
     from safetensors.torch import save_file  # lazy: only writers need it
 
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    def save(tmp: Path) -> None:
+        try:
+            save_file(tensors, str(tmp))
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' Rust errors carry the errno in their text
+            m = _OS_ERROR.search(str(e))
+            if m is None:
+                raise
+            n = int(m.group(1))
+            raise OSError(n, os.strerror(n), str(tmp)) from e
+
+    atomic_write(path, save)
 
 
 def _plan_key(ident: dict, hooks: Sequence[str], position: str, dtype: str, batch_size: int, shard_mb: float,
@@ -156,9 +204,43 @@ def _plan_key(ident: dict, hooks: Sequence[str], position: str, dtype: str, batc
 _TMP = re.compile(r"^\..*\.tmp-(\d+)-[0-9a-f]{8}$")
 
 
-def _prepare_folder(path: Path, key: str, overwrite: bool, field: str) -> Optional[dict]:
-    """The manifest to resume from (None: start afresh); refuses a folder holding something else."""
-    path.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _writer(path: Path, field: str) -> Iterator[contextlib.ExitStack]:
+    """Hold ``path``'s writer lock for the block (waiting for another writer first, with a log
+    line naming it); yields an exit stack for the readers' lock (:func:`_lock_out_readers`)."""
+    def waiting() -> None:
+        pid = holder_pid(path / WRITE_LOCK)
+        log.warning("%s: another process%s is writing the activation store at %s; waiting for it to finish "
+                    "(Ctrl-C to stop)", field, "" if pid is None else f" (pid {pid})", path)
+
+    lock = acquire(path / WRITE_LOCK, wait=True, on_wait=waiting)
+    try:
+        with contextlib.ExitStack() as held:
+            (path / READ_LOCK).touch(exist_ok=True)
+            yield held
+    finally:
+        release(lock)
+
+
+def _lock_out_readers(path: Path, field: str, held: contextlib.ExitStack, why: str) -> None:
+    """Take the readers' lock exclusively until the write ends (no reader can open the store while
+    it changes).
+
+    Raises:
+        StoreError: an open :class:`~tracekit.activations.ActivationStore` (in this or another
+            process) is reading the complete store.
+    """
+    lock = acquire(path / READ_LOCK)
+    if lock is None:
+        raise StoreError(f"{field}: the complete store at {path} is being read (an open ActivationStore: a run's step "
+                         f"reading it, in this or another process); {why} would change it under the reader: wait "
+                         "for the reader to finish, then rerun, or write to another path")
+    held.callback(release, lock)
+
+
+def _prepare_folder(path: Path, key: str, overwrite: bool, field: str, held: contextlib.ExitStack) -> Optional[dict]:
+    """The manifest to resume from, or the complete one found (None: start afresh); refuses a
+    folder holding something else, and an overwrite of a complete store that is being read."""
     for f in path.iterdir():  # leftovers of a killed writer's atomic writes
         m = _TMP.match(f.name)
         if m and f.is_file() and not _pid_alive(int(m.group(1))):
@@ -175,6 +257,8 @@ def _prepare_folder(path: Path, key: str, overwrite: bool, field: str) -> Option
             raise StoreError(f"{field}: {path} holds another activation store (model, rows, hooks, position, dtype, "
                              f"batch_size or shard_mb differ: plan {old.get('plan_key')} vs {key}); choose another "
                              "path or set overwrite: true to replace it")
+        if old.get("complete"):
+            _lock_out_readers(path, field, held, "overwrite: true")
     elif any(not f.name.startswith(".") for f in path.iterdir()) and not overwrite:
         raise StoreError(f"{field}: {path} is not empty and holds no activation store; choose an empty or new folder "
                          "(or overwrite: true to clear it)")
@@ -217,6 +301,8 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
                 overwrite: bool = False, progress: bool = False, field: str = "path") -> dict:
     """Write (or resume, or find up to date) an activation store of ``hooks`` at ``rows``' read positions.
 
+    One writer at a time: another writer of the same folder is waited for (module docstring).
+
     Args:
         model: a hooked model (TransformerBridge).
         rows: the input rows, streamed (:func:`tracekit.activations.dataset_rows`, ``corpus_rows``);
@@ -229,7 +315,9 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
         batch_size: rows per forward pass.
         shard_mb: target shard size in MiB (a shard closes at the first batch boundary past it).
         overwrite: delete what is at ``path`` (a store of any plan, complete or not) and write
-            afresh; off, a store of another plan there is refused and the same plan resumes.
+            afresh; off, a store of another plan there is refused and the same plan resumes. A
+            complete store is overwritten only while no :class:`~tracekit.activations.ActivationStore`
+            has it open.
         progress: show a progress bar (rows).
         field: the config field quoted in errors about ``path``.
 
@@ -238,10 +326,12 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
         "seconds", "up_to_date"}``.
 
     Raises:
-        StoreError: ``path`` holds another store or other files; no rows; a hook that never fires.
+        StoreError: ``path`` holds another store or other files; no rows; a hook that never fires;
+            an overwrite or repair of a complete store that an open ActivationStore is reading.
+        OutputError: a write failed (disk full, file-size limit, read-only disk, no permission, a
+            file in the way), naming the path and the fix; the finished shards are kept and listed.
         HookError: an unknown hook.
     """
-    # Long (reason): one loop keeps the shard buffer, the manifest and the resume bookkeeping in one frame.
     t0 = time.time()
     hooks = list(dict.fromkeys(hooks))
     check_hooks(model, hooks, "hooks")
@@ -250,11 +340,28 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
     path = Path(path).expanduser()
     ident = model_identity(model)
     key = _plan_key(ident, hooks, position, dtype, batch_size, shard_mb, source)
-    old = _prepare_folder(path, key, overwrite, field)
-    if old is not None and old.get("complete"):
-        if all(_shard_ok(path, s) for s in old["shards"]):
-            return _summary(old, path, 0, len(old["shards"]), time.time() - t0, True)
-        old["complete"] = False  # a damaged shard: resume (the shards before it kept, it and the rest rewritten)
+    fix = ("the shards finished before are kept (the manifest lists them): rerun the same step or `tracekit "
+           "cache-activations` to resume")
+    with write_errors(path, field, fix, {errno.EFBIG: f"or a smaller shard_mb (now {shard_mb:g} MiB)"}):
+        path.mkdir(parents=True, exist_ok=True)
+        with _writer(path, field) as held:
+            old = _prepare_folder(path, key, overwrite, field, held)
+            if old is not None and old.get("complete"):
+                if all(_shard_ok(path, s) for s in old["shards"]):  # up to date: nothing is touched
+                    return _summary(old, path, 0, len(old["shards"]), time.time() - t0, True)
+                _lock_out_readers(path, field, held, "repairing its damaged shard")
+                old["complete"] = False  # a damaged shard: resume (the shards before it kept, it and the rest rewritten)
+            return _write_shards(model, rows, hooks, path, old, key, ident, position=position, source=source,
+                                 dtype=dtype, batch_size=batch_size, shard_mb=shard_mb, progress=progress, field=field,
+                                 t0=t0)
+
+
+def _write_shards(model, rows: Iterable[StoreRow], hooks: list[str], path: Path, old: Optional[dict], key: str,
+                  ident: dict, *, position: str, source: dict, dtype: str, batch_size: int, shard_mb: float,
+                  progress: bool, field: str, t0: float) -> dict:
+    """:func:`write_store`'s write proper (the folder prepared and locked): resume from ``old``'s
+    shards, write the rest, mark the manifest complete; returns the summary."""
+    # Long (reason): one loop keeps the shard buffer, the manifest and the resume bookkeeping in one frame.
     done = list(old["shards"]) if old else []
     man = {"format": FORMAT, "version": 1, "complete": False, "plan_key": key, "model": ident, "hooks": hooks,
            "dtype": (old or {}).get("dtype"), "position": position, "source": source,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno as _errno
 import hashlib
 import json
 import math
@@ -20,10 +21,13 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
+
+from .errors import OutputError
 
 __all__ = ["jsonable", "atomic_write", "write_json", "atomic_folder", "temp_name", "file_sha256",
-           "write_files_manifest", "read_manifest", "verify_files_manifest", "ManifestInvalid", "fsync_dir"]
+           "write_files_manifest", "read_manifest", "verify_files_manifest", "ManifestInvalid", "fsync_dir",
+           "WRITE_ERRNOS", "write_error", "write_errors"]
 
 
 def jsonable(x: Any) -> Any:
@@ -186,3 +190,88 @@ def verify_files_manifest(d: Path, required: tuple[str, ...] = (),
         elif file_sha256(d / name, memo=False) != rec.get("sha256"):
             raise ManifestInvalid(f"{name} sha256 differs from its manifest (damaged)")
     return man
+
+
+#: The write failures mapped to an :class:`OutputError` naming the path and the fix: ``errno`` ->
+#: ``(what happened, what to do)``.
+WRITE_ERRNOS: dict[int, tuple[str, str]] = {
+    _errno.ENOSPC: ("no space is left on the disk", "free space there (or choose a folder on another disk)"),
+    _errno.EDQUOT: ("the disk quota is exceeded", "free space in your quota (or choose a folder on another disk)"),
+    _errno.EFBIG: ("the file is larger than the file-size limit (`ulimit -f`, or the file system's largest file)",
+                   "raise the limit (`ulimit -f unlimited`) or write smaller files"),
+    _errno.EROFS: ("the file system is read-only", "choose a folder on a writable disk"),
+    _errno.EACCES: ("permission is denied", "choose a folder you can write to, or fix its permissions"),
+    _errno.EPERM: ("the operation is not permitted", "choose a folder you can write to, or fix its permissions"),
+    _errno.ENOTDIR: ("a part of the path is a file, not a folder", "choose a path under a folder"),
+    _errno.EEXIST: ("a file is in the way where a folder is needed", "remove it or choose another path"),
+}
+
+
+def _concerns(failed: str, roots: list[Union[str, Path]]) -> bool:
+    """``failed`` is one of ``roots``, inside one, or a folder above one (a parent being created)."""
+    f = Path(os.path.abspath(failed))
+    for r in roots:
+        r = Path(os.path.abspath(r))
+        if f == r or f.is_relative_to(r) or r.is_relative_to(f):
+            return True
+    return False
+
+
+def write_error(e: OSError, path: Union[str, Path], field: str, fix: str = "",
+                hints: Optional[dict[int, str]] = None, roots: tuple = ()) -> Optional[OutputError]:
+    """The :class:`OutputError` for a failed write (None when ``e`` is not one of :data:`WRITE_ERRNOS`,
+    or names a file that is not being written, e.g. an input being read: re-raise it as it is).
+
+    Args:
+        e: the error a write raised (its ``filename``, when set, is the file that failed).
+        path: what was being written (the output folder or file).
+        field: the argument or config field that named ``path`` (``--to``, ``path``).
+        fix: what else the user can do, appended to the errno's fix (e.g. ``rerun to resume``).
+        hints: ``{errno: text}`` appended to that errno's own fix (e.g. a smaller shard size for
+            ``EFBIG``).
+        roots: other places being written besides ``path`` (a temporary sibling folder); an
+            error naming a file outside ``path``, ``roots`` and the folders above them is not mapped.
+
+    Returns:
+        The error to raise (``raise write_error(...) from e``); its message names ``field``,
+        ``path``, the file that failed, the reason and the fix.
+    """
+    if isinstance(e, OutputError) or e.errno not in WRITE_ERRNOS:
+        return None
+    failed = e.filename2 or e.filename or path  # a copy's destination is filename2 (shutil.copyfile)
+    if not _concerns(str(failed), [path, *roots]):
+        return None
+    what, todo = WRITE_ERRNOS[e.errno]
+    if hints and e.errno in hints:
+        todo = f"{todo} {hints[e.errno]}"
+    at = "" if str(failed) == str(path) else f" ({failed})"
+    name = _errno.errorcode.get(e.errno or 0, str(e.errno))
+    out = OutputError(f"{field}: cannot write {str(path)!r}{at}: {what} ({name}); {todo}" + (f"; {fix}" if fix else ""))
+    out.errno = e.errno
+    return out
+
+
+@contextlib.contextmanager
+def write_errors(path: Union[str, Path], field: str, fix: str = "",
+                 hints: Optional[dict[int, str]] = None, roots: tuple = ()) -> Iterator[None]:
+    """Map an ``OSError`` of :data:`WRITE_ERRNOS` raised in the block to :func:`write_error`'s
+    :class:`OutputError` (others propagate unchanged). The block's own atomic writes keep what was
+    written before whole; this only names the failure.
+
+    Args:
+        path: what the block writes.
+        field: the argument or config field that named ``path``.
+        fix: extra advice appended to the message.
+        hints: ``{errno: text}`` appended to that errno's fix (:func:`write_error`).
+        roots: other places the block writes (:func:`write_error`).
+
+    Raises:
+        OutputError: disk full, file-size limit, read-only, permission, a file in the way.
+    """
+    try:
+        yield
+    except OSError as e:
+        err = write_error(e, path, field, fix, hints, roots)
+        if err is None:
+            raise
+        raise err from e

@@ -129,7 +129,7 @@ class CacheActivations(Experiment):
         batch_size: rows per forward pass (part of the plan: a resume needs the same).
         shard_mb: target shard size in MiB (a shard closes at the first batch boundary past it).
         overwrite: delete what is at ``path`` (a store of any plan, complete or not) and write it
-            afresh. Off (default): a store of another plan there is refused, the same plan resumes
+            afresh (a complete store only while no run has it open for reading). Off (default): a store of another plan there is refused, the same plan resumes
             or is up to date. The plan includes the rows' content (prompts and dataset rows, a
             corpus' files, the Python version of the ``stdlib`` corpus), so an edited input is
             another plan.

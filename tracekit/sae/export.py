@@ -20,7 +20,6 @@ import json
 import math
 import re
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..core.errors import OutputError, SAEError
+from ..core.errors import SAEError
+from ..core.exportdir import export_folder, export_target
 from ..model.spec import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME
 from .dashboard import _where
 from .train import sae_cache_dir
@@ -112,24 +112,6 @@ def resolve_sae_source(source: str, cache_dir: Path | None = None) -> Path:
                    f"hash of a trained SAE in {root}; list the trained SAEs with `tracekit cache list`")
 
 
-def _target_dir(to: str | Path, force: bool, what: str = "--to") -> Path:
-    """``to`` checked: refused when it is a file, or a non-empty folder without ``force``."""
-    d = Path(to).expanduser()
-    if d.exists() and not d.is_dir():
-        raise OutputError(f"{what}: {str(d)!r} is a file; give a folder")
-    if d.is_dir() and any(d.iterdir()) and not force:
-        raise OutputError(f"{what}: {str(d)!r} exists and is not empty; choose a new folder, or pass --force to "
-                          "replace its contents")
-    return d
-
-
-def _publish(tmp: Path, dest: Path) -> None:
-    """Move the finished ``tmp`` folder to ``dest`` (an existing ``dest`` is replaced)."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-
-
 def export_sae(source: str | Path, to: str | Path, model_name: str | None = None, force: bool = False,
                cache_dir: Path | None = None) -> Path:
     """Write an SAE as a SAELens directory whose ``model_name`` is a hub id.
@@ -144,7 +126,7 @@ def export_sae(source: str | Path, to: str | Path, model_name: str | None = None
         source: see :func:`resolve_sae_source`.
         to: the new folder (created; refused when non-empty unless ``force``).
         model_name: the hub id to record (default: :func:`hub_model_id` of the recorded model).
-        force: replace a non-empty ``to``.
+        force: replace an earlier export at ``to`` (only a folder an export wrote).
         cache_dir: the trained SAEs' cache (default :func:`tracekit.sae.sae_cache_dir`).
 
     Returns:
@@ -153,12 +135,13 @@ def export_sae(source: str | Path, to: str | Path, model_name: str | None = None
     Raises:
         SAEError: SOURCE unknown or unreadable; no hub id known and no ``model_name``; SAELens cannot
             load the written directory.
-        OutputError: ``to`` is a file, is SOURCE itself, or is non-empty without ``force``.
+        OutputError: ``to`` is refused by the export target rule (it is, is inside or contains
+            SOURCE; a file; non-empty without ``force``; with ``force``, a folder no export wrote:
+            :func:`tracekit.core.exportdir.export_target`), or the write fails (disk full, read-only,
+            a file in the way), naming the path.
     """
     src = resolve_sae_source(str(source), cache_dir)
-    dest = _target_dir(to, force)
-    if dest.resolve() == src.resolve():
-        raise OutputError(f"--to: {str(dest)!r} is SOURCE itself; give another folder")
+    dest = export_target(to, [src], force)  # refused before anything is read
     try:
         cfg = json.loads((src / "cfg.json").read_text())
     except (OSError, ValueError) as e:
@@ -181,19 +164,12 @@ def export_sae(source: str | Path, to: str | Path, model_name: str | None = None
             key = None
         if key:
             where["tracekit_training_hash"] = key
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with export_folder(to, [src], "sae", force) as tmp:
         for f in ("sae_weights.safetensors", "sparsity.safetensors"):
             if (src / f).is_file():
                 shutil.copyfile(src / f, tmp / f)
         (tmp / "cfg.json").write_text(json.dumps(cfg, indent=2))
         _check_loads(tmp)
-        _publish(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import yaml
 
 from ..core.errors import ConfigError, OutputError
 from ..core.io import atomic_write
+from ..core.locks import acquire, release
 from ..core.signals import interrupt_handler
 from ..plotting import plt
 from .executors import _run_local, _run_ray
@@ -63,19 +63,18 @@ def _lock_out(out: Path):
         (out / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"--out {out}: cannot create the sweep folder: {e.strerror or e}") from e
-    lock = open(out / ".sweep.lock", "w")  # noqa: SIM115 - held for the whole sweep, closed in _unlock
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock = acquire(out / ".sweep.lock")  # held for the whole sweep, released in _unlock
     except OSError as e:
-        lock.close()
+        raise OutputError(f"--out {out}: cannot create the sweep's lock file: {e.strerror or e}") from e
+    if lock is None:
         raise ConfigError(f"--out {out}: another sweep is running into this folder; wait for it or use another "
-                          "--out") from e
+                          "--out")
     return lock
 
 
 def _unlock(lock) -> None:
-    fcntl.flock(lock, fcntl.LOCK_UN)
-    lock.close()
+    release(lock)
 
 
 def _complete_record(out: Path, p: Point, done: Path) -> dict:

@@ -289,3 +289,39 @@ def test_validate_refuses_a_missing_store_before_loading_a_model(tmp_path, tiny_
             "tuned": {"store": str(tmp_path / "nope")}}
     with pytest.raises(ConfigError, match=r"tuned\.store: no activation store"):
         check_config(parse_config({"experiments": [lens]}), model=tiny_gpt2)
+
+
+def test_corpus_seq_len_past_the_context_is_refused_before_the_store(tiny_gpt2, tmp_path, capsys):
+    """``corpus.seq_len`` above the model's context: refused by the kind's check, by corpus_rows when
+    called (not at the first window) and by ``tracekit cache-activations`` against the model's
+    config alone (exit 2), before any store folder is made (it was an IndexError mid-write on GPT-2)."""
+    import argparse
+
+    import yaml
+
+    from helpers import GPT2_BPE, tiny_overrides
+    from tracekit.activations.cli import add_commands, main
+    from tracekit.errors import ConfigError
+
+    m = tiny_gpt2
+    step = {"path": str(tmp_path / "st"), "hooks": ["blocks.0.hook_resid_post"], "position": "all",
+            "corpus": {"source": "stdlib", "seq_len": 129, "max_tokens": 64}}
+    CacheActivations(**{**step, "corpus": {**step["corpus"], "seq_len": 128}}).check(m)
+    msg = r"^corpus\.seq_len: windows of 129 tokens need 129 positions, more than .*context of 128 tokens .*at most 128$"
+    with pytest.raises(ConfigError, match=msg):
+        CacheActivations(**step).check(m)
+    with pytest.raises(ConfigError, match=r"corpus\.seq_len"):
+        CacheActivations(**step).run(m, progress=False)
+    for packed in (False, True):
+        with pytest.raises(ConfigError, match=r"^seq_len: windows of 129"):
+            corpus_rows(m, "stdlib", seq_len=129, max_tokens=64, packed=packed)
+    cfg = tmp_path / "c.yaml"
+    model = {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "config_overrides": tiny_overrides("gpt2"),
+             "device": "cpu"}
+    cfg.write_text(yaml.safe_dump({"model": model, "experiments": [{"kind": "activations", **step}]}))
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="cmd"))
+    assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress"])) == 2
+    err = capsys.readouterr().err
+    assert "experiments[0] (activations): corpus.seq_len: windows of 129 tokens" in err and "at most 128" in err
+    assert not (tmp_path / "st").exists()

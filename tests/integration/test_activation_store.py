@@ -20,7 +20,7 @@ from tracekit.experiments.activations import CacheActivations
 from tracekit.experiments.probing import LinearProbe
 from tracekit.probing import extract_activations
 from tracekit.results import Result
-from tracekit.tokens import encode
+from tracekit.tokens import TokenizationError, encode
 
 PROMPTS = ["The capital of France is", "The capital city of Japan, as everyone knows, is", "In the capital",
            "A capital letter", "Our capital of Spain is nice", "The capital of Italy is", "Some capital here",
@@ -315,6 +315,9 @@ def test_corpus_seq_len_past_the_context_is_refused_before_the_store(tiny_gpt2, 
     for packed in (False, True):
         with pytest.raises(ConfigError, match=r"^seq_len: windows of 129"):
             corpus_rows(m, "stdlib", seq_len=129, max_tokens=64, packed=packed)
+    long = {k: v for k, v in step.items() if k != "corpus"}
+    with pytest.raises(TokenizationError, match=r"^prompts\[1\] .* is 130 tokens, longer than the model's context of 128"):
+        CacheActivations(**long, prompts=["a b", " word" * 129]).check(m)
     cfg = tmp_path / "c.yaml"
     model = {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "config_overrides": tiny_overrides("gpt2"),
              "device": "cpu"}

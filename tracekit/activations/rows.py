@@ -16,7 +16,7 @@ from ..core.errors import TokenizationError
 from ..corpus import iter_documents, packed_windows, token_windows
 from ..dataset import PreparedDataset
 from ..model.context import check_window
-from ..tokens import Position, PositionSpec, encode, parse_position
+from ..tokens import Position, PositionSpec, check_length, encode, parse_position
 from .write import StoreRow
 
 __all__ = ["STORE_POSITION_FORMS", "store_position", "dataset_rows", "prompt_rows", "corpus_rows"]
@@ -63,14 +63,17 @@ def prompt_rows(model, prompts: Sequence[str], position: PositionSpec, field: st
     """One row per prompt (ids by :func:`tracekit.tokens.encode`, as probing tokenizes), row id = index.
 
     Raises:
-        TokenizationError: a named position (prompts have none) or one that does not resolve.
+        TokenizationError: a named position (prompts have none) or one that does not resolve; a
+            prompt longer than the model's context (:func:`tracekit.tokens.check_length`).
     """
     pos = store_position(position, field)
     if pos.kind == "name":
         raise TokenizationError(f"{field}: {pos.text!r} names a dataset position; prompts have none (use a dataset "
                                 "with named positions, or last / all / an index / token:<text>)")
     for i, p in enumerate(prompts):
-        yield _row(model, i, p, encode(model, p), pos, None, f"{field} (prompt {i})")
+        ids = encode(model, p)
+        check_length(model, ids, f"prompts[{i}]", p)
+        yield _row(model, i, p, ids, pos, None, f"{field} (prompt {i})")
 
 
 def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],

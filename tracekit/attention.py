@@ -41,6 +41,7 @@ from jaxtyping import Float, Int
 
 from .core.sites import check_heads, check_layer, check_layers, hook
 from .errors import AttentionError, HookError
+from .model.context import check_context, context_length
 from .tokens import (
     Batch,
     Position,
@@ -56,7 +57,7 @@ from .tokens import (
 )
 
 __all__ = ["AttentionError", "LayerAttention", "attention_pattern", "resolve_position", "classify_heads",
-           "repeated_random_tokens", "head_scores", "pattern_scores", "check_heads", "check_layer", "HEAD_LABELS",
+           "repeated_random_tokens", "check_repeated_length", "head_scores", "pattern_scores", "check_heads", "check_layer", "HEAD_LABELS",
            "POSITION_FORMS", "QueryAttention", "query_attention", "label_query_rows", "head_stats",
            "full_patterns"]
 
@@ -187,6 +188,24 @@ def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[S
     return pd.DataFrame(table)
 
 
+def check_repeated_length(model, seq_len: int, field: str = "seq_len") -> None:
+    """Refuse a :func:`repeated_random_tokens` sequence (BOS + ``r`` + ``r``, ``2 x seq_len + 1``
+    tokens, counted with the BOS either way) longer than the model's context
+    (:func:`tracekit.model.context.check_context`).
+
+    Args:
+        model: a hooked model or :class:`~tracekit.model.ModelInfo`.
+        seq_len: random tokens per copy.
+        field: the config field that sets it.
+
+    Raises:
+        AttentionError: ``2 x seq_len + 1`` > the model's context, naming ``field`` and its largest value.
+    """
+    n_ctx = context_length(model)
+    check_context(model, 2 * int(seq_len) + 1, field, f"a BOS and two copies of {int(seq_len)} random tokens",
+                  f"set {field} to at most {((n_ctx or 1) - 1) // 2}", AttentionError)
+
+
 def repeated_random_tokens(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0):
     """A batch of ``n_seqs`` sequences: [BOS?] + r + r with ``r`` ``seq_len`` random tokens
     (drawn from ids 100..d_vocab-1, avoiding special tokens), as in Olsson et al. 2022.
@@ -261,9 +280,7 @@ def head_scores(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
     Raises:
         AttentionError: sequences longer than the model's context, or an unknown layer.
     """
-    n_ctx = int(getattr(model.cfg, "n_ctx", 1 << 30) or (1 << 30))
-    if 2 * seq_len + 1 > n_ctx:
-        raise AttentionError(f"seq_len: 2 x {seq_len} + 1 tokens exceed the model's context of {n_ctx}; lower seq_len")
+    check_repeated_length(model, seq_len)
     layers = list(range(int(model.cfg.n_layers))) if layers is None else [check_layer(model, L, "layers") for L in layers]
     batch, half = repeated_random_tokens(model, seq_len, n_seqs, seed)
     names = [hook("head_pattern", L) for L in layers]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
+from .model.context import check_window
 from .tokens import Batch, encode, pad_ids
 
 __all__ = ["Window", "iter_documents", "stdlib_documents", "token_windows", "packed_windows", "window_batches",
@@ -188,8 +189,11 @@ def iter_documents(source: Union[str, Sequence[str], None] = None, jsonl_field: 
 
 
 def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64,
-                  max_tokens: Optional[int] = None, min_tokens: int = 4) -> Iterator[Window]:
+                  max_tokens: Optional[int] = None, min_tokens: int = 4, field: str = "seq_len") -> Iterator[Window]:
     """Cut documents into windows of at most ``seq_len`` model tokens (BOS included).
+
+    ``seq_len`` is checked when this is called (not at the first window): it must fit the model's
+    context (:func:`tracekit.model.context.check_window`), whatever the documents' lengths.
 
     Args:
         model: hooked model (tokenizer, ``prepend_bos`` from its spec).
@@ -197,12 +201,20 @@ def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64
         seq_len: tokens per window including BOS; must be > 1.
         max_tokens: stop once this many text tokens have been yielded (None: the whole corpus).
         min_tokens: drop trailing windows with fewer text tokens than this.
+        field: the config field that sets ``seq_len``, named in errors.
 
     Raises:
         CorpusError: ``seq_len`` < 2.
+        ConfigError: ``seq_len`` longer than the model's context.
     """
     if seq_len < 2:
-        raise CorpusError(f"seq_len: must be at least 2, got {seq_len}")
+        raise CorpusError(f"{field}: must be at least 2, got {seq_len}")
+    check_window(model, seq_len, field)
+    return _token_windows(model, documents, seq_len, max_tokens, min_tokens)
+
+
+def _token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, max_tokens: Optional[int],
+                   min_tokens: int) -> Iterator[Window]:
     bos = encode(model, "", prepend_bos=True) if _has_bos(model) else []
     n_prefix = len(bos)
     width = seq_len - n_prefix
@@ -224,7 +236,7 @@ def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64
 
 
 def packed_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, skip_tokens: int = 0,
-                   max_tokens: Optional[int] = None) -> Iterator[tuple[int, ...]]:
+                   max_tokens: Optional[int] = None, field: str = "seq_len") -> Iterator[tuple[int, ...]]:
     """Windows of exactly ``seq_len`` tokens packed across documents, as SAELens packs its training
     contexts: documents are tokenized one by one and concatenated, each followed by the tokens of a
     blank line (text), then cut into windows of ``seq_len`` tokens, BOS first when the model prepends
@@ -236,17 +248,27 @@ def packed_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, sk
         seq_len: tokens per window, BOS included.
         skip_tokens: text tokens skipped first (whole windows: a window never starts mid-skip).
         max_tokens: stop once this many text tokens have been yielded (None: the whole corpus).
+        field: the config field that sets ``seq_len``, named in errors.
 
-    Yields:
-        Each window's token ids (``seq_len`` of them).
+    Returns:
+        An iterator of each window's token ids (``seq_len`` of them); ``seq_len`` is checked when this
+        is called.
 
     Raises:
         CorpusError: ``seq_len`` leaves no room for text after the BOS.
+        ConfigError: ``seq_len`` longer than the model's context
+            (:func:`tracekit.model.context.check_window`).
     """
     bos = encode(model, "", prepend_bos=True) if _has_bos(model) else []
     width = seq_len - len(bos)
     if width < 1:
-        raise CorpusError(f"seq_len: {seq_len} leaves no room for text after the BOS; raise it")
+        raise CorpusError(f"{field}: {seq_len} leaves no room for text after the BOS; raise it")
+    check_window(model, seq_len, field)
+    return _packed_windows(model, documents, bos, width, skip_tokens, max_tokens)
+
+
+def _packed_windows(model, documents: Iterable[tuple[str, str]], bos: list[int], width: int, skip_tokens: int,
+                    max_tokens: Optional[int]) -> Iterator[tuple[int, ...]]:
     sep = encode(model, "\n\n", prepend_bos=False)
     buf: list[int] = []
     seen = n_out = 0

@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Int
 
 from .errors import TokenizationError
+from .model.context import context_length
 from .model.load import model_device, model_spec_of
 
 __all__ = [
@@ -252,12 +253,6 @@ def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
             raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
         out.append(tuple(ids))
     return tuple(out)
-
-
-def context_length(model) -> Optional[int]:
-    """The model's context length in tokens (``cfg.n_ctx``), or None when unknown."""
-    n = getattr(getattr(model, "cfg", None), "n_ctx", None)
-    return int(n) if n else None
 
 
 def check_length(model, ids: Sequence[int], field: str = "prompts", text: Optional[str] = None) -> None:

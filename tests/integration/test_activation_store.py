@@ -26,7 +26,7 @@ from tracekit.experiments.activations import CacheActivations
 from tracekit.experiments.probing import LinearProbe
 from tracekit.probing import extract_activations
 from tracekit.results import Result
-from tracekit.tokens import encode
+from tracekit.tokens import TokenizationError, encode
 
 PROMPTS = ["The capital of France is", "The capital city of Japan, as everyone knows, is", "In the capital",
            "A capital letter", "Our capital of Spain is nice", "The capital of Italy is", "Some capital here",
@@ -505,3 +505,42 @@ def test_a_file_size_limit_in_cache_activations_is_an_error_naming_the_store(tmp
     add_commands(p.add_subparsers(dest="cmd"))
     assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress"])) == 0  # no limit: it completes
     assert ActivationStore(store).manifest["complete"]
+
+
+def test_corpus_seq_len_past_the_context_is_refused_before_the_store(tiny_gpt2, tmp_path, capsys):
+    """``corpus.seq_len`` above the model's context: refused by the kind's check, by corpus_rows when
+    called (not at the first window) and by ``tracekit cache-activations`` against the model's
+    config alone (exit 2), before any store folder is made (it was an IndexError mid-write on GPT-2)."""
+    import argparse
+
+    import yaml
+
+    from helpers import GPT2_BPE, tiny_overrides
+    from tracekit.activations.cli import add_commands, main
+    from tracekit.errors import ConfigError
+
+    m = tiny_gpt2
+    step = {"path": str(tmp_path / "st"), "hooks": ["blocks.0.hook_resid_post"], "position": "all",
+            "corpus": {"source": "stdlib", "seq_len": 129, "max_tokens": 64}}
+    CacheActivations(**{**step, "corpus": {**step["corpus"], "seq_len": 128}}).check(m)
+    msg = r"^corpus\.seq_len: windows of 129 tokens need 129 positions, more than .*context of 128 tokens .*at most 128$"
+    with pytest.raises(ConfigError, match=msg):
+        CacheActivations(**step).check(m)
+    with pytest.raises(ConfigError, match=r"corpus\.seq_len"):
+        CacheActivations(**step).run(m, progress=False)
+    for packed in (False, True):
+        with pytest.raises(ConfigError, match=r"^seq_len: windows of 129"):
+            corpus_rows(m, "stdlib", seq_len=129, max_tokens=64, packed=packed)
+    long = {k: v for k, v in step.items() if k != "corpus"}
+    with pytest.raises(TokenizationError, match=r"^prompts\[1\] .* is 130 tokens, longer than the model's context of 128"):
+        CacheActivations(**long, prompts=["a b", " word" * 129]).check(m)
+    cfg = tmp_path / "c.yaml"
+    model = {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "config_overrides": tiny_overrides("gpt2"),
+             "device": "cpu"}
+    cfg.write_text(yaml.safe_dump({"model": model, "experiments": [{"kind": "activations", **step}]}))
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="cmd"))
+    assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress"])) == 2
+    err = capsys.readouterr().err
+    assert "experiments[0] (activations): corpus.seq_len: windows of 129 tokens" in err and "at most 128" in err
+    assert not (tmp_path / "st").exists()

@@ -137,8 +137,12 @@ def test_check_works_on_model_info(tiny_gpt2):
     with pytest.raises(AttentionError, match="layer"):
         tk.AttentionPattern(prompts=["The capital"], layer=5).check(info)
     tk.HeadScan(seq_len=8, layers=[0, -1]).check(info)
-    with pytest.raises(AttentionError, match="seq_len"):
-        tk.HeadScan(seq_len=100).check(info)
+    tk.HeadScan(seq_len=63).check(info)  # BOS + 2 x 63 = 127 tokens <= 128
+    with pytest.raises(AttentionError, match=r"^seq_len: a BOS and two copies of 64 random tokens need 129 positions, "
+                                             r"more than model 'gpt2''s context of 128 tokens .*at most 63$"):
+        tk.HeadScan(seq_len=64).check(info)
+    with pytest.raises(AttentionError, match=r"^seq_len: .*at most 63$"):
+        head_scores(m, seq_len=64)
     with pytest.raises(AttentionError, match=r"layers\[1\]"):
         tk.HeadScan(layers=[0, 9]).check(info)
 

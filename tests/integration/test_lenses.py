@@ -261,3 +261,23 @@ def test_logit_lens_kind_with_the_tuned_lens(tiny_llama, tmp_path):
     assert not np.allclose(tuned.tables["main"]["log_prob"], plain.tables["main"]["log_prob"])
     with pytest.raises(ValidationError, match="only read with lens: tuned"):
         LogitLens(**base, tuned={"path": "x"})
+
+
+def test_seq_len_past_the_context_is_refused_at_check(tiny_gpt2, tmp_path, monkeypatch):
+    """``eval.seq_len`` and (a lens to train) ``tuned.seq_len`` above the model's context are refused
+    by the kinds' check and by the training entry point before any residual is cached (on GPT-2 a
+    long document's window was an IndexError in the position table; RoPE models ran past it)."""
+    m = tiny_gpt2
+    assert int(m.cfg.n_ctx) == 128
+    LensQuality(lenses=["logit"], eval={"n_tokens": 50, "seq_len": 128}).check(m)
+    with pytest.raises(ConfigError, match=r"^eval\.seq_len: windows of 129 tokens need 129 positions, more than "
+                                          r"model 'gpt2''s context of 128 tokens .*set eval\.seq_len to at most 128$"):
+        LensQuality(lenses=["logit"], eval={"n_tokens": 50, "seq_len": 129}).check(m)
+    with pytest.raises(ConfigError, match=r"^tuned\.seq_len: windows of 129 .*set tuned\.seq_len to at most 128$"):
+        LensQuality(tuned={"seq_len": 129}, eval={"n_tokens": 50, "seq_len": 32}).check(m)
+    LensQuality(lenses=["logit"], tuned={"seq_len": 129}, eval={"n_tokens": 50, "seq_len": 32}).check(m)  # not read
+    with pytest.raises(ConfigError, match=r"^tuned\.seq_len: windows of 129"):
+        LogitLens(prompts=PROMPTS, target=" Paris", lens="tuned", tuned={"seq_len": 129}).check(m)
+    monkeypatch.setattr(train_mod, "cache_residuals", lambda *a, **k: pytest.fail("residuals cached"))
+    with pytest.raises(ConfigError, match=r"^tuned\.seq_len: windows of 129"):
+        load_or_train_tuned_lens(m, TunedLensSpec(seq_len=129, train_tokens=64, held_out_tokens=0), cache_dir=tmp_path)

@@ -352,3 +352,23 @@ def test_prompt_means_exclude_bos_and_padding(tiny_gpt2):
         acts.append((c["blocks.1.mlp.hook_post"][0, 1:, 3], c["blocks.2.mlp.hook_post"][0, 1:, 5]))
     assert got[(1, 3)] == pytest.approx(float(torch.cat([a for a, _ in acts]).mean()), abs=1e-6)
     assert got[(2, 5)] == pytest.approx(float(torch.cat([b for _, b in acts]).mean()), abs=1e-6)
+
+
+def test_key_readout_seq_len_past_the_context_is_refused_at_check(tiny_gpt2):
+    """``contexts.seq_len`` above the model's context is refused at config check time (on the model's
+    tokenizer and config alone, a ModelInfo), not when the key readout starts after the attribution
+    has run; key_readout itself refuses it when called."""
+    import tracekit as tk
+    from tracekit.errors import ConfigError
+    from tracekit.model.info import ModelInfo
+
+    m = tiny_gpt2
+    info = ModelInfo(m.tracekit_spec, m.tokenizer, m.cfg, list(m.hook_dict), m._gated_hook_reason)
+    cfg = {"prompts": "The capital of France is", "target": " Paris", "layers": [1]}
+    tk.NeuronAttribution(**cfg, contexts={"seq_len": 128}).check(info)
+    tk.NeuronAttribution(**cfg, contexts=None).check(info)
+    with pytest.raises(ConfigError, match=r"^contexts\.seq_len: windows of 129 tokens need 129 positions, more than "
+                                          r"model 'gpt2''s context of 128 tokens .*at most 128$"):
+        tk.NeuronAttribution(**cfg, contexts={"seq_len": 129}).check(info)
+    with pytest.raises(ConfigError, match=r"^seq_len: windows of 129"):
+        key_readout(m, ["1.0"], seq_len=129, max_tokens=64, progress=False)

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 import tracekit.lenses.patchscope as ps
 from helpers import make_perturbed
-from tracekit.core.errors import MethodRefused, PatchingError, TokenizationError
+from tracekit.core.errors import ConfigError, MethodRefused, PatchingError, TokenizationError
 from tracekit.experiments.patchscope import Patchscope
 from tracekit.lenses.patchscope import IDENTITY_PROMPT, patchscope, patchscope_lens_log_probs
 from tracekit.model.readout import Readout
@@ -252,3 +252,32 @@ def test_kind_bad_config(tiny_gpt2):
         Patchscope.model_validate({"dataset": {"rows": [{"prompt": "a b"}]}, "target": " b"})
     with pytest.raises(ValidationError, match="n_generate"):
         Patchscope(prompts=["a b"], n_generate=-1)
+
+
+def test_generation_past_the_context_is_refused(tiny_gpt2):
+    """Generating g tokens after a target of n runs n + g - 1 positions at the last step: exactly the
+    context works, one more is a ConfigError naming n_generate and the largest that fits (before the
+    source pass; on GPT-2 it was an IndexError after the distribution was computed)."""
+    m = tiny_gpt2
+    n_ctx = int(m.cfg.n_ctx)
+    ids = encode(m, SOURCE)
+    tgt = [int(t) for t in torch.randint(100, 1000, (122,), generator=torch.Generator().manual_seed(0))]
+    room = n_ctx - len(tgt) + 1
+    out = patchscope(m, ids, [-1], [1], target_ids=tgt, n_generate=room, batch_size=1)
+    assert out.generated.shape == (1, 1, room)
+    with pytest.raises(ConfigError, match=rf"^n_generate: target_ids \(122 tokens\) then {room + 1} generated tokens "
+                                          rf"need {n_ctx + 1} positions, more than model 'gpt2''s context of {n_ctx} "
+                                          rf"tokens .*set n_generate to at most {room} or shorten target_ids$"):
+        patchscope(m, ids, [-1], [1], target_ids=tgt, n_generate=room + 1)
+
+
+def test_kind_refuses_generation_past_the_context_at_check(tiny_gpt2):
+    m = tiny_gpt2
+    target = "cat" + " cat" * 110
+    n = len(encode(m, target))
+    room = int(m.cfg.n_ctx) - n + 1
+    assert 1 <= room < 64
+    Patchscope(prompts=["a b"], target_prompt=target, n_generate=room).check(m)
+    with pytest.raises(ConfigError, match=rf"^n_generate: target_prompt \({n} tokens\) then {room + 1} generated .*"
+                                          rf"at most {room} or shorten target_prompt$"):
+        Patchscope(prompts=["a b"], target_prompt=target, n_generate=room + 1).check(m)

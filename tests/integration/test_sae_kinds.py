@@ -97,3 +97,35 @@ def test_sae_train_needs_train_block():
 
     with pytest.raises(ValidationError, match="train"):
         SAETrain(sae={"path": "x"})
+
+
+def test_windows_past_the_context_are_refused_at_check(tmp_path, tiny_gpt2, monkeypatch):
+    """``sae.train.context_size`` (training windows), ``seq_len`` (sae_eval) and ``dashboards.seq_len``
+    (sae_features) above the model's context are refused by the kinds' check, and training is
+    refused before any window is cut (on GPT-2 these were IndexErrors in the position table)."""
+    from tracekit.errors import ConfigError
+    from tracekit.experiments.steering import Steering
+    from tracekit.sae import SAETrainSpec, train_sae
+
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    m = tiny_gpt2
+    train = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "training_tokens": 1024, "eval_tokens": 128,
+             "context_size": 129, "train_batch_size_tokens": 128}
+    msg = r"windows of 129 tokens need 129 positions, more than model 'gpt2''s context of 128 tokens"
+    SAETrain(sae={"train": {**train, "context_size": 128}}).check(m)
+    with pytest.raises(ConfigError, match=rf"^sae\.train\.context_size: {msg} .*at most 128$"):
+        SAETrain(sae={"train": train}).check(m)
+    with pytest.raises(ConfigError, match=r"^sae\.train\.context_size: windows of 129"):
+        train_sae(m, SAETrainSpec(**train), cache_dir=tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ConfigError, match=rf"^seq_len: {msg} .*set seq_len to at most 128$"):
+        SAEEval(sae={"train": {**train, "context_size": 32}}, corpus="stdlib", seq_len=129).check(m)
+    d = make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre")
+    SAEEval(sae={"path": str(d)}, corpus="stdlib", seq_len=128).check(m)
+    with pytest.raises(ConfigError, match=rf"^seq_len: {msg}"):
+        SAEEval(sae={"path": str(d)}, corpus="stdlib", seq_len=129).check(m)
+    with pytest.raises(ConfigError, match=rf"^dashboards\.seq_len: {msg}"):
+        SAEFeatures(sae={"path": str(d)}, prompts=[PROMPT], target=" Paris", dashboards={"seq_len": 129}).check(m)
+    steer = {"prompts": [PROMPT], "target": " Paris", "vector": {"source": "sae", "sae": {"train": train}, "feature": 0}}
+    with pytest.raises(ConfigError, match=rf"^vector\.sae\.train\.context_size: {msg}"):
+        Steering(**steer).check(m)

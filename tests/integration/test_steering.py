@@ -22,7 +22,7 @@ import torch
 from pydantic import ValidationError
 
 from helpers import make_perturbed
-from tracekit.errors import HookError
+from tracekit.errors import ConfigError, HookError
 from tracekit.experiments.steering import Steering
 from tracekit.results import Result
 from tracekit.steering import (
@@ -408,3 +408,44 @@ def test_damaged_or_foreign_vector_files_name_the_file_and_how_to_make_one(tmp_p
             assert "numpy.save" in msg, msg
         elif f.suffix == ".pt":
             assert "torch.save" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's context (tracekit.model.context.check_generation)
+
+
+def test_generation_past_the_context_is_refused_before_any_forward(tiny_gpt2, monkeypatch):
+    """A prompt of n tokens and g new tokens run at most n + g - 1 positions: exactly the context
+    generates; one more token is a ConfigError naming max_new_tokens and the largest that fits,
+    raised before the model runs (on GPT-2 it was an IndexError in the position table)."""
+    m = tiny_gpt2
+    n_ctx = int(m.cfg.n_ctx)
+    assert n_ctx == 128
+    ids = encode(m, PROMPTS[1])
+    room = n_ctx - len(ids) + 1
+    out = generate(m, ids, room, stop_at_eos=False)
+    assert len(out.new_ids) == room
+    calls = []
+    monkeypatch.setattr(G, "_pick", lambda *a: calls.append(1) or 0)
+    with pytest.raises(ConfigError, match=rf"^max_new_tokens: prompt_ids \({len(ids)} tokens\) then {room + 1} "
+                                          rf"generated tokens need {n_ctx + 1} positions, more than model 'gpt2''s "
+                                          rf"context of {n_ctx} tokens .*set max_new_tokens to at most {room} "):
+        generate(m, ids, room + 1, stop_at_eos=False)
+    assert not calls
+
+
+def test_kind_refuses_generation_past_the_context_at_check(tiny_gpt2):
+    """The kind checks every generated row's prompt + generate.max_new_tokens in prepare (config
+    check time), not after the dose-response has run."""
+    n = len(encode(tiny_gpt2, PROMPTS[1]))
+    room = int(tiny_gpt2.cfg.n_ctx) - n + 1
+    ok = Steering(**{**KIND_CFG, "generate": {"max_new_tokens": room}})
+    ok.check(tiny_gpt2)
+    bad = Steering(**{**KIND_CFG, "generate": {"max_new_tokens": room + 1}})
+    with pytest.raises(ConfigError, match=rf"^generate\.max_new_tokens: prompts\[1\] \({n} tokens\) .* at most {room} "
+                                          r"or shorten prompts\[1\]$"):
+        bad.check(tiny_gpt2)
+    with pytest.raises(ConfigError, match=r"generate\.max_new_tokens"):
+        bad.run(tiny_gpt2, progress=False)
+    # only the rows that generate count
+    Steering(**{**KIND_CFG, "generate": {"max_new_tokens": room + 1, "max_prompts": 1}}).check(tiny_gpt2)

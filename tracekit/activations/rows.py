@@ -15,7 +15,8 @@ from typing import Iterator, Optional, Sequence, Union
 from ..core.errors import TokenizationError
 from ..corpus import iter_documents, packed_windows, token_windows
 from ..dataset import PreparedDataset
-from ..tokens import Position, PositionSpec, encode, parse_position
+from ..model.context import check_window
+from ..tokens import Position, PositionSpec, check_length, encode, parse_position
 from .write import StoreRow
 
 __all__ = ["STORE_POSITION_FORMS", "store_position", "dataset_rows", "prompt_rows", "corpus_rows"]
@@ -62,19 +63,22 @@ def prompt_rows(model, prompts: Sequence[str], position: PositionSpec, field: st
     """One row per prompt (ids by :func:`tracekit.tokens.encode`, as probing tokenizes), row id = index.
 
     Raises:
-        TokenizationError: a named position (prompts have none) or one that does not resolve.
+        TokenizationError: a named position (prompts have none) or one that does not resolve; a
+            prompt longer than the model's context (:func:`tracekit.tokens.check_length`).
     """
     pos = store_position(position, field)
     if pos.kind == "name":
         raise TokenizationError(f"{field}: {pos.text!r} names a dataset position; prompts have none (use a dataset "
                                 "with named positions, or last / all / an index / token:<text>)")
     for i, p in enumerate(prompts):
-        yield _row(model, i, p, encode(model, p), pos, None, f"{field} (prompt {i})")
+        ids = encode(model, p)
+        check_length(model, ids, f"prompts[{i}]", p)
+        yield _row(model, i, p, ids, pos, None, f"{field} (prompt {i})")
 
 
 def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
                 position: PositionSpec = "all", field: str = "position", corpus_field: str = "corpus",
-                packed: bool = False) -> Iterator[StoreRow]:
+                packed: bool = False, seq_field: str = "seq_len") -> Iterator[StoreRow]:
     """Corpus windows, streamed; row id = window index.
 
     Per document (default): :func:`tracekit.corpus.token_windows` (at most ``seq_len`` tokens, BOS
@@ -88,7 +92,16 @@ def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, ma
         TokenizationError: ``token:<text>`` or a named position (a corpus has neither); a packed
             corpus at another position than ``all``.
         CorpusError: a corpus source that cannot be read.
+        ConfigError: ``seq_len`` longer than the model's context (``seq_field`` named), raised when
+            called, before any window.
     """
+    check_window(model, seq_len, seq_field)
+    return _corpus_rows(model, corpus, seq_len, max_tokens, position, field, corpus_field, packed, seq_field)
+
+
+def _corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
+                 position: PositionSpec, field: str, corpus_field: str, packed: bool,
+                 seq_field: str) -> Iterator[StoreRow]:
     pos = store_position(position, field)
     if pos.kind in ("name", "token"):
         raise TokenizationError(f"{field}: {position!r} needs a prompt or a dataset row; on a corpus use all, "
@@ -98,10 +111,10 @@ def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, ma
         if pos.kind != "all":
             raise TokenizationError(f"{field}: a packed corpus stores every position of its windows (position: all); "
                                     f"got {position!r}: set position: all or drop corpus.packed")
-        for i, ids in enumerate(packed_windows(model, docs, seq_len, 0, max_tokens)):
+        for i, ids in enumerate(packed_windows(model, docs, seq_len, 0, max_tokens, seq_field)):
             yield StoreRow(i, tuple(ids), tuple(range(len(ids))), False, None)
         return
-    for w in token_windows(model, docs, seq_len=seq_len, max_tokens=max_tokens):
+    for w in token_windows(model, docs, seq_len=seq_len, max_tokens=max_tokens, field=seq_field):
         read = list(range(w.n_prefix, len(w.ids))) if pos.kind in ("all", "mean") else \
             pos.resolve(model, "", w.ids, f"{field} (window {w.window})")
         yield StoreRow(w.window, tuple(w.ids), tuple(read), pos.kind == "mean", w.doc_id)

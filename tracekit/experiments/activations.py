@@ -31,6 +31,7 @@ from ..core.strict import StrictModel
 from ..dataset import DatasetSpec, PreparedDataset
 from ..hooks import check_hooks
 from ..inputs import input_files
+from ..model.context import check_window
 from ..probing import probe_hooks
 from ..tokens import PositionSpec
 from .base import Experiment, Indices, OptionalPrompts, Result, dataset_meta, register
@@ -192,10 +193,13 @@ class CacheActivations(Experiment):
 
         Raises:
             HookError: an unknown hook. TokenizationError / DatasetError: a position that does not
-                resolve in a row, or a bad dataset.
+                resolve in a row, or a bad dataset. ConfigError: ``corpus.seq_len`` longer than the
+                model's context.
         """
         hooks = self._hooks(model)
         check_hooks(model, hooks, "hooks")
+        if self.corpus is not None:
+            check_window(model, self.corpus.seq_len, "corpus.seq_len")
         data = None
         if self.dataset is not None:
             data = self.dataset.prepare(model, "dataset", batch_size=self.batch_size)
@@ -233,7 +237,8 @@ class CacheActivations(Experiment):
         else:
             assert self.corpus is not None
             rows = corpus_rows(model, self.corpus.source, self.corpus.seq_len, self.corpus.max_tokens,
-                               self.position_spec, corpus_field="corpus.source", packed=self.corpus.packed)
+                               self.position_spec, corpus_field="corpus.source", packed=self.corpus.packed,
+                               seq_field="corpus.seq_len")
         info = write_store(model, rows, inputs.hooks, self.path, position=self.position_spec, source=self._source(inputs),
                            dtype=self.dtype, batch_size=self.batch_size, shard_mb=self.shard_mb,
                            overwrite=self.overwrite, progress=progress)

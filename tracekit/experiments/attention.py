@@ -31,6 +31,7 @@ from .. import plotting
 from ..attention import (
     HEAD_LABELS,
     check_layer,
+    check_repeated_length,
     classify_heads,
     full_patterns,
     head_scores,
@@ -41,7 +42,7 @@ from ..attention import (
 from ..core.errors import AttentionError, DatasetError, TokenizationError
 from ..core.sites import check_heads, check_layers, hook
 from ..dataset import DatasetSpec, PreparedDataset
-from ..tokens import Position, PositionSpec, context_length, pad_ids, parse_position, run_with_cache
+from ..tokens import Position, PositionSpec, pad_ids, parse_position, run_with_cache
 from .base import (
     Experiment,
     Indices,
@@ -736,10 +737,7 @@ class HeadScan(Experiment):
         """Check the layers and the sequence length against the context, tokenize the prompts
         (tokenizer and config only: works on a :class:`tracekit.model.ModelInfo`)."""
         layers = tuple(self._layers(model))
-        n_ctx = context_length(model)
-        if n_ctx is not None and 2 * self.seq_len + 1 > n_ctx:
-            raise AttentionError(f"seq_len: 2 x {self.seq_len} + 1 tokens exceed the model's context of {n_ctx}; "
-                                 "lower seq_len")
+        check_repeated_length(model, self.seq_len)
         if self.dataset is not None:
             if self.prompts:
                 raise AttentionError("prompts / dataset: give one of them (the rows on which heads are labelled)")

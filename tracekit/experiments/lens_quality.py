@@ -174,10 +174,14 @@ class LensQuality(Experiment):
 
         Raises:
             CorpusError: the corpus' held-out documents hold fewer than ``eval.n_tokens`` tokens.
+            ConfigError: ``eval.seq_len`` or (a tuned lens to train) ``tuned.seq_len`` longer than the
+                model's context.
         """
         e = self.eval
+        if "tuned" in self.lenses:
+            self.tuned.check_context(model, "tuned")
         return LensQualityInputs(tuple(split_windows(model, e.corpus, "held_out", e.n_tokens, e.seq_len,
-                                                     "eval.corpus")))
+                                                     "eval.corpus", "eval.seq_len")))
 
     def _run(self, model, inputs: LensQualityInputs, progress: bool = True) -> LensQualityResult:
         from tqdm.auto import tqdm  # lazy: tqdm only for the bar

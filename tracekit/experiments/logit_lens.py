@@ -601,6 +601,7 @@ class LogitLens(Experiment):
 
         Raises:
             TokenizationError / DatasetError: see the class docstring.
+            ConfigError: a tuned lens to train with ``tuned.seq_len`` longer than the model's context.
         """
         if self.dataset is None:  # the prompts' target/foil: TokenizationError naming the field, as before
             for name in ("target", "foil"):
@@ -618,6 +619,8 @@ class LogitLens(Experiment):
                               for e in data.examples)
         summary_positions = tuple(p[0] if pos.single else len(seq) - 1 for p, seq in zip(positions, ids))
         points = tuple(lens_points(int(model.cfg.n_layers), self.layer_convention))
+        if self.lens == "tuned":
+            (self.tuned or TunedLensSpec()).check_context(model, "tuned")
         return LogitLensInputs(data, ids, positions, summary_positions, track_ids, points)
 
     def _run(self, model, inputs: LogitLensInputs, progress: bool = True) -> LogitLensResult:

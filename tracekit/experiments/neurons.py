@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from .. import plotting
 from ..dataset import PreparedDataset, rows_from_prompts
 from ..dla import check_layers, row_positions
+from ..model.context import check_window
 from ..neurons import (
     key_readout,
     neuron_contributions,
@@ -460,6 +461,7 @@ class NeuronAttribution(RowTargetsExperiment):
 
         Raises:
             TokenizationError / DatasetError / AttributionError: see the class docstring.
+            ConfigError: ``contexts.seq_len`` longer than the model's context.
         """
         if self.dataset is None:
             data = prompt_rows(model, self.prompts, self.target, self.foil)
@@ -467,6 +469,8 @@ class NeuronAttribution(RowTargetsExperiment):
             data = kind_dataset(model, None, self.dataset, batch_size=self.batch_size)
         check_row_targets(data, "dataset" if self.dataset is not None else "prompts", "neuron attribution")
         layers = tuple(check_layers(model, self.layers, "layers"))
+        if self.contexts is not None:
+            check_window(model, self.contexts.seq_len, "contexts.seq_len")
         return NeuronAttributionInputs(data, layers, tuple(row_positions(model, data, self.position)))
 
     @torch.no_grad()

@@ -37,6 +37,7 @@ from ..core.errors import PatchingError, TokenizationError
 from ..dataset import DatasetSpec, PreparedDataset
 from ..dla import DLA_POSITION_FORMS, as_position, row_positions
 from ..lenses.patchscope import IDENTITY_PROMPT, patchscope, target_tokens
+from ..model.context import check_generation
 from ..tokens import PositionSpec, str_tokens
 from .base import Experiment, OptionalPrompts, Result, check_dataset_fields, kind_dataset, register, row_frame
 
@@ -214,6 +215,7 @@ class Patchscope(Experiment):
     Raises:
         TokenizationError: a target that is not one token, a position not in a prompt or the target prompt.
         PatchingError: hidden states or target hidden state outside ``0..n_layers``.
+        ConfigError: ``target_prompt`` then ``n_generate`` tokens longer than the model's context.
         MethodRefused: a model whose residual stream is not a token's whole state (blocks with
             token-dependent side inputs).
     """
@@ -281,6 +283,7 @@ class Patchscope(Experiment):
         if not -len(tgt) <= self.target_position < len(tgt):
             raise TokenizationError(f"target_position: {self.target_position} is out of range for the target prompt's "
                                     f"{len(tgt)} tokens {str_tokens(model, tgt)} (use 0..{len(tgt) - 1} or -1)")
+        check_generation(model, len(tgt), self.n_generate, "n_generate", "target_prompt")
         return PatchscopeInputs(data, tuple(positions), tuple(hs), tuple(tgt), self.target_position % len(tgt), th)
 
     def _run(self, model, inputs: PatchscopeInputs, progress: bool = True) -> PatchscopeResult:

@@ -39,6 +39,7 @@ from .. import plotting
 from ..dataset import PreparedDataset, rows_from_prompts
 from ..dla import row_positions
 from ..errors import SAEError
+from ..model.context import check_window
 from ..sae import (
     SAEInfo,
     SAESpec,
@@ -524,6 +525,8 @@ class SAEFeatures(RowTargetsExperiment):
             if info.context_size and len(e.ids) > int(info.context_size):
                 raise SAEError(f"{where}[{i}] is {len(e.ids)} tokens, longer than the SAE's training context "
                                f"({info.context_size})")
+        if self.dashboards is not None:
+            check_window(model, self.dashboards.seq_len, "dashboards.seq_len")
         return SAEFeaturesInputs(info, data, tuple(row_positions(model, data, self.position)))
 
     def check(self, model) -> SAEFeaturesInputs:
@@ -663,7 +666,8 @@ class SAEFeatures(RowTargetsExperiment):
         assert cfg is not None
         fm = tables["features_mean"].sort_values("top_rank")
         chosen = fm["feature"].head(cfg.features).tolist()
-        wins = eval_windows(model, h, cfg.corpus, cfg.max_tokens, cfg.seq_len, field="dashboards.corpus")
+        wins = eval_windows(model, h, cfg.corpus, cfg.max_tokens, cfg.seq_len, field="dashboards.corpus",
+                            seq_field="dashboards.seq_len")
         ctx, hist = top_activating_contexts(model, h, chosen, wins, cfg.top_n, cfg.batch_size)
         top = fm["feature"].head(max(self.top_k, cfg.features)).tolist()
         tables["vocab"] = decoder_vocab(model, h, top, cfg.vocab_k).rename(columns={"rank": "top_rank"})

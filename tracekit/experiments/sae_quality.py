@@ -21,16 +21,24 @@ import pandas as pd
 from pydantic import Field, field_validator
 
 from .. import plotting
-from ..sae import SAESpec, check_sae, eval_windows, load_sae, sae_info, sae_quality
+from ..model.context import check_window
+from ..sae import SAESpec, check_sae, eval_seq_len, eval_windows, load_sae, sae_info, sae_quality
 from .base import Experiment, Result, register
 
 __all__ = ["SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult", "check_spec", "load_handle", "rounded"]
 
 
 def check_spec(exp, model) -> None:
-    """Check the SAE of a kind's ``sae`` field against the model (no weights loaded)."""
+    """Check the SAE of a kind's ``sae`` field against the model (no weights loaded), and the windows
+    it is evaluated on against the model's context (``seq_len``; unset: the SAE's context size).
+
+    Raises:
+        SAEError: see :func:`tracekit.sae.check_sae`. ConfigError: windows longer than the model's context.
+    """
     info = sae_info(exp.sae, model, "sae")
     check_sae(model, info, "sae")
+    if exp.corpus is not None or exp.sae.train is None:  # else the SAE's own held-out windows (checked above)
+        check_window(model, eval_seq_len(exp.sae.train, info.context_size, getattr(exp, "seq_len", None)), "seq_len")
 
 
 def load_handle(exp, model, progress):

@@ -28,6 +28,7 @@ from ..core.strict import Prompts, StrictModel
 from ..dataset import PreparedDataset
 from ..dla import DLA_POSITION_FORMS, as_position, row_positions
 from ..hooks import check_hooks
+from ..model.context import check_generation, check_window
 from ..sae.spec import SAESpec
 from ..steering import (
     Steer,
@@ -314,6 +315,8 @@ class Steering(RowTargetsExperiment):
     Raises:
         SteeringError: a vector of the wrong width, a hook that is not d_model-wide, no prompt position
             to steer. HookError: an unknown hook. TokenizationError / DatasetError: as other row kinds.
+        ConfigError: a prompt then ``generate.max_new_tokens`` (or an SAE's ``train.context_size``)
+            longer than the model's context.
     """
 
     kind: Literal["steering"] = "steering"
@@ -402,6 +405,13 @@ class Steering(RowTargetsExperiment):
             vec = probe_vector(self.vector.path, self.vector.layer, self.vector.class_, self.vector.site)
         if vec is not None:
             check_vector(model, vec, hook)
+        if self.generate is not None:  # the rows _generations runs, checked before any work
+            where = "dataset" if self.dataset is not None else "prompts"
+            for i, e in enumerate(data.examples[:self.generate.max_prompts]):
+                check_generation(model, len(e.ids), self.generate.max_new_tokens, "generate.max_new_tokens",
+                                 f"{where}[{i}]")
+        if isinstance(self.vector, SAESource) and self.vector.sae.train is not None:
+            check_window(model, self.vector.sae.train.context_size, "vector.sae.train.context_size")
         pos_ids = neg_ids = ()
         if isinstance(self.vector, MeanDifferenceSource):
             pos_ids = encode_prompts(model, self.vector.positive, "vector.positive")

@@ -78,6 +78,7 @@ from ..core.sites import hook
 from ..fastpath import residual_stream
 from ..hooks import fwd_hooks
 from ..model.architectures import architecture_name, require
+from ..model.context import check_generation
 from ..model.load import model_device
 from ..patching.engine import PatchJob, auto_batch_size, cache_run, patch_rows, run_chunked
 from ..patching.setters import Site
@@ -244,6 +245,8 @@ def patchscope(
     Raises:
         PatchingError: a hidden state or target hidden state outside ``0..n_layers``, bad top_k / n_generate.
         TokenizationError: a position outside its prompt, an empty or too long prompt.
+        ConfigError: the target prompt and ``n_generate`` do not fit the model's context (the last
+            step runs ``len(target) + n_generate - 1`` positions; :func:`tracekit.model.context.check_generation`).
         MethodRefused: a model whose blocks read token-dependent inputs besides the residual stream
             (module docstring), or one whose verification refused patchscope.
     """
@@ -264,6 +267,7 @@ def patchscope(
         raise PatchingError(f"top_k: {top_k!r} must be a positive integer")
     if isinstance(n_generate, bool) or int(n_generate) < 0:
         raise PatchingError(f"n_generate: {n_generate!r} must be 0 or a positive integer")
+    check_generation(model, len(tgt), int(n_generate), "n_generate", "target_ids")
     require(model, "patchscope")
     k = min(int(top_k), int(model.cfg.d_vocab))
     H, P = len(hs), len(pos)

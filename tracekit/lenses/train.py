@@ -55,6 +55,7 @@ from ..core.strict import StrictModel
 from ..corpus import Window, iter_documents, token_windows, window_batches
 from ..fastpath import residual_stream
 from ..logit_lens import lens_points
+from ..model.context import check_window
 from ..model.load import model_spec_of
 from ..model.readout import Readout
 from ..scratch import scratch_dir
@@ -115,6 +116,20 @@ class TunedLensSpec(StrictModel):
     seed: int = 0
     cache: bool = True
 
+    def check_context(self, model, field: str = "tuned") -> None:
+        """Refuse a ``seq_len`` longer than the model's context when a lens is to be trained (no
+        ``path`` nor ``store``), before anything runs (:func:`tracekit.model.context.check_window`).
+
+        Args:
+            model: a hooked model or :class:`~tracekit.model.ModelInfo`.
+            field: the spec's config field (``<field>.seq_len`` is named).
+
+        Raises:
+            ConfigError: ``seq_len`` longer than the model's context.
+        """
+        if self.path is None and self.store is None:
+            check_window(model, self.seq_len, f"{field}.seq_len")
+
     def training_fields(self) -> dict:
         """The fields that change the trained lens (the cache key's part of the config)."""
         return self.model_dump(mode="json", exclude={"path", "store", "cache", "batch_size"})
@@ -135,7 +150,7 @@ def document_split(doc_id: str) -> str:
 
 
 def split_windows(model, corpus: Union[str, Sequence[str], None], part: str, n_tokens: int, seq_len: int,
-                  field: str = "corpus") -> list[Window]:
+                  field: str = "corpus", seq_field: str = "seq_len") -> list[Window]:
     """Windows of the documents of one side of the split, in corpus order, until ``n_tokens`` text
     tokens (BOS excluded) are collected.
 
@@ -146,12 +161,14 @@ def split_windows(model, corpus: Union[str, Sequence[str], None], part: str, n_t
         n_tokens: text tokens wanted.
         seq_len: tokens per window, BOS included.
         field: the config field quoted in errors.
+        seq_field: the config field of ``seq_len``, quoted in errors.
 
     Raises:
         CorpusError: the corpus side holds fewer than ``n_tokens`` tokens.
+        ConfigError: ``seq_len`` longer than the model's context.
     """
     docs = ((d, t) for d, t in iter_documents(corpus, field=field) if document_split(d) == part)
-    wins = list(token_windows(model, docs, seq_len=seq_len, max_tokens=n_tokens))
+    wins = list(token_windows(model, docs, seq_len=seq_len, max_tokens=n_tokens, field=seq_field))
     got = sum(len(w.ids) - w.n_prefix for w in wins)
     if got < n_tokens:
         raise CorpusError(f"{field}: the {part.replace('_', '-')} documents of the corpus give {got} tokens, fewer than "
@@ -470,8 +487,10 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
 
 
 def _spec_windows(model, spec: TunedLensSpec, field: str) -> tuple[list[Window], list[Window]]:
-    train = split_windows(model, spec.corpus, "train", spec.train_tokens, spec.seq_len, f"{field}.corpus")
-    held = split_windows(model, spec.corpus, "held_out", spec.held_out_tokens, spec.seq_len, f"{field}.corpus") \
+    train = split_windows(model, spec.corpus, "train", spec.train_tokens, spec.seq_len, f"{field}.corpus",
+                          f"{field}.seq_len")
+    held = split_windows(model, spec.corpus, "held_out", spec.held_out_tokens, spec.seq_len, f"{field}.corpus",
+                         f"{field}.seq_len") \
         if spec.held_out_tokens else []
     return train, held
 

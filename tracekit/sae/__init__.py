@@ -57,7 +57,7 @@ from .decompose import (
 )
 from .interventions import SAEBasis, feature_intervention, random_features
 from .load import LoadedSAE, load_sae
-from .quality import SAEQuality, eval_windows, sae_quality
+from .quality import SAEQuality, eval_seq_len, eval_windows, sae_quality
 from .spec import SAEInfo, SAESpec, SAETrainSpec, check_sae, hook_width, sae_info
 from .train import (
     SAE_FILES,
@@ -85,6 +85,7 @@ __all__ = [
     "clear_sae_cache",
     "decoder_vocab",
     "effective_decoder",
+    "eval_seq_len",
     "eval_windows",
     "feature_dashboard_html",
     "feature_decomposition",

@@ -13,13 +13,14 @@ import torch
 from ..compat import require_sae_lens
 from ..core.errors import SAEError
 from ..hooks import enabled_hooks
+from ..model.context import check_window
 from ..model.info import HookedModel
 from ..tokens import Batch, forward_kwargs, pad_ids
 from .decompose import _flat, sae_terms, splice_hook
 from .load import LoadedSAE
 from .windows import _corpus_windows, special_token_ids
 
-__all__ = ["SAEQuality", "eval_windows", "sae_quality"]
+__all__ = ["SAEQuality", "eval_seq_len", "eval_windows", "sae_quality"]
 
 
 @dataclass
@@ -198,22 +199,47 @@ def sae_quality(model: HookedModel, handle: LoadedSAE, windows: Sequence[Sequenc
     return _quality(tally, dense_threshold, len(windows))
 
 
+def eval_seq_len(train: Any, context_size: int | None, seq_len: int | None = None) -> int:
+    """The window length an SAE is evaluated on: ``seq_len``, else the training spec's
+    ``context_size``, else the SAE's recorded context size, else 64.
+
+    Args:
+        train: the SAE's training spec (:class:`~tracekit.sae.spec.SAETrainSpec`) or None.
+        context_size: the context size the SAE records (``SAEInfo.context_size``) or None.
+        seq_len: the configured window length or None.
+    """
+    return int(seq_len or (train.context_size if train is not None else None) or context_size or 64)
+
+
 def eval_windows(model: HookedModel, handle: LoadedSAE, corpus: str | list[str] | None = None,
-                 max_tokens: int = 4096, seq_len: int | None = None, field: str = "corpus") -> list[list[int]]:
+                 max_tokens: int = 4096, seq_len: int | None = None, field: str = "corpus",
+                 seq_field: str = "seq_len") -> list[list[int]]:
     """Token windows to evaluate an SAE on: for an SAE trained here with ``corpus`` None, the
     held-out tokens that follow its training tokens; else the first ``max_tokens`` of ``corpus``.
     Windows are ``seq_len`` tokens (default: the SAE's context size, else 64).
 
+    Args:
+        model: the hooked model.
+        handle: the loaded SAE.
+        corpus: the corpus source (None: see above).
+        max_tokens: text tokens evaluated at most.
+        seq_len: tokens per window (None: the SAE's context size, else 64).
+        field: the corpus' config field, named in errors.
+        seq_field: the config field of ``seq_len``, named in errors (also when ``seq_len`` is None and the
+            SAE's context size is used: setting it is the fix).
+
     Raises:
         SAEError: the corpus gives no window.
+        ConfigError: the windows are longer than the model's context (:func:`eval_seq_len`).
     """
     t = handle.spec.train if handle.spec is not None else None
-    L = int(seq_len or (t.context_size if t else None) or handle.info.context_size or 64)
+    L = eval_seq_len(t, handle.info.context_size, seq_len)
     if t is not None and corpus is None:
         wins = _corpus_windows(model, t.corpus, t.context_size, t.dataset_tokens or t.training_tokens,
                                min(max_tokens, t.eval_tokens) if max_tokens else t.eval_tokens, field)
     else:
-        wins = _corpus_windows(model, corpus or "stdlib", L, 0, max_tokens, field)
+        check_window(model, L, seq_field)
+        wins = _corpus_windows(model, corpus or "stdlib", L, 0, max_tokens, field, seq_field)
     if not wins:
         raise SAEError(f"{field}: no full window of {L} tokens in the corpus; lower seq_len or give more text")
     return wins

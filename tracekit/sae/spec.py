@@ -17,6 +17,7 @@ from ..core.errors import HookError, SAEError
 from ..core.sites import hook as site_hook
 from ..core.strict import StrictModel
 from ..hooks import check_hooks
+from ..model.context import check_window
 from ..model.info import HookedModel
 from ..model.load import model_fingerprint, model_spec_of
 from ..model.source import _hub_reachable
@@ -349,7 +350,10 @@ def sae_info(spec: SAESpec, model: HookedModel, field: str = "sae") -> SAEInfo:
     Raises:
         SAEError: SAELens is not available (:func:`tracekit.compat.require_sae_lens`); a path without
             ``cfg.json``, an unknown release/id, a pretrained SAE that is neither cached nor downloadable.
+        ConfigError: an SAE to train whose ``train.context_size`` is longer than the model's context.
     """
+    if spec.train is not None:
+        check_window(model, spec.train.context_size, f"{field}.train.context_size")
     require_sae_lens(field)
     if spec.path is not None:
         p = Path(spec.path).expanduser()

@@ -35,6 +35,7 @@ from ..core.signals import preserved_signal_handlers
 from ..fastpath import residual_stream
 from ..hooks import enabled_hooks, state_guard
 from ..inputs import input_files
+from ..model.context import check_window
 from ..model.info import HookedModel
 from ..model.load import model_device, model_fingerprint, model_parameters, model_spec_of
 from ..model.spec import ModelSpec
@@ -168,9 +169,10 @@ def _training_windows(model: HookedModel, t: SAETrainSpec, field: str) -> tuple[
         SAEError: the corpus holds fewer tokens than ``dataset_tokens`` + ``eval_tokens``.
     """
     n_data = t.dataset_tokens or t.training_tokens
-    wins = _corpus_windows(model, t.corpus, t.context_size, 0, n_data, f"{field}.corpus")
+    wins = _corpus_windows(model, t.corpus, t.context_size, 0, n_data, f"{field}.corpus", f"{field}.context_size")
     n_tok = sum(len(w) for w in wins)
-    held = _corpus_windows(model, t.corpus, t.context_size, n_data, t.eval_tokens, f"{field}.corpus")
+    held = _corpus_windows(model, t.corpus, t.context_size, n_data, t.eval_tokens, f"{field}.corpus",
+                           f"{field}.context_size")
     n_held = sum(len(w) for w in held)
     if n_tok < n_data or n_held < t.eval_tokens:
         raise SAEError(f"{field}: the corpus gives {n_tok} dataset tokens and {n_held} held-out tokens, fewer than "
@@ -293,11 +295,13 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
     Raises:
         SAEError: the hook cannot be read, the corpus is too small, or SAELens is not installed
             (:func:`tracekit.compat.require_sae_lens`).
+        ConfigError: ``context_size`` longer than the model's context (before anything runs).
         StoreError: ``t.store`` cannot stand in for the model (another model, not packed corpus
             windows of ``context_size``, another corpus, no such hook, too few windows).
     """
     from datasets import Dataset  # lazy: datasets is heavy
 
+    check_window(model, t.context_size, f"{field}.context_size")
     require_sae_lens(field)
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()

@@ -22,16 +22,17 @@ def special_token_ids(model: HookedModel) -> list[int]:
 
 
 def _corpus_windows(model: HookedModel, corpus, seq_len: int, skip_tokens: int, n_tokens: int,
-                    field: str) -> list[list[int]]:
+                    field: str, seq_field: str = "seq_len") -> list[list[int]]:
     """Windows of exactly ``seq_len`` tokens packed from the corpus (:func:`tracekit.corpus.packed_windows`,
     as SAELens packs its training contexts), after skipping ``skip_tokens`` text tokens, until
     ``n_tokens`` text tokens are collected.
 
     Raises:
         SAEError: ``seq_len`` leaves no room for text after the BOS.
+        ConfigError: ``seq_len`` longer than the model's context (``seq_field`` named).
     """
     try:
         return [list(w) for w in packed_windows(model, iter_documents(corpus, field=field), seq_len, skip_tokens,
-                                                n_tokens)]
+                                                n_tokens, seq_field)]
     except CorpusError as e:
         raise SAEError(f"{field}: {e}") from e

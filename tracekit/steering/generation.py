@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..model.context import check_generation
 from ..model.load import model_device
 from .apply import Steer, StepClock, steer
 from .vectors import SteeringError
@@ -97,10 +98,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 20, *, do_s
     Raises:
         SteeringError: bad settings; the KV cache did not fill (the model's attention ignores it:
             run with ``use_kv_cache=False``).
+        ConfigError: the prompt and ``max_new_tokens`` do not fit the model's context (at most
+            ``len(prompt_ids) + max_new_tokens - 1`` positions are run;
+            :func:`tracekit.model.context.check_generation`), before any forward pass.
     """
     if max_new_tokens < 1 or (do_sample and not temperature > 0) or (top_p is not None and not 0 < top_p <= 1):
         raise SteeringError(f"generate: max_new_tokens >= 1, temperature > 0 and top_p in (0, 1] are needed "
                             f"(got {max_new_tokens}, {temperature}, {top_p})")
+    check_generation(model, len(prompt_ids), int(max_new_tokens), "max_new_tokens", "prompt_ids")
     dev = model_device(model)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
     n0 = ids.shape[1]

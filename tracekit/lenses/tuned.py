@@ -241,7 +241,7 @@ class TunedLens(nn.Module):
                 warnings.warn(f"{field}: the model's unembed_hash ({h[:12]}..., its checkpoint's output embedding "
                               f"as the tuned-lens package hashes it) differs from the lens' ({c.unembed_hash[:12]}...): "
                               f"the lens (tuned for {c.base_model_name_or_path!r}) was probably trained on another "
-                              "model", 
+                              "model",
                               stacklevel=2)
             return
         lens_basis = self.record.get("residual_basis")

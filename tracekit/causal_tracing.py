@@ -249,6 +249,16 @@ class NoiseScale:
     n_tokens: int
 
 
+def _table_subject_positions(model, name: str, ids: Sequence[int]) -> tuple[int, ...]:
+    """The tokens of ``" " + name`` (encoded as ``ids``) overlapping ``name``; without character
+    offsets (a slow tokenizer), every token after the prepended BOS."""
+    try:
+        return subject_span(model, " " + name, name, ids, field="subjects table")
+    except TokenizationError:
+        n_bos = len(ids) - len(_tok(model)(" " + name, add_special_tokens=False)["input_ids"])
+        return tuple(range(max(0, n_bos), len(ids)))
+
+
 def noise_scale(model: HookedModel, calibration: str = "subjects_table", ids: Sequence[Sequence[int]] = (),
                 positions: Sequence[Sequence[int]] = ()) -> NoiseScale:
     """sigma for ``noise_std = noise x sigma`` (ROME's ``collect_embedding_std``, ``experiments/causal_trace.py``
@@ -277,7 +287,7 @@ def noise_scale(model: HookedModel, calibration: str = "subjects_table", ids: Se
             return cached
         names = table_subjects()
         enc = [encode(model, " " + n) for n in names]
-        pos = [subject_span(model, " " + n, n, e, field="subjects table") for n, e in zip(names, enc)]
+        pos = [_table_subject_positions(model, n, e) for n, e in zip(names, enc)]
         out = NoiseScale("subjects_table", embedding_std(model, enc, pos),
                          f"the {len(names)} subjects of the built-in capitals table (tracekit/data/countries.csv, "
                          "column country), each encoded alone as ' ' + name", len(names), sum(len(p) for p in pos))

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..core.errors import ConfigError
 from ..core.io import atomic_folder
-from ..model.load import checkpoint_unembed_hash, model_fingerprint, model_spec_of
+from ..model.load import model_fingerprint, model_spec_of
 from ..model.readout import Readout, _transform_fn
 
 __all__ = ["TunedLens", "TunedLensConfig", "residual_basis", "unembed_hash", "lens_log_probs", "CONFIG_FILE",
@@ -112,19 +112,11 @@ def unembed_hash(model) -> Optional[str]:
     :func:`tracekit.model.load.checkpoint_unembed_hash`), the same string the package writes to and
     compares with ``config.json`` for the same model, whatever tracekit's weight processing.
 
-    Read from what :func:`tracekit.model.load.wrap_hf_model` recorded before processing; for a model
-    wrapped elsewhere, hashed from its Hugging Face model only when that is known to be unprocessed
-    (``process_weights: false``), else None (unknown: no check), never the processed (centred,
-    norm-folded, untied) unembedding, which no package-side model has.
+    Read from what :func:`tracekit.model.load.wrap_hf_model` records before weight processing; None
+    for a model wrapped elsewhere (its Hugging Face model may hold processed weights: centred,
+    norm-folded, untied, which no package-side model has), and then no check is made.
     """
-    recorded = getattr(model, "__dict__", {})
-    if "tracekit_unembed_hash" in recorded:
-        return recorded["tracekit_unembed_hash"]
-    hf = getattr(model, "original_model", None)
-    spec = recorded.get("tracekit_spec")
-    if hf is None or spec is None or spec.process_weights:
-        return None
-    return checkpoint_unembed_hash(hf)
+    return getattr(model, "__dict__", {}).get("tracekit_unembed_hash")
 
 
 def lens_log_probs(model, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:

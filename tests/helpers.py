@@ -96,21 +96,16 @@ def perturb_params(hf, norm_gain=lambda name: 1.0, seed: int = 11) -> None:
                 p.mul_(4.0)
 
 
-def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, prepend_bos=True,
-                   padding_side: str = "right", n_layers: int = 3):
-    """A tiny random model with non-trivial norm weights, biases and O(1) logits (cached)."""
-    key = (arch, process_weights, tied, prepend_bos, padding_side, n_layers)
-    if key in _PERTURBED:
-        return _PERTURBED[key]
+def perturbed_hf(arch: str, tied: bool = False, n_layers: int = 3):
+    """The Hugging Face model (and tokenizer) :func:`make_perturbed` wraps, built afresh (same seed,
+    same weights): the checkpoint as the Hugging Face side (e.g. the tuned-lens package) sees it."""
     from transformers import AutoModelForCausalLM
 
-    from tracekit.model.load import wrap_hf_model
     from tracekit.model.source import _load_tokenizer, _random_config
     from tracekit.model.spec import ModelSpec
 
     spec = ModelSpec(name=arch, random_init=True, tokenizer=GPT2_BPE,
-                     config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,
-                     prepend_bos=prepend_bos, padding_side=padding_side, device="cpu", seed=7)
+                     config_overrides=tiny_overrides(arch, n_layers, tied), device="cpu", seed=7)
     tok = _load_tokenizer(GPT2_BPE)
     torch.manual_seed(7)
     hf = AutoModelForCausalLM.from_config(_random_config(spec), dtype=torch.float32)
@@ -119,6 +114,22 @@ def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, 
     perturb_params(hf)
     if tied:
         assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    return hf, tok
+
+
+def make_perturbed(arch: str, process_weights: bool = True, tied: bool = False, prepend_bos=True,
+                   padding_side: str = "right", n_layers: int = 3):
+    """A tiny random model with non-trivial norm weights, biases and O(1) logits (cached)."""
+    key = (arch, process_weights, tied, prepend_bos, padding_side, n_layers)
+    if key in _PERTURBED:
+        return _PERTURBED[key]
+    from tracekit.model.load import wrap_hf_model
+    from tracekit.model.spec import ModelSpec
+
+    spec = ModelSpec(name=arch, random_init=True, tokenizer=GPT2_BPE,
+                     config_overrides=tiny_overrides(arch, n_layers, tied), process_weights=process_weights,
+                     prepend_bos=prepend_bos, padding_side=padding_side, device="cpu", seed=7)
+    hf, tok = perturbed_hf(arch, tied=tied, n_layers=n_layers)
     bridge = wrap_hf_model(hf, tok, spec, bridge_name="gpt2" if arch == "gpt2" else "meta-llama/Llama-3.2-1B")
     _PERTURBED[key] = bridge
     return bridge

@@ -16,8 +16,14 @@ The indirect effect of a state is ``p(target | corrupted, restored) - p(target |
 averaged over the noise draws; the total effect is ``p_clean - p_corrupted``.
 
 Noise level: ``noise_std = noise x sigma``, ``sigma`` the standard deviation of the token
-embeddings at the subject tokens (ROME's ``collect_embedding_std``, default ``noise = 3``).
-:func:`embedding_std` reads sigma from the tensor the noise is added to,
+embeddings of a population of subjects (ROME's ``collect_embedding_std``, default ``noise = 3``:
+ROME's ``--noise_level s3``). ROME pools over the subjects of its whole facts dataset (the 1209
+"known" facts), so one prompt's noise does not depend on which subject it traces. The population is
+the *calibration* (:data:`NOISE_CALIBRATIONS`, :func:`noise_scale`): ``subjects_table`` (default),
+the 50 subjects of the capitals table tracekit ships (``tracekit/data/countries.csv``, column
+``country``), fixed whatever the prompts; ``row_subjects``, the subject tokens of the prompts traced
+(the rows of one step: it changes with the prompts, e.g. a one-prompt run noises ' France' by its
+own std). :func:`embedding_std` reads sigma from the tensor the noise is added to,
 ``blocks.0.hook_resid_pre``, after any embedding scale or norm (Gemma's ``sqrt(d_model)``,
 Granite's multiplier, Bloom's LayerNorm), minus the learned position embedding
 (``hook_pos_embed``) where the model has one (GPT-2): the token embedding as it enters the stream,
@@ -60,9 +66,9 @@ from .model.readout import Readout
 from .patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
 from .tokens import _tok, encode, pad_ids, run_with_cache, str_tokens
 
-__all__ = ["KINDS", "CATEGORIES", "PREFIX_TOLERANCE", "Restoration", "RestoredProbs", "CausalTrace", "causal_trace",
-           "trace_restorations", "embedding_std", "subject_noise", "window_layers", "subject_span",
-           "token_categories"]
+__all__ = ["KINDS", "CATEGORIES", "PREFIX_TOLERANCE", "NOISE_CALIBRATIONS", "Restoration", "RestoredProbs",
+           "CausalTrace", "NoiseScale", "causal_trace", "trace_restorations", "embedding_std", "noise_scale",
+           "table_subjects", "subject_noise", "window_layers", "subject_span", "token_categories"]
 
 #: What is restored: the block output (residual stream), the MLP output, the attention output.
 KINDS = ("resid", "mlp", "attn")
@@ -74,6 +80,10 @@ CATEGORIES = ("first subject token", "middle subject tokens", "last subject toke
 #: largest |state| there, for those positions to be taken as unaffected (causality; float rounding
 #: of batched rows is ~1e-7 relative in float32).
 PREFIX_TOLERANCE = 1e-4
+#: The populations sigma (the embedding std the noise is a multiple of) can be computed over:
+#: ``subjects_table`` the shipped capitals table's 50 subjects (prompt-independent, the default),
+#: ``row_subjects`` the subject tokens of the prompts traced (:func:`noise_scale`).
+NOISE_CALIBRATIONS = ("subjects_table", "row_subjects")
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,19 @@ def subject_noise(n_samples: int, n_subject: int, d_model: int, std: float, seed
     return torch.randn(n_samples, n_subject, d_model, generator=g, dtype=torch.float32) * float(std)
 
 
+def _std_chunks(lengths: Sequence[int], max_tokens: int = 4096) -> list[slice]:
+    """Consecutive slices of prompts, each padded batch at most ``max_tokens`` (or one prompt)."""
+    out, start, width = [], 0, 0
+    for i, n in enumerate(lengths):
+        w = max(width, n)
+        if i > start and w * (i + 1 - start) > max_tokens:
+            out.append(slice(start, i))
+            start, w = i, n
+        width = w
+    out.append(slice(start, len(lengths)))
+    return out
+
+
 @torch.no_grad()
 def embedding_std(model: HookedModel, ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> float:
     """ROME's ``collect_embedding_std``: the standard deviation of every element of the token
@@ -172,6 +195,9 @@ def embedding_std(model: HookedModel, ids: Sequence[Sequence[int]], positions: S
         ids: the prompts' token ids.
         positions: per prompt, the positions read (the subject's tokens).
 
+    Prompts run in right-padded batches (of at most 4096 padded tokens); only the embedding of
+    each real token is read, which padding does not change.
+
     Returns:
         The standard deviation (residual-stream units, float).
     """
@@ -179,16 +205,102 @@ def embedding_std(model: HookedModel, ids: Sequence[Sequence[int]], positions: S
     hd = model.hook_dict
     names = [start] + [n for n in (pe, emb) if n in hd]
     vals = []
-    for seq, pos in zip(ids, positions):
-        _, cache = run_with_cache(model, pad_ids(model, [list(seq)]), names, strict=False)
-        x = cache[start][0].float()
-        if pe in cache and emb in cache and cache[pe].shape == cache[start].shape:
-            tok_part = x - cache[pe][0].float()
-            # the token part only when the stream's start is token + position embedding (not scaled after)
-            if torch.allclose(cache[emb][0].float(), tok_part, atol=1e-5, rtol=1e-4):
-                x = tok_part
-        vals.append(x[list(pos)].flatten())
+    for sl in _std_chunks([len(s) for s in ids]):
+        # right padding: every prompt's real tokens keep their positions (and their embeddings)
+        _, cache = run_with_cache(model, pad_ids(model, [list(s) for s in ids[sl]], "right"), names, strict=False)
+        for b, pos in enumerate(positions[sl]):
+            x = cache[start][b].float()
+            if pe in cache and emb in cache and cache[pe].shape == cache[start].shape:
+                tok_part = x - cache[pe][b].float()
+                # the token part only when the stream's start is token + position embedding (not scaled after)
+                if torch.allclose(cache[emb][b].float(), tok_part, atol=1e-5, rtol=1e-4):
+                    x = tok_part
+            vals.append(x[list(pos)].flatten())
     return float(torch.cat(vals).std())
+
+
+def table_subjects() -> list[str]:
+    """The subjects of the capitals table tracekit ships (``tracekit/data/countries.csv``, column
+    ``country``: 50 country names, in the table's order), the population of the ``subjects_table``
+    noise calibration."""
+    import csv
+    from importlib import resources
+
+    with resources.files("tracekit").joinpath("data/countries.csv").open("r", encoding="utf-8") as f:
+        return [r["country"] for r in csv.DictReader(f)]
+
+
+@dataclass(frozen=True)
+class NoiseScale:
+    """The embedding std sigma the noise is a multiple of, and what it was computed over.
+
+    Attributes:
+        calibration: the rule (:data:`NOISE_CALIBRATIONS`).
+        embedding_std: sigma (residual-stream units).
+        population: in words, the tokens sigma pools.
+        n_subjects: subjects (or prompts) pooled.
+        n_tokens: tokens pooled (each contributes ``d_model`` elements).
+    """
+
+    calibration: str
+    embedding_std: float
+    population: str
+    n_subjects: int
+    n_tokens: int
+
+
+def _table_subject_positions(model, name: str, ids: Sequence[int]) -> tuple[int, ...]:
+    """The tokens of ``" " + name`` (encoded as ``ids``) overlapping ``name``; without character
+    offsets (a slow tokenizer), every token after the prepended BOS."""
+    try:
+        return subject_span(model, " " + name, name, ids, field="subjects table")
+    except TokenizationError:
+        n_bos = len(ids) - len(_tok(model)(" " + name, add_special_tokens=False)["input_ids"])
+        return tuple(range(max(0, n_bos), len(ids)))
+
+
+def noise_scale(model: HookedModel, calibration: str = "subjects_table", ids: Sequence[Sequence[int]] = (),
+                positions: Sequence[Sequence[int]] = ()) -> NoiseScale:
+    """sigma for ``noise_std = noise x sigma`` (ROME's ``collect_embedding_std``, ``experiments/causal_trace.py``
+    of kmeng01/rome: the std of every element of the subjects' token embeddings, pooled).
+
+    Args:
+        model: the hooked model.
+        calibration: ``subjects_table``: over the 50 subjects of the shipped capitals table
+            (:func:`table_subjects`), each encoded on its own as it stands in running text, ``" " +
+            name`` (BOS as the model prepends it, not read), reading every token overlapping the
+            name; the same for every prompt (ROME pools its whole facts dataset's subjects, encoding
+            each bare subject; tracekit's prompts have it after a space). Cached on the model.
+            ``row_subjects``: over ``positions`` of ``ids`` (the subject tokens of the prompts traced).
+        ids: with ``row_subjects``: the prompts' token ids.
+        positions: with ``row_subjects``: per prompt, the subject positions.
+
+    Returns:
+        :class:`NoiseScale`.
+
+    Raises:
+        ConfigError: an unknown calibration, or ``row_subjects`` without subject positions.
+    """
+    if calibration == "subjects_table":
+        cached = getattr(model, "__dict__", {}).get("_tracekit_subjects_table_scale")
+        if cached is not None:
+            return cached
+        names = table_subjects()
+        enc = [encode(model, " " + n) for n in names]
+        pos = [_table_subject_positions(model, n, e) for n, e in zip(names, enc)]
+        out = NoiseScale("subjects_table", embedding_std(model, enc, pos),
+                         f"the {len(names)} subjects of the built-in capitals table (tracekit/data/countries.csv, "
+                         "column country), each encoded alone as ' ' + name", len(names), sum(len(p) for p in pos))
+        if hasattr(model, "__dict__"):
+            model.__dict__["_tracekit_subjects_table_scale"] = out
+        return out
+    if calibration == "row_subjects":
+        if not ids or len(ids) != len(positions) or not all(positions):
+            raise ConfigError("noise_calibration: row_subjects needs the prompts' subject positions")
+        return NoiseScale("row_subjects", embedding_std(model, ids, positions),
+                          f"the subject tokens of the {len(ids)} prompt(s) traced", len(ids),
+                          sum(len(p) for p in positions))
+    raise ConfigError(f"noise_calibration: {calibration!r}; choose from {list(NOISE_CALIBRATIONS)}")
 
 
 @dataclass
@@ -488,6 +600,7 @@ def causal_trace(
     batch_size: int | str = "auto",
     skip_prefix: bool = True,
     progress: Callable[[int], Any] | None = None,
+    noise_calibration: str = "subjects_table",
 ) -> CausalTrace:
     """ROME's causal tracing of one prompt: every (kind, layer, position) restored in turn.
 
@@ -499,8 +612,8 @@ def causal_trace(
         kinds: any of ``resid``, ``mlp``, ``attn`` (:data:`KINDS`).
         window: layers restored together for ``mlp`` / ``attn``, centred as ROME (:func:`window_layers`);
             ``resid`` restores one block output.
-        noise: the noise's standard deviation as a multiple of :func:`embedding_std` over this
-            prompt's subject tokens (ROME: 3); ignored when ``noise_std`` is given.
+        noise: the noise's standard deviation as a multiple of the embedding std sigma of
+            ``noise_calibration`` (ROME: 3); ignored when ``noise_std`` is given.
         noise_std: the noise's standard deviation in residual-stream units (overrides ``noise``).
         n_samples: seeded noise draws (ROME: 10), the same for every restoration.
         seed: the noise's seed.
@@ -508,12 +621,16 @@ def causal_trace(
         skip_prefix: take restorations before the first subject token as the identity (see
             :func:`trace_restorations`).
         progress: called with the number of replay rows finished.
+        noise_calibration: what sigma pools (:func:`noise_scale`): ``subjects_table`` (default: the
+            shipped capitals table's subjects, the same sigma whatever the prompt) or
+            ``row_subjects`` (this prompt's subject tokens).
 
     Returns:
         :class:`CausalTrace`.
 
     Raises:
-        ConfigError: ``window < 1``, ``n_samples < 1``, a negative noise, an unknown kind, bad subject positions.
+        ConfigError: ``window < 1``, ``n_samples < 1``, a negative noise, an unknown kind, bad subject
+            positions, an unknown ``noise_calibration``.
         MethodRefused: no ``hook_mlp_out`` / ``hook_attn_out`` where those kinds are asked for.
     """
     n_layers = int(model.cfg.n_layers)
@@ -523,7 +640,7 @@ def causal_trace(
     if noise_std is None:
         if noise < 0:
             raise ConfigError(f"noise: {noise}; give a non-negative multiple of the embedding std (ROME: 3)")
-        noise_std = float(noise) * embedding_std(model, [ids], [subject_positions])
+        noise_std = float(noise) * noise_scale(model, noise_calibration, [ids], [subject_positions]).embedding_std
     if noise_std < 0:
         raise ConfigError(f"noise_std: {noise_std}; give a non-negative standard deviation")
     P = len(ids)

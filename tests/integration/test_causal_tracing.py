@@ -17,6 +17,8 @@ comparison first checks that the compared effects are far larger than the tolera
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -27,8 +29,10 @@ from tracekit.causal_tracing import (
     Restoration,
     causal_trace,
     embedding_std,
+    noise_scale,
     subject_noise,
     subject_span,
+    table_subjects,
     token_categories,
     trace_restorations,
     window_layers,
@@ -169,7 +173,7 @@ def test_restoring_everything_gives_the_clean_run(perturbed_model):
 
 def test_seeds_and_prefix(tiny_gpt2):
     ids, subj = _setup(tiny_gpt2)
-    kw = dict(kinds=("resid", "mlp"), window=2, noise_std=1.0, n_samples=2, seed=5)
+    kw: dict[str, Any] = dict(kinds=("resid", "mlp"), window=2, noise_std=1.0, n_samples=2, seed=5)
     a = causal_trace(tiny_gpt2, ids, subj, batch_size=5, **kw)
     b = causal_trace(tiny_gpt2, ids, subj, batch_size=64, **kw)
     assert torch.allclose(a.p_restored_by_sample, b.p_restored_by_sample, rtol=1e-5, atol=0)  # batching: rounding only
@@ -193,8 +197,47 @@ def test_embedding_std_is_the_token_embedding(tiny_gpt2):
     _, cache = tiny_gpt2.run_with_cache(torch.tensor([ids]))
     want = float(cache["hook_embed"][0, list(subj)].float().std())  # GPT-2: position embedding excluded (ROME's wte)
     assert abs(embedding_std(tiny_gpt2, [ids], [subj]) - want) <= 1e-6
-    tr = causal_trace(tiny_gpt2, ids, subj, kinds=("resid",), noise=2.0, n_samples=1)
+    tr = causal_trace(tiny_gpt2, ids, subj, kinds=("resid",), noise=2.0, n_samples=1, noise_calibration="row_subjects")
     assert abs(tr.noise_std - 2.0 * want) <= 1e-6
+
+
+def test_default_noise_does_not_depend_on_the_prompt(tiny_model):
+    """ROME's noise is 3 x the embedding std over a fixed population of subjects (its facts dataset);
+    by default tracekit's is over the shipped capitals table's 50 subjects, so one-prompt runs with
+    different subjects get the same noise std; ``row_subjects`` pools the step's own subject tokens."""
+    model = tiny_model
+    base = {"kinds": ["resid"], "n_samples": 1, "window": 1}
+    runs = {c: CausalTracing(prompts=[f"The capital of {c} is"], subject=c, **base).run(model, progress=False).summary()
+            for c in ("France", "Germany")}
+    sf, sg = runs["France"], runs["Germany"]
+    assert sf["noise_std"] == sg["noise_std"] and sf["embedding_std"] == sg["embedding_std"]
+    assert sf["noise_calibration"] == "subjects_table" and "50 subjects" in sf["embedding_std_over"]
+    assert sf["noise"] == 3.0 and abs(sf["noise_std"] - 3.0 * sf["embedding_std"]) <= 1e-12
+    # by hand: the token embeddings (as they enter the stream) of ' ' + each table subject, pooled
+    names = table_subjects()
+    assert len(names) == 50 and names[0] == "France"
+    toks = [t for n in names for t in model.tokenizer(" " + n, add_special_tokens=False)["input_ids"]]
+    want = float(model.W_E[toks].float().std())  # the token embedding is the stream's start (GPT-2: + positions)
+    assert sf["embedding_std_n_tokens"] == len(toks)
+    assert abs(sf["embedding_std"] - want) <= 1e-6
+    # the step's own subjects: the std of that subject's tokens, another number per subject
+    rows = {c: CausalTracing(prompts=[f"The capital of {c} is"], subject=c, noise_calibration="row_subjects",
+                             **base).run(model, progress=False).summary() for c in ("France", "Germany")}
+    for c, r in rows.items():
+        ids = encode(model, f"The capital of {c} is")
+        assert abs(r["embedding_std"] - embedding_std(model, [ids], [subject_span(model, f"The capital of {c} is", c, ids)])) <= 1e-7
+        assert r["noise_calibration"] == "row_subjects" and "1 prompt" in r["embedding_std_over"]
+    assert abs(rows["France"]["noise_std"] - rows["Germany"]["noise_std"]) > 1e-3
+    assert noise_scale(model).embedding_std == sf["embedding_std"]
+    with pytest.raises(ConfigError, match="noise_calibration"):
+        noise_scale(model, "embedding")
+    with pytest.raises(ValidationError, match="noise_calibration and noise_std"):
+        CausalTracing(prompts=["The capital of France is"], subject="France", noise_calibration="row_subjects",
+                      noise_std=0.1)
+    absolute = CausalTracing(prompts=["The capital of France is"], subject="France", noise_std=0.25,
+                             **base).run(model, progress=False).summary()
+    assert absolute["noise_calibration"] == "absolute" and absolute["noise_std"] == 0.25
+    assert absolute["embedding_std"] is None and absolute["embedding_std_over"] is None
 
 
 def test_hooks_removed_after_an_exception():

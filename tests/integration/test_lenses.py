@@ -8,6 +8,7 @@ log-softmax in float32 (the readout of the last block's output vs the model's lo
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -16,18 +17,18 @@ import pandas as pd
 import pytest
 import torch
 from pydantic import ValidationError
-from reference.tuned_lens_layout import PackageTranslators
+from reference.tuned_lens_layout import PackageTranslators, check_unembed_hash, unembedding_hash
 from reference.tuned_lens_layout import TunedLensConfig as PackageConfig
 
 import tracekit.lenses.train as train_mod
-from helpers import make_perturbed
+from helpers import make_perturbed, perturbed_hf
 from tracekit.core.errors import ConfigError
 from tracekit.experiments.lens_quality import LensQuality
 from tracekit.experiments.logit_lens import LogitLens
 from tracekit.fastpath import residual_stream
 from tracekit.lenses.quality import quality_table
 from tracekit.lenses.train import TunedLensSpec, load_or_train_tuned_lens, split_windows, train_tuned_lens
-from tracekit.lenses.tuned import TunedLens, lens_log_probs, residual_basis
+from tracekit.lenses.tuned import TunedLens, lens_log_probs, residual_basis, unembed_hash
 from tracekit.logit_lens import lens_points, logit_lens
 from tracekit.model.readout import Readout
 from tracekit.tokens import pad_ids
@@ -115,6 +116,44 @@ def test_foreign_lens_of_another_width_or_depth_is_refused(tiny_llama, tmp_path)
         TunedLens.load(tmp_path / "deep", tiny_llama)
     with pytest.raises(ConfigError, match="not a tuned lens folder"):
         TunedLens.load(tmp_path / "missing", tiny_llama)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_unembed_hash_is_the_packages_with_weight_processing(arch, tmp_path, caplog):
+    """Weight processing centres the unembedding over the vocabulary (and folds the final norm into
+    it); ``unembed_hash`` is still the package's hash of the checkpoint's own output embedding, so
+    neither side warns on the other's lens for the same model, and a lens of another model is caught."""
+    model = make_perturbed(arch, process_weights=True)
+    hf, _ = perturbed_hf(arch)  # the same checkpoint, as the package loads it
+    w_u = Readout(model).W_U
+    assert w_u.mean(-1).abs().max() < 1e-6  # [d_model, d_vocab]: centred over the vocabulary
+    assert (w_u.T - hf.get_output_embeddings().weight).abs().max() > 1e-2  # really another matrix than the checkpoint's
+    ref = unembedding_hash(hf)
+    assert unembed_hash(model) == ref == unembed_hash(make_perturbed(arch, process_weights=False))
+    # tracekit -> package: the package's loader finds the hash it computes itself
+    TunedLens.from_model(model).save(tmp_path / "ours")
+    cfg = PackageTranslators.load(tmp_path / "ours").config
+    assert cfg.unembed_hash == ref
+    with caplog.at_level(logging.WARNING):
+        check_unembed_hash(cfg, hf)
+    assert not [r for r in caplog.records if "hash" in r.getMessage()]
+    other = unembedding_hash(perturbed_hf("llama", tied=True)[0])  # same width and depth, another unembedding
+    assert other != ref
+    with caplog.at_level(logging.WARNING):
+        check_unembed_hash(PackageConfig("other", 64, 3, unembed_hash=other), hf)
+    assert [r for r in caplog.records if "hash does not match" in r.getMessage()]
+    if arch != "llama":  # a package lens on a processed LayerNorm model is refused (basis) before any hash
+        return
+    # package -> tracekit, weight processing on: no warning
+    d = int(model.cfg.d_model)
+    PackageTranslators(PackageConfig("tiny-llama", d, 3, unembed_hash=ref)).save(tmp_path / "pkg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TunedLens.load(tmp_path / "pkg", model)
+    # a package lens of another model is caught
+    PackageTranslators(PackageConfig("other", d, 3, unembed_hash=other)).save(tmp_path / "other")
+    with pytest.warns(UserWarning, match=r"tuned.path: the model's unembed_hash .* differs from the lens'"):
+        TunedLens.load(tmp_path / "other", model)
 
 
 def test_residual_basis_rmsnorm_unaffected_layernorm_centred(tmp_path):

@@ -7,13 +7,17 @@ AlignmentResearch/tuned-lens, ``tuned_lens/nn/lenses.py`` at commit abdac0c ("Su
 (``th.nn.Linear(d_model, d_model, bias=bias)``, zeroed, ``deepcopy`` per layer in a ``ModuleList``),
 ``TunedLens.save`` and ``from_unembed_and_pretrained``'s ``json.load`` + ``th.load`` +
 ``layer_translators.load_state_dict(state)``. The unembedding (``Unembed``) is left out: loading
-the translators does not need it.
+the translators does not need it; only its hash is copied (:func:`unembedding_hash`: ``tensor_hash``
+in ``tuned_lens/utils.py``, ``Unembed.unembedding_hash`` in ``tuned_lens/nn/unembed.py`` and
+``model_surgery.get_unembedding_matrix`` for a Hugging Face model), with the check
+``from_unembed_and_pretrained`` makes (:func:`check_unembed_hash`).
 
 Licence of the copied code: MIT License, Copyright (c) 2022 Nora Belrose (the repository's LICENSE).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import logging
@@ -22,7 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Optional, Union
 
+import numpy as np
 import torch as th
+from numpy.typing import NDArray
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +108,28 @@ class PackageTranslators(th.nn.Module):
         th.save(state_dict, path / ckpt)
         with open(path / config, "w") as f:
             json.dump(self.config.to_dict(), f)
+
+
+def tensor_hash(tensor: NDArray) -> str:
+    """``tuned_lens.utils.tensor_hash``."""
+    return hashlib.sha256(str.encode(np.array_str(tensor, precision=1))).hexdigest()
+
+
+def unembedding_hash(hf_model) -> str:
+    """``Unembed(hf_model).unembedding_hash()``: the package's ``unembed_hash`` of a Hugging Face model
+    (``get_unembedding_matrix`` is ``model.get_output_embeddings()``, deep-copied; the copy does not
+    change the values)."""
+    unembed = hf_model.get_output_embeddings()
+    if not isinstance(unembed, th.nn.Linear):
+        raise ValueError("We currently only support linear unemebdings")
+    parameter = unembed.weight.data.detach().cpu().float().numpy()
+    return tensor_hash(parameter)
+
+
+def check_unembed_hash(config: TunedLensConfig, hf_model) -> None:
+    """The check ``TunedLens.from_unembed_and_pretrained`` makes before building the lens."""
+    if config.unembed_hash and unembedding_hash(hf_model) != config.unembed_hash:
+        logger.warning(
+            "The unembedding matrix hash does not match the lens' hash."
+            "This lens may have been trained with a different unembedding."
+        )

@@ -23,7 +23,7 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
-from ..causal_tracing import CATEGORIES, KINDS, causal_trace, embedding_std, subject_span, token_categories
+from ..causal_tracing import CATEGORIES, KINDS, causal_trace, noise_scale, subject_span, token_categories
 from ..core.errors import ConfigError, DatasetError
 from ..core.strict import StrictModel
 from ..dataset import PreparedDataset, rows_from_prompts
@@ -117,7 +117,10 @@ class CausalTracingResult(Result):
 
     Summary keys: ``n_rows``, ``row_id_by_row``, ``dataset_source``, ``rows_dropped``, ``kinds``,
     ``window``, ``n_samples``, ``seed``, ``noise`` (the multiple of the embedding std, None when
-    ``noise_std`` was given), ``embedding_std`` (None likewise), ``noise_std``; ``target_by_row``,
+    ``noise_std`` was given), ``embedding_std`` (None likewise), ``noise_std`` (the std used),
+    ``noise_calibration`` (the rule: ``subjects_table``, ``row_subjects``, or ``absolute`` when
+    ``noise_std`` was given), ``embedding_std_over`` (the population it pooled, in words; None for
+    ``absolute``) and ``embedding_std_n_tokens``; ``target_by_row``,
     ``target_source_by_row``, ``p_clean_by_row``, ``p_corrupted_by_row``, ``total_effect_by_row``
     and their means ``mean_p_clean``, ``mean_p_corrupted``, ``mean_total_effect``; per kind
     ``peak_<kind>_layer_by_row``, ``peak_<kind>_position_by_row``, ``peak_<kind>_token_by_row``,
@@ -139,6 +142,10 @@ class CausalTracingResult(Result):
             "n_samples": int(self.meta["n_samples"]), "seed": int(self.meta["seed"]),
             "noise": self.meta.get("noise"), "embedding_std": self.meta.get("embedding_std"),
             "noise_std": float(self.meta["noise_std"]),
+            "noise_calibration": self.meta.get("noise_calibration", "row_subjects" if self.meta.get("noise") is not None
+                                               else "absolute"),  # results saved before the field: per-step pooling
+            "embedding_std_over": self.meta.get("embedding_std_over"),
+            "embedding_std_n_tokens": self.meta.get("embedding_std_n_tokens"),
             "target_by_row": [str(x) for x in rows["target"]],
             "target_source_by_row": [str(x) for x in rows["target_source"]],
         }
@@ -160,7 +167,8 @@ class CausalTracingResult(Result):
     def report(self) -> str:
         s = self.summary()
         src = f" from {s['dataset_source']}" if s["dataset_source"] else ""
-        noise = (f"{s['noise']} x embedding std {s['embedding_std']:.4f}" if s["noise"] is not None else "absolute")
+        noise = (f"{s['noise']} x embedding std {s['embedding_std']:.4f} ({s['noise_calibration']}: over "
+                 f"{s['embedding_std_over']})" if s["noise"] is not None else "absolute")
         lines = [f"causal tracing [{self.config.step_name}]: {s['n_rows']} row(s){src}; noise std {s['noise_std']:.4f} "
                  f"({noise}), {s['n_samples']} draws (seed {s['seed']}), window {s['window']} for mlp/attn",
                  f"mean p_clean {s['mean_p_clean']:.4g}, p_corrupted {s['mean_p_corrupted']:.4g}, total effect "
@@ -232,9 +240,14 @@ class CausalTracing(Experiment):
             prompt (ROME). Dataset rows use their own ``target``.
         kinds: which states are restored: ``resid`` (block output), ``mlp``, ``attn`` (default all).
         window: layers restored together for ``mlp`` / ``attn``, centred as ROME (>= 1; default 10).
-        noise: the noise's standard deviation as a multiple of the subject tokens' embedding std over
-            all rows (ROME's ``collect_embedding_std``; default 3).
-        noise_std: the noise's standard deviation in residual-stream units instead (not with ``noise``).
+        noise: the noise's standard deviation as a multiple of the embedding std of a population
+            of subject tokens (ROME's ``collect_embedding_std``; default 3, ROME's ``s3``).
+        noise_calibration: the population (:func:`tracekit.causal_tracing.noise_scale`):
+            ``subjects_table`` (default; the 50 subjects of the shipped capitals table, the same std
+            whatever the rows, as ROME pools its whole facts dataset) or ``row_subjects`` (the subject
+            tokens of this step's rows: the std then depends on which subjects are traced).
+        noise_std: the noise's standard deviation in residual-stream units instead (not with
+            ``noise`` or ``noise_calibration``).
         n_samples: noise draws per row (ROME: 10), the same draws for every restoration.
         seed: the noise's seed (the same draws on every row, as ROME).
         batch_size: replay rows per batch, or ``auto`` (by free memory).
@@ -255,6 +268,7 @@ class CausalTracing(Experiment):
     kinds: list[Kind] = Field(default_factory=lambda: list(KINDS), min_length=1)
     window: int = 10
     noise: float = 3.0
+    noise_calibration: Literal["subjects_table", "row_subjects"] = "subjects_table"
     noise_std: Optional[float] = None
     n_samples: int = 10
     seed: int = 0
@@ -306,6 +320,9 @@ class CausalTracing(Experiment):
         if "noise" in self.model_fields_set and self.noise_std is not None:
             raise ValueError("noise and noise_std: give one (noise: a multiple of the embedding std; noise_std: "
                              "absolute)")
+        if "noise_calibration" in self.model_fields_set and self.noise_std is not None:
+            raise ValueError("noise_calibration and noise_std: noise_calibration sets the embedding std that noise "
+                             "multiplies; an absolute noise_std uses none. Give one")
         if self.dataset is None:
             rows_from_prompts(self.prompts, self.target)  # a target list: one per prompt
         if isinstance(self.subject, list) and len(self.subject) != len(self.prompts):
@@ -354,10 +371,10 @@ class CausalTracing(Experiment):
         from tqdm.auto import tqdm  # lazy: tqdm only for the bar
 
         data = inputs.data
-        emb = None
+        scale = None
         if self.noise_std is None:
-            emb = embedding_std(model, data.ids, inputs.subjects)
-            noise_std = self.noise * emb
+            scale = noise_scale(model, self.noise_calibration, data.ids, inputs.subjects)
+            noise_std = self.noise * scale.embedding_std
         else:
             noise_std = self.noise_std
         n_layers = int(model.cfg.n_layers)
@@ -392,12 +409,16 @@ class CausalTracing(Experiment):
         tables = {"effects": pd.concat(effects, ignore_index=True), "rows": row_frame(data, recs),
                   "categories": _categories(cat_parts, list(self.kinds), n_layers)}
         meta = {"kinds": list(self.kinds), "window": self.window, "n_samples": self.n_samples, "seed": self.seed,
-                "noise": None if self.noise_std is not None else self.noise, "embedding_std": emb,
-                "noise_std": float(noise_std), "n_layers": n_layers, "dataset": dataset_meta(data),
+                "noise": None if self.noise_std is not None else self.noise,
+                "embedding_std": scale.embedding_std if scale else None, "noise_std": float(noise_std),
+                "noise_calibration": scale.calibration if scale else "absolute",
+                "embedding_std_over": scale.population if scale else None,
+                "embedding_std_n_tokens": scale.n_tokens if scale else None,
+                "n_layers": n_layers, "dataset": dataset_meta(data),
                 "noise_site": "blocks.0.hook_resid_pre at the subject positions",
                 "embedding_std_of": "blocks.0.hook_resid_pre minus hook_pos_embed where the model has a learned "
-                                    "position embedding (the token embedding as it enters the stream), at the subject "
-                                    "tokens of every row"}
+                                    "position embedding (the token embedding as it enters the stream), at the tokens "
+                                    "of embedding_std_over"}
         return CausalTracingResult(self, tables, meta)
 
 

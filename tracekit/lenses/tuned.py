@@ -21,6 +21,9 @@ On-disk layout (the package's, so each side reads what the other saves): ``confi
 ``params.pt``, the state dict of the ``ModuleList`` of translators (keys ``0.weight``, ``0.bias``,
 ...); tracekit adds ``tracekit.json`` (model fingerprint, residual basis, training config and
 per-hidden-state losses). A lens without ``tracekit.json`` is *foreign* (saved by the package).
+``unembed_hash`` is the package's hash of the *checkpoint's* output embedding (:func:`unembed_hash`),
+taken before weight processing, so both sides write and expect the same string for the same model;
+a foreign lens whose hash differs from the model's is loaded with a warning (as the package does).
 
 Residual basis: tuned-lens lenses act on Hugging Face hidden states. TransformerLens weight
 processing (``model.process_weights: true``) *centres* the residual stream of LayerNorm models
@@ -32,7 +35,6 @@ basis of a loaded model; a lens is refused on a model in another basis (a foreig
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import warnings
@@ -41,7 +43,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import numpy as np
 import torch
 from jaxtyping import Float
 from torch import nn
@@ -72,7 +73,8 @@ class TunedLensConfig:
         num_hidden_layers: the number of blocks (= the number of translators).
         bias: whether the translators have a bias.
         base_model_revision: the model's revision (None here).
-        unembed_hash: the package's hash of the unembedding matrix (None when unknown).
+        unembed_hash: the package's hash of the checkpoint's unembedding (output embedding) matrix
+            (:func:`unembed_hash`; None when unknown).
         lens_type: always ``"linear_tuned_lens"``.
     """
 
@@ -105,15 +107,16 @@ def residual_basis(model) -> str:
 
 
 def unembed_hash(model) -> Optional[str]:
-    """The tuned-lens package's ``Unembed.unembedding_hash()`` of the wrapped Hugging Face model
-    (``tensor_hash`` in ``tuned_lens/utils.py``: sha256 of ``np.array_str(W, precision=1)`` of the
-    output embedding), or None when the model wraps no Hugging Face model."""
-    hf = getattr(model, "original_model", None)
-    emb = hf.get_output_embeddings() if hf is not None and hasattr(hf, "get_output_embeddings") else None
-    if emb is None or not isinstance(getattr(emb, "weight", None), torch.Tensor):
-        return None
-    w = emb.weight.detach().cpu().float().numpy()
-    return hashlib.sha256(str.encode(np.array_str(w, precision=1))).hexdigest()
+    """The tuned-lens package's ``unembed_hash`` of the model's checkpoint: ``Unembed.unembedding_hash()``
+    of the Hugging Face model (sha256 of ``np.array_str(W, precision=1)`` of its output embedding,
+    :func:`tracekit.model.load.checkpoint_unembed_hash`), the same string the package writes to and
+    compares with ``config.json`` for the same model, whatever tracekit's weight processing.
+
+    Read from what :func:`tracekit.model.load.wrap_hf_model` records before weight processing; None
+    for a model wrapped elsewhere (its Hugging Face model may hold processed weights: centred,
+    norm-folded, untied, which no package-side model has), and then no check is made.
+    """
+    return getattr(model, "__dict__", {}).get("tracekit_unembed_hash")
 
 
 def lens_log_probs(model, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
@@ -227,8 +230,11 @@ class TunedLens(nn.Module):
                                   "model.process_weights: false")
             h = unembed_hash(model)
             if c.unembed_hash and h and h != c.unembed_hash:
-                warnings.warn(f"{field}: the unembedding hash of the model differs from the lens' (it may have been "
-                              "trained on another model)", stacklevel=2)
+                warnings.warn(f"{field}: the model's unembed_hash ({h[:12]}..., its checkpoint's output embedding "
+                              f"as the tuned-lens package hashes it) differs from the lens' ({c.unembed_hash[:12]}...): "
+                              f"the lens (tuned for {c.base_model_name_or_path!r}) was probably trained on another "
+                              "model",
+                              stacklevel=2)
             return
         lens_basis = self.record.get("residual_basis")
         if lens_basis != basis:

@@ -107,6 +107,7 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     else:  # the Hugging Face tensors, to rebuild the reference should the bridge not match the record
         probe, ref_logits = None, None
         fallback = (hf_model.config, dict(hf_model.state_dict()), dict(hf_model.named_buffers()), None, "")
+    unembed_sha = checkpoint_unembed_hash(hf_model)  # before the bridge processes (replaces) the weights
     stage = "boot"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -136,9 +137,40 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
         p.requires_grad_(False)
     bridge.__dict__["tracekit_spec"] = resolved
     bridge.__dict__["tracekit_requested_spec"] = spec
+    bridge.__dict__["tracekit_unembed_hash"] = unembed_sha
     if spec.verify:
         _verify_at_load(bridge, arch, spec, tokenizer, (vkey, entry, record, fallback), probe, ref_logits)
     return bridge
+
+
+def checkpoint_unembed_hash(hf_model) -> Optional[str]:
+    """The tuned-lens package's ``Unembed.unembedding_hash()`` of a Hugging Face model: sha256 of
+    ``np.array_str(W, precision=1)`` (``tensor_hash`` in ``tuned_lens/utils.py``) of its output
+    embedding's weight ``W`` (``get_output_embeddings().weight``, ``[d_vocab, d_model]``, detached,
+    on CPU, as float32), with numpy's default print options (those the package runs under).
+
+    Call it on the model *as the checkpoint holds it*, before TransformerLens' weight processing
+    (which folds the final norm into the unembedding, centres it over the vocabulary and unties it,
+    replacing the tensors): :func:`wrap_hf_model` does, and records the result on the bridge
+    (``bridge.__dict__["tracekit_unembed_hash"]``). Source: AlignmentResearch/tuned-lens,
+    ``tuned_lens/nn/unembed.py`` and ``model_surgery.get_unembedding_matrix`` at commit abdac0c.
+
+    Returns:
+        The 64-hex-digit digest, or None when the model has no (materialised) output embedding.
+    """
+    import hashlib
+
+    import numpy as np
+
+    emb = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+    w = getattr(emb, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.is_meta:
+        return None
+    arr = w.detach().cpu().float().numpy()
+    with np.printoptions(precision=8, threshold=1000, edgeitems=3, linewidth=75, suppress=False, nanstr="nan",
+                         infstr="inf", sign="-", floatmode="maxprec", legacy=False):
+        text = np.array_str(arr, precision=1)
+    return hashlib.sha256(str.encode(text)).hexdigest()
 
 
 def _verify_at_load(bridge, arch: str, spec: ModelSpec, tokenizer, cached: tuple, probe, ref_logits) -> None:
@@ -442,7 +474,9 @@ def model_fingerprint(model) -> str:
     (after weight processing): shapes plus a strided sample of the unembedding and embedding.
 
     Stored in every result's meta so an artifact fitted on one model/basis (a probe direction, an
-    SAE) is refused on another (as tuned-lens' ``unembed_hash``). Cached on the model.
+    SAE) is refused on another. Unlike tuned-lens' ``unembed_hash`` (:func:`checkpoint_unembed_hash`,
+    the checkpoint's own unembedding whatever the processing), it changes with weight processing.
+    Cached on the model.
     """
     import hashlib
 

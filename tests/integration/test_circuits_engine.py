@@ -313,6 +313,10 @@ def test_eap_ig_is_the_eap_package_loop(rule):
     assert theirs.abs().max() > 1e-2  # 1e4 x the tolerance
     assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
     assert es.ig_rule == (rule or "left")
+    if rule == "right":  # one step per backward pass (max_rows = the rows): the same scores
+        one = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps, ig_rule=rule,
+                               max_rows=len(clean))
+        assert (one.mean()[v_idx, u_idx] - theirs).abs().max() < 1e-6
     # the rules differ by more than the tolerance: the comparison tells them apart
     if rule in (None, "left"):
         other = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps, ig_rule="midpoint")

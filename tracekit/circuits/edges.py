@@ -220,13 +220,13 @@ def _ig_grads(model, graph: Graph, base, src_resid0, inputs: M.MetricInputs, met
     per = max(1, max_rows // g)  # steps per pass
     for s0 in range(0, steps, per):
         ks = list(range(s0, min(steps, s0 + per)))
-        alphas = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
+        a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
         toks = base.repeat(len(ks), 1)
         src = src_resid0.repeat(len(ks), 1, 1)
         rows = inputs.rows(torch.arange(g).repeat(len(ks)))
 
-        def leaf(x, alphas=alphas, src=src):
-            return x + alphas[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
+        def leaf(x, a=a, src=src):
+            return x + a[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
 
         gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
         r = stack_reads(graph, gp.grads[0])

@@ -5,7 +5,8 @@ exact computation:
   attention) attribution patching equals activation patching at every site, and EAP edge scores
   equal exact path patching of single edges;
 * on the perturbed GPT-2 / Llama (GQA): EAP scores out of a node add up to that node's AtP; EAP-IG's
-  completeness error shrinks with the number of steps; path patching into every receiver of a sender
+  completeness error shrinks with the number of steps; EAP-IG is the ``eap`` package's loop
+  (transcribed here) at each interpolation rule; path patching into every receiver of a sender
   is activation patching of the sender, and into one MLP it is a hand-written hook;
 * on a one-layer model whose only nonlinearity is the softmax, AtP*'s QK fix is exact;
 * nothing is left on the model (gradients, hooks, flags, grad mode), also when a metric raises;
@@ -181,7 +182,9 @@ def test_eap_scores_out_of_a_node_sum_to_its_atp(arch):
 # -- 3. EAP-IG: completeness improves with the number of steps ------------------------------------------
 
 
-def test_eap_ig_completeness_error_shrinks_with_steps():
+@pytest.mark.parametrize("rule, bound", [("midpoint", 1e-3), ("left", 2e-2)])
+def test_eap_ig_completeness_error_shrinks_with_steps(rule, bound):
+    """The quadrature error of the midpoint rule is O(1/m^2), of the left (package) rule O(1/m)."""
     m = make_perturbed("llama")
     clean, corr, tgt, foil = _pairs()
     es = edge_attribution(m, clean, corr, tgt, foil, method="eap")
@@ -194,12 +197,132 @@ def test_eap_ig_completeness_error_shrinks_with_steps():
 
     errs = []
     for steps in (1, 4, 16):
-        ig = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps)
+        ig = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps, ig_rule=rule)
         assert torch.allclose(ig.clean, es.clean, atol=1e-5) and torch.allclose(ig.corrupted, es.corrupted, atol=1e-5)
         errs.append(err(ig.scores))
     assert errs[0] > errs[1] > errs[2], errs
-    assert errs[2] < 1e-3, errs
-    assert err(es.scores) > 10 * errs[2], (err(es.scores), errs)
+    assert errs[2] < bound, errs
+    assert err(es.scores) > 10 * errs[2] if rule == "midpoint" else err(es.scores) > errs[2], (err(es.scores), errs)
+
+
+def _package_eap_ig(model, clean, corr, tgt, foil, steps: int, alpha=lambda k, steps: k / steps):
+    """A transcription of ``get_scores_eap_ig`` of the ``eap`` package (Hanna et al. 2024,
+    github.com/hannamw/EAP-IG, ``eap/attribute.py``; MIB's EAP-IG baseline), with plain torch and
+    TransformerLens hooks, independent of tracekit's engine: ``activation_difference`` accumulates
+    ``corrupted - clean`` writes (embeddings, ``attn.hook_result``, ``hook_mlp_out``); ``steps``
+    runs of the clean tokens with the embeddings replaced by ``corrupted + alpha * (clean -
+    corrupted)`` (the package: ``alpha = k / steps``, ``k in range(steps)``) add ``einsum(diff,
+    grad)`` of every reader's input gradient to ``scores[forward, backward]``; then ``scores /=
+    items; scores /= steps``. The metric: the logit difference summed over rows (per-row gradients).
+
+    Returns ``({(upstream, downstream): score}, every score)`` in the package's sign."""
+    from functools import partial
+
+    from tracekit.hooks import enabled_hooks
+
+    n_layers, H, d = int(model.cfg.n_layers), int(model.cfg.n_heads), int(model.cfg.d_model)
+    fwd_names = ["input"] + [n for L in range(n_layers) for n in [f"a{L}.h{h}" for h in range(H)] + [f"m{L}"]]
+    bwd_names = [n for L in range(n_layers) for n in
+                 [f"a{L}.h{h}<{x}>" for x in "qkv" for h in range(H)] + [f"m{L}"]] + ["logits"]
+    clean_t, corr_t = torch.tensor(clean), torch.tensor(corr)
+    b, n_pos = clean_t.shape
+    scores = torch.zeros(len(fwd_names), len(bwd_names))
+    diff = torch.zeros(b, n_pos, len(fwd_names), d)
+
+    def activation_hook(index, acts, hook, add=True):
+        a = acts.detach().float()
+        a = a if a.ndim == 4 else a[:, :, None]
+        diff[:, :, index:index + a.shape[2]] += a if add else -a
+        return acts
+
+    def gradient_hook(prev_index, bwd_index, grads):
+        g = grads.detach().float()
+        g = g if g.ndim == 4 else g[:, :, None]
+        scores[:prev_index, bwd_index] += torch.einsum("bpfd,bpkd->fk", diff[:, :, :prev_index], g).squeeze(1)
+
+    def backward_hook(prev_index, bwd_index, acts, hook):
+        if acts.requires_grad:
+            acts = acts.clone()  # a node of its own: its gradient is this reader's only
+            acts.register_hook(partial(gradient_hook, prev_index, bwd_index))
+        return acts
+
+    writes = [("blocks.0.hook_resid_pre", 0)]
+    bwd = []
+    for L in range(n_layers):
+        i = fwd_names.index(f"a{L}.h0")
+        writes.append((f"blocks.{L}.attn.hook_result", i))
+        for x in "qkv":
+            j = bwd_names.index(f"a{L}.h0<{x}>")
+            bwd.append((f"blocks.{L}.hook_{x}_input", partial(backward_hook, i, slice(j, j + H))))
+        i = fwd_names.index(f"m{L}")
+        writes.append((f"blocks.{L}.hook_mlp_out", i))
+        # the MLP's input before its norm (the bridge's hook_mlp_in is not that point)
+        bwd.append((f"blocks.{L}.ln2.hook_in", partial(backward_hook, i, bwd_names.index(f"m{L}"))))
+    bwd.append((f"blocks.{n_layers - 1}.hook_resid_post", partial(backward_hook, len(fwd_names), len(bwd_names) - 1)))
+    rows, tgt_t, foil_t = torch.arange(b), torch.tensor(tgt), torch.tensor(foil)
+
+    def metric(logits):
+        last = logits[:, -1].float()
+        return (last[rows, tgt_t] - last[rows, foil_t]).sum()
+
+    with enabled_hooks(model, [h for h, _ in writes] + [h for h, _ in bwd]):
+        with torch.inference_mode():
+            with model.hooks(fwd_hooks=[(h, partial(activation_hook, i)) for h, i in writes]):
+                model(corr_t)
+            input_corrupted = diff[:, :, 0].clone()
+            with model.hooks(fwd_hooks=[(h, partial(activation_hook, i, add=False)) for h, i in writes]):
+                model(clean_t)
+            input_clean = input_corrupted - diff[:, :, 0]
+
+        def input_interpolation_hook(k):
+            def hook_fn(acts, hook):
+                new_input = input_corrupted + alpha(k, steps) * (input_clean - input_corrupted)
+                new_input.requires_grad = True
+                return new_input
+            return hook_fn
+
+        total_steps = 0
+        for step in range(0, steps):
+            total_steps += 1
+            with torch.enable_grad(), model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre",
+                                                               input_interpolation_hook(step))] + bwd):
+                metric(model(clean_t)).backward()
+    scores /= b
+    scores /= total_steps
+    return {(u, v): scores[i, j] for i, u in enumerate(fwd_names) for j, v in enumerate(bwd_names)}, scores
+
+
+#: the package's ``k / steps`` for ``k in range(steps)`` (tracekit's default), its EAP-IG-activations
+#: points ``k = 1..steps``, and the midpoints
+PACKAGE_ALPHAS = {"left": lambda k, m: k / m, "right": lambda k, m: (k + 1) / m, "midpoint": lambda k, m: (k + 0.5) / m}
+
+
+@pytest.mark.parametrize("rule", [None, "left", "right", "midpoint"])
+def test_eap_ig_is_the_eap_package_loop(rule):
+    """EAP-IG (default rule, and each rule) equals the transcribed loop of the ``eap`` package at the
+    same interpolation points, edge by edge, up to the package's sign (it accumulates corrupted -
+    clean; tracekit's denoising score clean - corrupted)."""
+    m = make_perturbed("gpt2")
+    clean, corr, tgt, foil = _pairs()
+    steps = 3
+    ref, every = _package_eap_ig(m, clean, corr, tgt, foil, steps, PACKAGE_ALPHAS[rule or "left"])
+    kw = {} if rule is None else {"ig_rule": rule}
+    es = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps, **kw)
+    g, mean = es.graph, es.mean()
+    v_idx, u_idx = g.mask.nonzero(as_tuple=True)
+    ours = mean[v_idx, u_idx]
+    theirs = torch.stack([-ref[(g.upstream[u], g.downstream[v])] for u, v in zip(u_idx.tolist(), v_idx.tolist())])
+    assert theirs.abs().max() > 1e-2  # 1e4 x the tolerance
+    assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
+    assert es.ig_rule == (rule or "left")
+    if rule == "right":  # one step per backward pass (max_rows = the rows): the same scores
+        one = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps, ig_rule=rule,
+                               max_rows=len(clean))
+        assert (one.mean()[v_idx, u_idx] - theirs).abs().max() < 1e-6
+    # the rules differ by more than the tolerance: the comparison tells them apart
+    if rule in (None, "left"):
+        other = edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=steps, ig_rule="midpoint")
+        assert (other.mean()[v_idx, u_idx] - theirs).abs().max() > 1e-3
 
 
 # -- 4. path patching ------------------------------------------------------------------------------------

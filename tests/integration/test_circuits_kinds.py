@@ -5,7 +5,7 @@ through their public classes, each checked against an independent exact computat
   :class:`tracekit.ActivationPatching` reports for the same site (whole heads, and heads at named
   positions); an estimate broken on purpose (negated) is caught by the verification's numbers;
 * EdgeAttribution's verification is exact path patching of each checked edge, and its ``nodes``
-  table is the sum of each node's outgoing edges;
+  table is the sum of each node's outgoing edges; its summary records the EAP-IG rule and sign;
 * Circuit: the full circuit is the clean run, the empty one the corrupted run (``corrupted``
   ablation), a hand-listed single edge's faithfulness is what :func:`evaluate_circuits` gives, the
   MIB area is the trapezoid over the curve;
@@ -185,6 +185,33 @@ def test_edge_attribution_verification_is_path_patching_and_nodes_sum_edges(gpt2
     rows = res.tables["rows"]
     assert np.abs(rows["clean_logit_diff"].to_numpy() - pr.clean[:, 0].numpy()).max() < 1e-5
     assert np.abs(rows["corrupted_logit_diff"].to_numpy() - pr.corrupted[:, 0].numpy()).max() < 1e-5
+
+
+@pytest.mark.parametrize("rule", [None, "midpoint"])
+def test_edge_attribution_records_the_ig_rule_and_sign(gpt2, rule):
+    """The EAP-IG rule (default: the eap package's left rule) and the sign convention are in the
+    summary, the scores are those of the engine at that rule, and a circuit that computes EAP-IG
+    scores itself records its rule too."""
+    from tracekit.circuits.edges import edge_attribution
+
+    kw = {} if rule is None else {"ig_rule": rule}
+    cfg = EdgeAttribution(dataset=DS, method="eap_ig", ig_steps=2, verify={"enabled": False}, **kw)
+    res = cfg.run(gpt2, progress=False)
+    s = res.summary()
+    assert s["ig_rule"] == (rule or "left") and s["ig_steps"] == 2
+    assert "corrupted - clean" in s["sign_convention"] and "eap package" in s["sign_convention"]
+    clean, corr, tgt, foil = cfg.ids(cfg.prepare(gpt2))
+    es = edge_attribution(gpt2, clean, corr, tgt, foil, method="eap_ig", ig_steps=2, ig_rule=rule or "left")
+    score = res.tables["edges"].set_index("edge")["score"]
+    ref = es.frame().set_index("edge")["score"]
+    assert np.abs(score[ref.index].to_numpy(float) - ref.to_numpy(float)).max() < 1e-7
+    assert np.abs(ref.to_numpy(float)).max() > 1e-3
+    assert EdgeAttribution(dataset=DS, method="eap", verify={"enabled": False}).run(
+        gpt2, progress=False).summary()["ig_rule"] is None
+    if rule is not None:
+        circ = Circuit(dataset=DS, scores={"method": "eap_ig", "ig_steps": 2, "ig_rule": rule}, sizes=[0.5],
+                       bootstrap=0).run(gpt2, progress=False)
+        assert circ.summary()["ig_rule"] == rule
 
 
 # -- 4. Circuit ------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 equals the same rows given as ``pairs`` (identical numbers) and each row run alone (rows of
 different lengths, BOS on and off, left and right padding sides); named positions resolve to each
 row's own token (checked against a plain ``run_with_hooks`` patch); rows without a corrupted
-prompt; aggregates equal a hand computation from the per-row table; no table column shadows a
+prompt; rows of different lengths or templates are never averaged by index (named positions, or
+refused); aggregates equal a hand computation from the per-row table; no table column shadows a
 DataFrame attribute; old column names of saved results are renamed on load.
 
 Numbers come from perturbed tiny models (O(1) logits, non-trivial norms and biases: a wrong
@@ -76,8 +77,10 @@ def test_dataset_equals_pairs_and_each_row_alone(model):
     """The same rows as a dataset and as pairs give identical tables; each row run alone gives its
     lines of the run over all rows (rows of three lengths: separate equal-length groups)."""
     assert len({len(encode(model, r["prompt"])) for r in ROWS}) == len(ROWS)
-    ds = tk.ActivationPatching(dataset={"rows": ROWS}, **KW).run(model, progress=False)
-    pr = tk.ActivationPatching(pairs=_pairs(ROWS), **KW).run(model, progress=False)
+    # rows of different lengths: position-indexed sites need positions (pairs name none)
+    kw = {**KW, "positions": [-1, -2]}
+    ds = tk.ActivationPatching(dataset={"rows": ROWS}, **kw).run(model, progress=False)
+    pr = tk.ActivationPatching(pairs=_pairs(ROWS), **kw).run(model, progress=False)
     pd.testing.assert_frame_equal(ds.tables["main"], pr.tables["main"], check_exact=True)
     pd.testing.assert_frame_equal(ds.tables["baselines"], pr.tables["baselines"], check_exact=True)
     rows = ds.tables["rows"]
@@ -90,7 +93,7 @@ def test_dataset_equals_pairs_and_each_row_alone(model):
     assert rows["clean_logit_diff"].abs().min() > 1e-2  # the rows' answers differ: not vacuous
     both = ds.tables["main"]
     for i, r in enumerate(ROWS):
-        alone = _per_row(tk.ActivationPatching(dataset={"rows": [r]}, **KW).run(model, progress=False))
+        alone = _per_row(tk.ActivationPatching(dataset={"rows": [r]}, **kw).run(model, progress=False))
         mine = both[(both["scope"] == "pair") & (both["pair"] == i)]
         mine = mine.sort_values(["intervention", "site", "layer", "position", "head_idx", "metric"])
         assert len(alone) == len(mine) > 0
@@ -108,8 +111,10 @@ def test_named_positions_are_each_rows_own_token(model):
     kw = {"sites": ["resid_pre", "head_out_by_pos"], "directions": ["denoising"], "metrics": ["logit_diff"],
           "min_denominator": 1e-6}
     named = tk.ActivationPatching(dataset={"rows": rows}, positions=["S2", "END"], **kw).run(model, progress=False)
-    full = tk.ActivationPatching(dataset={"rows": rows}, **kw).run(model, progress=False)
-    df, ref = named.tables["main"], full.tables["main"]
+    # every position of each row: each row alone (over rows of different lengths, no positions means
+    # the named ones)
+    refs = [_per_row(tk.ActivationPatching(dataset={"rows": [r]}, **kw).run(model, progress=False)) for r in rows]
+    df = named.tables["main"]
     bos = len(encode(model, ""))
     lengths = [len(encode(model, r["prompt"])) for r in rows]
     own = []
@@ -129,13 +134,13 @@ def test_named_positions_are_each_rows_own_token(model):
             mine = pr[(pr["pair"] == i) & (pr["position_name"] == name)]
             assert (mine["position"] == o[name]).all()
             assert (mine["pos_from_end"] == o[name] - lengths[i]).all()
-            want = ref[(ref["scope"] == "pair") & (ref["pair"] == i) & (ref["position"] == o[name])]
+            want = refs[i][refs[i]["position"] == o[name]]
             key = ["site", "layer", "head_idx"]
             a = mine.sort_values(key)["value"].to_numpy()
             b = want.sort_values(key)["value"].to_numpy()
             assert len(a) == len(b) > 0 and np.abs(a - b).max() <= TOL
     # row 1's S2 at row 0's index would give another number (the check above can fail)
-    r1 = ref[(ref["scope"] == "pair") & (ref["pair"] == 1) & (ref["site"] == "resid_pre") & (ref["layer"] == 1)]
+    r1 = refs[1][(refs[1]["site"] == "resid_pre") & (refs[1]["layer"] == 1)]
     at = r1.set_index("position")["value"]
     assert abs(at[own[1]["S2"]] - at[own[0]["S2"]]) > 1e-4
     # independent of the engine: denoise resid_pre of layer 1 at row 1's S2 with run_with_hooks
@@ -175,6 +180,57 @@ def test_index_positions_and_missing_names():
         tk.ActivationPatching(pairs=_pairs(ROWS[:1]), sites=["head_out"], positions=["END"])
     with pytest.raises(ValueError, match="given twice"):
         tk.ActivationPatching(pairs=_pairs(ROWS[:1]), sites=["resid_pre"], positions=["END", "END"])
+
+
+@pytest.mark.parametrize("kind", ["activation_patching", "attribution_patching"])
+def test_rows_of_different_lengths_or_templates_never_average_roles_by_index(kind):
+    """Without ``positions``, rows whose token at one index (or one index from the end) plays
+    different roles (different lengths, or named positions at different indices: another template)
+    are patched at the dataset's named positions and averaged by name, as with ``positions`` given;
+    without named positions the run is refused naming ``positions:``. Rows of one template and
+    length still patch every position."""
+    from tracekit.core.errors import PatchingError
+
+    m = make_perturbed("gpt2")
+    cls = tk.ActivationPatching if kind == "activation_patching" else tk.AttributionPatching
+    kw = {"sites": ["resid_pre", "head_out_by_pos"], "directions": ["denoising"], "metrics": ["logit_diff"],
+          "min_denominator": 1e-6, **({"verify": {"top_k": 3, "n_random": 3}} if kind == "attribution_patching" else {})}
+    names = ["S2", "IO", "END"]
+    # 1. three lengths: S2 is -5, -3 and -4 from the end; a mean at "pos -4" would mix roles
+    rows = [ROWS[0], ROWS[1], ROWS[3]]
+    auto = cls(dataset={"rows": rows}, **kw).run(m, progress=False)
+    given = cls(dataset={"rows": rows}, positions=names, **kw).run(m, progress=False)
+    a, g = auto.tables["main"], given.tables["main"]
+    assert auto.summary()["positions"] == names and "different token lengths" in auto.summary()["positions_auto"]
+    assert given.summary()["positions_auto"] is None
+    pd.testing.assert_frame_equal(a, g)
+    mean = a[(a["scope"] == "mean") & (a["site"] == "resid_pre")]
+    assert set(mean["position_name"]) == set(names) and mean["pos_from_end"].isna().any()
+    pr = a[(a["scope"] == "pair") & (a["site"] == "resid_pre")]
+    for _, line in mean.iterrows():  # each name's mean is over each row's own token of that role
+        own = pr[(pr["layer"] == line["layer"]) & (pr["position_name"] == line["position_name"])]
+        assert len(own) == len(rows) and abs(own["value"].astype(float).mean() - line["value"]) <= 1e-6
+    assert pr["value"].std() > 1e-3
+    if kind == "attribution_patching":
+        assert auto.summary()["verification"]["denoising"]["n_checked"] == 6
+        assert set(auto.tables["verification"]["pos_key"].dropna()) <= set(names)
+    # 2. the same rows without named positions: refused, naming positions:
+    with pytest.raises(PatchingError, match=r"positions: the rows have different token lengths .*positions: \[-1\]"):
+        cls(pairs=_pairs(rows), **kw).check(m)
+    with pytest.raises(PatchingError, match="positions:"):
+        cls(pairs=_pairs(rows), **kw).run(m, progress=False)
+    # indices from the end chosen on purpose, or whole-layer sites: run
+    assert cls(pairs=_pairs(rows), positions=[-1], **kw).run(m, progress=False).summary()["positions"] == ["-1"]
+    # 3. one length, two templates (S2 at different indices): named positions too
+    two = [ROWS[0], SAME_LENGTH]
+    res = cls(dataset={"rows": two}, **kw).run(m, progress=False)
+    assert res.summary()["positions"] == ["S2", "END"] and "different templates" in res.summary()["positions_auto"]
+    # 4. one length, one template: every position, as before
+    one = [ROWS[0], {**ROWS[0], "target": " John", "foil": " Mary"}]
+    res = cls(dataset={"rows": one}, **kw).run(m, progress=False)
+    assert res.summary()["positions"] is None and res.summary()["positions_auto"] is None
+    n = len(encode(m, ROWS[0]["prompt"]))
+    assert set(res.tables["main"].query("site == 'resid_pre'")["position"].dropna()) == set(range(n))
 
 
 def test_row_without_corrupted_fails_naming_it_unless_ablation_only():

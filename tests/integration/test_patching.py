@@ -155,9 +155,11 @@ def test_noising_mirrors_denoising(tiny_gpt2):
 
 
 def test_pairs_of_different_lengths_equal_each_pair_alone(tiny_llama):
-    """Pairs of different token lengths run together give each pair's results when run alone."""
+    """Pairs of different token lengths run together give each pair's results when run alone
+    (position-indexed sites at positions counted from the end, chosen on purpose: without them such
+    pairs are refused, test_dataset_patching)."""
     kw = {"sites": ["resid_pre", "attn_out", "head_out_by_pos"], "directions": ["denoising"],
-              "metrics": ["logit_diff", "kl"], "batch_size": 16}
+          "metrics": ["logit_diff", "kl"], "batch_size": 16, "positions": [-1, -2, -3]}
     both = _exp(pairs=[PARIS, IOI], **kw).run(tiny_llama, progress=False).to_frame()
     assert both[both["scope"] == "mean"]["position"].isna().all()  # positions do not align across lengths
     key = ["site", "layer", "position", "head_idx", "metric"]
@@ -464,7 +466,7 @@ def test_mean_and_resample_use_other_prompts_aligned_from_the_end(tiny_model):
     resample takes another prompt's activation, recorded in baseline_source."""
     m = tiny_model
     pairs = [PARIS, IOI, IOI_B, IOI_C]
-    res = _exp(pairs=pairs, sites=["mlp_out_layer", "mlp_out"], layers=[1], directions=[],
+    res = _exp(pairs=pairs, sites=["mlp_out_layer", "mlp_out"], layers=[1], directions=[], positions=[-1],
                ablations=["mean", "resample"], metrics=["logit_diff"], seed=3).run(m, progress=False)
     df = res.tables["main"]
     df = df[df["scope"] == "pair"]
@@ -522,7 +524,7 @@ def test_too_small_baseline_population_is_refused(tiny_gpt2, monkeypatch):
              ([PARIS, {**PARIS}], "resample")]   # the only other prompt is the same prompt
     for pairs, mode in cases:
         with pytest.raises(PatchingError, match=rf"ablations: '{mode}' ablation of pairs\[\d\].*baseline_prompts"):
-            _exp(pairs=pairs, directions=[], ablations=[mode]).run(tiny_gpt2, progress=False)
+            _exp(pairs=pairs, sites=["resid_pre_layer"], directions=[], ablations=[mode]).run(tiny_gpt2, progress=False)
     assert not called
     clean = tokenize(tiny_gpt2, [PARIS["clean"], SPAIN["clean"]]).tokens
     with pytest.raises(PatchingError, match="source"):

@@ -9,9 +9,21 @@ the metric when only what ``u`` writes *into v's input* is patched from the sour
 
 with ``g_v`` the gradient of the metric with respect to ``v``'s input (a head's q/k/v input before
 the norm, the MLP input, the final residual). ``eap``: ``g_v`` at the base run. ``eap_ig``: ``g_v``
-averaged over ``ig_steps`` runs whose embeddings lie on the straight line from the base run's to
-the source run's (midpoints ``alpha_k = (k - 1/2) / ig_steps``); the runs interpolate the *inputs*
-(EAP-IG-inputs). Signs as in :mod:`tracekit.circuits` (denoising: base = corrupted run).
+averaged over ``m = ig_steps`` runs whose embeddings lie on the straight line from the base run's
+to the source run's, ``x_k = x_base + alpha_k (x_src - x_base)``; the runs interpolate the *inputs*
+(EAP-IG-inputs). The points ``alpha_k`` are the rule ``ig_rule`` (:func:`ig_alphas`):
+
+* ``left`` (default): ``alpha_k = k / m``, ``k = 0..m-1``: the ``eap`` package's EAP-IG-inputs
+  (``get_scores_eap_ig``: ``corrupted + (k / steps) (clean - corrupted)`` for ``k in range(steps)``,
+  summed and divided by ``steps``), so MIB's EAP-IG numbers reproduce; ``m = 1`` is EAP;
+* ``right``: ``alpha_k = k / m``, ``k = 1..m`` (the package's EAP-IG-activations rule);
+* ``midpoint``: ``alpha_k = (k - 1/2) / m``, ``k = 1..m`` (the smallest completeness error for a
+  given ``m``: the quadrature error is O(1/m^2) instead of O(1/m)).
+
+Signs as in :mod:`tracekit.circuits` (denoising: base = corrupted run): the score multiplies
+``write^src - write^base`` (denoising: clean - corrupted). The ``eap`` package accumulates
+``(corrupted - clean) . grad``: for the same metric its score is the negative of this one (it is
+equal where the metric is passed to the package as a loss, i.e. negated).
 
 Identity (exact, any model): the scores of all edges out of ``u`` add up to the node-level AtP of
 ``u``'s write, because ``u`` reaches the metric only through the inputs of later nodes.
@@ -35,10 +47,45 @@ from .gradients import gradient_pass
 from .graph import Graph, build_graph, check_separable, downstream_hooks, upstream_hooks
 from .writes import check_writes, stack_reads, stack_writes
 
-__all__ = ["EdgeScores", "edge_attribution", "METHODS"]
+__all__ = ["EdgeScores", "edge_attribution", "ig_alphas", "METHODS", "IG_RULES", "SIGN_CONVENTION"]
 
 #: Edge methods.
 METHODS = ("eap", "eap_ig")
+
+#: Quadrature rules of EAP-IG's interpolation points (:func:`ig_alphas`); ``left`` is the ``eap`` package's.
+IG_RULES = ("left", "right", "midpoint")
+
+#: The sign of an edge score, as recorded in results.
+SIGN_CONVENTION = ("score = sum over positions and d_model of (write_u[source] - write_u[base]) * dM/d(input_v); "
+                   "denoising: source = clean, base = corrupted. The eap package accumulates "
+                   "(corrupted - clean) * grad: its score is the negative of this one for the same metric "
+                   "(equal when the package is given the negated metric as a loss)")
+
+
+def ig_alphas(steps: int, rule: str = "left") -> list[float]:
+    """The interpolation points ``alpha_k`` of EAP-IG (0 = the base run's embeddings, 1 = the source run's).
+
+    Args:
+        steps: ``m``, the number of points (>= 1).
+        rule: ``left`` (``k / m``, ``k = 0..m-1``: the ``eap`` package's ``get_scores_eap_ig``, Hanna
+            et al. 2024, which MIB's EAP-IG baseline runs), ``right`` (``k / m``, ``k = 1..m``: the
+            package's ``get_scores_ig_activations``) or ``midpoint`` (``(k - 1/2) / m``, ``k = 1..m``).
+
+    Returns:
+        ``m`` floats in ``[0, 1]``; the gradient is averaged over them (each weighs ``1 / m``).
+
+    Raises:
+        MethodRefused: an unknown rule or ``steps < 1``.
+    """
+    if rule not in IG_RULES:
+        raise MethodRefused(f"ig_rule: {rule!r} is not a rule; use one of {list(IG_RULES)} (left = the eap package's)")
+    if steps < 1:
+        raise MethodRefused(f"ig_steps: {steps}; use 1 or more")
+    if rule == "left":
+        return [k / steps for k in range(steps)]
+    if rule == "right":
+        return [k / steps for k in range(1, steps + 1)]
+    return [(k + 0.5) / steps for k in range(steps)]
 
 
 @dataclass
@@ -50,6 +97,7 @@ class EdgeScores:
         scores: ``[rows, n_down, n_up]`` (metric units; 0 where there is no edge).
         clean, corrupted: ``[rows]`` the metric on the clean and corrupted runs.
         method, mode, metric, ig_steps: how they were computed.
+        ig_rule: the interpolation rule of ``eap_ig`` (:func:`ig_alphas`; None for ``eap``).
     """
 
     graph: Graph
@@ -60,6 +108,7 @@ class EdgeScores:
     mode: str
     metric: str
     ig_steps: int
+    ig_rule: str | None = None
 
     def mean(self) -> Float[torch.Tensor, "n_down n_up"]:
         return self.scores.mean(0)
@@ -86,7 +135,7 @@ class EdgeScores:
 def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
                      target_ids: Sequence[int], foil_ids: Sequence[int] | None = None, *,
                      metric: str = "logit_diff", mode: str = "denoising", method: str = "eap",
-                     ig_steps: int = 5, max_rows: int = 64) -> EdgeScores:
+                     ig_steps: int = 5, ig_rule: str = "left", max_rows: int = 64) -> EdgeScores:
     """EAP / EAP-IG scores of every edge of the model's graph, per row.
 
     Args:
@@ -99,14 +148,15 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
         metric: ``logit_diff``, ``prob``, ``log_prob`` or ``kl`` (:mod:`tracekit.metrics`).
         mode: ``denoising`` or ``noising`` (module docstring).
         method: ``eap`` or ``eap_ig``.
-        ig_steps: interpolation steps of ``eap_ig`` (1 = the midpoint only).
+        ig_steps: interpolation steps of ``eap_ig`` (with ``ig_rule: left``, 1 = EAP).
+        ig_rule: ``left`` (default, the ``eap`` package's), ``right`` or ``midpoint`` (:func:`ig_alphas`).
         max_rows: rows x steps per backward pass of ``eap_ig`` (memory).
 
     Returns:
         :class:`EdgeScores`.
 
     Raises:
-        MethodRefused: an unknown method or mode, or a model whose writes are not separable
+        MethodRefused: an unknown method, mode or ``ig_rule``, or a model whose writes are not separable
             (post-norms, residual multipliers, heads that do not add up to the attention output).
         PatchingError: rows of unequal clean/corrupted lengths.
     """
@@ -116,6 +166,7 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
         raise MethodRefused(f"mode: {mode!r}; use denoising or noising")
     if metric not in M.METRICS:
         raise MethodRefused(f"metric: unknown metric {metric!r}; use one of {sorted(M.METRICS)}")
+    alphas = ig_alphas(ig_steps, ig_rule) if method == "eap_ig" else []
     check_separable(model, method)
     clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
     graph = build_graph(model)
@@ -130,13 +181,15 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
         clean = torch.tensor([clean_ids[i] for i in members], device=dev)
         corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
         inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev))
-        s, c, x = _group_scores(model, graph, clean, corr, inputs, metric, mode, method, ig_steps, max_rows)
+        s, c, x = _group_scores(model, graph, clean, corr, inputs, metric, mode, method, alphas, max_rows)
         scores[midx], clean_v[midx], corr_v[midx] = s, c, x
-    return EdgeScores(graph, scores, clean_v, corr_v, method, mode, metric, ig_steps if method == "eap_ig" else 0)
+    ig = method == "eap_ig"
+    return EdgeScores(graph, scores, clean_v, corr_v, method, mode, metric, ig_steps if ig else 0,
+                      ig_rule if ig else None)
 
 
 def _group_scores(model, graph: Graph, clean, corr, inputs: M.MetricInputs, metric: str, mode: str,
-                  method: str, ig_steps: int, max_rows: int):
+                  method: str, alphas: list[float], max_rows: int):
     up = upstream_hooks(graph)
     pc = gradient_pass(model, clean, up)
     inputs.clean_log_probs = torch.log_softmax(pc.logits, -1)
@@ -150,29 +203,30 @@ def _group_scores(model, graph: Graph, clean, corr, inputs: M.MetricInputs, metr
         gp = gradient_pass(model, base, down, [lambda lg: M.METRICS[metric](lg, inputs)])
         grad = stack_reads(graph, gp.grads[0])
     else:
-        grad = _ig_grads(model, graph, base, ps.acts["blocks.0.hook_resid_pre"], inputs, metric, ig_steps,
+        grad = _ig_grads(model, graph, base, ps.acts["blocks.0.hook_resid_pre"], inputs, metric, alphas,
                          max_rows, down)
     sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
     score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731
     return sc.cpu(), score(pc.logits), score(px.logits)
 
 
-def _ig_grads(model, graph: Graph, base, src_resid0, inputs: M.MetricInputs, metric: str, steps: int,
+def _ig_grads(model, graph: Graph, base, src_resid0, inputs: M.MetricInputs, metric: str, alphas: list[float],
               max_rows: int, down: list[str]) -> torch.Tensor:
-    """Downstream input gradients averaged over ``steps`` runs interpolating block 0's input from
-    the base run's (on ``base``'s tokens) to ``src_resid0`` (midpoint rule)."""
+    """Downstream input gradients averaged over the runs interpolating block 0's input from the
+    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`)."""
     g = base.shape[0]
+    steps = len(alphas)
     total = None
     per = max(1, max_rows // g)  # steps per pass
     for s0 in range(0, steps, per):
         ks = list(range(s0, min(steps, s0 + per)))
-        alphas = torch.tensor([(k + 0.5) / steps for k in ks], device=src_resid0.device).repeat_interleave(g)
+        a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
         toks = base.repeat(len(ks), 1)
         src = src_resid0.repeat(len(ks), 1, 1)
         rows = inputs.rows(torch.arange(g).repeat(len(ks)))
 
-        def leaf(x, alphas=alphas, src=src):
-            return x + alphas[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
+        def leaf(x, a=a, src=src):
+            return x + a[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
 
         gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
         r = stack_reads(graph, gp.grads[0])

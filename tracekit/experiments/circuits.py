@@ -44,6 +44,8 @@ class ScoreSpec(StrictModel):
         method: ``eap_ig`` (default), ``eap``, or ``atp`` (node level: a node's score is the sum of
             its outgoing EAP edges, which equals attribution patching of its write).
         ig_steps: interpolation steps of ``eap_ig``.
+        ig_rule: interpolation points of ``eap_ig``: ``left`` (default, the ``eap`` package's
+            ``k / m``), ``right`` or ``midpoint`` (:func:`tracekit.circuits.edges.ig_alphas`).
         mode: ``denoising`` (default) or ``noising``.
         rank_by: ``abs`` (largest |score|, default) or ``signed`` (largest score).
         edges_file: or read the scores from a saved ``edges`` table (Parquet or CSV with columns
@@ -57,6 +59,7 @@ class ScoreSpec(StrictModel):
 
     method: Literal["eap", "eap_ig", "atp"] = "eap_ig"
     ig_steps: int = Field(default=5, ge=1, le=512)
+    ig_rule: Literal["left", "right", "midpoint"] = "left"
     mode: Mode = "denoising"
     rank_by: Literal["abs", "signed"] = "abs"
     edges_file: Optional[str] = None
@@ -72,7 +75,8 @@ class CircuitResult(Result):
     scores); ``scores`` (every edge's or node's score, ranked); ``rows`` (per row clean, corrupted,
     empty-circuit and chosen-circuit metric).
 
-    Summary keys: ``level``, ``method``, ``ablation``, ``n_rows``, ``n_candidates`` (edges or
+    Summary keys: ``level``, ``method``, ``ig_rule`` (``eap_ig`` scores computed here: their
+    interpolation rule), ``ablation``, ``n_rows``, ``n_candidates`` (edges or
     nodes ranked), ``n_graph_edges``, ``mean_clean``, ``mean_corrupted``, ``mean_empty``,
     ``full_faithfulness`` (the full circuit's mean metric relative to the clean run's, measured in a
     separate forward pass: 1 unless the circuit engine is wrong), ``cpr``, ``cmd`` (MIB areas over
@@ -86,10 +90,12 @@ class CircuitResult(Result):
     config: "Circuit"
     main_table = "curve"
     table_names = ("curve", "circuit", "scores", "rows")
-    summary_keys = ("level", "method", "ablation", "n_rows", "n_candidates", "n_graph_edges", "mean_clean",
+    summary_keys = ("level", "method", "ig_rule", "ablation", "n_rows", "n_candidates", "n_graph_edges", "mean_clean",
                     "mean_corrupted", "mean_empty", "full_faithfulness", "cpr", "cmd", "cpr_ci", "cmd_ci", "threshold",
                     "chosen", "circuit_heads", "circuit_mlps", "circuit_edges")
-    null_reasons = {"cpr_ci": "one row, bootstrap: 0, or a circuit listed by hand",
+    null_reasons = {"ig_rule": "the scores were not computed with eap_ig in this step (method eap or atp, a circuit "
+                               "listed by hand, or scores.edges_file: that step's summary has its ig_rule)",
+                    "cpr_ci": "one row, bootstrap: 0, or a circuit listed by hand",
                     "cmd_ci": "one row, bootstrap: 0, or a circuit listed by hand",
                     "cpr": "a circuit listed by hand is one size, not a curve", "cmd": "a circuit listed by hand is one size, not a curve",
                     "full_faithfulness": "the full model and the empty circuit score the same"}
@@ -243,7 +249,8 @@ class Circuit(CircuitRowsExperiment):
                                   "model_fingerprint beside it); its scores are used as they are, unchecked", stacklevel=2)
             else:
                 es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=sp.mode,
-                                      method="eap_ig" if sp.method == "eap_ig" else "eap", ig_steps=sp.ig_steps)
+                                      method="eap_ig" if sp.method == "eap_ig" else "eap", ig_steps=sp.ig_steps,
+                                      ig_rule=sp.ig_rule)
             if self.level == "edges":
                 mean = es.mean()
                 counts = self._counts(graph.n_edges)
@@ -281,7 +288,10 @@ class Circuit(CircuitRowsExperiment):
         # circuit engine changed something it should not have
         den = float(run.clean[:, 0].mean()) - m_empty.mean()
         summary = {
-            "level": self.level, "method": "hand" if hand else self.scores.method, "ablation": self.ablation,
+            "level": self.level, "method": "hand" if hand else self.scores.method,
+            "ig_rule": (self.scores.ig_rule if not hand and self.scores.method == "eap_ig" and not self.scores.edges_file
+                        else None),
+            "ablation": self.ablation,
             "n_rows": len(clean), "n_candidates": int(n_cand), "n_graph_edges": graph.n_edges,
             "mean_clean": float(run.clean[:, 0].mean()), "mean_corrupted": float(run.corrupted[:, 0].mean()),
             "mean_empty": float(m_empty.mean()),

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from pydantic import Field
 
-from ..circuits.edges import EdgeScores, edge_attribution
+from ..circuits.edges import SIGN_CONVENTION, EdgeScores, edge_attribution
 from ..circuits.paths import path_patch
 from ..circuits.verification import choose_checked, compare
 from .attribution import VerifySpec, verification_lines
@@ -37,7 +37,9 @@ class EdgeAttributionResult(Result):
     ``approx_score``, ``exact_score`` from exact path patching of that one edge, ``approx_rank``,
     ``checked``).
 
-    Summary keys: ``method``, ``mode``, ``metric``, ``ig_steps``, ``n_rows``, ``n_edges``,
+    Summary keys: ``method``, ``mode``, ``metric``, ``ig_steps``, ``ig_rule`` (the interpolation
+    points of ``eap_ig``: ``left`` = the ``eap`` package's ``k / m``, ``right``, ``midpoint``),
+    ``sign_convention`` (the score's sign, and how it relates to the ``eap`` package's), ``n_rows``, ``n_edges``,
     ``mean_clean``, ``mean_corrupted``, ``top_edges`` (``{edge, score, normalized}``),
     ``top_nodes``, ``verification`` (as :class:`tracekit.experiments.attribution.AttributionPatchingResult`'s).
     """
@@ -45,10 +47,11 @@ class EdgeAttributionResult(Result):
     config: "EdgeAttribution"
     main_table = "edges"
     table_names = ("edges", "nodes", "rows", "verification")
-    summary_keys = ("method", "mode", "metric", "ig_steps", "n_rows", "n_edges", "mean_clean", "mean_corrupted",
+    summary_keys = ("method", "mode", "metric", "ig_steps", "ig_rule", "sign_convention", "n_rows", "n_edges", "mean_clean", "mean_corrupted",
                     "top_edges", "top_nodes", "verification")
     null_reasons = {"verification": "verify.enabled is false: the scores were not checked against exact path patching",
-                    "ig_steps": "method eap takes the gradient at the base run only"}
+                    "ig_steps": "method eap takes the gradient at the base run only",
+                    "ig_rule": "method eap takes the gradient at the base run only"}
 
     def summary(self) -> dict:
         e, n = self.tables["edges"], self.tables["nodes"]
@@ -58,6 +61,8 @@ class EdgeAttributionResult(Result):
         return {
             "method": self.config.method, "mode": self.config.mode, "metric": m,
             "ig_steps": self.config.ig_steps if self.config.method == "eap_ig" else None,
+            "ig_rule": self.config.ig_rule if self.config.method == "eap_ig" else None,
+            "sign_convention": SIGN_CONVENTION,
             "n_rows": int(len(rows)), "n_edges": int(len(e)),
             "mean_clean": float(rows[f"clean_{m}"].mean()), "mean_corrupted": float(rows[f"corrupted_{m}"].mean()),
             "top_edges": [{"edge": r["edge"], "score": round(float(r["score"]), 6),
@@ -118,6 +123,9 @@ class EdgeAttribution(CircuitRowsExperiment):
         method: ``eap`` (gradient at the base run) or ``eap_ig`` (default; gradients averaged over
             ``ig_steps`` inputs interpolated from the base run's embeddings to the source run's).
         ig_steps: interpolation steps of ``eap_ig`` (default 5, as the MIB baseline).
+        ig_rule: where the ``ig_steps`` points lie on the line (:func:`tracekit.circuits.edges.ig_alphas`):
+            ``left`` (default: ``alpha = k / m``, ``k = 0..m-1``, the ``eap`` package's EAP-IG-inputs,
+            so MIB's numbers reproduce), ``right`` (``k = 1..m``) or ``midpoint`` (``(k - 1/2) / m``).
         mode: ``denoising`` (default; base = corrupted run) or ``noising``.
         top_n: edges and nodes listed in the summary.
         verify: :class:`tracekit.experiments.attribution.VerifySpec`: the top edges and a random
@@ -131,6 +139,7 @@ class EdgeAttribution(CircuitRowsExperiment):
     kind: Literal["edge_attribution"] = "edge_attribution"
     method: Literal["eap", "eap_ig"] = "eap_ig"
     ig_steps: int = Field(default=5, ge=1, le=512)
+    ig_rule: Literal["left", "right", "midpoint"] = "left"
     mode: Mode = "denoising"
     top_n: int = Field(default=20, ge=1)
     verify: VerifySpec = Field(default_factory=VerifySpec)
@@ -140,7 +149,7 @@ class EdgeAttribution(CircuitRowsExperiment):
     def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> EdgeAttributionResult:
         clean, corr, tgt, foil = self.ids(inputs)
         es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=self.mode,
-                              method=self.method, ig_steps=self.ig_steps)
+                              method=self.method, ig_steps=self.ig_steps, ig_rule=self.ig_rule)
         edges = es.frame()
         nodes = _node_frame(es)
         tables = {"edges": edges, "nodes": nodes, "rows": self._rows_table(inputs, es.clean, es.corrupted)}

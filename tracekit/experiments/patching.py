@@ -97,6 +97,9 @@ class ActivationPatchingInputs:
         position_names: the chosen positions' names (``S2``, ``END``, ``-1``, ``token: is``).
         baseline_ids: the ``mean``/``resample`` population's ids (None: the rows' clean prompts),
             with its name in errors and in the result's meta.
+        positions_auto: why the positions are the dataset's named positions although ``positions``
+            was not given (rows of different lengths or templates; :meth:`ActivationPatching.prepare`),
+            else None.
     """
 
     data: PreparedDataset
@@ -112,6 +115,7 @@ class ActivationPatchingInputs:
     baseline_ids: tuple[tuple[int, ...], ...] | None
     population_name: str
     population_source: str
+    positions_auto: str | None = None
 
     @property
     def row_ids(self) -> list[int]:
@@ -127,7 +131,9 @@ class ActivationPatchingResult(Result):
     * ``n_rows``; ``row_id_by_row`` (each row's dataset id); ``dataset_source``; ``rows_dropped``
       (why rows were dropped by the dataset, and how many).
     * ``metrics``, ``main_metric``, ``interventions`` (the directions and ablations run),
-      ``sites``, ``positions`` (the chosen positions' names, or None: every position).
+      ``sites``, ``positions`` (the chosen positions' names, or None: every position),
+      ``positions_auto`` (why the positions are the dataset's named positions although none were
+      given: rows of different lengths or templates, whose positions by index mix token roles).
     * ``mean_clean`` / ``mean_corrupted``: ``{metric: mean over rows}`` of the unpatched clean /
       corrupted run's score (``mean_corrupted`` values are None without corrupted prompts).
     * ``clean_logit_diff_by_row`` / ``corrupted_logit_diff_by_row`` (logits), ``correct_by_row``
@@ -157,7 +163,7 @@ class ActivationPatchingResult(Result):
     renamed_columns = {"main.direction": "intervention"}
     #: Keys of summary() (pipelines check references against them before any model loads).
     summary_keys = ("n_rows", "row_id_by_row", "dataset_source", "rows_dropped", "metrics", "main_metric",
-                    "interventions", "sites", "positions", "mean_clean", "mean_corrupted",
+                    "interventions", "sites", "positions", "positions_auto", "mean_clean", "mean_corrupted",
                     "clean_logit_diff_by_row", "corrupted_logit_diff_by_row", "correct_by_row",
                     "share_rows_correct", "flagged_rows", "n_rows_flagged", "n_rows_unflagged",
                     "metrics_with_flagged_mean", "baseline_population", "ranked_by", "top_sites", "top_sites_families",
@@ -170,6 +176,7 @@ class ActivationPatchingResult(Result):
     null_reasons = {
         "share_rows_correct": "the rows have no foil, so there is no logit difference to call correct",
         "positions": "no positions were chosen: position-indexed sites were patched at every position",
+        "positions_auto": "the positions were given (positions:), or every row has the same length and template",
     }
 
     # ---- helpers -------------------------------------------------------------------------
@@ -304,6 +311,7 @@ class ActivationPatchingResult(Result):
             "interventions": sorted(self.tables["main"]["intervention"].unique().tolist()),
             "sites": list(self.meta.get("sites", [])),
             "positions": list(self.meta["positions"]) if self.meta.get("positions") else None,
+            "positions_auto": self.meta.get("positions_auto"),
         }
 
         def mean_or_none(x) -> float | None:
@@ -362,6 +370,8 @@ class ActivationPatchingResult(Result):
         pos = f", positions {s['positions']}" if s["positions"] else ""
         lines = [(f"activation patching [{cfg.step_name}]: {s['n_rows']} row(s) from {s['dataset_source']}, "
                   f"sites {s['sites']}{pos}, interventions {s['interventions']}")]
+        if s["positions_auto"]:
+            lines.append(f"  positions: {s['positions_auto']}")
         if s["rows_dropped"]:
             lines.append("  rows dropped: " + ", ".join(f"{k}: {v}" for k, v in s["rows_dropped"].items()))
         base = self.tables["baselines"]
@@ -736,6 +746,42 @@ class ActivationPatching(Experiment):
                              for e in data.examples])
         return [list(r) for r in zip(*cols)], names
 
+    def _auto_positions(self, data: PreparedDataset) -> tuple[list[list[int]] | None, list[str], str | None]:
+        """Without ``positions``: the positions of position-indexed sites when a per-position mean
+        over the rows would mix token roles, ``(per row indices, names, why)``; ``(None, [], None)``
+        when it would not (every row the same length, named positions at the same index in each).
+
+        Rows of different lengths align only by position from the end, and rows whose named
+        positions sit at different indices (another template, e.g. IOI's ABBA and BABA) do not align
+        by index either: at one position, different rows hold tokens of different roles. Such rows
+        are patched at the dataset's named positions (those every row has), each row at its own
+        index, and averaged by name.
+
+        Raises:
+            PatchingError: such rows without named positions (nothing to align them by).
+        """
+        if not any("pos" in P.SITES[s].axes for s in P.expand_sites(self.sites)):
+            return None, [], None
+        ex = data.examples
+        lengths = sorted({len(e.ids) for e in ex})
+        names = data.position_names
+        moved = [n for n in names if len({e.positions[n] for e in ex}) > 1]
+        if len(lengths) == 1 and not moved:
+            return None, [], None
+        why = (f"the rows have different token lengths ({', '.join(map(str, lengths[:6]))}"
+               f"{', ...' if len(lengths) > 6 else ''})" if len(lengths) > 1 else
+               f"the named position(s) {moved} sit at different token indices in different rows (different templates)")
+        if not names:
+            raise PatchingError(
+                f"positions: {why}, so a per-position mean over the rows would average tokens of different roles "
+                "(a position counted from the end is another token in each template); give positions: either "
+                "named positions of the dataset (add positions: {S2: ..., END: -1} to each row, then positions: "
+                "[S2, END]) or indices counted from the end that hold the same role in every row (positions: [-1]); "
+                "or patch whole-layer sites (resid_pre_layer, head_out, mlp_out_layer) instead")
+        return ([[e.positions[n] for n in names] for e in ex], list(names),
+                f"{why}: patched at the dataset's named positions {list(names)} (each row at its own index, "
+                "averaged by name), not at every index; give positions: to choose others")
+
     def _population(self, model) -> tuple[tuple[tuple[int, ...], ...] | None, str, str]:
         """``(baseline ids or None, population name for errors, population name for meta)``."""
         if not self.baseline_prompts:
@@ -758,6 +804,9 @@ class ActivationPatching(Experiment):
             data, tids, fids = self._pair_rows(model)
         has_corr = self._corrupted(data)
         positions, names = self._resolve_positions(model, data)
+        auto = None
+        if positions is None:
+            positions, names, auto = self._auto_positions(data)
         pop, pop_name, pop_meta = self._population(model)
 
         def texts(e: Example, which: str) -> tuple[str, ...]:
@@ -773,7 +822,8 @@ class ActivationPatching(Experiment):
             corrupted_ids=tuple(e.corrupted_ids if e.corrupted_ids is not None else e.ids for e in data.examples),
             has_corrupted=has_corr,
             positions=None if positions is None else tuple(tuple(r) for r in positions),
-            position_names=tuple(names), baseline_ids=pop, population_name=pop_name, population_source=pop_meta)
+            position_names=tuple(names), baseline_ids=pop, population_name=pop_name, population_source=pop_meta,
+            positions_auto=auto)
 
     def check(self, model) -> ActivationPatchingInputs:
         """:meth:`prepare`, then the layers, neurons and baseline population (tokenizer and config
@@ -851,6 +901,7 @@ class ActivationPatching(Experiment):
                 "neuron_layers": P.resolve_layers(n_layers, self.neuron_layers or [], "neuron_layers"),
                 "hooks": {s: P.SITES[s].hook for s in sites},
                 "positions": list(inputs.position_names) or None,
+                "positions_auto": inputs.positions_auto,
                 "has_corrupted": inputs.has_corrupted,
                 "dataset": {"source": inputs.data.source, "dropped": dict(inputs.data.dropped), "n_rows": n}}
         if {"mean", "resample"} & set(modes):

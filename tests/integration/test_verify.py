@@ -87,9 +87,11 @@ HALF_SCALES = {"float16": 1.0, "bfloat16": 0.3}
 
 
 def _half_spec(dtype: str, **kw) -> ModelSpec:
+    from typing import Any, cast
+
     from helpers import tiny_overrides
 
-    return ModelSpec(name="gpt2", random_init=True, tokenizer=harness.GPT2_BPE, device="cpu", dtype=dtype,
+    return ModelSpec(name="gpt2", random_init=True, tokenizer=harness.GPT2_BPE, device="cpu", dtype=cast(Any, dtype),
                      config_overrides={**tiny_overrides("gpt2"), "initializer_range": HALF_SCALES[dtype]}, **kw)
 
 

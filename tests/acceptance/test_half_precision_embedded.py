@@ -58,8 +58,14 @@ def half_model(request):
 _F32: dict[str, dict] = {}
 
 
+#: Smaller configs than KIND_EXAMPLES' for the 30-block model (the same summary numbers are compared).
+EMBEDDED_OVERRIDES: dict[str, dict] = {
+    "activation_patching": {"sites": ["resid_pre"], "positions": [-1], "ablations": ["zero"]},
+}
+
+
 def _run(kind: str, model) -> dict:
-    exp = REGISTRY[kind].model_validate({"kind": kind, **KIND_EXAMPLES[kind]})
+    exp = REGISTRY[kind].model_validate({"kind": kind, **KIND_EXAMPLES[kind], **EMBEDDED_OVERRIDES.get(kind, {})})
     return jsonable(exp.run(model, progress=False).summary())
 
 
@@ -81,8 +87,9 @@ def test_half_precision_loads_and_records_the_rule(half_model):
 @pytest.mark.slow
 def test_logit_lens_in_half_precision_matches_float32(half_model, embedded_model):
     """The logit lens in half precision: same final top-1 (' Paris'), same top-1 token at every hidden
-    state where float32's top-1 leads by more than the dtype's slack, and the answer's log-probability
-    at the final hidden state within 0.05 nats (float16) / 0.25 nats (bfloat16) of float32's."""
+    state and position for >= 95% (float16) / 85% (bfloat16) of them (the lens of early hidden states has
+    near-ties), every probability within 0.02 / 0.1, and the answer's log-probability at the final
+    hidden state within 0.05 / 0.25 nats of float32's."""
     import tracekit as tk
 
     dtype = str(next(half_model.parameters()).dtype).replace("torch.", "")
@@ -101,7 +108,7 @@ def test_logit_lens_in_half_precision_matches_float32(half_model, embedded_model
     agree = float(np.mean(m["top1_32"].to_numpy() == m["top1_h"].to_numpy()))
     dp = float(np.abs(m["prob_32"].to_numpy(float) - m["prob_h"].to_numpy(float)).max())
     print(f"[half] logit_lens {dtype}: final |d log p| {d:.3g}, top-1 agreement {agree:.3f}, max |d prob| {dp:.3g}")
-    assert agree >= {"float16": 0.95, "bfloat16": 0.9}[dtype]
+    assert agree >= {"float16": 0.95, "bfloat16": 0.85}[dtype]  # measured 0.995 / 0.914 (early-layer near-ties)
     assert dp <= {"float16": 0.02, "bfloat16": 0.1}[dtype]
 
 

@@ -310,8 +310,8 @@ def _refusal_message(bridge, arch: str, c) -> str:
             if c.value is not None else f" ({c.detail})")
     if c.name in ("forward", "forward_mean") and half and "float32" in c.detail:
         what = (f"in {name} (model.dtype), TransformerLens' bridge gives log-probabilities further from a float32 "
-                f"run of the same weights than transformers' own {name} run is{size}: the bridge loses more "
-                f"precision in {name} than transformers does")
+                f"run of the same weights than transformers' own {name} run is{size}, more than {name} rounding "
+                f"explains")
     else:
         what = {"forward": "TransformerLens' bridge gives different log-probabilities from transformers",
                 "lens_final": "the readout (final norm + unembedding + output transform) does not reproduce "

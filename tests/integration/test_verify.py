@@ -158,3 +158,21 @@ def test_a_wiring_error_in_half_precision_is_still_refused_naming_the_dtype(dtyp
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg or "gpt2" in msg.lower()
     assert "half precision is the likely cause" in msg and "model.dtype: float32" in msg
+
+
+def test_verify_model_forward_in_half_precision_uses_the_float32_rule(fresh):
+    """`tracekit verify --dtype bfloat16`: its forward check is the load-time rule (float32 reference
+    of the same weights), so a correct bfloat16 model passes it (0.47 > 0.25 failed it before)."""
+    from tracekit.model import load as L
+    from tracekit.verify import HFReference, _bridge_layers_path, verify_model
+
+    spec = _half_spec("bfloat16")
+    m = load_model(spec)
+    hf = L._hf_from_weights(L._WEIGHTS[spec.weights_key()], torch.bfloat16).eval()
+    path = _bridge_layers_path(m)
+    assert path is not None
+    rep = verify_model(m, HFReference(hf, path))
+    checks = {c.name: c for c in rep.checks}
+    for name in ("forward", "forward_mean"):
+        assert checks[name].status == "pass", checks[name]
+        assert "float32" in checks[name].detail

@@ -14,12 +14,12 @@ refuse with a TracekitError naming the dtype (``REFUSED_IN_HALF``), never crash.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
 
 import numpy as np
 import pytest
-import torch
 
 from helpers import KIND_EXAMPLES, ROOT
 from tracekit.compat import sae_lens_status
@@ -129,9 +129,13 @@ def test_every_kind_in_half_precision_matches_float32(kind, half_model, embedded
     got = _run(kind, half_model)
     sec = time.perf_counter() - t
     assert got, f"{kind}: empty summary"
-    ok, detail, data = gc.compare_summaries(kind, _F32[kind], got, dtype)
     inv = gc.check_invariants(kind, got, dtype)
+    if kind not in gc.COMPARE:  # no number of it is comparable across dtypes (a store's paths and counts)
+        bad = [k for k, v in gc.leaves(got).items() if not math.isfinite(v)]
+        print(f"[half] {kind} {dtype} {sec:.1f}s: ran (not compared); invariants: {inv or 'ok'}")
+        assert not bad and not inv, f"{kind} in {dtype}: non-finite {bad[:4]}; invariants: {inv}"
+        return
+    ok, detail, data = gc.compare_summaries(kind, _F32[kind], got, dtype)
     print(f"[half] {kind} {dtype} {sec:.1f}s: {detail}; invariants: {inv or 'ok'}")
     assert ok and not inv, f"{kind} in {dtype}: {detail}; invariants: {inv}"
-    assert data["compared"] > 0 or kind not in gc.COMPARE
-    assert torch.float32 != next(half_model.parameters()).dtype
+    assert data["compared"] > 0

@@ -13,7 +13,7 @@ export MPLBACKEND := Agg
 TL4_VENV := build/venv-tl4
 TL4_BIN := $(TL4_VENV)/bin
 
-.PHONY: install install-tl4 demo test test-tl4 test-fast lint docs bench clean schema
+.PHONY: install install-tl4 demo test test-tl4 test-half test-fast lint docs bench clean schema
 
 $(BIN)/tracekit: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -66,6 +66,11 @@ test-tl4: install-tl4
 schema: install
 	$(BIN)/python -c "import tracekit.config as c; c.write_kinds_schema()"
 	$(BIN)/python docs/gen_config_reference.py
+
+# Every kind on the embedded model in float16 and bfloat16 against float32 (~25-30 min of CPU on 2 cores;
+# skipped by `make test`, which runs the half-precision load check and logit-lens regression).
+test-half: install
+	TRACEKIT_HALF_TIER=1 $(BIN)/python -m pytest -q -rs tests/acceptance/test_half_precision_embedded.py
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests

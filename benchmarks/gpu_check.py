@@ -77,6 +77,9 @@ TOL: dict[str, dict[str, tuple[float, float]]] = {
                 "err": (1e-3, 0.0)},
     "bfloat16": {"logit": (0.3, 0.05), "prob": (0.02, 0.1), "rounded": (0.05, 0.0), "score": (0.25, 0.0),
                  "err": (0.3, 0.0)},
+    # float16 keeps 11 significand bits (~0.05% relative error per matmul); its range is narrower
+    "float16": {"logit": (0.1, 0.02), "prob": (0.01, 0.05), "rounded": (0.02, 0.0), "score": (0.25, 0.0),
+                "err": (0.1, 0.0)},
 }
 
 #: Per kind: the summary numbers compared across devices and dtypes (dotted path, class of

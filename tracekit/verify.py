@@ -12,7 +12,9 @@ attention, hooks on its own decoder layers):
 =====================  ===========================================================================
 check                  identity (tolerance: :func:`tolerance`, natural-log probabilities or logits)
 =====================  ===========================================================================
-forward                bridge log-probs == transformers' log-probs, every position
+forward                bridge log-probs == transformers' log-probs, every position (float16 / bfloat16:
+                       against transformers on the same weights in float32, within a multiple of
+                       transformers' own half-precision error; plus ``forward_mean``, the mean error)
 lens_final             the lens of the last hidden state == the model's output
 lens_hidden_states     the lens of every hidden state == the model's own head (final norm, unembedding,
                        output transform) applied by transformers to that hidden state
@@ -33,8 +35,9 @@ prints as a table (:meth:`VerifyReport.table`) with the versions of tracekit, Tr
 transformers and torch, and saves as ``verify.json``.
 
 At load (:func:`tracekit.model.load_model`, unless ``model.verify: false``) the fast subset runs:
-``forward`` against the Hugging Face model *before* the bridge wraps it (no second copy), and
-``lens_final``; a failure refuses the model, naming the architecture. The run's
+``forward`` against the Hugging Face model *before* the bridge wraps it (no second copy; in float16 /
+bfloat16 against a float32 copy of it made for the probe only, :func:`tracekit.model.checks.forward_checks`),
+and ``lens_final``; a failure refuses the model, naming the architecture. The run's
 ``environment.json`` records the result.
 """
 
@@ -54,9 +57,9 @@ from .dla import DirectAttribution, logit_attribution
 from .errors import AttentionError, TokenizationError, TracekitError
 from .fastpath import lens_readout, residual_stream
 from .model.architectures import MethodRefused, architecture_name
-from .model.checks import PROMPTS, Check, _dtype, _max, load_checks, probe_ids, tolerance  # noqa: F401 - re-exported
+from .model.checks import HALF, PROMPTS, Check, _dtype, _max, forward_checks, load_checks, probe_ids, tolerance  # noqa: F401 - re-exported
 from .model.info import HookedModel
-from .model.load import model_spec_of
+from .model.load import _float32_logits, model_spec_of
 from .model.readout import output_transform
 from .model.writepath import write_paths
 from .patching import batched_activation_patch, layer_pos_setter, layer_setter
@@ -335,10 +338,11 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     if reference is not None:
         assert ref0 is not None  # run above whenever there is a reference
 
-        def c_forward():
-            err = _max(bridge_lp(ids0) - torch.log_softmax(ref0["logits"].to(dev), -1))
-            return err, tol, "bridge vs transformers log-probs, every position of prompt 0"
-        _run_check(checks, "forward", "load", c_forward)
+        try:  # float16 / bfloat16: against a float32 copy of the reference (forward_checks)
+            ref32 = _float32_logits(reference.hf, ids0) if dt in HALF else None
+            checks += forward_checks(bridge_lp(ids0), ref0["logits"], ref32, dt)
+        except Exception as e:  # noqa: BLE001 - every outcome is recorded
+            checks.append(Check("forward", "load", None, None, "fail", f"{type(e).__name__}: {e}"[:300]))
 
     # lens
     hooks = [hook("resid_pre", 0)] + [hook("resid_post", L) for L in range(n_layers)]

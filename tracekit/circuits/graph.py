@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Optional
 
 import torch
 from jaxtyping import Float
 
 from ..errors import MethodRefused
+from ..model.checks import _dtype, tolerance
 from ..model.writepath import write_path
 
 __all__ = ["Graph", "build_graph", "check_separable", "check_head_writes", "head_writes", "upstream_hooks",
@@ -174,19 +176,29 @@ def head_writes(model, layer: int, z: Float[torch.Tensor, "n pos head d_head"]
 
 
 def check_head_writes(model, layer: int, dz: torch.Tensor, d_attn_out: torch.Tensor, method: str,
-                      atol: float = 1e-3) -> None:
+                      atol: Optional[float] = None) -> None:
     """Check that the heads' write differences add up to the attention output's difference between
     two runs (``b_O`` cancels): the identity edges rely on.
+
+    Args:
+        dz: ``[n, pos, head, d_head]`` difference of ``hook_z``; d_attn_out: ``[n, pos, d_model]``
+            difference of ``hook_attn_out`` (both computed by the model in its dtype).
+        atol: relative tolerance; default :func:`tracekit.model.checks.tolerance` of the model's
+            dtype (1e-3 in float32; float16 / bfloat16 round the model's attention output, which the
+            float32 recomputation here does not).
 
     Raises:
         MethodRefused: they differ by more than ``atol`` (relative to the scale of ``d_attn_out``).
     """
+    dt = _dtype(model)
+    tol = tolerance(dt) if atol is None else atol
     total = head_writes(model, layer, dz).sum(2)
     err = float((total - d_attn_out.float()).abs().max())
     scale = float(d_attn_out.float().abs().max()) + 1.0
-    if err > atol * scale:
+    if err > tol * scale:
         raise MethodRefused(f"{method}: block {layer}'s head writes (z W_O) do not add up to its attention "
-                            f"output (max difference {err:.3g}); this architecture's heads are not separable")
+                            f"output (max difference {err:.3g} > {tol * scale:.3g}, the tolerance of "
+                            f"{str(dt).replace('torch.', '')}); this architecture's heads are not separable")
 
 
 def upstream_hooks(graph: Graph) -> list[str]:

@@ -36,7 +36,7 @@ from ..core.errors import ModelLoadError
 from . import source
 from . import weights_cache as cache
 from .architectures import ALIASES, architecture_name, check_loadable
-from .checks import _TOL, load_checks, probe_ids
+from .checks import _TOL, HALF, HALF_FACTOR, load_checks, probe_ids
 from .processed import processed_weights_cache
 from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, resolve_device
 from .state import state_of
@@ -173,7 +173,8 @@ def checkpoint_unembed_hash(hf_model) -> Optional[str]:
     return hashlib.sha256(str.encode(text)).hexdigest()
 
 
-def _verify_at_load(bridge, arch: str, spec: ModelSpec, tokenizer, cached: tuple, probe, ref_logits) -> None:
+def _verify_at_load(bridge, arch: str, spec: ModelSpec, tokenizer, cached: tuple, probe,
+                    ref_logits: Optional[tuple]) -> None:
     """Run the load-time verification, or reuse its cached result when the record's key matches and
     the bridge's weights (after processing) have the fingerprint recorded with it. A record that does
     not match is never trusted: the reference is rebuilt from the same tensors and everything rerun."""
@@ -185,7 +186,7 @@ def _verify_at_load(bridge, arch: str, spec: ModelSpec, tokenizer, cached: tuple
     if ref_logits is None and fallback is not None:  # a stale record: compute the reference now
         hf = _hf_from_weights(fallback, DTYPES[spec.dtype])
         probe, ref_logits = _reference_logits(hf, tokenizer, spec, str(model_device(bridge)))
-    _load_verification(bridge, arch, probe, ref_logits)  # raises when a check fails
+    _load_verification(bridge, arch, probe, *(ref_logits or (None, None)))  # raises when a check fails
     if vkey is not None and entry is not None:
         cache.write_verification(entry, vkey, {"bridge": bridge_fp, "verification": state_of(bridge).verification})
 
@@ -207,10 +208,11 @@ def _verification_key(hf_model, tokenizer, spec: ModelSpec, device: Optional[str
             return None
 
     vocab = int(getattr(hf_model.config, "vocab_size", 0) or len(tokenizer))
-    blob = {"format": 1, "entry": Path(entry).name, "class": type(hf_model).__name__,
+    blob = {"format": 2, "entry": Path(entry).name, "class": type(hf_model).__name__,
             "weights": _weights_digest(dict(hf_model.state_dict())),
             "probe": probe_ids(tokenizer, vocab).tolist(), "dtype": spec.dtype, "device": str(device),
             "process_weights": spec.process_weights, "tolerances": {str(k): v for k, v in _TOL.items()},
+            "half_rule": {"factors": HALF_FACTOR, "reference": "float32"},
             "versions": {"torch": torch.__version__, "transformers": version("transformers"),
                          "transformer_lens": version("transformer-lens")}}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -255,8 +257,14 @@ def _bridge_spelling(hf_model) -> None:
 
 
 def _reference_logits(hf_model, tokenizer, spec: ModelSpec, device: Optional[str]):
-    """``(probe ids, logits)`` of the Hugging Face model on the verification probe, computed before
-    the bridge wraps (and rewires) it; ``(None, None)`` when verification is off."""
+    """``(probe ids, (logits, float32 logits))`` of the Hugging Face model on the verification probe,
+    computed before the bridge wraps (and rewires) it; ``(None, None)`` when verification is off.
+
+    ``logits`` are the model's own, in its dtype (returned as float32 values). In float16 / bfloat16
+    ``float32 logits`` come from a float32 copy of the same weights (:func:`_float32_logits`), the
+    reference the half-precision ``forward`` check compares with; None in float32 or when that
+    copy cannot be made (the check then compares with ``logits`` under the dtype's table tolerance).
+    """
     if not spec.verify:
         return None, None
 
@@ -268,36 +276,87 @@ def _reference_logits(hf_model, tokenizer, spec: ModelSpec, device: Optional[str
         dev = next(hf_model.parameters()).device
         with torch.no_grad():
             out = hf_model(ids.to(dev), use_cache=False)
-        return ids, out.logits.detach().float()
+        logits = out.logits.detach().float()
     except Exception as e:  # noqa: BLE001 - a model transformers itself cannot run
 
         raise ModelLoadError(f"{architecture_name(hf_model.config)}: transformers cannot run this model on a "
                              f"short probe ({type(e).__name__}: {e})") from e
+    return ids, (logits, _float32_logits(hf_model, ids))
 
 
-def _load_verification(bridge, arch: str, probe, ref_logits) -> None:
+def _float32_logits(hf_model, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Logits of a float32 copy of a float16 / bfloat16 Hugging Face model on ``ids`` ``[b, p]``
+    (``[b, p, vocab]``, float32), on the model's device; None for other dtypes, or when the copy
+    cannot be made or run (logged). The copy holds the same values (half -> float32 is exact), so it
+    is the half-precision model computed without rounding; it lives only for this one forward
+    (peak memory: the model plus twice its size)."""
+    import copy
+
+    try:
+        p = next(hf_model.parameters())
+    except StopIteration:
+        return None
+    if p.dtype not in HALF:
+        return None
+    ref = None
+    try:
+        ref = copy.deepcopy(hf_model).to(torch.float32)
+        with torch.no_grad():
+            return ref(ids.to(p.device), use_cache=False).logits.detach().float()
+    except Exception as e:  # noqa: BLE001 - out of memory, meta/offloaded weights: fall back to the table tolerance
+        log.warning("no float32 reference for the load-time check (%s: %s); comparing with transformers in %s",
+                    type(e).__name__, e, p.dtype)
+        return None
+    finally:
+        del ref
+
+
+def _load_verification(bridge, arch: str, probe, ref_logits, ref32_logits=None) -> None:
     """The load-time subset of :mod:`tracekit.verify`; refuses the model when a check fails."""
 
     try:
-        checks = load_checks(bridge, probe, ref_logits)
+        checks = load_checks(bridge, probe, ref_logits, ref32_logits)
     except Exception as e:  # noqa: BLE001 - a forward the bridge cannot run is a refusal
         raise ModelLoadError(f"TransformerLens' bridge cannot run {arch}: {type(e).__name__}: {e}. "
                              "docs/architectures.md lists what runs on each architecture.") from e
     bad = [c for c in checks if c.status == "fail"]
     state_of(bridge).verification = {"level": "load", "passed": not bad,
                                      "checks": [{"name": c.name, "value": c.value, "tolerance": c.tolerance,
-                                                 "status": c.status} for c in checks]}
+                                                 "status": c.status, "detail": c.detail} for c in checks]}
     if bad:
-        c = bad[0]
+        raise ModelLoadError(_refusal_message(bridge, arch, bad[0]))
+
+
+def _refusal_message(bridge, arch: str, c) -> str:
+    """The refusal of a model whose load-time check ``c`` failed: what differs, by how much, and the
+    likely cause (half precision when the model is float16 / bfloat16, else the bridge's wiring)."""
+    from .checks import _dtype
+
+    dt = _dtype(bridge)
+    half = dt in HALF
+    name = str(dt).replace("torch.", "")
+    spec = bridge.__dict__.get("tracekit_spec")
+    processed = bool(getattr(spec, "process_weights", False))
+    stat = "mean |difference|" if c.name == "forward_mean" else "max |difference|"
+    size = (f" ({stat} {c.value:.3g} > {c.tolerance:.3g} on the verification probe)"
+            if c.value is not None else f" ({c.detail})")
+    if c.name in ("forward", "forward_mean") and half and "float32" in c.detail:
+        what = (f"in {name} (model.dtype), TransformerLens' bridge gives log-probabilities further from a float32 "
+                f"run of the same weights than transformers' own {name} run is{size}, more than {name} rounding "
+                f"explains")
+    else:
         what = {"forward": "TransformerLens' bridge gives different log-probabilities from transformers",
                 "lens_final": "the readout (final norm + unembedding + output transform) does not reproduce "
-                              "the model's output"}.get(c.name, c.name)
-        spec = bridge.__dict__.get("tracekit_spec")
-        hint = " Loading with model.process_weights: false may be exact." if getattr(spec, "process_weights", False) else ""
-        size = (f" (max |difference| {c.value:.3g} > {c.tolerance:.1g} on the verification probe)"
-                if c.value is not None else f" ({c.detail})")
-        raise ModelLoadError(f"{arch}: {what}{size}; tracekit refuses it rather than return wrong numbers.{hint} "
-                             "docs/architectures.md lists what runs on each architecture.")
+                              "the model's output"}.get(c.name, c.name) + size
+    if half:
+        hint = (f" The model is loaded in {name} (model.dtype): half precision is the likely cause when the "
+                "same model loads with model.dtype: float32 (its wiring is then exact)"
+                + (f"; to stay in {name}, load it with model.process_weights: false (transformers' own "
+                   "arithmetic)." if processed else "."))
+    else:
+        hint = " Loading with model.process_weights: false may be exact." if processed else ""
+    return (f"{arch}: {what}; tracekit refuses it rather than return wrong numbers.{hint} "
+            "docs/architectures.md lists what runs on each architecture.")
 
 
 # Weights read once per process: weights_key -> (hf config, state dict sharing the first model's

@@ -36,7 +36,10 @@ class ModelSpec(BaseModel):
         device: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``, ``mps``.
         n_devices: split the model over this many CUDA devices (bridge ``n_devices``).
         device_map: a Hugging Face device map (``auto``, ``balanced``, or a dict); excludes ``device``.
-        dtype: ``float32`` | ``float16`` | ``bfloat16``. Numeric invariants are stated for float32.
+        dtype: ``float32`` | ``float16`` | ``bfloat16``. Numeric invariants are stated for float32; in
+            float16 / bfloat16 the load-time verification compares the bridge with a float32 run of
+            the same weights, within a multiple of transformers' own half-precision error
+            (:func:`tracekit.model.checks.forward_checks`, docs/verify.md).
         prepend_bos: ``auto`` (default) follows the model's own tokenizer: a BOS is prepended
             exactly when the tokenizer adds one itself (GPT-2: no, the article's ids start at 464;
             SmolLM2: no, its ``bos_token`` is the chat marker ``<|im_start|>``; Llama 3: yes).

@@ -26,6 +26,22 @@ GPT2_BPE = str(ROOT / "tracekit" / "data" / "gpt2-bpe")
 _PERTURBED: dict = {}
 
 
+def load_gpu_check():
+    """``benchmarks/gpu_check.py`` as the module ``gpu_check`` (loaded once per process: its COMPARE,
+    INVARIANTS and tolerances are what the half-precision and GPU checks compare with)."""
+    import importlib.util
+    import sys
+
+    if "gpu_check" in sys.modules:
+        return sys.modules["gpu_check"]
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def start_child(cmd: list[str], **kw) -> subprocess.Popen:
     """``subprocess.Popen`` for the signal tests: the child never inherits an ignored SIGINT (a test
     runner started as a background job of a non-interactive shell ignores SIGINT, and so would every

@@ -1,5 +1,8 @@
 """Tokenization, positions and batched forward passes with correct padding.
 
+Over 600 lines because token display (:func:`show_token`, :func:`token_texts`, :func:`display_text`)
+shares this module's byte-level decoding; issue #37 (rows restructuring) moves display beside the tables.
+
 Every experiment tokenizes through :func:`tokenize`, so BOS handling, padding, context length and
 "which token is position X" are decided in one place:
 

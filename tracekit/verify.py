@@ -57,9 +57,9 @@ from .dla import DirectAttribution, logit_attribution
 from .errors import AttentionError, TokenizationError, TracekitError
 from .fastpath import lens_readout, residual_stream
 from .model.architectures import MethodRefused, architecture_name
-from .model.checks import HALF, PROMPTS, Check, _dtype, _max, forward_checks, load_checks, probe_ids, tolerance  # noqa: F401 - re-exported
+from .model.checks import HALF, PROMPTS, Check, forward_checks, load_checks, max_abs, model_dtype, probe_ids, tolerance  # noqa: F401 - re-exported
 from .model.info import HookedModel
-from .model.load import _float32_logits, model_spec_of
+from .model.load import float32_logits, model_spec_of
 from .model.readout import output_transform
 from .model.writepath import write_paths
 from .patching import batched_activation_patch, layer_pos_setter, layer_setter
@@ -317,7 +317,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     # Long (reason): one closure per check (each reads the shared prompts, reference run and tolerance); the checks read top to bottom in the order the report lists them.
 
     spec = model_spec_of(model)
-    dt = _dtype(model)
+    dt = model_dtype(model)
     dev = next(model.parameters()).device
     rep = VerifyReport(model=str(spec.name), architecture=architecture_name(model), dtype=str(dt).replace("torch.", ""),
                        device=str(dev), process_weights=bool(spec.process_weights), level=level, versions=versions())
@@ -339,7 +339,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
         assert ref0 is not None  # run above whenever there is a reference
 
         try:  # float16 / bfloat16: against a float32 copy of the reference (forward_checks)
-            ref32 = _float32_logits(reference.hf, ids0) if dt in HALF else None
+            ref32 = float32_logits(reference.hf, ids0) if dt in HALF else None
             checks += forward_checks(bridge_lp(ids0), ref0["logits"], ref32, dt)
         except Exception as e:  # noqa: BLE001 - every outcome is recorded
             checks.append(Check("forward", "load", None, None, "fail", f"{type(e).__name__}: {e}"[:300]))
@@ -352,8 +352,8 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
     def c_lens_final():
         resid = residual_stream(model, pad_ids(model, [first]), hooks[-1:], positions=None)[0, 0]
         r = lens_readout(model, resid, tgt_ids, top_k=5)
-        err = _max(r["target_log_prob"].to(dev) - own_lp[:, tgt_ids])
-        err = max(err, _max(r["top_prob"].to(dev) - own_lp.exp().topk(5, -1).values))
+        err = max_abs(r["target_log_prob"].to(dev) - own_lp[:, tgt_ids])
+        err = max(err, max_abs(r["top_prob"].to(dev) - own_lp.exp().topk(5, -1).values))
         return err, tol, "lens of the last hidden state vs the model's output (targets, top-5)"
     _run_check(checks, "lens_final", "logit_lens", c_lens_final)
 
@@ -367,8 +367,8 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             wants = reference.head_log_probs_many(ids0, ref0["hidden"])
             for h in range(n_layers + 1):
                 want = wants[h].to(dev)
-                worst = max(worst, _max(r["target_log_prob"][h].to(dev) - want[:, tgt_ids]),
-                            _max(r["entropy"][h].to(dev) - (-(want.exp() * want).sum(-1))))
+                worst = max(worst, max_abs(r["target_log_prob"][h].to(dev) - want[:, tgt_ids]),
+                            max_abs(r["entropy"][h].to(dev) - (-(want.exp() * want).sum(-1))))
             return worst, tol * 10, (f"lens of all {n_layers + 1} hidden states vs transformers' own head on its "
                                      "hidden states (targets, entropy)")
         _run_check(checks, "lens_hidden_states", "logit_lens", c_lens_hidden)
@@ -394,16 +394,16 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
 
     def c_heads():
         d = logit_attribution(model, prompts[0], picks[0], picks[1])[0]
-        err = _max(d.heads.sum(-1) + d.attn_bias - d.attn)
+        err = max_abs(d.heads.sum(-1) + d.attn_bias - d.attn)
         paths = {wp.describe() for wp in write_paths(model, "attn") if wp is not None}
-        return err, tolerance(dt, _max(d.attn)), f"per layer; attention writes: {', '.join(sorted(paths))}"
+        return err, tolerance(dt, max_abs(d.attn)), f"per layer; attention writes: {', '.join(sorted(paths))}"
     _run_check(checks, "dla_heads", "dla", c_heads)
 
     def c_neurons():
         d = logit_attribution(model, prompts[0], picks[0], picks[1], neuron_layers="all")[0]
         err = max(abs(float(d.neuron_contrib[L].sum()) + float(d.mlp_bias[L]) - float(d.mlp[L])) for L in d.neuron_contrib)
         paths = {wp.describe() for wp in write_paths(model, "mlp") if wp is not None}
-        return err, tolerance(dt, _max(d.mlp)), f"per layer; MLP writes: {', '.join(sorted(paths))}"
+        return err, tolerance(dt, max_abs(d.mlp)), f"per layer; MLP writes: {', '.join(sorted(paths))}"
     _run_check(checks, "neurons_sum", "neurons", c_neurons)
 
     # patching
@@ -416,7 +416,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             return (torch.log_softmax(lg.float(), -1) - clean_lp[b]).abs().max(-1).values
         vals = batched_activation_patch(model, corrupt, ids0, metric, layer_setter, "resid_pre_layer",
                                         layers=sorted({0, n_layers // 2, n_layers - 1}), skip_unchanged=False)
-        return _max(vals), tol, "denoising the whole residual stream of a layer (first, middle, last) gives the clean run"
+        return max_abs(vals), tol, "denoising the whole residual stream of a layer (first, middle, last) gives the clean run"
     _run_check(checks, "patch_full_residual", "patching", c_full)
 
     if reference is not None:
@@ -443,7 +443,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
                 x[:, p] = clean_h.to(x.dtype)
                 return x
             want = torch.log_softmax(reference.run(corrupt, replace=repl)["logits"][:, -1], -1).to(dev)
-            return _max(got[-1] - want), tol, f"resid_pre of block {L} at position {p} vs the same patch hooked into transformers"
+            return max_abs(got[-1] - want), tol, f"resid_pre of block {L} at position {p} vs the same patch hooked into transformers"
         _run_check(checks, "patch_vs_hf", "patching", c_vs_hf)
 
     # attention
@@ -466,7 +466,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             names = [hook("head_pattern", L) for L in att_layers]
             _, cache = run_with_cache(model, pad_ids(model, [first]), names)  # the patterns of every layer, one pass
             for name, a in zip(names, hf_att):
-                worst = max(worst, _max(cache[name][0].float() - a[0].float().to(dev)))
+                worst = max(worst, max_abs(cache[name][0].float() - a[0].float().to(dev)))
                 n += 1
             return worst, tol, f"softmax weights of every head of {n} attention blocks vs eager output_attentions"
         _run_check(checks, "attention_patterns", "attention", c_att)
@@ -487,14 +487,14 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             res = residual_stream(model, bb, hooks, positions=bb.last)
             r = lens_readout(model, res, tgt_ids, top_k=3)["target_log_prob"]
             for i in range(len(prompts)):
-                worst = max(worst, _max(r[:, i] - singles[i][:, 0]))
+                worst = max(worst, max_abs(r[:, i] - singles[i][:, 0]))
         detail = "lens of every hidden state at the last token, left and right padding vs one by one"
         if len(picks) == 2:
             try:
                 many = logit_attribution(model, prompts, picks[0], picks[1])
                 for i, p in enumerate(prompts):
                     one = logit_attribution(model, [p], picks[0], picks[1])[0]
-                    worst = max(worst, abs(_attributed(one) - _attributed(many[i])), _max(one.heads - many[i].heads))
+                    worst = max(worst, abs(_attributed(one) - _attributed(many[i])), max_abs(one.heads - many[i].heads))
                 detail += "; DLA heads"
             except Exception as e:  # noqa: BLE001 - a refused DLA is reported by dla_sum
                 if _refusal(e) is None:
@@ -508,9 +508,9 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
             other = second_load()
             after = bridge_lp(ids0)
             other_lp = torch.log_softmax(other(ids0.to(dev)).float(), -1)
-            err = _max(after - before)
+            err = max_abs(after - before)
             want = torch.log_softmax(ref0["logits"].to(dev), -1) if ref0 is not None else before
-            err = max(err, _max(other_lp - want))
+            err = max(err, max_abs(other_lp - want))
             return err, tol, "first model unchanged by the second load; second model == transformers"
         _run_check(checks, "second_load", "load", c_second)
     return rep

@@ -13,16 +13,14 @@ refuse with a TracekitError naming the dtype (``REFUSED_IN_HALF``), never crash.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from helpers import KIND_EXAMPLES, ROOT
+from helpers import KIND_EXAMPLES, load_gpu_check
 from tracekit.compat import sae_lens_status
 from tracekit.core.io import jsonable
 from tracekit.errors import TracekitError
@@ -37,15 +35,6 @@ REFUSED_IN_HALF: dict[str, set[str]] = {"float16": set(), "bfloat16": set()}
 PROMPT, ANSWER = "The capital of China is Beijing. The capital of France is", " Paris"
 
 
-def _gpu_check():
-    if "gpu_check" in sys.modules:
-        return sys.modules["gpu_check"]
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module", params=HALF)
@@ -126,7 +115,7 @@ HALF_TIER = os.environ.get("TRACEKIT_HALF_TIER") == "1"
                                           "CPU): set TRACEKIT_HALF_TIER=1 or run `make test-half`")
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
 def test_every_kind_in_half_precision_matches_float32(kind, half_model, embedded_model):
-    gc = _gpu_check()
+    gc = load_gpu_check()
     dtype = str(next(half_model.parameters()).dtype).replace("torch.", "")
     if kind.startswith("sae_") and sae_lens_status(import_check=False) is not None:
         pytest.skip("sae-lens is not installed")

@@ -4,22 +4,15 @@ its tolerance fails (float32 tight, bfloat16 loose), missing numbers fail, invar
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import load_gpu_check
 
 
 @pytest.fixture(scope="module")
 def gc_mod():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_gpu_check()
 
 
 LENS = {"mean_entropy_by_hidden_state": [3.5, 2.25, 1.0], "mean_target_prob_by_hidden_state": [0.01, 0.2, 0.6],

@@ -32,7 +32,7 @@ import torch
 from jaxtyping import Float
 
 from ..errors import MethodRefused
-from ..model.checks import _dtype, tolerance
+from ..model.checks import model_dtype, tolerance
 from ..model.writepath import write_path
 
 __all__ = ["Graph", "build_graph", "check_separable", "check_head_writes", "head_writes", "upstream_hooks",
@@ -190,7 +190,7 @@ def check_head_writes(model, layer: int, dz: torch.Tensor, d_attn_out: torch.Ten
     Raises:
         MethodRefused: they differ by more than ``atol`` (relative to the scale of ``d_attn_out``).
     """
-    dt = _dtype(model)
+    dt = model_dtype(model)
     tol = tolerance(dt) if atol is None else atol
     total = head_writes(model, layer, dz).sum(2)
     err = float((total - d_attn_out.float()).abs().max())

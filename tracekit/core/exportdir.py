@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Union
 
 from .errors import OutputError
-from .io import temp_name, write_errors
+from .io import replace_dir, temp_name, write_errors
 
 __all__ = ["MARKER", "export_target", "export_folder", "export_record"]
 
@@ -103,18 +103,6 @@ def export_target(to: Union[str, Path], sources: Iterable[Union[str, Path]], for
     return dest
 
 
-def _replace(tmp: Path, dest: Path) -> None:
-    """Rename ``tmp`` to ``dest``; an existing ``dest`` (checked by :func:`export_target`) is renamed
-    aside first and deleted after."""
-    if dest.exists():
-        old = temp_name(dest, "old")
-        dest.rename(old)
-        tmp.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(dest)
-
-
 @contextlib.contextmanager
 def export_folder(to: Union[str, Path], sources: Iterable[Union[str, Path]], what: str, force: bool = False,
                   field: str = "--to") -> Iterator[Path]:
@@ -150,7 +138,7 @@ def export_folder(to: Union[str, Path], sources: Iterable[Union[str, Path]], wha
             rec = {"format": _FORMAT, "what": what, "sources": srcs, "files": files,
                    "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
             (tmp / MARKER).write_text(json.dumps(rec, indent=2))
-            _replace(tmp, dest)
+            replace_dir(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from .errors import OutputError
 
-__all__ = ["jsonable", "atomic_write", "write_json", "atomic_folder", "temp_name", "file_sha256",
+__all__ = ["jsonable", "atomic_write", "write_json", "atomic_folder", "replace_dir", "temp_name", "file_sha256",
            "write_files_manifest", "read_manifest", "verify_files_manifest", "ManifestInvalid", "fsync_dir",
            "WRITE_ERRNOS", "write_error", "write_errors"]
 
@@ -87,6 +87,23 @@ def fsync_dir(d: Path) -> None:
                 pass
 
 
+def replace_dir(tmp: Union[str, Path], dest: Union[str, Path]) -> None:
+    """Rename the folder ``tmp`` to ``dest``; an existing ``dest`` is renamed aside first and deleted
+    after, so ``dest`` is never half old, half new (the caller decides whether replacing is allowed).
+
+    Raises:
+        OSError: from the renames (the caller maps it with :func:`write_error`).
+    """
+    tmp, dest = Path(tmp), Path(dest)
+    if dest.exists():
+        old = temp_name(dest, "old")
+        dest.rename(old)
+        tmp.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(dest)
+
+
 @contextlib.contextmanager
 def atomic_folder(d: Union[str, Path]) -> Iterator[Path]:
     """Build a folder under a temporary name and rename it into place when the block ends without
@@ -102,13 +119,7 @@ def atomic_folder(d: Union[str, Path]) -> Iterator[Path]:
     try:
         yield tmp
         fsync_dir(tmp)
-        if d.exists():
-            old = temp_name(d, "old")
-            d.rename(old)
-            tmp.rename(d)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(d)
+        replace_dir(tmp, d)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

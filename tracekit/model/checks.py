@@ -66,14 +66,24 @@ def probe_ids(tokenizer, vocab: int, n: int = 10) -> Int[torch.Tensor, "prompt n
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _dtype(model) -> torch.dtype:
+def model_dtype(model) -> torch.dtype:
+    """The dtype of ``model``'s first parameter (float32 for a model without parameters).
+
+    Args:
+        model: a ``torch.nn.Module`` (a TransformerLens bridge or a Hugging Face model).
+
+    Returns:
+        Its parameters' ``torch.dtype``.
+    """
     try:
         return next(model.parameters()).dtype
     except StopIteration:  # pragma: no cover
         return torch.float32
 
 
-def _max(x: torch.Tensor) -> float:
+def max_abs(x: torch.Tensor) -> float:
+    """Largest absolute value of ``x`` (any shape; 0.0 when empty), as a Python float in ``x``'s units
+    (log-probabilities: nats)."""
     return float(x.abs().max()) if x.numel() else 0.0
 
 
@@ -131,7 +141,7 @@ def forward_checks(bridge_log_probs: Float[torch.Tensor, "b p vocab"], ref_logit
         name = str(dtype).replace("torch.", "")
         ref32 = torch.log_softmax(ref32_logits.float().to(dev), -1)
         out = []
-        for check, stat, what, key in (("forward", _max, "largest |difference|", "max"),
+        for check, stat, what, key in (("forward", max_abs, "largest |difference|", "max"),
                                        ("forward_mean", _mean, "mean |difference|", "mean")):
             own, err = stat(ref - ref32), stat(bridge_log_probs - ref32)
             tol = HALF_FACTOR[key] * own + floor
@@ -140,7 +150,7 @@ def forward_checks(bridge_log_probs: Float[torch.Tensor, "b p vocab"], ref_logit
                              f"probe; tolerance {HALF_FACTOR[key]:g} x transformers' own {name} error ({own:.3g}) "
                              f"+ {floor:g}"))
         return out
-    err = _max(bridge_log_probs - ref)
+    err = max_abs(bridge_log_probs - ref)
     tol = tolerance(dtype)
     return [Check("forward", "load", err, tol, "pass" if err <= tol else "fail",
                   "bridge vs transformers log-probs, every position of the probe")]
@@ -153,7 +163,7 @@ def load_checks(model, ids: Int[torch.Tensor, "b p"], ref_logits: Optional[torch
     before the bridge wrapped it; in half precision against its float32 run ``ref32_logits``, see
     :func:`forward_checks`) and ``lens_final``."""
 
-    dt = _dtype(model)
+    dt = model_dtype(model)
     dev = next(model.parameters()).device
     last = hook("resid_post", int(model.cfg.n_layers) - 1)
     logits, cache = model.run_with_cache(ids.to(dev), names_filter=lambda n: n == last)
@@ -162,7 +172,7 @@ def load_checks(model, ids: Int[torch.Tensor, "b p"], ref_logits: Optional[torch
     if ref_logits is not None:
         out += forward_checks(lp, ref_logits, ref32_logits, dt)
     if last in cache:
-        err = _max(Readout(model).log_probs(cache[last]) - lp)
+        err = max_abs(Readout(model).log_probs(cache[last]) - lp)
         tol = tolerance(dt)
         out.append(Check("lens_final", "logit_lens", err, tol, "pass" if err <= tol else "fail",
                          "readout of the last block's output vs the model's output"))

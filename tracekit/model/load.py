@@ -261,7 +261,7 @@ def _reference_logits(hf_model, tokenizer, spec: ModelSpec, device: Optional[str
     computed before the bridge wraps (and rewires) it; ``(None, None)`` when verification is off.
 
     ``logits`` are the model's own, in its dtype (returned as float32 values). In float16 / bfloat16
-    ``float32 logits`` come from a float32 copy of the same weights (:func:`_float32_logits`), the
+    ``float32 logits`` come from a float32 copy of the same weights (:func:`float32_logits`), the
     reference the half-precision ``forward`` check compares with; None in float32 or when that
     copy cannot be made (the check then compares with ``logits`` under the dtype's table tolerance).
     """
@@ -281,10 +281,10 @@ def _reference_logits(hf_model, tokenizer, spec: ModelSpec, device: Optional[str
 
         raise ModelLoadError(f"{architecture_name(hf_model.config)}: transformers cannot run this model on a "
                              f"short probe ({type(e).__name__}: {e})") from e
-    return ids, (logits, _float32_logits(hf_model, ids))
+    return ids, (logits, float32_logits(hf_model, ids))
 
 
-def _float32_logits(hf_model, ids: torch.Tensor) -> Optional[torch.Tensor]:
+def float32_logits(hf_model, ids: torch.Tensor) -> Optional[torch.Tensor]:
     """Logits of a float32 copy of a float16 / bfloat16 Hugging Face model on ``ids`` ``[b, p]``
     (``[b, p, vocab]``, float32), on the model's device; None for other dtypes, or when the copy
     cannot be made or run (logged). The copy holds the same values (half -> float32 is exact), so it
@@ -330,9 +330,9 @@ def _load_verification(bridge, arch: str, probe, ref_logits, ref32_logits=None) 
 def _refusal_message(bridge, arch: str, c) -> str:
     """The refusal of a model whose load-time check ``c`` failed: what differs, by how much, and the
     likely cause (half precision when the model is float16 / bfloat16, else the bridge's wiring)."""
-    from .checks import _dtype
+    from .checks import model_dtype
 
-    dt = _dtype(bridge)
+    dt = model_dtype(bridge)
     half = dt in HALF
     name = str(dt).replace("torch.", "")
     spec = bridge.__dict__.get("tracekit_spec")

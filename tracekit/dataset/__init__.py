@@ -21,14 +21,16 @@ Notebook use (on the GPT-2 tokenizer):
 -1
 """
 
-from . import generators, read, rows, spec
+from . import generators, paired, read, rows, spec
 from .generators import *  # noqa: F403 - the package re-exports each module's __all__
+from .paired import *  # noqa: F403
 from .read import *  # noqa: F403
 from .rows import *  # noqa: F403
 from .spec import *  # noqa: F403
 
 __all__: list[str] = []
 __all__ += generators.__all__
+__all__ += paired.__all__
 __all__ += read.__all__
 __all__ += rows.__all__
 __all__ += spec.__all__

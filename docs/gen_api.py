@@ -29,7 +29,7 @@ GROUPS = [
                         "tracekit.verify")),
     ("Results and experiment kinds", ("tracekit.results", "tracekit.experiments")),
     ("Runs, pipelines, sweeps, CLI", ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep",
-                                      "tracekit.export", "tracekit.cli")),
+                                      "tracekit.export", "tracekit.activations_cli", "tracekit.cli")),
 ]
 
 

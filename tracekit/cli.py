@@ -37,7 +37,7 @@ from .core.yamlconf import apply_override, load_raw
 PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("tracekit.sweep.cli", "run a config's sweep block: one run per point, an index (resumable)"),
     "results": ("tracekit.sweep.cli", "print a sweep's index (and draw a comparison figure)"),
-    "cache-activations": ("tracekit.activations.cli", "write the activation stores of a config's `kind: activations` "
+    "cache-activations": ("tracekit.activations_cli", "write the activation stores of a config's `kind: activations` "
                                                       "steps (resumable; read by linear_probe's store:, tuned.store, sae.train.store)"),
     "export": ("tracekit.export", "export an SAE (SAELens directory), a run's tables (CSV/Parquet) or SAE features "
                                   "(Neuronpedia/SAEDashboard JSON)"),
@@ -154,19 +154,19 @@ def _verify(args) -> int:
 
     from .errors import ModelLoadError
     from .model.load import load_model
-    from .model.source import _load_hf
-    from .model.spec import DTYPES, ModelSpec, resolve_device
-    from .verify import HFReference, _bridge_layers_path, verify_model
+    from .model.source import load_hf
+    from .model.spec import DTYPES, ModelSpec, load_device
+    from .verify import HFReference, bridge_layers_path, verify_model
 
     try:
         spec = ModelSpec(name=args.model, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                          process_weights=not args.no_process_weights, verify=False)
         model = load_model(spec)
-        dev = resolve_device(spec.device) if spec.device_map is None and not spec.n_devices else "cpu"
-        hf, _, _ = _load_hf(spec, DTYPES[spec.dtype], dev)
+        dev = load_device(spec)
+        hf, _, _ = load_hf(spec, DTYPES[spec.dtype], dev)
         # transformers types PreTrainedModel.to as an unbound functools wrapper: call it as a Module's
         cast(torch.nn.Module, hf).to(next(model.parameters()).device)
-        layers_path = _bridge_layers_path(model)
+        layers_path = bridge_layers_path(model)
         if layers_path is None:  # load_model refuses a bridge without blocks
             raise ModelLoadError(f"{spec.name}: the bridge names no decoder layers (adapter.component_mapping['blocks'])")
         ref = HFReference(hf, layers_path)

@@ -20,9 +20,10 @@ kind, for the notebook API). A kind from outside tracekit registers with ``@regi
 module is imported, as before.
 
 To add a built-in kind: subclass ``tracekit.experiments.base.Experiment`` and :class:`Result`,
-decorate the experiment with ``@register``, import its module in
-``tracekit/experiments/__init__.py`` and add one line to :data:`KINDS` (a test checks the table
-against the registry).
+decorate the experiment with ``@register`` and add one line to
+:data:`tracekit.core.kinds.BUILTIN_KINDS` (the one table; :data:`KINDS` and the lazy exports of
+``tracekit.experiments`` and ``tracekit`` are generated from it, and a test checks it against the
+registry).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from . import plotting
 from .core import paths
 from .core.errors import OutputError, ResultLoadError
 from .core.io import atomic_folder, jsonable
+from .core.kinds import kind_targets
 from .core.strict import StrictModel
 
 #: An experiment config (a ``tracekit.experiments.base.Experiment``, which sits above this module
@@ -51,29 +53,9 @@ _E = TypeVar("_E", bound=type)
 __all__ = ["KINDS", "REGISTRY", "RESULTS", "RENAMED_COLUMNS", "shadowing_columns", "register", "experiment_class", "known_kinds", "Expectation",
            "Result", "ResultFolder", "lookup", "MANIFEST", "round_sig", "SUMMARY_DIGITS"]
 
-#: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`.
-KINDS: dict[str, str] = {
-    "logit_lens": "tracekit.experiments.logit_lens:LogitLens",
-    "direct_logit_attribution": "tracekit.experiments.dla:DirectLogitAttribution",
-    "neuron_attribution": "tracekit.experiments.neurons:NeuronAttribution",
-    "attention_pattern": "tracekit.experiments.attention:AttentionPattern",
-    "head_scan": "tracekit.experiments.attention:HeadScan",
-    "activation_patching": "tracekit.experiments.patching:ActivationPatching",
-    "attribution_patching": "tracekit.experiments.attribution:AttributionPatching",
-    "edge_attribution": "tracekit.experiments.edge_attribution:EdgeAttribution",
-    "path_patching": "tracekit.experiments.path_patching:PathPatching",
-    "circuit": "tracekit.experiments.circuits:Circuit",
-    "linear_probe": "tracekit.experiments.probing:LinearProbe",
-    "sae_features": "tracekit.experiments.sae:SAEFeatures",
-    "sae_eval": "tracekit.experiments.sae_quality:SAEEval",
-    "sae_train": "tracekit.experiments.sae_quality:SAETrain",
-    "token_trace": "tracekit.experiments.trace:TokenTrace",
-    "lens_quality": "tracekit.experiments.lens_quality:LensQuality",
-    "patchscope": "tracekit.experiments.patchscope:Patchscope",
-    "steering": "tracekit.experiments.steering:Steering",
-    "causal_tracing": "tracekit.experiments.causal_tracing:CausalTracing",
-    "activations": "tracekit.experiments.activations:CacheActivations",
-}
+#: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`;
+#: generated from the one table :data:`tracekit.core.kinds.BUILTIN_KINDS`.
+KINDS: dict[str, str] = kind_targets()
 
 MANIFEST = "manifest.json"
 
@@ -153,6 +135,11 @@ def register(cls: _E) -> _E:
     if not isinstance(kind, str):
         raise TypeError(f"{cls.__name__} needs a string default for field 'kind'")
     old = dict.get(REGISTRY, kind)
+    builtin = KINDS.get(kind)
+    if old is None and builtin is not None and builtin != f"{cls.__module__}:{cls.__qualname__}":
+        old_name = builtin.rpartition(":")[2]  # a built-in kind not imported yet is registered all the same
+        raise ValueError(f"experiment kind {kind!r} is already registered by {old_name}; "
+                         f"{cls.__qualname__} needs another kind name")
     if old is not None and old is not cls:
         raise ValueError(f"experiment kind {kind!r} is already registered by {old.__qualname__}; "
                          f"{cls.__qualname__} needs another kind name")

@@ -58,7 +58,7 @@ from .inputs import input_files
 from .model.architectures import architecture_name
 from .model.info import load_model_info
 from .model.load import bos_info, load_model, model_fingerprint
-from .model.spec import resolve_device
+from .model.spec import run_device
 from .model.state import state_of
 from .pipeline import PendingStep, Resolution, resolve
 from .resources import peak_memory
@@ -139,7 +139,7 @@ def environment(config: RunConfig, model=None) -> dict:
     env["inputs"] = input_files({"experiments": [s.model_dump(mode="json") if hasattr(s, "model_dump") else
                                                  getattr(s, "raw", {}) for s in config.experiments]})
     try:
-        env["device"] = resolve_device(config.model.device)
+        env["device"] = run_device(config.model)
     except Exception as e:  # noqa: BLE001
         env["device"] = f"unavailable: {e}"
     if torch.cuda.is_available():
@@ -308,15 +308,16 @@ def check_config(config: RunConfig, model=None) -> Any:
     """
     info = model if model is not None else load_model_info(config.model)
     errors: list[tuple[str, TracekitError]] = []
-    written: set[Path] = set()  # stores written by earlier `activations` steps
+    written: set[Path] = set()  # stores written by earlier steps (a kind's ``writes_store`` field)
     for i, step in enumerate(config.experiments):
         try:
             _check_store_refs(step, written)
             step.check(info)
         except TracekitError as e:
             errors.append((f"experiments[{i}] ({step.step_name}): {e}", e))
-        if step.kind == "activations":
-            written.add(Path(str(step.model_dump(mode="json")["path"])).expanduser().resolve())
+        store_field: Optional[str] = getattr(step, "writes_store", None)
+        if store_field is not None:
+            written.add(Path(str(step.model_dump(mode="json")[store_field])).expanduser().resolve())
     if len(errors) == 1:
         raise type(errors[0][1])(errors[0][0]) from errors[0][1]
     if errors:
@@ -328,7 +329,7 @@ def check_config(config: RunConfig, model=None) -> Any:
 def _half_precision_note(config: RunConfig, log: Callable) -> None:
     if config.model.dtype != "float32":
         try:
-            dev = resolve_device(config.model.device)
+            dev = run_device(config.model)
         except TracekitError:
             return
         if dev == "cpu":

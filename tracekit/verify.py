@@ -66,7 +66,7 @@ from .patching import batched_activation_patch, layer_pos_setter, layer_setter
 from .tokens import encode, pad_ids, run_with_cache, single_token_id, tokenize
 
 __all__ = ["Check", "VerifyReport", "HFReference", "verify_model", "tolerance", "probe_ids", "load_checks",
-           "PROMPTS", "versions"]
+           "PROMPTS", "versions", "bridge_layers_path"]
 
 
 def versions() -> dict:
@@ -251,7 +251,10 @@ def _attributed(d: DirectAttribution) -> float:
     return d.attributed
 
 
-def _bridge_layers_path(model) -> Optional[str]:
+def bridge_layers_path(model) -> Optional[str]:
+    """The dotted name of a loaded bridge's decoder-layer list in the wrapped transformers model
+    (its adapter's ``component_mapping["blocks"]``, e.g. ``"model.layers"``); None when ``model`` is
+    not a bridge. Raises nothing."""
     try:
         return model.adapter.component_mapping["blocks"].name
     except Exception:  # noqa: BLE001 - not a bridge

@@ -191,7 +191,7 @@ def test_probing_from_a_store_equals_probing_from_the_model(tiny_gpt2, tiny_llam
 def test_cli_refuses_a_config_without_activations_steps(tmp_path, capsys):
     import argparse
 
-    from tracekit.activations.cli import add_commands, main
+    from tracekit.activations_cli import add_commands, main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("experiments:\n  - kind: logit_lens\n    prompts: hi\n")
@@ -499,7 +499,7 @@ def test_a_file_size_limit_in_cache_activations_is_an_error_naming_the_store(tmp
     assert not [p for p in store.iterdir() if p.name.startswith("shard-") or ".tmp-" in p.name]
     import argparse
 
-    from tracekit.activations.cli import add_commands, main
+    from tracekit.activations_cli import add_commands, main
 
     p = argparse.ArgumentParser()
     add_commands(p.add_subparsers(dest="cmd"))
@@ -516,7 +516,7 @@ def test_corpus_seq_len_past_the_context_is_refused_before_the_store(tiny_gpt2, 
     import yaml
 
     from helpers import GPT2_BPE, tiny_overrides
-    from tracekit.activations.cli import add_commands, main
+    from tracekit.activations_cli import add_commands, main
     from tracekit.errors import ConfigError
 
     m = tiny_gpt2

@@ -104,8 +104,8 @@ def test_other_padding_or_bos_or_processing_does_not_reload_weights(monkeypatch)
                         config_overrides={"num_hidden_layers": 2, "tie_word_embeddings": True})
     first = M.load_model(spec)
     calls = []
-    real = S._load_hf
-    monkeypatch.setattr(S, "_load_hf", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = S.load_hf
+    monkeypatch.setattr(S, "load_hf", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.tensor([[464, 3139, 286, 4881, 318]])
     ref = torch.log_softmax(first(x).float(), -1)
     for upd in ({"padding_side": "left"}, {"prepend_bos": False}, {"process_weights": False}):

@@ -164,12 +164,12 @@ def test_verify_model_forward_in_half_precision_uses_the_float32_rule(fresh):
     """`tracekit verify --dtype bfloat16`: its forward check is the load-time rule (float32 reference
     of the same weights), so a correct bfloat16 model passes it (0.47 > 0.25 failed it before)."""
     from tracekit.model import load as L
-    from tracekit.verify import HFReference, _bridge_layers_path, verify_model
+    from tracekit.verify import HFReference, bridge_layers_path, verify_model
 
     spec = _half_spec("bfloat16")
     m = load_model(spec)
     hf = L._hf_from_weights(L._WEIGHTS[spec.weights_key()], torch.bfloat16).eval()
-    path = _bridge_layers_path(m)
+    path = bridge_layers_path(m)
     assert path is not None
     rep = verify_model(m, HFReference(hf, path))
     checks = {c.name: c for c in rep.checks}

@@ -80,3 +80,37 @@ def test_unknown_kinds_are_not_found():
     assert experiment_class(None) is None
     with pytest.raises(KeyError):
         REGISTRY["no_such_kind"]
+
+
+def _type_checking_names(path) -> set[str]:
+    """The names the ``if TYPE_CHECKING:`` block of a package face imports."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for imp in node.body:
+                if isinstance(imp, ast.ImportFrom):
+                    names |= {a.asname or a.name for a in imp.names}
+    return names
+
+
+def test_one_kinds_table_registers_every_kind():
+    """tracekit.core.kinds.BUILTIN_KINDS is the one registration place: the lazy exports and ``__all__``
+    of tracekit and tracekit.experiments are generated from it, and their TYPE_CHECKING blocks (for
+    type checkers) name the same classes."""
+    from pathlib import Path
+
+    import tracekit.experiments as X
+    from tracekit.core.kinds import BUILTIN_KINDS, KIND_MODULE_NAMES, package_exports
+
+    root = Path(tk.__file__).parent
+    for kind, e in BUILTIN_KINDS.items():
+        cls = REGISTRY[kind]
+        assert (cls.__name__, cls.result_class.__name__) == (e.experiment, e.result), kind
+        for name in (e.experiment, e.result):
+            assert getattr(X, name) is getattr(tk, name) and name in X.__all__ and name in tk.__all__, name
+    for name, (_, at_root) in KIND_MODULE_NAMES.items():
+        assert name in X.__all__ and (name in tk.__all__) == at_root, name
+    assert set(package_exports()) <= _type_checking_names(root / "__init__.py")
+    assert set(X._LAZY) <= _type_checking_names(root / "experiments" / "__init__.py")

@@ -17,8 +17,9 @@ log = logging.getLogger("tracekit.cache")
 
 
 
-def _remove_entry(d: Path) -> None:
-    """Remove an entry: rename it aside first (atomic), then delete; tolerate a concurrent remover."""
+def remove_entry(d: Path) -> None:
+    """Remove a cache entry folder ``d``: rename it aside first (atomic), then delete; tolerate a
+    concurrent remover (a folder already gone is no error). Raises nothing."""
     trash = d.parent / f".trash-{d.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(d, trash)
@@ -59,7 +60,12 @@ def remove_stale_temps(root: Path) -> list[Path]:
     return removed
 
 
-def _dir_size(d: Path) -> int:
+def dir_size(d: Path) -> int:
+    """The total size in bytes of the files under folder ``d`` (recursively).
+
+    Raises:
+        OSError: a file vanished or cannot be stat-ed while counting.
+    """
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
@@ -78,7 +84,7 @@ def dir_entries(root: Path, describe: Callable[[Path, dict], dict]) -> list[dict
     for d in sorted(root.iterdir()):
         if not d.is_dir():
             continue
-        row: dict[str, Any] = {"key": d.name, "path": str(d), "size_bytes": _dir_size(d), "valid": False}
+        row: dict[str, Any] = {"key": d.name, "path": str(d), "size_bytes": dir_size(d), "valid": False}
         try:
             row.update(describe(d, read_manifest(d)))
         except (ManifestInvalid, OSError, ValueError):
@@ -95,8 +101,8 @@ def clear_dir(root: Path) -> tuple[int, int]:
     n = freed = 0
     for d in list(root.iterdir()):
         if d.is_dir():
-            freed += _dir_size(d)
+            freed += dir_size(d)
             n += 0 if d.name.startswith(".") else 1
-            _remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)
+            remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)
     return n, freed
 

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-from .errors import OutputError
+from .errors import OutputError, TracekitError
 
 __all__ = ["jsonable", "atomic_write", "write_json", "atomic_folder", "replace_dir", "temp_name", "file_sha256",
            "write_files_manifest", "read_manifest", "verify_files_manifest", "ManifestInvalid", "fsync_dir",
@@ -146,8 +146,9 @@ def file_sha256(path: Union[str, Path], memo: bool = True) -> str:
     return out
 
 
-class ManifestInvalid(Exception):
-    """A folder whose files do not match its manifest (the message says which and how)."""
+class ManifestInvalid(TracekitError):
+    """A folder whose files do not match its manifest (the message says which and how); a
+    :class:`~tracekit.core.errors.TracekitError` (one error root)."""
 
 
 def write_files_manifest(d: Path, extra: dict | None = None) -> dict:

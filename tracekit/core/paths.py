@@ -20,6 +20,8 @@ import copy
 import re
 from typing import Any, Union
 
+from .errors import TracekitError
+
 __all__ = ["PathError", "parse", "fmt", "get", "set_path"]
 
 Loc = tuple[Union[str, int], ...]
@@ -27,9 +29,10 @@ Loc = tuple[Union[str, int], ...]
 _SEG = re.compile(r"\[(-?\d+)\]|\[(?:'([^']*)'|\"([^\"]*)\")\]|\.?([^.\[\]]+)")
 
 
-class PathError(ValueError):
+class PathError(TracekitError, ValueError):
     """A path that cannot be parsed, or that runs through a missing item or a non-container; callers
-    add the YAML field they were reading (``--set``, ``sweep``, a reference)."""
+    add the YAML field they were reading (``--set``, ``sweep``, a reference). A :class:`TracekitError`
+    (one error root) and a ``ValueError`` (as before)."""
 
 
 def parse(path: Union[str, Loc]) -> Loc:

@@ -3,9 +3,10 @@
 Each module defines one family of kinds and registers them with ``@register``. The kinds' classes
 are exported here lazily (PEP 562): ``from tracekit.experiments import LogitLens`` imports only the
 logit lens' module, and a config's kind is imported on demand by :data:`tracekit.results.REGISTRY`
-from :data:`tracekit.results.KINDS`, so a run imports only the kinds it uses (a new kind: a module
-here, its names in ``_LAZY`` and the ``TYPE_CHECKING`` block, and its entry in
-:data:`tracekit.results.KINDS`).
+from :data:`tracekit.results.KINDS`, so a run imports only the kinds it uses. Both tables are
+generated from the one kinds table :data:`tracekit.core.kinds.BUILTIN_KINDS` (a new kind: a module
+here and one line there; the ``TYPE_CHECKING`` block below repeats the names for type checkers,
+and ``tests/unit/test_registry.py`` checks it against the table).
 """
 
 from __future__ import annotations
@@ -13,46 +14,32 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..core.kinds import experiments_exports
 from .base import REGISTRY, RESULTS, Expectation, Experiment, Result, StrictModel, register
 
-if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they load on first use
-    from .activations import CacheActivations, CacheActivationsResult
-    from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult
-    from .attribution import AttributionPatching, AttributionPatchingResult, VerifySpec
-    from .causal_tracing import CausalTracing, CausalTracingResult, SubjectSpec
-    from .circuits import Circuit, CircuitResult, ScoreSpec
-    from .dla import DirectLogitAttribution, DirectLogitAttributionResult
-    from .edge_attribution import EdgeAttribution, EdgeAttributionResult
-    from .lens_quality import LensQuality, LensQualityResult
-    from .logit_lens import LogitLens, LogitLensResult
-    from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult
-    from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs
-    from .patchscope import Patchscope, PatchscopeResult
-    from .path_patching import PathPatching, PathPatchingResult
-    from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec
-    from .sae import SAEEval, SAEEvalResult, SAEFeatures, SAEFeaturesResult, SAETrain, SAETrainResult
-    from .steering import Steering, SteeringResult
-    from .trace import TokenTrace, TokenTraceResult
+if TYPE_CHECKING:  # the same names for type checkers and IDEs (checked against the kinds table by tests/unit/test_registry.py)
+    from .activations import CacheActivations, CacheActivationsResult  # noqa: F401
+    from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult  # noqa: F401
+    from .attribution import AttributionPatching, AttributionPatchingResult, VerifySpec  # noqa: F401
+    from .causal_tracing import CausalTracing, CausalTracingResult, SubjectSpec  # noqa: F401
+    from .circuits import Circuit, CircuitResult, ScoreSpec  # noqa: F401
+    from .dla import DirectLogitAttribution, DirectLogitAttributionResult  # noqa: F401
+    from .edge_attribution import EdgeAttribution, EdgeAttributionResult  # noqa: F401
+    from .lens_quality import LensQuality, LensQualityResult  # noqa: F401
+    from .logit_lens import LogitLens, LogitLensResult  # noqa: F401
+    from .neurons import AblationConfig, KeyReadoutConfig, NeuronAttribution, NeuronAttributionResult  # noqa: F401
+    from .patching import ActivationPatching, ActivationPatchingResult, PromptPair, load_pairs  # noqa: F401
+    from .patchscope import Patchscope, PatchscopeResult  # noqa: F401
+    from .path_patching import PathPatching, PathPatchingResult  # noqa: F401
+    from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec  # noqa: F401
+    from .sae import SAEFeatures, SAEFeaturesResult  # noqa: F401
+    from .sae_quality import SAEEval, SAEEvalResult, SAETrain, SAETrainResult  # noqa: F401
+    from .steering import Steering, SteeringResult  # noqa: F401
+    from .trace import TokenTrace, TokenTraceResult  # noqa: F401
 
-#: Exported name -> the module (in this package) that defines it.
-_LAZY: dict[str, str] = {
-    "CacheActivations": ".activations", "CacheActivationsResult": ".activations", "AttentionPattern": ".attention",
-    "AttentionPatternResult": ".attention", "HeadScan": ".attention", "HeadScanResult": ".attention",
-    "AttributionPatching": ".attribution", "AttributionPatchingResult": ".attribution",
-    "VerifySpec": ".attribution", "CausalTracing": ".causal_tracing", "CausalTracingResult": ".causal_tracing",
-    "SubjectSpec": ".causal_tracing", "Circuit": ".circuits", "CircuitResult": ".circuits",
-    "ScoreSpec": ".circuits", "DirectLogitAttribution": ".dla", "DirectLogitAttributionResult": ".dla",
-    "EdgeAttribution": ".edge_attribution", "EdgeAttributionResult": ".edge_attribution",
-    "LensQuality": ".lens_quality", "LensQualityResult": ".lens_quality", "LogitLens": ".logit_lens",
-    "LogitLensResult": ".logit_lens", "AblationConfig": ".neurons", "KeyReadoutConfig": ".neurons",
-    "NeuronAttribution": ".neurons", "NeuronAttributionResult": ".neurons", "ActivationPatching": ".patching",
-    "ActivationPatchingResult": ".patching", "PromptPair": ".patching", "load_pairs": ".patching",
-    "Patchscope": ".patchscope", "PatchscopeResult": ".patchscope", "PathPatching": ".path_patching",
-    "PathPatchingResult": ".path_patching", "LinearProbe": ".probing", "LinearProbeResult": ".probing",
-    "ProbeDatasetSpec": ".probing", "SAEEval": ".sae", "SAEEvalResult": ".sae", "SAEFeatures": ".sae",
-    "SAEFeaturesResult": ".sae", "SAETrain": ".sae", "SAETrainResult": ".sae", "Steering": ".steering",
-    "SteeringResult": ".steering", "TokenTrace": ".trace", "TokenTraceResult": ".trace",
-}
+#: Exported name -> the module (in this package) that defines it; generated from the one kinds
+#: table :data:`tracekit.core.kinds.BUILTIN_KINDS` (and :data:`~tracekit.core.kinds.KIND_MODULE_NAMES`).
+_LAZY: dict[str, str] = experiments_exports()
 
 
 def __getattr__(name: str) -> Any:
@@ -78,20 +65,5 @@ def import_all() -> None:
 if "__contains__" not in type(REGISTRY).__dict__:  # a registry whose ``in`` sees registered kinds only:
     import_all()  # register every kind now, as before (``tracekit.results._Registry`` decides)
 
-__all__ = [
-    "REGISTRY", "RESULTS", "Expectation", "Experiment", "Result", "StrictModel", "register", "import_all",
-    "LogitLens", "LogitLensResult",
-    "ActivationPatching", "ActivationPatchingResult", "PromptPair", "load_pairs",
-    "AttributionPatching", "AttributionPatchingResult", "VerifySpec",
-    "EdgeAttribution", "EdgeAttributionResult", "PathPatching", "PathPatchingResult", "Circuit", "CircuitResult",
-    "ScoreSpec",
-    "DirectLogitAttribution", "DirectLogitAttributionResult", "NeuronAttribution", "NeuronAttributionResult",
-    "KeyReadoutConfig", "AblationConfig",
-    "AttentionPattern", "AttentionPatternResult", "HeadScan", "HeadScanResult",
-    "LinearProbe", "LinearProbeResult", "ProbeDatasetSpec",
-    "SAEFeatures", "SAEFeaturesResult", "SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult",
-    "TokenTrace", "TokenTraceResult",
-    "CacheActivations", "CacheActivationsResult",
-    "LensQuality", "LensQualityResult", "Patchscope", "PatchscopeResult", "Steering", "SteeringResult",
-    "CausalTracing", "CausalTracingResult", "SubjectSpec",
-]
+__all__ = ["REGISTRY", "RESULTS", "Expectation", "Experiment", "Result", "StrictModel", "register", "import_all"]
+__all__ += list(_LAZY)  # pyright: ignore[reportUnsupportedDunderAll]  # generated from the kinds table

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
@@ -137,6 +137,7 @@ class CacheActivations(Experiment):
     """
 
     kind: Literal["activations"] = "activations"
+    writes_store: ClassVar[str] = "path"  # the field naming the store it writes (read by tracekit.runner.check_config)
     path: str
     prompts: OptionalPrompts = Field(default_factory=list)
     dataset: Optional[DatasetSpec] = None

@@ -50,7 +50,7 @@ from torch import nn
 from ..core.errors import ConfigError
 from ..core.io import atomic_folder
 from ..model.load import model_fingerprint, model_spec_of
-from ..model.readout import Readout, _transform_fn
+from ..model.readout import Readout, output_transform_fn
 
 __all__ = ["TunedLens", "TunedLensConfig", "residual_basis", "unembed_hash", "lens_log_probs", "CONFIG_FILE",
            "PARAMS_FILE", "TRACEKIT_FILE", "LENS_TYPE"]
@@ -124,7 +124,7 @@ def lens_log_probs(model, resid: Float[torch.Tensor, "... d_model"]) -> Float[to
     operations: final norm recomputed, unembedding, output transform, float32 log-softmax), for
     training translators through the frozen readout."""
     logits = model.unembed(model.ln_final(resid))
-    fn = _transform_fn(model)
+    fn = output_transform_fn(model)
     if fn is not None:
         logits = fn(logits)
     return torch.log_softmax(logits.float(), dim=-1)

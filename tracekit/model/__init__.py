@@ -2,7 +2,7 @@
 
 Files, one idea each (imports only :mod:`tracekit.core` and each other):
 
-* :mod:`.spec` — :class:`ModelSpec` and the one device decision (:func:`resolve_device`);
+* :mod:`.spec` — :class:`ModelSpec` and the one device decision (:func:`run_device`, :func:`load_device`, over :func:`resolve_device`);
 * :mod:`.source` — where weights, config and tokenizer come from (embedded GGUF, hub cache, folder, random);
 * :mod:`.load` — :func:`load_model`: the bridge, weights shared between specs, load-time checks;
 * :mod:`.info` — :class:`ModelInfo` (no weights, for ``check``) and :class:`HookedModel`;
@@ -26,10 +26,19 @@ from .load import (
 )
 from .readout import Readout
 from .source import BUILTIN_TOKENIZERS, builtin_tokenizer_dir, embedded_gguf_path
-from .spec import DTYPES, EMBEDDED_ALIASES, ModelSpec, as_spec, resolve_device, tokenizer_adds_bos
+from .spec import (
+    DTYPES,
+    EMBEDDED_ALIASES,
+    ModelSpec,
+    as_spec,
+    load_device,
+    resolve_device,
+    run_device,
+    tokenizer_adds_bos,
+)
 from .state import ModelState, state_of
 
 __all__ = ["ModelSpec", "ModelInfo", "HookedModel", "load_model", "load_model_info", "wrap_hf_model",
-           "model_spec_of", "model_device", "resolve_device", "embedded_gguf_path", "clear_cache",
+           "model_spec_of", "model_device", "resolve_device", "run_device", "load_device", "embedded_gguf_path", "clear_cache",
            "BUILTIN_TOKENIZERS", "builtin_tokenizer_dir", "bos_info", "model_fingerprint", "as_spec", "DTYPES",
            "EMBEDDED_ALIASES", "tokenizer_adds_bos", "Readout", "ModelState", "state_of"]

@@ -38,7 +38,7 @@ from . import weights_cache as cache
 from .architectures import ALIASES, architecture_name, check_loadable
 from .checks import _TOL, HALF, HALF_FACTOR, load_checks, probe_ids
 from .processed import processed_weights_cache
-from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, resolve_device
+from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, run_device
 from .state import state_of
 
 log = logging.getLogger("tracekit.model")
@@ -97,7 +97,7 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     if spec.n_devices and spec.n_devices > 1:
         boot_kw["n_devices"] = spec.n_devices
     elif spec.device_map is None:
-        boot_kw["device"] = resolve_device(spec.device)
+        boot_kw["device"] = run_device(spec)
     entry = cache_entry if cache_entry is not None else hf_model.__dict__.get("_tracekit_cache_entry")
     vkey = _verification_key(hf_model, tokenizer, spec, boot_kw.get("device"), entry)
     record = cache.read_verification(entry, vkey) if vkey is not None and entry is not None else None
@@ -446,7 +446,7 @@ def _load_model(spec: ModelSpec, key: str):
         if spec.process_weights and _PROCESSING_WRITES.get(wkey) is not False:
             _privatise_expert_weights(hf)
     else:
-        hf, tok, bridge_name = source._load_hf(spec, dtype, device)
+        hf, tok, bridge_name = source.load_hf(spec, dtype, device)
     own = dict(hf.state_dict())  # this model's tensors (shared ones, and private copies), before the bridge
     buffers = dict(hf.named_buffers())  # rewires the modules
     state = _WEIGHTS[wkey][1] if shared else own

@@ -26,8 +26,8 @@ from .weights_cache import (  # noqa: F401
     _Invalid,
     _mmap_safetensors,
     _read_manifest,
-    _remove_entry,
     cache_enabled,
+    remove_entry,
 )
 
 log = logging.getLogger("tracekit.cache")
@@ -56,7 +56,7 @@ def _load_processed(d: Path) -> dict[str, torch.Tensor] | None:
         f = d / "weights.safetensors"
         if f.stat().st_size != rec["size"]:
             raise _Invalid("weights.safetensors differs from its manifest")
-        _check_sha(f, rec["sha256"], lambda d=d: _remove_entry(d))
+        _check_sha(f, rec["sha256"], lambda d=d: remove_entry(d))
         tensors = _mmap_safetensors(f)
         out: dict[str, torch.Tensor] = {}
         for name in man["order"]:
@@ -74,7 +74,7 @@ def _load_processed(d: Path) -> dict[str, torch.Tensor] | None:
         return out
     except (_Invalid, OSError, KeyError, TypeError) as e:
         log.warning("tracekit processed-weights cache %s is invalid (%s): recomputing it", d, e)
-        _remove_entry(d)
+        remove_entry(d)
         return None
 
 

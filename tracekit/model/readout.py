@@ -48,7 +48,7 @@ from jaxtyping import Float
 from .norms import AffineNorm, _eps, measure_norm
 from .state import state_of
 
-__all__ = ["Readout", "OutputTransform", "output_transform"]
+__all__ = ["Readout", "OutputTransform", "output_transform", "output_transform_fn"]
 
 
 def _attr(obj, name):
@@ -87,7 +87,11 @@ class OutputTransform:
         return float(self.multiplier)
 
 
-def _transform_fn(model) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+def output_transform_fn(model) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The model's post-unembedding logits transform as a function of logits (any shape, applied
+    elementwise): the bridge adapter's ``apply_output_logits_transform``, else a soft cap
+    ``cap * tanh(x / cap)`` from ``cfg.output_logits_soft_cap``; None when the logits are used as
+    they are. Raises nothing."""
     adapter = _attr(model, "adapter")
     fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = _attr(adapter, "apply_output_logits_transform")
     if callable(fn):
@@ -104,7 +108,7 @@ def output_transform(model) -> OutputTransform:
     st = state_of(model)
     if st.output_transform is not None:
         return st.output_transform
-    fn = _transform_fn(model)
+    fn = output_transform_fn(model)
     if fn is None:
         out = OutputTransform("identity", 1.0, "none")
     else:
@@ -150,7 +154,7 @@ class Readout:
     @torch.no_grad()
     def apply_transform(self, logits: Float[torch.Tensor, "... d_vocab"]) -> Float[torch.Tensor, "... d_vocab"]:
         """The family's post-unembedding transform (soft-cap, scaling; identity for most)."""
-        fn = _transform_fn(self.model)
+        fn = output_transform_fn(self.model)
         return logits if fn is None else fn(logits)
 
     @torch.no_grad()

@@ -50,7 +50,9 @@ def _require_gguf() -> None:
         ) from e
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers (a TCP connection to its host on port 443 within
+    ``timeout`` seconds); False when ``HF_HUB_OFFLINE`` is set. Raises nothing."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
     from huggingface_hub import constants
@@ -182,7 +184,7 @@ def _source(spec: ModelSpec) -> _Source:
             )
         return _Source("dir", str(p), name)
     # A hub id: use the local cache; go to the hub only when it answers quickly.
-    if not _hub_cached(name) and not _hub_reachable():
+    if not _hub_cached(name) and not hub_reachable():
         raise ModelLoadError(
             f"model {name!r} is not in the local Hugging Face cache and the hub cannot be reached "
             "(offline, or HF_HUB_OFFLINE=1). Download it on a machine with network "
@@ -256,8 +258,14 @@ def _cached_gguf_config(path: Path, spec: ModelSpec):
     return cfg, tok
 
 
-def _load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
-    """Return (hf_model, tokenizer, bridge_name)."""
+def load_hf(spec: ModelSpec, dtype: torch.dtype, device: str):
+    """The plain transformers model of ``spec`` (hub id, folder, GGUF file or random config) in
+    ``dtype`` on ``device``, its tokenizer and the TransformerLens bridge architecture name:
+    ``(hf_model, tokenizer, bridge_name)``.
+
+    Raises:
+        ModelLoadError: the model cannot be had (not cached while offline, bad path, bad GGUF).
+    """
     from transformers import AutoModelForCausalLM
 
     src = _source(spec)

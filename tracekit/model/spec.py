@@ -1,4 +1,4 @@
-"""The model spec: what model to load and how, and the one device decision (:func:`resolve_device`)."""
+"""The model spec: what model to load and how, and the one device decision (:func:`run_device`, :func:`load_device`)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def run_device(spec: ModelSpec) -> str:
+    """The device ``model.device`` names, resolved (:func:`resolve_device`: ``auto`` -> ``cuda`` when
+    available, else ``cpu``): where a single-device bridge runs, and the ``device`` a run's
+    ``environment.json`` records. With :func:`load_device` (which derives from it), the one device
+    decision: the runner, the loader and the CLI call these two, never :func:`resolve_device`.
+
+    Raises:
+        ModelLoadError: CUDA asked for but absent.
+    """
+    return resolve_device(spec.device)
+
+
 def load_device(spec: ModelSpec) -> str:
     """The device a spec's weights are read onto: :func:`resolve_device` of ``model.device`` for one
     device; ``cpu`` when ``device_map`` / ``n_devices`` spread the blocks (accelerate then places
@@ -140,7 +152,7 @@ def load_device(spec: ModelSpec) -> str:
         ModelLoadError: CUDA asked for but absent.
     """
     if spec.device_map is None and not spec.n_devices:
-        return resolve_device(spec.device)
+        return run_device(spec)
     return "cpu"
 
 
@@ -152,7 +164,7 @@ def _check_devices(spec: ModelSpec) -> None:
             "visible; lower n_devices or unset it (device: auto uses one device)."
         )
     if spec.device_map is None and not spec.n_devices:
-        resolve_device(spec.device)
+        run_device(spec)
 
 
 def as_spec(spec: ModelSpec | str | dict | None = None, **overrides) -> ModelSpec:

@@ -47,7 +47,7 @@ from typing import Any, cast
 
 import torch
 
-from ..core.cachedir import _dir_size, _remove_entry, clear_dir, dir_entries, remove_stale_temps, sizes_match  # noqa: F401
+from ..core.cachedir import clear_dir, dir_entries, dir_size, remove_entry, remove_stale_temps, sizes_match  # noqa: F401
 from ..core.io import (
     ManifestInvalid,
     file_sha256,
@@ -226,7 +226,7 @@ def _verify(d: Path, key: str, ident: dict, deferrable: bool = False) -> dict:
     for field in ("format", "gguf_sha256", "gguf_size", "dtype", "versions"):
         if man.get("identity", {}).get(field) != ident[field]:
             raise _Invalid(f"manifest {field} differs")
-    defer = {_WEIGHTS_FILE: lambda p, sha, d=d: _check_sha(p, sha, lambda: _remove_entry(d))} if deferrable else None
+    defer = {_WEIGHTS_FILE: lambda p, sha, d=d: _check_sha(p, sha, lambda: remove_entry(d))} if deferrable else None
     return verify_files_manifest(d, (_WEIGHTS_FILE, "config.json"), defer=defer)
 
 
@@ -293,7 +293,7 @@ def load_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, with_tokenizer: b
     except _Invalid as e:
         log.warning("tracekit cache entry %s is invalid (%s): rebuilding it", d, e)
         warnings.warn(f"tracekit cache entry {d} is invalid ({e}); rebuilding it", stacklevel=2)
-        _remove_entry(d)
+        remove_entry(d)
         return None
     return hf, tok
 
@@ -418,7 +418,7 @@ def store_gguf_entry(gguf_path: str | Path, dtype: torch.dtype, hf_model, tokeni
                 shutil.rmtree(tmp, ignore_errors=True)
                 return final
             except _Invalid:
-                _remove_entry(final)
+                remove_entry(final)
         try:
             os.rename(tmp, final)
         except OSError:  # another process renamed its (identical) entry first

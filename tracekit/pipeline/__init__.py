@@ -110,6 +110,11 @@ class PendingStep:
     def result_class(self):
         return REGISTRY[self.kind].result_class
 
+    @property
+    def writes_store(self) -> str | None:
+        """The kind's ``writes_store`` field (the activation store it writes; None for other kinds)."""
+        return getattr(REGISTRY.get(self.kind), "writes_store", None)
+
     def check(self, model) -> None:
         """Nothing yet: the step is checked once its values are known (:func:`resolve_step`, or the
         runner's ``run(model)`` of the :func:`resolve`-d step)."""

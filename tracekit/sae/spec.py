@@ -20,7 +20,7 @@ from ..hooks import check_hooks
 from ..model.context import check_window
 from ..model.info import HookedModel
 from ..model.load import model_fingerprint, model_spec_of
-from ..model.source import _hub_reachable
+from ..model.source import hub_reachable
 from ..model.spec import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME
 
 __all__ = ["SAEInfo", "SAESpec", "SAETrainSpec", "check_sae", "hook_width", "sae_info"]
@@ -243,7 +243,7 @@ def _release_available(spec: SAESpec, field: str) -> None:
             cached = False
         if not cached:
             break
-    if not cached and not _hub_reachable():
+    if not cached and not hub_reachable():
         raise SAEError(f"{field}: the SAELens SAE {spec.release}/{spec.id} (hub repo {repo}, folder {folder}) is not "
                        "in the local Hugging Face cache and the hub cannot be reached (offline, or HF_HUB_OFFLINE=1). "
                        "Download it on a machine with network, give sae.path (a SAELens directory), or train one "

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 
-from ..config import load_config
-from ..core.errors import ConfigError, TracekitError
-from ..model.load import load_model
-from ..runner import check_config, seed_everything
+from .config import load_config
+from .core.errors import ConfigError, TracekitError
+from .model.load import load_model
+from .runner import check_config, seed_everything
 
 __all__ = ["COMMANDS", "add_commands", "main"]
 

@@ -11,6 +11,7 @@ interrupted (rerun the same command to resume).
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from .config import load_config
 from .core.errors import ConfigError, TracekitError
@@ -49,11 +50,13 @@ def main(args) -> int:
         others = [s.step_name for s in config.experiments if s.kind != "activations"]
         if others:
             print(f"note: skipping steps {others} (not kind activations; `tracekit run` runs them)")
-        check_config(config.model_copy(update={"experiments": steps}))
+        prepared: dict[int, Any] = {}  # each step's checked inputs, handed to its run (prepared once)
+        check_config(config.model_copy(update={"experiments": steps}), prepared=prepared)
         model = load_model(config.model)
-        for s in steps:
+        for i, s in enumerate(steps):
             seed_everything(config.seed)
-            result = s.run(model, progress=not args.no_progress, check=False)
+            kw = {"inputs": prepared[i]} if i in prepared else {}
+            result = s.run(model, progress=not args.no_progress, check=False, **kw)
             print(result.report())
     except TracekitError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -56,7 +56,7 @@ from .core.errors import ConfigError, OutputError, TracekitError
 from .core.io import atomic_write, jsonable, write_json
 from .inputs import input_files
 from .model.architectures import architecture_name
-from .model.info import load_model_info
+from .model.info import HookedModel, load_model_info
 from .model.load import bos_info, load_model, model_fingerprint
 from .model.spec import run_device
 from .model.state import state_of
@@ -295,12 +295,28 @@ def _check_store_refs(step, written: set[Path]) -> None:
                               "unreadable); rerun the step that writes it (it resumes), or add that step before this one")
 
 
-def check_config(config: RunConfig, model=None) -> Any:
+def _prepared_on_weights(raw: Any) -> bool:
+    """Whether a step's config asks for rows that only the loaded model can prepare: a dataset's
+    ``filter: correct`` runs the model, which a :class:`~tracekit.model.ModelInfo` leaves to the
+    run (:meth:`tracekit.dataset.DatasetSpec.prepare`)."""
+    if isinstance(raw, dict):
+        return raw.get("filter") == "correct" or any(_prepared_on_weights(v) for v in raw.values())
+    if isinstance(raw, list):
+        return any(_prepared_on_weights(v) for v in raw)
+    return False
+
+
+def check_config(config: RunConfig, model: HookedModel | None = None,
+                 prepared: Optional[dict[int, Any]] = None) -> Any:
     """Check every step against the model's tokenizer and config (no weights are read unless
     ``model`` is an already-loaded model). Returns the model or :class:`~tracekit.model.ModelInfo`
     used.
 
-    Every step is checked, so one error lists every invalid step input.
+    Every step is checked, so one error lists every invalid step input. With ``prepared`` (a dict),
+    each step's checked inputs are put there under the step's index, where the loaded model would
+    prepare the same (:func:`run_config` passes them to the step's run, so its inputs are prepared
+    once): every step checked on a loaded ``model``; on a ModelInfo, every step but those with
+    references (checked when they run) and those whose rows need the weights (``filter: correct``).
 
     Raises:
         TracekitError: the invalid step inputs, one line each naming the step and field (the class of
@@ -312,7 +328,10 @@ def check_config(config: RunConfig, model=None) -> Any:
     for i, step in enumerate(config.experiments):
         try:
             _check_store_refs(step, written)
-            step.check(info)
+            inputs = step.check(info)
+            if prepared is not None and not isinstance(step, PendingStep) and (
+                    info is model or not _prepared_on_weights(step.model_dump(mode="json"))):
+                prepared[i] = inputs
         except TracekitError as e:
             errors.append((f"experiments[{i}] ({step.step_name}): {e}", e))
         store_field: Optional[str] = getattr(step, "writes_store", None)
@@ -362,10 +381,11 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None
         RunInterrupted: Ctrl-C or SIGTERM; the status says where.
     """
     check_writable(out)
-    check_config(config, model)  # once, before anything is written (steps then run with check=False;
-    # a step with references is checked when it runs, once its values are known)
+    prepared: dict[int, Any] = {}  # step index -> its checked inputs, handed to its run (prepared once)
+    check_config(config, model, prepared)  # once, before anything is written (steps then run with
+    # check=False; a step with references is checked when it runs, once its values are known)
     run_dir = new_run_dir(out, stem)
-    run = _Run(run_dir, config, progress, log, figures)
+    run = _Run(run_dir, config, progress, log, figures, prepared)
     scratch = run_dir / ".scratch"
     old_scratch = os.environ.get("TRACEKIT_SCRATCH")
     os.environ["TRACEKIT_SCRATCH"] = str(scratch)
@@ -417,9 +437,11 @@ class _Run:
     """One run directory being filled: the only writer of its files (status, resolved config,
     references, environment, summaries, expectations, step folders, error)."""
 
-    def __init__(self, run_dir: Path, config: RunConfig, progress: bool, log: Callable, figures: bool = True):
+    def __init__(self, run_dir: Path, config: RunConfig, progress: bool, log: Callable, figures: bool = True,
+                 prepared: Optional[dict[int, Any]] = None):
         self.run_dir, self.config, self.progress, self.log = run_dir, config, progress, log
         self.figures = figures
+        self.prepared = prepared if prepared is not None else {}
         self.status = _Status(run_dir, [s.step_name for s in config.experiments])
         self.resolved = resolved_config(config)
         self.references: dict = {}
@@ -448,8 +470,8 @@ class _Run:
         self.env = environment(self.config, model)
         self.env["model_load_s"] = round(time.time() - self.t0, 2)
         write_json(self.run_dir / "environment.json", self.env)
-        for step in self.config.experiments:
-            self.step(step, model)
+        for i, step in enumerate(self.config.experiments):
+            self.step(step, model, i)
         self.current = None
 
     def record(self, res: Resolution) -> None:
@@ -460,8 +482,9 @@ class _Run:
         self.resolved["experiments"][res.index] = res.entry
         _write_yaml(self.run_dir / "config.resolved.yaml", self.resolved)
 
-    def step(self, step, model) -> None:
-        """Run one step, save it and record its summary, timing and expectations."""
+    def step(self, step: Any, model: HookedModel, index: Optional[int] = None) -> None:
+        """Run one step (the ``index``-th of the config: its inputs checked before the run are
+        reused), save it and record its summary, timing and expectations."""
         name = self.current = step.step_name
         self.status.write(step=name)
         ts = time.time()
@@ -471,7 +494,8 @@ class _Run:
             self.record(res)
             step = res.step
         seed_everything(self.config.seed)
-        result = step.run(model, progress=self.progress, check=pending)
+        kw = {"inputs": self.prepared[index]} if index in self.prepared and not pending else {}
+        result = step.run(model, progress=self.progress, check=pending, **kw)
         _save_step(result, self.run_dir / name, self.log, self.figures)
         self.summaries[name] = result.summary()
         self.env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)

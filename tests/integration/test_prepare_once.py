@@ -123,3 +123,34 @@ def _ids(inputs) -> tuple:
 @pytest.mark.parametrize("kind", ["sae_eval", "sae_train"])
 def test_kinds_without_prompts_prepare_nothing(kind, model):
     assert _exp(kind).prepare(model) is None
+
+
+def test_tracekit_run_prepares_each_step_once(model, tmp_path, monkeypatch):
+    """``tracekit run`` (:func:`tracekit.runner.run_config`): the check before the run prepares each
+    step's inputs on a ModelInfo, and the step's run reuses them (``Experiment.run(inputs=...)``):
+    ``prepare`` runs once per step. A dataset with ``filter: correct`` needs the weights to pick its
+    rows, so that step prepares again on the loaded model (twice); numbers equal a direct run."""
+    from tracekit.config import parse_config
+    from tracekit.runner import run_config
+
+    calls: Counter = Counter()
+    for kind in ("logit_lens", "activation_patching", "direct_logit_attribution"):
+        cls = REGISTRY[kind]
+        orig = cls.prepare
+
+        def counting(self, m, _orig=orig):
+            calls[self.step_name] += 1
+            return _orig(self, m)
+
+        monkeypatch.setattr(cls, "prepare", counting)
+    spec = tk.model_spec_of(model).model_dump(mode="json")
+    steps = [{"kind": "logit_lens", "name": "lens", **KIND_EXAMPLES["logit_lens"]},
+             {"kind": "activation_patching", "name": "patch", **KIND_EXAMPLES["activation_patching"]},
+             {"kind": "direct_logit_attribution", "name": "filtered",
+              "dataset": {"generator": {"name": "capitals", "n": 4}, "filter": "correct"}}]
+    cfg = parse_config({"model": spec, "experiments": steps})
+    run_dir, summary = run_config(cfg, tmp_path, "once", progress=False, log=lambda *a, **k: None, figures=False)
+    assert calls["lens"] == 1 and calls["patch"] == 1, calls
+    assert calls["filtered"] == 2, calls
+    direct = _exp("logit_lens").run(model, progress=False).summary()
+    assert summary["steps"]["lens"] == direct == tk.Result.load(run_dir / "lens").summary()

@@ -40,6 +40,7 @@ from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retire
 from ..dataset import DatasetSpec, Example, PreparedDataset, prepare_rows, rows_from_prompts
 from ..dla import DLA_POSITION_FORMS, LogitTarget, as_position, row_targets
 from ..hooks import state_guard
+from ..model.info import HookedModel
 from ..model.load import bos_info, load_model, model_fingerprint, model_spec_of
 from ..model.spec import ModelSpec
 from ..results import MANIFEST, REGISTRY, RESULTS, Expectation, Result, lookup, register
@@ -160,11 +161,13 @@ class Experiment(StrictModel):
         """
         return self.prepare(model)
 
-    def run(self, model=None, progress: bool = True, *, check: bool = True) -> "Result":
+    def run(self, model: HookedModel | str | ModelSpec | dict | None = None, progress: bool = True, *,
+            check: bool = True, inputs: Any = ...) -> "Result":
         """Run the experiment and return its :class:`Result`.
 
-        The inputs are prepared once (:meth:`check`, or only :meth:`prepare` with ``check=False``)
-        and handed to the kind's ``_run``; prompts are not tokenized again by the kind.
+        The inputs are prepared once (:meth:`check`, or only :meth:`prepare` with ``check=False``;
+        or given as ``inputs``) and handed to the kind's ``_run``; prompts are not tokenized again by
+        the kind.
 
         Args:
             model: a loaded model, a model name / :class:`~tracekit.model.ModelSpec` / dict, or
@@ -172,12 +175,17 @@ class Experiment(StrictModel):
             progress: show progress bars.
             check: call :meth:`check` (not only :meth:`prepare`) first (the runner checks every step
                 before the first runs and passes ``check=False``).
+            inputs: the prepared inputs, when they were built already (what :meth:`check` or
+                :meth:`prepare` returned for this model's tokenizer and config: the runner passes
+                what its check before the run returned); neither is called again. ``...``
+                (default): prepare them here.
 
         Raises:
             TracekitError: bad input (from :meth:`check` / :meth:`prepare` or the run), naming the field.
         """
         model = as_model(model)
-        inputs = self.check(model) if check else self.prepare(model)
+        if inputs is ...:
+            inputs = self.check(model) if check else self.prepare(model)
         with state_guard(model):
             result = self._run(model, inputs, progress=progress)
         spec = model_spec_of(model)

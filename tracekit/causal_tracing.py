@@ -63,6 +63,7 @@ from .model.architectures import require
 from .model.info import HookedModel
 from .model.load import model_device
 from .model.readout import Readout
+from .model.state import state_of
 from .patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
 from .tokens import _tok, encode, pad_ids, run_with_cache, str_tokens
 
@@ -282,7 +283,7 @@ def noise_scale(model: HookedModel, calibration: str = "subjects_table", ids: Se
         ConfigError: an unknown calibration, or ``row_subjects`` without subject positions.
     """
     if calibration == "subjects_table":
-        cached = getattr(model, "__dict__", {}).get("_tracekit_subjects_table_scale")
+        cached = state_of(model).subjects_table_scale
         if cached is not None:
             return cached
         names = table_subjects()
@@ -292,7 +293,7 @@ def noise_scale(model: HookedModel, calibration: str = "subjects_table", ids: Se
                          f"the {len(names)} subjects of the built-in capitals table (tracekit/data/countries.csv, "
                          "column country), each encoded alone as ' ' + name", len(names), sum(len(p) for p in pos))
         if hasattr(model, "__dict__"):
-            model.__dict__["_tracekit_subjects_table_scale"] = out
+            state_of(model).subjects_table_scale = out
         return out
     if calibration == "row_subjects":
         if not ids or len(ids) != len(positions) or not all(positions):

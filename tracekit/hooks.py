@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from .compat import check_hook_to_add, hook_alias_map
 from .errors import HookError
+from .model.state import state_of
 
 __all__ = ["GATES", "hook_names", "gated_setting", "check_hooks", "enabled_hooks", "state_guard",
            "hook_layer", "fwd_hooks"]
@@ -208,16 +209,16 @@ def state_guard(model) -> Iterator[None]:
     ``register_forward_hook``) is removed, whatever is raised, ``KeyboardInterrupt`` included;
     hooks that were there before are kept. Nested guards are cheap no-ops.
     """
-    if getattr(model, "_tracekit_guarded", False) or not hasattr(model, "modules"):
+    if state_of(model).guarded or not hasattr(model, "modules"):
         yield
         return
     snap = _snapshot(model)
     snap["nested"] = getattr(model, "context_level", 0) != 0
-    model.__dict__["_tracekit_guarded"] = True
+    state_of(model).guarded = True
     try:
         yield
     finally:
-        model.__dict__["_tracekit_guarded"] = False
+        state_of(model).guarded = False
         _restore(model, snap)
 
 

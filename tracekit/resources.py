@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, cast
+
+from .model.info import HookedModel
 
 __all__ = ["current_rss_bytes", "peak_memory", "peak_rss_bytes", "weights_bytes"]
 
@@ -67,10 +70,10 @@ def peak_memory() -> dict:
     return out
 
 
-def weights_bytes(model) -> int:
+def weights_bytes(model: HookedModel) -> int:
     """Bytes of a model's parameters (each tensor counted once, tied weights once)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in cast(Any, model).parameters():  # a loaded bridge's module
         key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape))
         if key in seen:
             continue

@@ -44,7 +44,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 import torch
@@ -122,7 +122,7 @@ def _peak_memory() -> dict:
     return peak_memory()
 
 
-def environment(config: RunConfig, model=None) -> dict:
+def environment(config: RunConfig, model: HookedModel | None = None) -> dict:
     """What a reader needs to reproduce a run."""
     env: dict[str, Any] = {
         "versions": _versions(),
@@ -356,8 +356,8 @@ def _half_precision_note(config: RunConfig, log: Callable) -> None:
                 "in its tests and docs) are stated for float32; expect larger differences.")
 
 
-def run_config(config: RunConfig, out: str | Path, stem: str = "run", model=None, progress: bool = True,
-               log: Callable[[str], Any] = print, figures: bool = True) -> tuple[Path, dict]:
+def run_config(config: RunConfig, out: str | Path, stem: str = "run", model: HookedModel | None = None,
+               progress: bool = True, log: Callable[[str], Any] = print, figures: bool = True) -> tuple[Path, dict]:
     """Run every step of a config into a fresh run directory.
 
     Args:
@@ -463,10 +463,9 @@ class _Run:
         self.status.write(step="(loading model)")
         return load_model(self.config.model)
 
-    def steps(self, model) -> None:
+    def steps(self, model: HookedModel | None) -> None:
         """Load the model (unless given) and run every step in order."""
-        if model is None:
-            model = self.load_model()
+        model = model if model is not None else cast(HookedModel, self.load_model())
         self.env = environment(self.config, model)
         self.env["model_load_s"] = round(time.time() - self.t0, 2)
         write_json(self.run_dir / "environment.json", self.env)

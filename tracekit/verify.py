@@ -47,7 +47,7 @@ import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -251,12 +251,12 @@ def _attributed(d: DirectAttribution) -> float:
     return d.attributed
 
 
-def bridge_layers_path(model) -> Optional[str]:
+def bridge_layers_path(model: HookedModel) -> Optional[str]:
     """The dotted name of a loaded bridge's decoder-layer list in the wrapped transformers model
     (its adapter's ``component_mapping["blocks"]``, e.g. ``"model.layers"``); None when ``model`` is
     not a bridge. Raises nothing."""
     try:
-        return model.adapter.component_mapping["blocks"].name
+        return cast(Any, model).adapter.component_mapping["blocks"].name  # a loaded bridge's adapter
     except Exception:  # noqa: BLE001 - not a bridge
         return None
 
@@ -265,7 +265,7 @@ def bridge_layers_path(model) -> Optional[str]:
 # probes
 
 
-def _pick_tokens(model, log_probs: torch.Tensor, k: int = 2) -> list[str]:
+def _pick_tokens(model: HookedModel, log_probs: torch.Tensor, k: int = 2) -> list[str]:
     """``k`` single-token strings among the most probable next tokens (for target/foil)."""
 
     out = []
@@ -300,7 +300,7 @@ def _run_check(checks: list[Check], name: str, method: str, fn: Callable[[], tup
 
 
 @torch.no_grad()
-def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequence[str] = PROMPTS,
+def verify_model(model: HookedModel, reference: Optional[HFReference] = None, prompts: Sequence[str] = PROMPTS,
                  second_load: Optional[Callable[[], HookedModel]] = None, level: str = "full") -> VerifyReport:
     """Check every invariant of the module docstring on ``model``.
 
@@ -321,7 +321,7 @@ def verify_model(model, reference: Optional[HFReference] = None, prompts: Sequen
 
     spec = model_spec_of(model)
     dt = model_dtype(model)
-    dev = next(model.parameters()).device
+    dev = next(cast(Any, model).parameters()).device  # a loaded bridge's module
     rep = VerifyReport(model=str(spec.name), architecture=architecture_name(model), dtype=str(dt).replace("torch.", ""),
                        device=str(dev), process_weights=bool(spec.process_weights), level=level, versions=versions())
     checks = rep.checks

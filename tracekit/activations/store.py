@@ -43,6 +43,7 @@ from jaxtyping import Float
 from ..core.errors import ConfigError
 from ..core.locks import acquire, holder_pid, release
 from ..model.load import model_fingerprint, model_spec_of
+from ..model.state import state_of
 
 __all__ = ["FORMAT", "MANIFEST", "WRITE_LOCK", "READ_LOCK", "META_TENSORS", "StoreError", "ActivationStore", "model_identity",
            "token_ids_sha256", "shard_name", "row_key"]
@@ -103,14 +104,14 @@ def model_identity(model) -> dict:
     """What a store records of the model it was made with: ``name``, ``fingerprint``
     (:func:`tracekit.model.load.model_fingerprint`), ``weights_sha256`` (every parameter, sampled),
     ``process_weights``, ``prepend_bos`` and ``dtype``. Cached on the model object."""
-    cached = getattr(model, "__dict__", {}).get("_tracekit_store_identity")
+    cached = state_of(model).store_identity
     if cached:
         return dict(cached)
     spec = model_spec_of(model)
     dtype = str(next(iter(model.parameters())).dtype).replace("torch.", "")
     ident = {"name": spec.name, "fingerprint": model_fingerprint(model), "weights_sha256": _weights_sha256(model),
              "process_weights": bool(spec.process_weights), "prepend_bos": bool(spec.prepend_bos), "dtype": dtype}
-    model.__dict__["_tracekit_store_identity"] = ident
+    state_of(model).store_identity = ident
     return dict(ident)
 
 

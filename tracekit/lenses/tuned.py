@@ -51,6 +51,7 @@ from ..core.errors import ConfigError
 from ..core.io import atomic_folder
 from ..model.load import model_fingerprint, model_spec_of
 from ..model.readout import Readout, output_transform_fn
+from ..model.state import state_of
 
 __all__ = ["TunedLens", "TunedLensConfig", "residual_basis", "unembed_hash", "lens_log_probs", "CONFIG_FILE",
            "PARAMS_FILE", "TRACEKIT_FILE", "LENS_TYPE"]
@@ -116,7 +117,7 @@ def unembed_hash(model) -> Optional[str]:
     for a model wrapped elsewhere (its Hugging Face model may hold processed weights: centred,
     norm-folded, untied, which no package-side model has), and then no check is made.
     """
-    return getattr(model, "__dict__", {}).get("tracekit_unembed_hash")
+    return state_of(model).unembed_hash
 
 
 def lens_log_probs(model, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:

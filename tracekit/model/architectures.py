@@ -19,11 +19,14 @@ are read from the loaded bridge, never from a list of families.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
 from ..core.errors import MethodRefused, ModelLoadError
 from ..core.sites import head_count, hook, mlp_width  # noqa: F401 - head_count, mlp_width re-exported
 from .state import state_of
+
+if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
+    from .info import HookedModel
 
 __all__ = ["CATEGORIES", "READABLE", "ALIASES", "category", "architecture_name", "check_loadable", "require",
            "layer_structure", "MethodRefused", "head_count", "mlp_width"]
@@ -151,12 +154,12 @@ def check_loadable(arch: str, where: str = "model.name") -> None:
                          "(docs/architectures.md lists every architecture and what runs on it).")
 
 
-def layer_structure(model, layer: int) -> dict:
+def layer_structure(model: HookedModel, layer: int) -> dict:
     """What block ``layer`` has: ``heads`` (a per-head output ``attn.hook_z`` and ``W_O``), ``attn``
     (an attention write ``hook_attn_out``), ``mlp`` (``hook_mlp_out``), ``neurons`` (a dense MLP
     with ``mlp.hook_post`` and ``W_out``), ``moe`` (a mixture-of-experts MLP)."""
     hd = model.hook_dict
-    blk = model.blocks[layer] if hasattr(model, "blocks") else None
+    blk = cast(Any, model).blocks[layer] if hasattr(model, "blocks") else None  # a loaded bridge's module
     attn = getattr(blk, "attn", None) if blk is not None else None
     mlp = getattr(blk, "mlp", None) if blk is not None else None
     moe = mlp is not None and ("moe" in type(mlp).__name__.lower() or hasattr(mlp, "experts")
@@ -178,7 +181,7 @@ def layer_structure(model, layer: int) -> dict:
     }
 
 
-def require(model, method: str, layers: Optional[Sequence[int]] = None, need: Sequence[str] = ()) -> None:
+def require(model: HookedModel, method: str, layers: Optional[Sequence[int]] = None, need: Sequence[str] = ()) -> None:
     """Refuse ``method`` on ``model`` when a structural need is missing in ``layers`` (default: all)
     or the model's verification refused it.
 

@@ -4,13 +4,16 @@ the verification probe and the tolerance table; :mod:`tracekit.verify` builds th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from jaxtyping import Float, Int
 
 from ..core.sites import hook
 from .readout import Readout
+
+if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
+    from .info import HookedModel
 
 #: Built-in prompts (short: every check runs in seconds on a laptop).
 PROMPTS = ("The capital of France is Paris, and the capital of Italy is",
@@ -66,7 +69,7 @@ def probe_ids(tokenizer, vocab: int, n: int = 10) -> Int[torch.Tensor, "prompt n
     return torch.tensor(rows, dtype=torch.long)
 
 
-def model_dtype(model) -> torch.dtype:
+def model_dtype(model: HookedModel) -> torch.dtype:
     """The dtype of ``model``'s first parameter (float32 for a model without parameters).
 
     Args:
@@ -76,7 +79,7 @@ def model_dtype(model) -> torch.dtype:
         Its parameters' ``torch.dtype``.
     """
     try:
-        return next(model.parameters()).dtype
+        return next(cast(Any, model).parameters()).dtype  # a loaded bridge's module
     except StopIteration:  # pragma: no cover
         return torch.float32
 
@@ -157,14 +160,14 @@ def forward_checks(bridge_log_probs: Float[torch.Tensor, "b p vocab"], ref_logit
 
 
 @torch.no_grad()
-def load_checks(model, ids: Int[torch.Tensor, "b p"], ref_logits: Optional[torch.Tensor],
+def load_checks(model: HookedModel, ids: Int[torch.Tensor, "b p"], ref_logits: Optional[torch.Tensor],
                 ref32_logits: Optional[torch.Tensor] = None) -> list[Check]:
     """The load-time subset: ``forward`` (against logits the Hugging Face model gave on ``ids``
     before the bridge wrapped it; in half precision against its float32 run ``ref32_logits``, see
     :func:`forward_checks`) and ``lens_final``."""
 
     dt = model_dtype(model)
-    dev = next(model.parameters()).device
+    dev = next(cast(Any, model).parameters()).device  # a loaded bridge's module
     last = hook("resid_post", int(model.cfg.n_layers) - 1)
     logits, cache = model.run_with_cache(ids.to(dev), names_filter=lambda n: n == last)
     lp = torch.log_softmax(logits.float(), -1)

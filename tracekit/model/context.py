@@ -23,9 +23,12 @@ at the original).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..core.errors import ConfigError, TracekitError
+
+if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
+    from .info import HookedModel
 
 __all__ = ["context_length", "check_context", "check_window", "check_generation"]
 
@@ -47,7 +50,7 @@ def _scaled_max(rope: Any) -> int:
     return 0
 
 
-def context_length(model) -> Optional[int]:
+def context_length(model: HookedModel) -> Optional[int]:
     """The model's context length in tokens, or None when its config does not say.
 
     ``cfg.n_ctx`` (TransformerLens: the HF config's ``n_positions`` / ``max_position_embeddings``),
@@ -65,13 +68,13 @@ def context_length(model) -> Optional[int]:
     return max(int(n), scaled)
 
 
-def _name(model) -> str:
+def _name(model: HookedModel) -> str:
     spec = getattr(model, "tracekit_spec", None)
     name = getattr(spec, "name", None) or getattr(getattr(model, "cfg", None), "model_name", None)
     return f"model {name!r}" if name else "the model"
 
 
-def check_context(model, n_positions: int, field: str, what: str, fix: str,
+def check_context(model: HookedModel, n_positions: int, field: str, what: str, fix: str,
                   error: type[TracekitError] = ConfigError) -> None:
     """Refuse a forward pass over more positions than the model's context (the one check).
 
@@ -93,7 +96,7 @@ def check_context(model, n_positions: int, field: str, what: str, fix: str,
                     f"{n_ctx} tokens (the model has no position beyond it); {fix}")
 
 
-def check_window(model, seq_len: int, field: str = "seq_len", error: type[TracekitError] = ConfigError) -> None:
+def check_window(model: HookedModel, seq_len: int, field: str = "seq_len", error: type[TracekitError] = ConfigError) -> None:
     """Refuse corpus windows of ``seq_len`` tokens (BOS included) longer than the model's context.
 
     Args:
@@ -110,7 +113,7 @@ def check_window(model, seq_len: int, field: str = "seq_len", error: type[Tracek
                   f"set {field} to at most {n_ctx}", error)
 
 
-def check_generation(model, prompt_len: int, max_new_tokens: int, field: str = "max_new_tokens",
+def check_generation(model: HookedModel, prompt_len: int, max_new_tokens: int, field: str = "max_new_tokens",
                      prompt_field: str = "the prompt", error: type[TracekitError] = ConfigError) -> None:
     """Refuse generating ``max_new_tokens`` after a prompt of ``prompt_len`` tokens past the context.
 

@@ -28,7 +28,7 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 import torch
 
@@ -41,10 +41,13 @@ from .processed import processed_weights_cache
 from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, run_device
 from .state import state_of
 
+if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
+    from .info import HookedModel
+
 log = logging.getLogger("tracekit.model")
 
 
-def bos_info(model) -> dict:
+def bos_info(model: HookedModel) -> dict:
     """What tokenization prepends: ``{"prepend_bos": bool, "bos_token": str|None, "bos_token_id": int|None}``."""
     spec = model_spec_of(model)
     tok = getattr(model, "tokenizer", None)
@@ -135,9 +138,9 @@ def wrap_hf_model(hf_model, tokenizer, spec: ModelSpec | None = None, bridge_nam
     bridge.eval()
     for p in bridge.parameters():
         p.requires_grad_(False)
-    bridge.__dict__["tracekit_spec"] = resolved
+    bridge.__dict__["tracekit_spec"] = resolved  # the two attributes a ModelInfo has too (see model.state)
     bridge.__dict__["tracekit_requested_spec"] = spec
-    bridge.__dict__["tracekit_unembed_hash"] = unembed_sha
+    state_of(bridge).unembed_hash = unembed_sha
     if spec.verify:
         _verify_at_load(bridge, arch, spec, tokenizer, (vkey, entry, record, fallback), probe, ref_logits)
     return bridge
@@ -152,7 +155,7 @@ def checkpoint_unembed_hash(hf_model) -> Optional[str]:
     Call it on the model *as the checkpoint holds it*, before TransformerLens' weight processing
     (which folds the final norm into the unembedding, centres it over the vocabulary and unties it,
     replacing the tensors): :func:`wrap_hf_model` does, and records the result on the bridge
-    (``bridge.__dict__["tracekit_unembed_hash"]``). Source: AlignmentResearch/tuned-lens,
+    (``state_of(bridge).unembed_hash``). Source: AlignmentResearch/tuned-lens,
     ``tuned_lens/nn/unembed.py`` and ``model_surgery.get_unembedding_matrix`` at commit abdac0c.
 
     Returns:
@@ -505,7 +508,7 @@ def _privatise_expert_weights(hf) -> None:
                 setattr(mod, pname, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
 
 
-def model_spec_of(model) -> ModelSpec:
+def model_spec_of(model: HookedModel) -> ModelSpec:
     """The ModelSpec a model was loaded with, ``prepend_bos`` resolved to a bool (a default spec
     for foreign models)."""
     spec = getattr(model, "__dict__", {}).get("tracekit_spec")
@@ -515,20 +518,20 @@ def model_spec_of(model) -> ModelSpec:
     return spec
 
 
-def model_parameters(model) -> Iterator[torch.nn.Parameter]:
+def model_parameters(model: HookedModel) -> Iterator[torch.nn.Parameter]:
     """The model's weights (``model.parameters()``: a bridge's, not a :class:`ModelInfo`'s)."""
-    return model.parameters()
+    return cast(Any, model).parameters()  # a loaded bridge's module
 
 
-def model_device(model) -> torch.device:
+def model_device(model: HookedModel) -> torch.device:
     """Device of the model's embedding (where input tokens must go)."""
     try:
-        return next(model.parameters()).device
+        return next(cast(Any, model).parameters()).device  # a loaded bridge's module
     except StopIteration:  # pragma: no cover
         return torch.device("cpu")
 
 
-def model_fingerprint(model) -> str:
+def model_fingerprint(model: HookedModel) -> str:
     """A short hash identifying a loaded model's weights in the basis tracekit reads them
     (after weight processing): shapes plus a strided sample of the unembedding and embedding.
 
@@ -539,7 +542,7 @@ def model_fingerprint(model) -> str:
     """
     import hashlib
 
-    cached = getattr(model, "__dict__", {}).get("_tracekit_fingerprint")
+    cached = state_of(model).fingerprint
     if cached:
         return cached
     h = hashlib.sha256()
@@ -550,6 +553,6 @@ def model_fingerprint(model) -> str:
             sample = w.detach().flatten()[:: max(1, w.numel() // 65536)].float().cpu().numpy().tobytes()
             h.update(sample)
     fp = h.hexdigest()[:16]
-    model.__dict__["_tracekit_fingerprint"] = fp
+    state_of(model).fingerprint = fp
     return fp
 

@@ -40,13 +40,16 @@ probabilities and logit differences are unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from jaxtyping import Float
 
 from .norms import AffineNorm, _eps, measure_norm
 from .state import state_of
+
+if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
+    from .info import HookedModel
 
 __all__ = ["Readout", "OutputTransform", "output_transform", "output_transform_fn"]
 
@@ -87,7 +90,7 @@ class OutputTransform:
         return float(self.multiplier)
 
 
-def output_transform_fn(model) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+def output_transform_fn(model: HookedModel) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """The model's post-unembedding logits transform as a function of logits (any shape, applied
     elementwise): the bridge adapter's ``apply_output_logits_transform``, else a soft cap
     ``cap * tanh(x / cap)`` from ``cfg.output_logits_soft_cap``; None when the logits are used as
@@ -103,7 +106,7 @@ def output_transform_fn(model) -> Optional[Callable[[torch.Tensor], torch.Tensor
 
 
 @torch.no_grad()
-def output_transform(model) -> OutputTransform:
+def output_transform(model: HookedModel) -> OutputTransform:
     """Measure the model's post-unembedding transform (cached on the model)."""
     st = state_of(model)
     if st.output_transform is not None:
@@ -136,8 +139,8 @@ class Readout:
         model: a TransformerBridge (or HookedTransformer) with ``ln_final`` and ``unembed``.
     """
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model: HookedModel):
+        self.model: Any = model  # a loaded bridge: its ln_final, unembed and W_U modules are read
 
     # ---- recomputed norm ------------------------------------------------------------------
     @torch.no_grad()

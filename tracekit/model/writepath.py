@@ -28,7 +28,7 @@ and the sum identities are checked on every run by the methods that use them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from jaxtyping import Float
@@ -36,6 +36,9 @@ from jaxtyping import Float
 from ..core.sites import hook
 from .norms import AffineNorm, measure_norm, run_sigma
 from .state import state_of
+
+if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
+    from .info import HookedModel
 
 __all__ = ["WritePath", "write_path", "write_paths"]
 
@@ -103,7 +106,7 @@ def _is_norm(module) -> bool:
     return "norm" in name and hasattr(module, "hook_in") and hasattr(module, "hook_out")
 
 
-def write_path(model, layer: int, kind: str) -> Optional[WritePath]:
+def write_path(model: HookedModel, layer: int, kind: str) -> Optional[WritePath]:
     """The :class:`WritePath` of block ``layer``'s ``kind`` (``attn``/``mlp``), or None when the
     block has no such write (an SSM mixer layer, a block without an MLP). Cached on the model."""
     st = state_of(model)
@@ -114,12 +117,12 @@ def write_path(model, layer: int, kind: str) -> Optional[WritePath]:
     return wp
 
 
-def write_paths(model, kind: str) -> list[Optional[WritePath]]:
+def write_paths(model: HookedModel, kind: str) -> list[Optional[WritePath]]:
     """Write paths of every block for ``kind`` (``attn`` or ``mlp``)."""
     return [write_path(model, L, kind) for L in range(int(model.cfg.n_layers))]
 
 
-def _build(model, L: int, kind: str) -> Optional[WritePath]:
+def _build(model: HookedModel, L: int, kind: str) -> Optional[WritePath]:
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         return None

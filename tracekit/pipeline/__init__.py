@@ -52,6 +52,7 @@ from pydantic import ValidationError
 from ..core import paths
 from ..core.errors import ConfigError
 from ..core.io import jsonable
+from ..model.info import HookedModel
 from ..results import MANIFEST, REGISTRY, RESULTS
 from .references import (
     Reference,
@@ -115,7 +116,7 @@ class PendingStep:
         """The kind's ``writes_store`` field (the activation store it writes; None for other kinds)."""
         return getattr(REGISTRY.get(self.kind), "writes_store", None)
 
-    def check(self, model) -> None:
+    def check(self, model: HookedModel) -> None:
         """Nothing yet: the step is checked once its values are known (:func:`resolve_step`, or the
         runner's ``run(model)`` of the :func:`resolve`-d step)."""
 
@@ -247,7 +248,7 @@ def _misfits(step: PendingStep, e: ValidationError, record: list, prefix: str) -
     return lines
 
 
-def resolve_step(step, run_dir: str | Path, model=None):
+def resolve_step(step, run_dir: str | Path, model: HookedModel | None = None):
     """Turn a :class:`PendingStep` into its experiment, with values read from the run directory's
     earlier step folders (:func:`resolve`); anything else is returned unchanged. With ``model``
     given, runs the resolved step's ``check(model)``. Writes nothing: the runner records what

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ..core.errors import ConfigError
 from ..core.io import atomic_write
 from ..experiments.onepass import SharedPasses, shared_passes
+from ..model.info import HookedModel
 from ..model.load import load_model
 from ..runner import run_config
 from .expand import Point, _groups
@@ -31,14 +32,14 @@ def _quiet(*args, **kwargs) -> None:
     pass
 
 
-def _run_point_config(point: Point, hdir: Path, model, figures: bool):
+def _run_point_config(point: Point, hdir: Path, model: HookedModel | None, figures: bool):
     """``run_config`` for one point; ``figures=False`` leaves out each step's PNGs (the slowest part
     of saving a small step; ``Result.load(...).figures()`` draws them later)."""
     return run_config(point.config, hdir, stem=point.stem, model=model, progress=False, log=_quiet,
                       figures=figures)
 
 
-def execute_point(point: Point, out: str | Path, model=None, figures: bool = True) -> dict:
+def execute_point(point: Point, out: str | Path, model: HookedModel | None = None, figures: bool = True) -> dict:
     """Run one point into ``out/runs/<hash>/`` (partial runs of the same hash are deleted first)
     and write its record ``point.json``. Errors are recorded, not raised (KeyboardInterrupt is).
 

@@ -19,6 +19,10 @@ kind's result imports that kind's module only (``import tracekit`` itself still 
 kind, for the notebook API). A kind from outside tracekit registers with ``@register`` when its
 module is imported, as before.
 
+Over 600 lines, with a reason: the result container, its atomic save and manifest-checked load,
+expectations and the kinds registry are the one idea "what a saved result needs", and the kinds
+below import them together.
+
 To add a built-in kind: subclass ``tracekit.experiments.base.Experiment`` and :class:`Result`,
 decorate the experiment with ``@register`` and add one line to
 :data:`tracekit.core.kinds.BUILTIN_KINDS` (the one table; :data:`KINDS` and the lazy exports of

@@ -114,3 +114,22 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     found = imports_of(p, "tracekit.core.paths")
     assert ("tracekit.experiments.base", found[-1][1]) in found
     assert layer("tracekit.experiments.base") > layer("tracekit.core.paths")
+
+
+def test_model_state_is_the_one_attribute_tracekit_writes_on_a_model():
+    """What tracekit keeps on a loaded model lives in ``ModelState`` (``state_of(model)``); the only
+    other keys written into a model's ``__dict__`` are the two spec attributes a ``ModelInfo`` has too
+    (set in ``wrap_hf_model``) and the loader's markers on the transformers model (``tracekit.model``)."""
+    import re
+
+    allowed = {"tracekit/model/load.py": {"tracekit_spec", "tracekit_requested_spec", "_tracekit_wrapped",
+                                          "_tracekit_cache_entry"},
+               "tracekit/model/weights_cache.py": {"_tracekit_cache_entry"},
+               "tracekit/model/state.py": set()}
+    found = []
+    for p in MODULES:
+        rel = str(p.relative_to(PKG.parent))
+        for key in re.findall(r"__dict__\[\s*[\"']([^\"']+)[\"']\s*\]\s*=(?!=)", p.read_text()):
+            if key not in allowed.get(rel, set()):
+                found.append(f"{rel}: {key}")
+    assert not found, found

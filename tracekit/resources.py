@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from .model.info import HookedModel
+if TYPE_CHECKING:  # only for the annotation: this module is loaded alone by file path too (no package imports)
+    from .model.info import HookedModel
 
 __all__ = ["current_rss_bytes", "peak_memory", "peak_rss_bytes", "weights_bytes"]
 

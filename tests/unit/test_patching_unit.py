@@ -39,7 +39,12 @@ def test_mean_needs_two_other_prompts():
 
 
 def _fake_model(pad=0):
-    return SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=pad, eos_token_id=pad))
+    # a HookedModel without weights: check_unpadded reads the tokenizer's padding token only
+    def refuse(*a, **k):
+        raise AssertionError("the padding checks do not run the model")
+
+    return SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=pad, eos_token_id=pad), cfg=None, hook_dict={},
+                           __call__=refuse, run_with_cache=refuse, run_with_hooks=refuse, hooks=refuse)
 
 
 def test_padded_token_rows_are_refused():

@@ -1,5 +1,9 @@
 """Causal tracing (Meng et al. 2022, "Locating and Editing Factual Associations in GPT", ROME, section 2.1).
 
+Over 600 lines (reason): one method in one place, as ROME's ``causal_trace.py`` is: the subject span,
+the noise calibration, the corrupted run and its restoration replay share :class:`Restoration`
+and the cached run, and the result types sit beside the two entry points.
+
 Three runs per prompt, as in ROME's ``experiments/causal_trace.py`` (``trace_with_patch``):
 
 * **clean**: the prompt as it is; ``p_clean = p(target)`` at the last position;
@@ -121,7 +125,7 @@ def window_layers(layer: int, window: int, n_layers: int) -> tuple[int, ...]:
     return tuple(range(max(0, layer - window // 2), min(n_layers, layer - (-window // 2))))
 
 
-def subject_span(model, prompt: str, subject: str, ids: Sequence[int] | None = None, field: str = "subject"
+def subject_span(model: HookedModel, prompt: str, subject: str, ids: Sequence[int] | None = None, field: str = "subject"
                  ) -> tuple[int, ...]:
     """Token positions (into ``ids`` = ``encode(model, prompt)``, BOS counted) of every token that
     overlaps the **last** occurrence of ``subject`` in ``prompt`` (ROME's ``find_token_range`` takes
@@ -250,7 +254,7 @@ class NoiseScale:
     n_tokens: int
 
 
-def _table_subject_positions(model, name: str, ids: Sequence[int]) -> tuple[int, ...]:
+def _table_subject_positions(model: HookedModel, name: str, ids: Sequence[int]) -> tuple[int, ...]:
     """The tokens of ``" " + name`` (encoded as ``ids``) overlapping ``name``; without character
     offsets (a slow tokenizer), every token after the prepended BOS."""
     try:
@@ -331,7 +335,7 @@ def _noise_pre_hook(module, args, kwargs, subj, noise):
     return (x, *args[1:]), kwargs
 
 
-def _corrupted_run(model, ids: Sequence[int], subject_positions: Sequence[int], noise: torch.Tensor,
+def _corrupted_run(model: HookedModel, ids: Sequence[int], subject_positions: Sequence[int], noise: torch.Tensor,
                    hook_names: Sequence[str]) -> CachedRun:
     """One cached run of ``1 + n_samples`` rows: row 0 clean, row ``s + 1`` with noise draw ``s``."""
     dev = model_device(model)
@@ -367,7 +371,7 @@ def _restore_hook(module, inputs, output, rows, pos, values):
     return conv.revert(act) if conv is not None else act
 
 
-def _replay(model, run: CachedRun, rests: Sequence[Restoration], chunk: Sequence[tuple[int, int]],
+def _replay(model: HookedModel, run: CachedRun, rests: Sequence[Restoration], chunk: Sequence[tuple[int, int]],
             hook_points: dict[str, Any]) -> Float[torch.Tensor, "rows d_vocab"]:
     """Replay ``chunk`` = ``(restoration, run row)`` pairs sorted by start block as a staircase:
     rows join at their restoration's first block from the cached corrupted input; ``resid``
@@ -422,7 +426,7 @@ def _replay(model, run: CachedRun, rests: Sequence[Restoration], chunk: Sequence
     return Readout(model).logits(x[:, -1:, :])[:, 0].float()
 
 
-def _check_inputs(model, ids: Sequence[int], subject_positions: Sequence[int], n_samples: int, kinds: Sequence[str]
+def _check_inputs(model: HookedModel, ids: Sequence[int], subject_positions: Sequence[int], n_samples: int, kinds: Sequence[str]
                   ) -> None:
     if n_samples < 1:
         raise ConfigError(f"n_samples: {n_samples}; give at least 1 noise sample (ROME: 10)")

@@ -50,7 +50,7 @@ import torch
 from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
-from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width
+from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width, norm_hook
 from .corpus import iter_documents, token_windows, window_batches
 from .dataset import PreparedDataset
 from .dla import (
@@ -521,8 +521,8 @@ def _direct_path_freeze(model, layers: Sequence[int]) -> list[str]:
     post_scales = []
     for L in layers:
         wp = write_path(model, L, "mlp")
-        if wp is not None and wp.norm is not None and f"blocks.{L}.{wp.norm_name}.hook_scale" in model.hook_dict:
-            post_scales.append(f"blocks.{L}.{wp.norm_name}.hook_scale")
+        if wp is not None and wp.norm is not None and norm_hook(L, str(wp.norm_name)) in model.hook_dict:
+            post_scales.append(norm_hook(L, str(wp.norm_name)))
     return ([hook("final_norm_scale")] + post_scales + [hook("attn_out", L) for L in range(lmin + 1, n_layers)]
             + [hook("mlp_out", L) for L in range(lmin + 1, n_layers) if L not in layers]
             + [hook("neuron", L) for L in layers])

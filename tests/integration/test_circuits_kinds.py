@@ -36,7 +36,7 @@ from tracekit.circuits.faithfulness import circuit_from_edges, evaluate_circuits
 from tracekit.circuits.graph import build_graph
 from tracekit.circuits.paths import path_patch
 from tracekit.core.errors import DatasetError
-from tracekit.errors import MethodRefused
+from tracekit.errors import CircuitError, MethodRefused
 
 
 def _row(clean: str, corrupted: str, target: str, io: str, s: str) -> dict:
@@ -386,10 +386,10 @@ def test_bad_configs_are_refused_naming_the_field(make, match):
      r"senders\[1\]: a2.h0 writes after a receiver reads"),
     (lambda: PathPatching(dataset=DS, senders=["a*.h9"], receivers=["logits"]), MethodRefused,
      r"senders\[0\]: 'a\*.h9' matches no upstream node"),
-    (lambda: PathPatching(dataset=DS, senders=["a0.h0"], receivers=["a1.h0<x>"]), MethodRefused, "receivers"),
-    (lambda: Circuit(dataset=DS, edges=["a2.h0->a1.h0<q>"]), MethodRefused,
+    (lambda: PathPatching(dataset=DS, senders=["a0.h0"], receivers=["a1.h0<x>"]), CircuitError, "receivers"),
+    (lambda: Circuit(dataset=DS, edges=["a2.h0->a1.h0<q>"]), CircuitError,
      r"edges\[0\]: 'a2.h0->a1.h0<q>' is not an edge: a2.h0 writes after a1.h0<q> reads"),
-    (lambda: Circuit(dataset=DS, level="nodes", nodes=["m1", "a0.h9"]), MethodRefused, r"nodes\[1\]: 'a0.h9'"),
+    (lambda: Circuit(dataset=DS, level="nodes", nodes=["m1", "a0.h9"]), CircuitError, r"nodes\[1\]: 'a0.h9'"),
     (lambda: EdgeAttribution(dataset={"rows": [{k: v for k, v in r.items() if k != "corrupted"} for r in ROWS]}),
      DatasetError, "corrupted"),
     # one duplicate policy: a repeated entry is refused, naming the field and the entry
@@ -401,9 +401,9 @@ def test_bad_configs_are_refused_naming_the_field(make, match):
      r"senders\[1\]: m0\+a0.h1 is also given by senders\[0\]"),
     (lambda: PathPatching(dataset=DS, senders=["a0.h1"], receivers=["a2.h0<q>", "logits", "a2.h0<q>"]), MethodRefused,
      r"receivers: 'a2.h0<q>' is listed twice"),
-    (lambda: Circuit(dataset=DS, edges=["m0->logits", "a0.h1->m1", "m0 -> logits"]), MethodRefused,
+    (lambda: Circuit(dataset=DS, edges=["m0->logits", "a0.h1->m1", "m0 -> logits"]), CircuitError,
      r"edges\[2\]: 'm0 -> logits' is listed twice \(also edges\[0\]\)"),
-    (lambda: Circuit(dataset=DS, level="nodes", nodes=["m1", "a0.h2", "m1"]), MethodRefused,
+    (lambda: Circuit(dataset=DS, level="nodes", nodes=["m1", "a0.h2", "m1"]), CircuitError,
      r"nodes\[2\]: 'm1' is listed twice \(also nodes\[0\]\)"),
 ], ids=["unknown-sender", "sender-after-receiver", "listed-sender-after-receiver", "glob-no-match", "unknown-receiver", "circuit-not-an-edge",
         "circuit-unknown-node", "edges-without-corrupted", "sender-twice-in-group", "sender-twice-by-glob",

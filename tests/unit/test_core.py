@@ -166,8 +166,13 @@ def test_interrupt_handlers_stack_and_restore():
 
 
 def _fake_model(n_layers=4, n_heads=2, d_mlp=8, kv=None):
+    # a HookedModel without weights (as a ModelInfo): the checks read the config only
+    def refuse(*a, **k):
+        raise AssertionError("the checks do not run the model")
+
     return SimpleNamespace(cfg=SimpleNamespace(n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
-                                               n_key_value_heads=kv))
+                                               n_key_value_heads=kv), tokenizer=None, hook_dict={},
+                           __call__=refuse, run_with_cache=refuse, run_with_hooks=refuse, hooks=refuse)
 
 
 def test_hook_names_come_from_one_table():

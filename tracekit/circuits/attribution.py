@@ -37,22 +37,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pandas as pd
 import torch
 
 from .. import metrics as M
-from ..errors import MethodRefused
+from ..core.sites import hook
+from ..errors import CircuitError
+from ..model.info import HookedModel
 from ..model.load import model_device
-from ..patching.checks import _require_sites
+from ..patching.checks import require_sites
 from ..patching.engine import cache_run
-from ..patching.jobs import DIRECTIONS, _index_df
-from ..patching.run import (
-    JobResult,
-    PatchingRun,
-    _check_pairs,
-    _check_positions,
-    _check_request,
-    _length_groups,
-)
+from ..patching.jobs import DIRECTIONS, site_index
+from ..patching.request import PatchRequest, check_pairs, check_positions, check_request, length_groups
+from ..patching.run import JobResult, PatchingRun
 from ..patching.setters import SITES, Site
 from .gradients import gradient_pass
 from .qk import qk_fixed
@@ -92,14 +89,14 @@ def _gather(site: Site, red: torch.Tensor, idf_rows, pos_map: torch.Tensor | Non
 
 
 def attribution_patch(
-    model,
+    model: HookedModel,
     clean_ids: Sequence[Sequence[int]],
     corrupted_ids: Sequence[Sequence[int]],
     sites: Sequence[str],
     modes: Sequence[str],
     metrics: Sequence[str],
-    target_ids,
-    foil_ids=None,
+    target_ids: Sequence[int | Sequence[int]],
+    foil_ids: Sequence[int | Sequence[int]] | None = None,
     *,
     layers: Sequence[int] | None = None,
     neuron_layers: Sequence[int] | None = None,
@@ -118,32 +115,34 @@ def attribution_patch(
         modes: ``denoising`` and/or ``noising`` (ablations are not estimated here).
         qk_fix: AtP*'s QK fix for ``head_q``/``head_k`` sites (exact through the softmax).
 
-    The other arguments are those of :func:`tracekit.patching.run_patching`.
+    The other arguments are those of :func:`tracekit.patching.run_patching` (from prepared rows:
+    ``attribution_patch(model, **paired_args(rows), sites=..., modes=..., metrics=...)``,
+    :func:`tracekit.patching.request.paired_args`).
 
     Returns:
         :class:`tracekit.patching.PatchingRun` of estimates.
 
     Raises:
         PatchingError: as :func:`tracekit.patching.run_patching`.
-        MethodRefused: an ablation mode; ``qk_fix`` on a model whose ``hook_attn_scores`` is not the
-            softmax's input.
+        CircuitError: an ablation mode.
+        MethodRefused: ``qk_fix`` on a model whose ``hook_attn_scores`` is not the softmax's input.
     """
     bad = [m for m in modes if m not in DIRECTIONS]
     if bad:
-        raise MethodRefused(f"modes: attribution patching estimates the directions {list(DIRECTIONS)}; {bad} are "
+        raise CircuitError(f"modes: attribution patching estimates the directions {list(DIRECTIONS)}; {bad} are "
                             "ablations (use activation_patching for them)")
-    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
-    req = _check_request(model, len(clean_ids), sites, modes, metrics, target_ids, foil_ids,
+    clean_ids, corrupted_ids = check_pairs(clean_ids, corrupted_ids)
+    req = check_request(model, len(clean_ids), sites, modes, metrics, target_ids, foil_ids,
                          layers, neuron_layers, neurons)
-    req.positions = _check_positions(positions, clean_ids)
-    _require_sites(model, req.sites, req.layers, req.neuron_layers, neurons)
+    req.positions = check_positions(positions, clean_ids)
+    require_sites(model, req.sites, req.layers, req.neuron_layers, neurons)
     dev = model_device(model)
     n, lengths = len(clean_ids), [len(c) for c in clean_ids]
     clean_vals = torch.full((n, len(req.metric_names)), float("nan"))
     corr_vals = torch.full((n, len(req.metric_names)), float("nan"))
     out_jobs: list[JobResult] = []
     hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
-    for n_pos, members in _length_groups(lengths):
+    for n_pos, members in length_groups(lengths):
         midx = torch.tensor(members)
         clean = torch.tensor([clean_ids[i] for i in members], device=dev)
         corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
@@ -156,7 +155,9 @@ def attribution_patch(
     return PatchingRun(req.metric_names, clean_vals, corr_vals, out_jobs, lengths, 0)
 
 
-def _group(model, req, clean, corr, midx, n_pos, hooks, qk_fix, dev):
+def _group(model: HookedModel, req: PatchRequest, clean: torch.Tensor, corr: torch.Tensor, midx: torch.Tensor,
+           n_pos: int, hooks: list[str], qk_fix: bool, dev: torch.device
+           ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[str, Site, pd.DataFrame, torch.Tensor]]]:
     """One group of equal-length rows: ``((clean [g, M], corrupted [g, M]), [(mode, site, idf, values)])``.
 
     The clean rows run first (with gradients when ``noising`` is asked), then the corrupted rows
@@ -180,7 +181,7 @@ def _group(model, req, clean, corr, midx, n_pos, hooks, qk_fix, dev):
         for s in req.sites:
             site = SITES[s]
             n_idx = n_pos if pos_map is None or "pos" not in site.axes else int(pos_map.shape[1])
-            idf = _index_df(model, site, n_idx, req.site_layers(s), neurons=req.neurons)
+            idf = site_index(model, site, n_idx, req.site_layers(s), neurons=req.neurons)
             vals = torch.empty(len(idf), g, len(req.metric_names))
             for L in idf["layer"].unique().tolist():
                 sel = torch.tensor((idf["layer"] == L).to_numpy())
@@ -204,13 +205,12 @@ def _metric_fn(name: str, holder: M.MetricInputs):
     return fn
 
 
-def _needs_qk(req) -> bool:
+def _needs_qk(req: PatchRequest) -> bool:
     return any(s.startswith(("head_q", "head_k")) for s in req.sites)
 
 
-def _qk_hooks(req, qk_fix: bool) -> list[str]:
+def _qk_hooks(req: PatchRequest, qk_fix: bool) -> list[str]:
     """The attention-pattern and score hooks the QK fix reads, at the layers of q/k sites."""
     if not qk_fix or not _needs_qk(req):
         return []
-    return [f"blocks.{L}.attn.{h}" for L in req.layers for h in ("hook_pattern", "hook_attn_scores",
-                                                                   "hook_q", "hook_k")]
+    return [hook(s, L) for L in req.layers for s in ("head_pattern", "head_scores", "head_q", "head_k")]

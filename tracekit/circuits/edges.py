@@ -40,10 +40,11 @@ import torch
 from jaxtyping import Float
 
 from .. import metrics as M
-from ..errors import MethodRefused
+from ..errors import CircuitError
+from ..model.info import HookedModel
 from ..model.load import model_device
-from ..patching.run import _check_pairs, _length_groups
-from .gradients import gradient_pass
+from ..patching.request import check_pairs, length_groups
+from .gradients import LEAF_HOOK, GradPass, gradient_pass
 from .graph import Graph, build_graph, check_separable, downstream_hooks, upstream_hooks
 from .writes import check_writes, stack_reads, stack_writes
 
@@ -75,12 +76,12 @@ def ig_alphas(steps: int, rule: str = "left") -> list[float]:
         ``m`` floats in ``[0, 1]``; the gradient is averaged over them (each weighs ``1 / m``).
 
     Raises:
-        MethodRefused: an unknown rule or ``steps < 1``.
+        CircuitError: an unknown rule or ``steps < 1``.
     """
     if rule not in IG_RULES:
-        raise MethodRefused(f"ig_rule: {rule!r} is not a rule; use one of {list(IG_RULES)} (left = the eap package's)")
+        raise CircuitError(f"ig_rule: {rule!r} is not a rule; use one of {list(IG_RULES)} (left = the eap package's)")
     if steps < 1:
-        raise MethodRefused(f"ig_steps: {steps}; use 1 or more")
+        raise CircuitError(f"ig_steps: {steps}; use 1 or more")
     if rule == "left":
         return [k / steps for k in range(steps)]
     if rule == "right":
@@ -132,7 +133,7 @@ class EdgeScores:
         return df.sort_values("abs_rank").reset_index(drop=True)
 
 
-def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
+def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
                      target_ids: Sequence[int], foil_ids: Sequence[int] | None = None, *,
                      metric: str = "logit_diff", mode: str = "denoising", method: str = "eap",
                      ig_steps: int = 5, ig_rule: str = "left", max_rows: int = 64) -> EdgeScores:
@@ -152,23 +153,27 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
         ig_rule: ``left`` (default, the ``eap`` package's), ``right`` or ``midpoint`` (:func:`ig_alphas`).
         max_rows: rows x steps per backward pass of ``eap_ig`` (memory).
 
+    From prepared rows: ``edge_attribution(model, **single_target_args(rows, "edge attribution"), ...)``
+    (:func:`tracekit.patching.request.single_target_args`).
+
     Returns:
         :class:`EdgeScores`.
 
     Raises:
-        MethodRefused: an unknown method, mode or ``ig_rule``, or a model whose writes are not separable
-            (post-norms, residual multipliers, heads that do not add up to the attention output).
+        CircuitError: an unknown method, mode, metric or ``ig_rule``.
+        MethodRefused: a model whose writes are not separable (post-norms, residual multipliers,
+            heads that do not add up to the attention output).
         PatchingError: rows of unequal clean/corrupted lengths.
     """
     if method not in METHODS:
-        raise MethodRefused(f"method: {method!r} is not an edge method; use one of {list(METHODS)}")
+        raise CircuitError(f"method: {method!r} is not an edge method; use one of {list(METHODS)}")
     if mode not in ("denoising", "noising"):
-        raise MethodRefused(f"mode: {mode!r}; use denoising or noising")
+        raise CircuitError(f"mode: {mode!r}; use denoising or noising")
     if metric not in M.METRICS:
-        raise MethodRefused(f"metric: unknown metric {metric!r}; use one of {sorted(M.METRICS)}")
+        raise CircuitError(f"metric: unknown metric {metric!r}; use one of {sorted(M.METRICS)}")
     alphas = ig_alphas(ig_steps, ig_rule) if method == "eap_ig" else []
     check_separable(model, method)
-    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
+    clean_ids, corrupted_ids = check_pairs(clean_ids, corrupted_ids)
     graph = build_graph(model)
     dev = model_device(model)
     n = len(clean_ids)
@@ -176,7 +181,7 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
     clean_v, corr_v = torch.zeros(n), torch.zeros(n)
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
-    for _, members in _length_groups([len(c) for c in clean_ids]):
+    for _, members in length_groups([len(c) for c in clean_ids]):
         midx = torch.tensor(members)
         clean = torch.tensor([clean_ids[i] for i in members], device=dev)
         corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
@@ -188,14 +193,17 @@ def edge_attribution(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: S
                       ig_rule if ig else None)
 
 
-def _group_scores(model, graph: Graph, clean, corr, inputs: M.MetricInputs, metric: str, mode: str,
-                  method: str, alphas: list[float], max_rows: int):
+def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: torch.Tensor,
+                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], max_rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     up = upstream_hooks(graph)
     pc = gradient_pass(model, clean, up)
     inputs.clean_log_probs = torch.log_softmax(pc.logits, -1)
     px = gradient_pass(model, corr, up)
     check_writes(model, graph, pc.acts, px.acts, method)
     base, src = (corr, clean) if mode == "denoising" else (clean, corr)
+    pb: GradPass
+    ps: GradPass
     pb, ps = (px, pc) if mode == "denoising" else (pc, px)
     d_write = stack_writes(model, graph, ps.acts) - stack_writes(model, graph, pb.acts)  # [g, pos, n_up, d]
     down = downstream_hooks(graph)
@@ -203,14 +211,14 @@ def _group_scores(model, graph: Graph, clean, corr, inputs: M.MetricInputs, metr
         gp = gradient_pass(model, base, down, [lambda lg: M.METRICS[metric](lg, inputs)])
         grad = stack_reads(graph, gp.grads[0])
     else:
-        grad = _ig_grads(model, graph, base, ps.acts["blocks.0.hook_resid_pre"], inputs, metric, alphas,
+        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas,
                          max_rows, down)
     sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
     score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731
     return sc.cpu(), score(pc.logits), score(px.logits)
 
 
-def _ig_grads(model, graph: Graph, base, src_resid0, inputs: M.MetricInputs, metric: str, alphas: list[float],
+def _ig_grads(model: HookedModel, graph: Graph, base: torch.Tensor, src_resid0: torch.Tensor, inputs: M.MetricInputs, metric: str, alphas: list[float],
               max_rows: int, down: list[str]) -> torch.Tensor:
     """Downstream input gradients averaged over the runs interpolating block 0's input from the
     base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`)."""

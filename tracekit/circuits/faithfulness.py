@@ -34,11 +34,13 @@ import torch
 from jaxtyping import Bool, Float
 
 from .. import metrics as M
-from ..errors import MethodRefused
+from ..core.sites import hook
+from ..errors import CircuitError
 from ..hooks import enabled_hooks
+from ..model.info import HookedModel
 from ..model.load import model_device
-from ..patching.engine import cache_run, run_chunked
-from ..patching.run import _check_pairs, _length_groups
+from ..patching.engine import CachedRun, cache_run, run_chunked
+from ..patching.request import check_pairs, length_groups
 from .graph import Graph, build_graph, check_separable, head_writes, receiver_hooks, upstream_hooks
 from .paths import replay
 from .writes import check_writes, stack_writes
@@ -66,7 +68,7 @@ def circuit_from_edges(graph: Graph, edges: Sequence[str], field: str = "edges")
     """``[n_down, n_up]`` bool circuit of the named edges (``u->v``).
 
     Raises:
-        MethodRefused: a name that is not an edge (:meth:`Graph.parse_edge`); an edge listed twice
+        CircuitError: a name that is not an edge (:meth:`Graph.parse_edge`); an edge listed twice
             (naming both entries: a circuit's size counts each edge once).
     """
     c = torch.zeros_like(graph.mask)
@@ -74,7 +76,7 @@ def circuit_from_edges(graph: Graph, edges: Sequence[str], field: str = "edges")
     for i, e in enumerate(edges):
         v, u = graph.parse_edge(e, f"{field}[{i}]")
         if (v, u) in first:
-            raise MethodRefused(f"{field}[{i}]: {e!r} is listed twice (also {field}[{first[(v, u)]}]); list each "
+            raise CircuitError(f"{field}[{i}]: {e!r} is listed twice (also {field}[{first[(v, u)]}]); list each "
                                 "edge once")
         first[(v, u)] = i
         c[v, u] = True
@@ -100,14 +102,14 @@ def circuit_from_nodes(graph: Graph, nodes: Sequence[str], field: str = "nodes")
     ``m{L}``; ``input`` and ``logits`` are always in).
 
     Raises:
-        MethodRefused: a name that is not a head or an MLP of the model; a node listed twice.
+        CircuitError: a name that is not a head or an MLP of the model; a node listed twice.
     """
     keep = {"input", "logits"}
     for i, n in enumerate(nodes):
         if n not in graph.up_index or n == "input":
-            raise MethodRefused(f"{field}[{i}]: {n!r} is not a node; use 'a{{L}}.h{{H}}' (a head) or 'm{{L}}' (an MLP)")
+            raise CircuitError(f"{field}[{i}]: {n!r} is not a node; use 'a{{L}}.h{{H}}' (a head) or 'm{{L}}' (an MLP)")
         if n in keep:
-            raise MethodRefused(f"{field}[{i}]: {n!r} is listed twice (also {field}[{list(nodes).index(n)}]); list "
+            raise CircuitError(f"{field}[{i}]: {n!r} is listed twice (also {field}[{list(nodes).index(n)}]); list "
                                 "each node once")
         keep.add(n)
     up = torch.tensor([u in keep for u in graph.upstream])
@@ -130,7 +132,7 @@ def top_k_circuits(graph: Graph, scores: Float[torch.Tensor, "n_down n_up"], siz
 
 
 @torch.no_grad()
-def evaluate_circuits(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
+def evaluate_circuits(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
                       circuits: Bool[torch.Tensor, "circuits n_down n_up"], target_ids: Sequence[int],
                       foil_ids: Sequence[int] | None = None, *, metrics: Sequence[str] = ("logit_diff",),
                       ablation: str = "corrupted", seed: int = 0, max_bytes: float = 1.5e9) -> CircuitRun:
@@ -149,18 +151,21 @@ def evaluate_circuits(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: 
         max_bytes: memory for the per-row write differences of one replay batch (circuits are
             evaluated in chunks that fit; out-of-memory halves the chunk).
 
+    From prepared rows: ``evaluate_circuits(model, **single_target_args(rows, "circuit evaluation"), circuits=...)``
+    (:func:`tracekit.patching.request.single_target_args`).
+
     Returns:
         :class:`CircuitRun`.
 
     Raises:
-        MethodRefused: an unknown ablation, a ``mean``/``resample`` population under 2 rows, writes
-            that are not separable.
+        CircuitError: an unknown ablation, a ``mean``/``resample`` population under 2 rows.
+        MethodRefused: writes that are not separable.
     """
     if ablation not in ABLATIONS:
-        raise MethodRefused(f"ablation: {ablation!r}; use one of {list(ABLATIONS)}")
+        raise CircuitError(f"ablation: {ablation!r}; use one of {list(ABLATIONS)}")
     check_separable(model, "circuit evaluation")
     graph = build_graph(model)
-    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
+    clean_ids, corrupted_ids = check_pairs(clean_ids, corrupted_ids)
     dev = model_device(model)
     n, C = len(clean_ids), int(circuits.shape[0])
     values = torch.full((C, n, len(metrics)), float("nan"))
@@ -169,10 +174,10 @@ def evaluate_circuits(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: 
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
     notin = (graph.mask[None] & ~circuits.bool()).float()  # [C, n_down, n_up]
     with enabled_hooks(model, receiver_hooks(graph) + upstream_hooks(graph)):
-        for n_pos, members in _length_groups([len(c) for c in clean_ids]):
+        for n_pos, members in length_groups([len(c) for c in clean_ids]):
             midx, g = torch.tensor(members), len(members)
             if ablation in ("mean", "resample") and g < 2:
-                raise MethodRefused(f"ablation: {ablation} needs at least 2 rows of the same token length; the row(s) "
+                raise CircuitError(f"ablation: {ablation} needs at least 2 rows of the same token length; the row(s) "
                                     f"{members} are the only ones of {n_pos} tokens (use corrupted or zero)")
             toks = torch.tensor([clean_ids[i] for i in members] + [corrupted_ids[i] for i in members], device=dev)
             run = cache_run(model, toks, upstream_hooks(graph))
@@ -208,7 +213,7 @@ def evaluate_circuits(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: 
     return CircuitRun(values, clean_v, corr_v, list(metrics), ablation)
 
 
-def _run_chunk(model, graph: Graph, run, notin: torch.Tensor, w_abl: torch.Tensor, g: int) -> torch.Tensor:
+def _run_chunk(model: HookedModel, graph: Graph, run: CachedRun, notin: torch.Tensor, w_abl: torch.Tensor, g: int) -> torch.Tensor:
     """Logits ``[c * g, d_vocab]`` of ``c`` circuits (``notin [c, n_down, n_up]``) on the clean rows.
 
     ``D [rows, n_up, pos, d_model]`` holds each upstream node's live write minus its ablated write,
@@ -260,12 +265,12 @@ def _run_chunk(model, graph: Graph, run, notin: torch.Tensor, w_abl: torch.Tenso
     def layer_hooks(L: int) -> list[tuple[str, Callable]]:
         before_attn, before_mlp = 1 + L * (H + 1), 1 + L * (H + 1) + (0 if graph.parallel else H)
         hs: list[tuple[str, Callable]] = [
-            (f"blocks.{L}.attn.hook_{w}_input",
+            (hook(f"head_{w}_input", L),
              lambda m, i, o, sl=down_slice(L, w): sub(m, i, o, sl, before_attn, False)) for w in "qkv"]
-        hs.append((f"blocks.{L}.attn.hook_z", lambda m, i, o, L=L: grab_z(m, i, o, L)))
-        hs.append((f"blocks.{L}.hook_mlp_in",
+        hs.append((hook("head_out", L), lambda m, i, o, L=L: grab_z(m, i, o, L)))
+        hs.append((hook("mlp_in", L),
                    lambda m, i, o, sl=down_slice(L, "m"): sub(m, i, o, sl, before_mlp, True)))
-        hs.append((f"blocks.{L}.hook_mlp_out", lambda m, i, o, L=L: grab_mlp(m, i, o, L)))
+        hs.append((hook("mlp_out", L), lambda m, i, o, L=L: grab_mlp(m, i, o, L)))
         return hs
 
     def final(x):

@@ -17,12 +17,14 @@ from functools import partial
 import torch
 from jaxtyping import Float, Int
 
+from ..core.sites import hook
 from ..hooks import enabled_hooks, fwd_hooks
+from ..model.info import HookedModel
 
 __all__ = ["GradPass", "gradient_pass", "LEAF_HOOK"]
 
 #: The hook whose value is made the graph's leaf (the embeddings entering block 0).
-LEAF_HOOK = "blocks.0.hook_resid_pre"
+LEAF_HOOK = hook("resid_pre", 0)
 
 
 @dataclass
@@ -43,7 +45,7 @@ class GradPass:
     values: Float[torch.Tensor, "rows n_metrics"]
 
 
-def gradient_pass(model, tokens: Int[torch.Tensor, "rows pos"], hooks: Sequence[str],
+def gradient_pass(model: HookedModel, tokens: Int[torch.Tensor, "rows pos"], hooks: Sequence[str],
                   metric_fns: Sequence[Callable[[torch.Tensor], torch.Tensor]] = (),
                   leaf_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   grad_hooks: Sequence[str] | None = None,

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 from jaxtyping import Float
 
-from ..errors import MethodRefused
+from ..core.sites import hook
+from ..errors import CircuitError, MethodRefused
 from ..model.checks import model_dtype, tolerance
+from ..model.info import HookedModel
 from ..model.writepath import write_path
 
 __all__ = ["Graph", "build_graph", "check_separable", "check_head_writes", "head_writes", "upstream_hooks",
@@ -100,38 +102,42 @@ class Graph:
         """``(downstream index, upstream index)`` of an edge name ``u->v``.
 
         Raises:
-            MethodRefused: not ``u->v`` with known nodes, or no such edge (``u`` does not write before ``v``).
+            CircuitError: not ``u->v`` with known nodes, or no such edge (``u`` does not write before ``v``).
         """
         if "->" not in name:
-            raise MethodRefused(f"{field}: {name!r} is not an edge; write 'upstream->downstream', e.g. "
+            raise CircuitError(f"{field}: {name!r} is not an edge; write 'upstream->downstream', e.g. "
                                 "'a0.h1->a2.h3<q>' or 'm1->logits'")
         u, v = (s.strip() for s in name.split("->", 1))
         if u not in self.up_index:
-            raise MethodRefused(f"{field}: {u!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or 'm{{L}}' "
+            raise CircuitError(f"{field}: {u!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or 'm{{L}}' "
                                 f"(layers 0..{self.n_layers - 1}, heads 0..{self.n_heads - 1})")
         if v not in self.down_index:
-            raise MethodRefused(f"{field}: {v!r} is not a downstream node; use 'a{{L}}.h{{H}}<q>' (heads "
+            raise CircuitError(f"{field}: {v!r} is not a downstream node; use 'a{{L}}.h{{H}}<q>' (heads "
                                 f"0..{self.n_heads - 1}), 'a{{L}}.h{{G}}<k|v>' (key/value heads 0..{self.n_kv_heads - 1}), "
                                 f"'m{{L}}' or 'logits' (layers 0..{self.n_layers - 1})")
         vi, ui = self.down_index[v], self.up_index[u]
         if not bool(self.mask[vi, ui]):
-            raise MethodRefused(f"{field}: {name!r} is not an edge: {u} writes after {v} reads")
+            raise CircuitError(f"{field}: {name!r} is not an edge: {u} writes after {v} reads")
         return vi, ui
 
     def receivers_of(self, node: str) -> list[str]:
         """The downstream names of a node given as ``a{L}.h{H}`` (its q, k, v inputs; k/v of its
-        key/value head), ``a{L}.h{H}<q>`` (itself), ``m{L}`` or ``logits``."""
+        key/value head), ``a{L}.h{H}<q>`` (itself), ``m{L}`` or ``logits``.
+
+        Raises:
+            CircuitError: not a node of the graph.
+        """
         if node in self.down_index:
             return [node]
         if node.startswith("a") and node in self.up_index:
             layer, head = (int(s[1:]) for s in node.split("."))
             g = head // max(1, self.n_heads // self.n_kv_heads)
             return [f"a{layer}.h{head}<q>", f"a{layer}.h{g}<k>", f"a{layer}.h{g}<v>"]
-        raise MethodRefused(f"receivers: {node!r} is not a node; use 'a{{L}}.h{{H}}' (its q, k and v inputs), "
+        raise CircuitError(f"receivers: {node!r} is not a node; use 'a{{L}}.h{{H}}' (its q, k and v inputs), "
                             "'a{L}.h{H}<q|k|v>', 'm{L}' or 'logits'")
 
 
-def build_graph(model) -> Graph:
+def build_graph(model: HookedModel) -> Graph:
     """The :class:`Graph` of ``model`` (upstream: input, heads, MLPs; downstream: q/k/v inputs, MLPs, logits)."""
     cfg = model.cfg
     n, H = int(cfg.n_layers), int(cfg.n_heads)
@@ -145,7 +151,7 @@ def build_graph(model) -> Graph:
     return Graph(n, H, Hkv, bool(getattr(cfg, "parallel_attn_mlp", False)), up, down)
 
 
-def check_separable(model, method: str) -> None:
+def check_separable(model: HookedModel, method: str) -> None:
     """Refuse ``method`` where a head's or MLP's write does not reach the residual stream as it is.
 
     Raises:
@@ -168,14 +174,14 @@ def check_separable(model, method: str) -> None:
                                     "use node-level attribution_patching or activation_patching on this model")
 
 
-def head_writes(model, layer: int, z: Float[torch.Tensor, "n pos head d_head"]
+def head_writes(model: HookedModel, layer: int, z: Float[torch.Tensor, "n pos head d_head"]
                 ) -> Float[torch.Tensor, "n pos head d_model"]:
     """Each head's write into the residual stream, ``z_H W_O^H`` (no ``b_O``), float32."""
-    W_O = model.blocks[layer].attn.W_O.float()
+    W_O = cast(Any, model).blocks[layer].attn.W_O.float()  # a loaded bridge's module
     return torch.einsum("nphd,hdm->nphm", z.float(), W_O.to(z.device))
 
 
-def check_head_writes(model, layer: int, dz: torch.Tensor, d_attn_out: torch.Tensor, method: str,
+def check_head_writes(model: HookedModel, layer: int, dz: torch.Tensor, d_attn_out: torch.Tensor, method: str,
                       atol: Optional[float] = None) -> None:
     """Check that the heads' write differences add up to the attention output's difference between
     two runs (``b_O`` cancels): the identity edges rely on.
@@ -204,9 +210,9 @@ def check_head_writes(model, layer: int, dz: torch.Tensor, d_attn_out: torch.Ten
 def upstream_hooks(graph: Graph) -> list[str]:
     """Hook names whose activations give every upstream node's write (plus ``hook_attn_out`` for
     :func:`check_head_writes`)."""
-    out = ["blocks.0.hook_resid_pre"]
+    out = [hook("resid_pre", 0)]
     for L in range(graph.n_layers):
-        out += [f"blocks.{L}.attn.hook_z", f"blocks.{L}.hook_attn_out", f"blocks.{L}.hook_mlp_out"]
+        out += [hook("head_out", L), hook("attn_out", L), hook("mlp_out", L)]
     return out
 
 
@@ -218,8 +224,8 @@ def downstream_hooks(graph: Graph) -> list[str]:
     ``hook_mlp_in``; the logits' is ``grad(resid_post)`` of the last block)."""
     out = []
     for L in range(graph.n_layers):
-        out += [f"blocks.{L}.attn.hook_q_input", f"blocks.{L}.attn.hook_k_input", f"blocks.{L}.attn.hook_v_input",
-                f"blocks.{L}.hook_resid_mid", f"blocks.{L}.hook_resid_post"]
+        out += [hook("head_q_input", L), hook("head_k_input", L), hook("head_v_input", L),
+                hook("resid_mid", L), hook("resid_post", L)]
     return out
 
 
@@ -227,6 +233,5 @@ def receiver_hooks(graph: Graph) -> list[str]:
     """Hook names path patching writes to: the split q/k/v inputs and ``hook_mlp_in`` of every block."""
     out = []
     for L in range(graph.n_layers):
-        out += [f"blocks.{L}.attn.hook_q_input", f"blocks.{L}.attn.hook_k_input", f"blocks.{L}.attn.hook_v_input",
-                f"blocks.{L}.hook_mlp_in"]
+        out += [hook("head_q_input", L), hook("head_k_input", L), hook("head_v_input", L), hook("mlp_in", L)]
     return out

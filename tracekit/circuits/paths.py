@@ -34,12 +34,14 @@ import torch
 from jaxtyping import Float
 
 from .. import metrics as M
-from ..errors import MethodRefused
+from ..core.sites import hook
+from ..errors import CircuitError
 from ..hooks import enabled_hooks
+from ..model.info import HookedModel
 from ..model.load import model_device
 from ..model.readout import Readout
 from ..patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
-from ..patching.run import _check_pairs, _length_groups
+from ..patching.request import check_pairs, length_groups
 from .graph import Graph, build_graph, check_separable, receiver_hooks, upstream_hooks
 from .writes import check_writes, stack_writes
 
@@ -77,10 +79,10 @@ def receiver_hook(graph: Graph, name: str) -> tuple[str, int | None, int]:
         return "", None, graph.n_layers
     layer = int(name[1:].split(".")[0].split("<")[0])
     if name.startswith("m"):
-        return f"blocks.{layer}.hook_mlp_in", None, layer
+        return hook("mlp_in", layer), None, layer
     head = int(name.split(".h")[1].split("<")[0])
     which = name[-2]
-    return f"blocks.{layer}.attn.hook_{which}_input", head, layer
+    return hook(f"head_{which}_input", layer), head, layer
 
 
 def _add(module, inputs, output, rows: torch.Tensor, head: int | None, delta: torch.Tensor, sign: float = 1.0):
@@ -108,7 +110,7 @@ def _set(module, inputs, output, rows: torch.Tensor, head: int | None, value: to
     return conv.revert(act) if conv is not None else act
 
 
-def replay(model, run: CachedRun, base_rows: torch.Tensor, start: int,
+def replay(model: HookedModel, run: CachedRun, base_rows: torch.Tensor, start: int,
            layer_hooks: Callable[[int], list[tuple[str, Callable]]],
            final: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Float[torch.Tensor, "rows d_vocab"]:
     """Run blocks ``start..n_layers-1`` on the cached inputs of ``base_rows`` with, in block ``L``,
@@ -132,7 +134,7 @@ def replay(model, run: CachedRun, base_rows: torch.Tensor, start: int,
 
 
 @torch.no_grad()
-def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
+def path_patch(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]],
                senders: Sequence[Sequence[str]], receivers: Sequence[Sequence[str]],
                target_ids: Sequence[int], foil_ids: Sequence[int] | None = None, *,
                metrics: Sequence[str] = ("logit_diff",), mode: str = "denoising",
@@ -157,25 +159,29 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
             2022's run 2, and ARENA's / TransformerLens-based path patching) or ``live``
             (``input_live + delta``: it sees what earlier receivers' changed outputs wrote).
 
+    From prepared rows: ``path_patch(model, **single_target_args(rows, "path patching"), senders=..., receivers=...)``
+    (:func:`tracekit.patching.request.single_target_args`).
+
     Returns:
         :class:`PathRun`.
 
     Raises:
-        MethodRefused: an unknown node or recipe, a sender named twice in one variant, a receiver
-            that reads before one of its senders writes, a model whose writes are not separable.
+        CircuitError: an unknown node, mode or recipe, a sender named twice in one variant, a receiver
+            that reads before one of its senders writes.
+        MethodRefused: a model whose writes are not separable.
     """
     if mode not in ("denoising", "noising"):
-        raise MethodRefused(f"mode: {mode!r}; use denoising or noising")
+        raise CircuitError(f"mode: {mode!r}; use denoising or noising")
     if recipe not in RECIPES:
-        raise MethodRefused(f"recipe: {recipe!r}; use 'wang' (Wang et al. 2022's frozen receivers' inputs) or 'live'")
+        raise CircuitError(f"recipe: {recipe!r}; use 'wang' (Wang et al. 2022's frozen receivers' inputs) or 'live'")
     if len(senders) != len(receivers) or not senders:
-        raise MethodRefused("path patching: give one receiver list per sender list (at least one variant)")
+        raise CircuitError("path patching: give one receiver list per sender list (at least one variant)")
     check_separable(model, "path patching")
     graph = build_graph(model)
     send_idx, recv = _check_variants(graph, senders, receivers)
     late = _late_receivers(graph, recv) if recipe == "wang" else [[] for _ in recv]
     base_hooks = sorted({receiver_hook(graph, r)[0] for rs in late for r in rs if r != "logits"})
-    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
+    clean_ids, corrupted_ids = check_pairs(clean_ids, corrupted_ids)
     dev = model_device(model)
     n, V = len(clean_ids), len(senders)
     values = torch.full((V, n, len(metrics)), float("nan"))
@@ -183,7 +189,7 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
     with enabled_hooks(model, receiver_hooks(graph) + upstream_hooks(graph)):
-        for n_pos, members in _length_groups([len(c) for c in clean_ids]):
+        for n_pos, members in length_groups([len(c) for c in clean_ids]):
             midx = torch.tensor(members)
             g = len(members)
             toks = torch.tensor([corrupted_ids[i] for i in members] + [clean_ids[i] for i in members], device=dev)
@@ -212,26 +218,26 @@ def path_patch(model, clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequenc
                    [[r for r in rs] for rs in recv], recipe)
 
 
-def _check_variants(graph: Graph, senders, receivers) -> tuple[list[list[int]], list[list[str]]]:
+def _check_variants(graph: Graph, senders: Sequence[Sequence[str]], receivers: Sequence[Sequence[str]]) -> tuple[list[list[int]], list[list[str]]]:
     """Per variant the senders' upstream indices and the receivers' downstream names (expanded)."""
     send_idx, recv = [], []
     for j, (ss, rs) in enumerate(zip(senders, receivers)):
         if not ss or not rs:
-            raise MethodRefused(f"path patching variant {j}: give at least one sender and one receiver")
+            raise CircuitError(f"path patching variant {j}: give at least one sender and one receiver")
         idx = []
         for s in ss:
             if list(ss).count(s) > 1:
-                raise MethodRefused(f"senders (variant {j}): {s!r} is listed twice; each sender's difference would "
+                raise CircuitError(f"senders (variant {j}): {s!r} is listed twice; each sender's difference would "
                                     "be added once per listing (name each sender once)")
             if s not in graph.up_index:
-                raise MethodRefused(f"senders: {s!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or "
+                raise CircuitError(f"senders: {s!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or "
                                     f"'m{{L}}' (layers 0..{graph.n_layers - 1}, heads 0..{graph.n_heads - 1})")
             idx.append(graph.up_index[s])
         names = [x for r in rs for x in graph.receivers_of(r)]
         for r in names:
             for s in ss:
                 if not bool(graph.mask[graph.down_index[r], graph.up_index[s]]):
-                    raise MethodRefused(f"receivers: {r} reads the residual stream before sender {s} writes it; "
+                    raise CircuitError(f"receivers: {r} reads the residual stream before sender {s} writes it; "
                                         "receivers must be later than every sender")
         send_idx.append(idx)
         recv.append(list(dict.fromkeys(names)))
@@ -248,7 +254,7 @@ def _late_receivers(graph: Graph, recv: list[list[str]]) -> list[list[str]]:
     return out
 
 
-def _replay_variants(model, graph: Graph, run: CachedRun, vs: list[int], recv: list[list[str]],
+def _replay_variants(model: HookedModel, graph: Graph, run: CachedRun, vs: list[int], recv: list[list[str]],
                      deltas: torch.Tensor, base_off: int, g: int, late: list[list[str]]) -> torch.Tensor:
     """Logits ``[len(vs) * g, d_vocab]`` of variants ``vs`` (variant major), each row's receivers
     getting its variant's difference: added to the live input, or for the receivers in ``late[j]``

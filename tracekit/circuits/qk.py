@@ -16,10 +16,14 @@ linearised). Computed in float64 in the log domain.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
+from ..core.sites import hook
 from ..errors import MethodRefused
-from ..patching.engine import CachedRun, _patch_hook
+from ..model.info import HookedModel
+from ..patching.engine import CachedRun, patch_hook
 from ..patching.setters import Site, layer_setter
 from .gradients import GradPass
 
@@ -30,7 +34,7 @@ class _Stop(Exception):
     """Raised by the score hook to end a block replay once the scores are read."""
 
 
-def cross_scores(model, runs: CachedRun, layer: int, base_rows: torch.Tensor, which: str,
+def cross_scores(model: HookedModel, runs: CachedRun, layer: int, base_rows: torch.Tensor, which: str,
                  source: torch.Tensor) -> torch.Tensor:
     """``[g, head, dest, src]`` attention scores of block ``layer`` on the base rows with every
     ``which`` (``q`` or ``k``) activation replaced by ``source`` (``hook_{which}`` layout).
@@ -46,12 +50,12 @@ def cross_scores(model, runs: CachedRun, layer: int, base_rows: torch.Tensor, wh
     handles = []
     rows = torch.arange(len(base_rows), device=source.device)
     try:
-        handles.append(hd[f"blocks.{layer}.attn.hook_{which}"].register_forward_hook(
-            lambda m, i, o: _patch_hook(m, i, o, layer_setter, rows, {}, source, rows)))
-        handles.append(hd[f"blocks.{layer}.attn.hook_attn_scores"].register_forward_hook(grab))
+        handles.append(hd[hook(f"head_{which}", layer)].register_forward_hook(
+            lambda m, i, o: patch_hook(m, i, o, layer_setter, rows, {}, source, rows)))
+        handles.append(hd[hook("head_scores", layer)].register_forward_hook(grab))
         a, kw = runs.block_call(layer, base_rows.to(runs.resid[layer].device))
         try:
-            model.blocks[layer](runs.resid[layer][base_rows].clone(), *a, **kw)
+            cast(Any, model).blocks[layer](runs.resid[layer][base_rows].clone(), *a, **kw)
         except _Stop:
             pass
     finally:
@@ -63,7 +67,7 @@ def cross_scores(model, runs: CachedRun, layer: int, base_rows: torch.Tensor, wh
     return store["s"]
 
 
-def qk_fixed(model, site: Site, layer: int, bp: GradPass, sp: GradPass, k: int, runs: CachedRun,
+def qk_fixed(model: HookedModel, site: Site, layer: int, bp: GradPass, sp: GradPass, k: int, runs: CachedRun,
              base_is_first: bool) -> torch.Tensor:
     """The QK-fixed estimate of site ``head_q``/``head_k`` (``_by_pos``) at ``layer``, reduced to
     ``[g, *site.axes]`` (as :func:`tracekit.circuits.attribution.reduce_site`).
@@ -78,23 +82,23 @@ def qk_fixed(model, site: Site, layer: int, bp: GradPass, sp: GradPass, k: int, 
     Raises:
         MethodRefused: ``softmax(hook_attn_scores) != hook_pattern`` (scores transformed after the hook).
     """
-    pre = f"blocks.{layer}.attn."
-    S = bp.acts[pre + "hook_attn_scores"].double()
-    P = bp.acts[pre + "hook_pattern"].double()
-    G = bp.grads[k][pre + "hook_pattern"].double()
+    scores, pattern = hook("head_scores", layer), hook("head_pattern", layer)
+    S = bp.acts[scores].double()
+    P = bp.acts[pattern].double()
+    G = bp.grads[k][pattern].double()
     if float((torch.softmax(S, -1) - P).abs().max()) > 1e-4:
         raise MethodRefused(f"qk_fix: block {layer}'s pattern is not softmax(hook_attn_scores) on this "
                             "architecture, so the pattern cannot be recomputed from the scores; run without qk_fix")
     g = S.shape[0]
     base_rows = torch.arange(g) if base_is_first else torch.arange(g) + g
     which = "k" if site.name.startswith("head_k") else "q"
-    C = cross_scores(model, runs, layer, base_rows, which, sp.acts[pre + f"hook_{which}"]).double()
+    C = cross_scores(model, runs, layer, base_rows, which, sp.acts[hook(f"head_{which}", layer)]).double()
     by_pos = "pos" in site.axes
     if which == "q":
         new = torch.softmax(C, -1)  # row t = the source query t with the base keys
         delta = ((new - P) * G).sum(-1)  # [g, head, dest]
         return delta.transpose(1, 2).float() if by_pos else delta.sum(-1).float()
-    n_heads, n_kv = S.shape[1], bp.acts[pre + "hook_k"].shape[2]
+    n_heads, n_kv = S.shape[1], bp.acts[hook("head_k", layer)].shape[2]
     if by_pos:
         allowed = torch.isfinite(S) & torch.isfinite(C)
         d = torch.where(allowed, C - torch.where(allowed, S, 0.0), 0.0)

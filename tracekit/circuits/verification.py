@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportCallIssue=false, reportArgumentType=false
 """How far an approximation is from the exact answer, measured on the same rows in the same run.
 
 An approximate method (AtP, AtP*, EAP, EAP-IG) ranks every site or edge. The exact engine then
@@ -23,15 +22,21 @@ The numbers describe the checked sites only (a sample, not the whole ranking), a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
 
+from ..patching.run import JobResult, PatchingRun
+
+#: Names a position across runs: ``(job, pos value of an index row) -> key``.
+PosKey = Callable[[JobResult, int], Any]
+
 __all__ = ["choose_checked", "compare", "site_means"]
 
 
-def site_means(runs, metric: str) -> pd.DataFrame:
+def site_means(runs: Sequence[tuple[PatchingRun, PosKey]], metric: str) -> pd.DataFrame:
     """Per (intervention, site, index) the mean over rows of :class:`tracekit.patching.PatchingRun` s'
     metric ``metric``, normalised by the same rows' mean clean and corrupted scores (a ratio of means).
 
@@ -51,7 +56,7 @@ def site_means(runs, metric: str) -> pd.DataFrame:
     df = pd.DataFrame(recs, columns=["intervention", "site", "layer", "pos_key", "head_idx", "neuron", "value",
                                      "clean", "corrupted", "n"])
     keys = ["intervention", "site", "layer", "pos_key", "head_idx", "neuron"]
-    df = df.groupby(keys, dropna=False, sort=False).sum().reset_index()
+    df = cast(pd.DataFrame, df.groupby(keys, dropna=False, sort=False).sum()).reset_index()
     for c in ("value", "clean", "corrupted"):
         df[c] = df[c] / df["n"]
     gap = df["clean"] - df["corrupted"]
@@ -60,7 +65,7 @@ def site_means(runs, metric: str) -> pd.DataFrame:
     return df
 
 
-def _records(run, metric: int, pos_key) -> list[tuple]:
+def _records(run: PatchingRun, metric: int, pos_key: PosKey) -> list[tuple]:
     recs = []
     for job in run.jobs:
         g = len(job.pairs)

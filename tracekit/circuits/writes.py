@@ -10,17 +10,19 @@ from __future__ import annotations
 import torch
 from jaxtyping import Float
 
+from ..core.sites import hook
+from ..model.info import HookedModel
 from .graph import Graph, check_head_writes, head_writes
 
 __all__ = ["stack_writes", "stack_reads", "check_writes"]
 
 
-def stack_writes(model, graph: Graph, acts: dict[str, torch.Tensor]) -> Float[torch.Tensor, "g pos n_up d_model"]:
+def stack_writes(model: HookedModel, graph: Graph, acts: dict[str, torch.Tensor]) -> Float[torch.Tensor, "g pos n_up d_model"]:
     """Upstream writes from a run's recorded activations (:func:`tracekit.circuits.graph.upstream_hooks`)."""
-    parts = [acts["blocks.0.hook_resid_pre"].float()[:, :, None]]
+    parts = [acts[hook("resid_pre", 0)].float()[:, :, None]]
     for L in range(graph.n_layers):
-        parts.append(head_writes(model, L, acts[f"blocks.{L}.attn.hook_z"]))
-        parts.append(acts[f"blocks.{L}.hook_mlp_out"].float()[:, :, None])
+        parts.append(head_writes(model, L, acts[hook("head_out", L)]))
+        parts.append(acts[hook("mlp_out", L)].float()[:, :, None])
     return torch.cat(parts, 2)
 
 
@@ -30,16 +32,17 @@ def stack_reads(graph: Graph, tensors: dict[str, torch.Tensor]) -> Float[torch.T
     parts = []
     for L in range(graph.n_layers):
         for w in ("q", "k", "v"):
-            parts.append(tensors[f"blocks.{L}.attn.hook_{w}_input"].float())
-        mlp = tensors[f"blocks.{L}.hook_resid_mid"].float() - tensors[f"blocks.{L}.hook_resid_post"].float()
+            parts.append(tensors[hook(f"head_{w}_input", L)].float())
+        mlp = tensors[hook("resid_mid", L)].float() - tensors[hook("resid_post", L)].float()
         parts.append(mlp[:, :, None])
-    parts.append(tensors[f"blocks.{graph.n_layers - 1}.hook_resid_post"].float()[:, :, None])
+    parts.append(tensors[hook("resid_post", graph.n_layers - 1)].float()[:, :, None])
     return torch.cat(parts, 2)
 
 
-def check_writes(model, graph: Graph, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], method: str) -> None:
+def check_writes(model: HookedModel, graph: Graph, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], method: str) -> None:
     """:func:`tracekit.circuits.graph.check_head_writes` at every block between runs ``a`` and ``b``."""
     for L in range(graph.n_layers):
-        dz = a[f"blocks.{L}.attn.hook_z"].float() - b[f"blocks.{L}.attn.hook_z"].float()
-        dout = a[f"blocks.{L}.hook_attn_out"].float() - b[f"blocks.{L}.hook_attn_out"].float()
+        z, out = hook("head_out", L), hook("attn_out", L)
+        dz = a[z].float() - b[z].float()
+        dout = a[out].float() - b[out].float()
         check_head_writes(model, L, dz, dout, method)

@@ -88,3 +88,13 @@ class MethodRefused(TracekitError, ValueError):
     has no dense neurons, a block has no per-head output, an SSM layer has no attention, a block
     reads token inputs that bypass the residual stream); the message names the architecture, the
     reason and, where there is one, what can be done instead (docs/architectures.md)."""
+
+
+class CircuitError(TracekitError, ValueError):
+    """Bad circuit-method input (attribution patching, edge attribution, path patching, circuits):
+    a node or edge name that does not exist, an entry listed twice, an unknown method, mode, rule
+    or ablation, a receiver that reads before its sender writes. (An architecture the method cannot
+    run on is :class:`MethodRefused`.)"""
+
+
+__all__ += ["CircuitError"]

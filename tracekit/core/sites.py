@@ -10,8 +10,8 @@ A **site** is a named kind of activation location with one hook per block (docs/
 >>> hook("final_norm_in")
 'ln_final.hook_in'
 
-Hook names are built here (:func:`hook`), not by f-strings across the engines. The checks take any
-object with a TransformerLens ``cfg`` (a loaded model or a :class:`tracekit.model.ModelInfo`);
+Hook names are built here (:func:`hook`), not by f-strings across the engines. The checks take a
+:class:`~tracekit.core.protocols.HookedModel` (a loaded model or a :class:`tracekit.model.ModelInfo`);
 where the model has weights, per-layer widths are read from them (families with per-layer head
 counts or MLP widths), else from the config.
 """
@@ -19,11 +19,12 @@ counts or MLP widths), else from the config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 from .errors import AttentionError, AttributionError, PatchingError, ProbingError
+from .protocols import HookedModel
 
-__all__ = ["SiteSpec", "SITE_TABLE", "BLOCK_HOOKS", "hook", "SiteError", "check_layers", "check_layer",
+__all__ = ["SiteSpec", "SITE_TABLE", "BLOCK_HOOKS", "hook", "norm_hook", "SiteError", "check_layers", "check_layer",
            "check_heads", "check_neurons", "head_count", "mlp_width", "n_layers"]
 
 
@@ -57,6 +58,11 @@ def _table() -> dict[str, SiteSpec]:
                                  "attention pattern per layer x head")
     t["head_scores"] = SiteSpec("head_scores", "blocks.{layer}.attn.hook_attn_scores", ("head",),
                                 "attention scores (before the softmax) per layer x head")
+    for act in ("q", "k", "v"):
+        t[f"head_{act}_input"] = SiteSpec(f"head_{act}_input", f"blocks.{{layer}}.attn.hook_{act}_input", ("head",),
+                                          f"attention head {act} input (the residual stream read by the {act} "
+                                          "projection, before the block's norm), per layer x head")
+    t["mlp_in"] = SiteSpec("mlp_in", "blocks.{layer}.hook_mlp_in", ("pos",), "MLP input per layer x position")
     t["neuron"] = SiteSpec("neuron", "blocks.{layer}.mlp.hook_post", ("neuron",),
                            "MLP neuron activation (mlp.hook_post), all positions")
     t["mlp_pre"] = SiteSpec("mlp_pre", "blocks.{layer}.mlp.hook_pre", ("neuron",), "MLP pre-activation")
@@ -81,14 +87,27 @@ def hook(site: str, layer: Optional[int] = None) -> str:
     return SITE_TABLE[site].template.format(layer=layer)
 
 
+def norm_hook(layer: int, norm: str, point: str = "hook_scale") -> str:
+    """The hook ``point`` of the norm module ``norm`` of block ``layer`` (a module name as a block
+    names it, e.g. ``ln2_post`` from :func:`tracekit.model.writepath.write_path`), e.g.
+    ``blocks.3.ln2_post.hook_scale``: the norms' names differ by family, so they are not sites.
+
+    >>> norm_hook(3, "ln2_post")
+    'blocks.3.ln2_post.hook_scale'
+    """
+    return f"blocks.{layer}.{norm}.{point}"
+
+
 class SiteError(AttributionError, AttentionError, PatchingError, ProbingError):
     """A layer, head or neuron that does not exist. One class for every method: it is also each
     method's own error type, so ``except AttributionError`` and ``except PatchingError`` both catch it."""
 
 
-def n_layers(model) -> int:
+def n_layers(model: HookedModel | int) -> int:
     """Blocks of a model (or a model config), or ``model`` itself when it is a count."""
-    return int(model) if _is_int(model) else int(model.cfg.n_layers)
+    if _is_int(model):
+        return int(cast(int, model))
+    return int(cast(HookedModel, model).cfg.n_layers)
 
 
 def _is_int(x: Any) -> bool:
@@ -100,7 +119,8 @@ def _items(x: Any) -> list[Any]:
     return [x] if _is_int(x) else list(x)
 
 
-def check_layers(model, layers: Union[str, int, Sequence[int], None], field: str = "layers") -> list[int]:
+def check_layers(model: HookedModel | int, layers: Union[str, int, Sequence[int], None],
+                 field: str = "layers") -> list[int]:
     """Block indices: ``"all"``/None -> every block; ints checked (negative counts from the end);
     sorted and unique. ``model`` may be a model, a ``ModelInfo`` or the number of blocks.
 
@@ -123,7 +143,7 @@ def check_layers(model, layers: Union[str, int, Sequence[int], None], field: str
     return sorted(out)
 
 
-def check_layer(model, layer: int, field: str = "layer") -> int:
+def check_layer(model: HookedModel | int, layer: int, field: str = "layer") -> int:
     """One block index (negative from the end). Raises :class:`SiteError` as :func:`check_layers`."""
     if not _is_int(layer):
         n = n_layers(model)
@@ -132,7 +152,7 @@ def check_layer(model, layer: int, field: str = "layer") -> int:
     return check_layers(model, int(layer), field)[0]
 
 
-def head_count(model, layer: int, kv: bool = False) -> int:
+def head_count(model: HookedModel, layer: int, kv: bool = False) -> int:
     """Attention heads of block ``layer`` (key/value heads with ``kv``), read from its weights when
     the model has them (families with per-layer head counts), else from the config."""
     blocks = getattr(model, "blocks", None)
@@ -145,7 +165,7 @@ def head_count(model, layer: int, kv: bool = False) -> int:
     return int(model.cfg.n_key_value_heads or model.cfg.n_heads) if kv else int(model.cfg.n_heads)
 
 
-def mlp_width(model, layer: int) -> int:
+def mlp_width(model: HookedModel, layer: int) -> int:
     """Neurons of block ``layer``'s dense MLP (the rows of its ``W_out``; ``cfg.d_mlp`` for a model
     without weights, e.g. a :class:`tracekit.model.ModelInfo`)."""
     blocks = getattr(model, "blocks", None)
@@ -157,8 +177,8 @@ def mlp_width(model, layer: int) -> int:
     return int(getattr(model.cfg, "d_mlp", 0) or 0)
 
 
-def check_heads(model, heads: Union[str, int, Sequence[int], None], field: str = "heads", layer: int = 0,
-                kv: bool = False) -> list[int]:
+def check_heads(model: HookedModel, heads: Union[str, int, Sequence[int], None], field: str = "heads",
+                layer: int = 0, kv: bool = False) -> list[int]:
     """``"all"``/None -> every head of ``layer``; ints checked against its (query, or key/value
     with ``kv``) head count.
 
@@ -176,7 +196,8 @@ def check_heads(model, heads: Union[str, int, Sequence[int], None], field: str =
     return [int(h) for h in items]
 
 
-def check_neurons(model, layer: int, neurons: Optional[Sequence[int]], field: str = "neurons") -> list[int]:
+def check_neurons(model: HookedModel, layer: int, neurons: Optional[Sequence[int]],
+                  field: str = "neurons") -> list[int]:
     """Neuron indices of block ``layer``'s MLP (None -> every one), checked against its width.
 
     Raises:

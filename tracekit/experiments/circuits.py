@@ -29,7 +29,7 @@ from ..circuits.faithfulness import (
 )
 from ..circuits.graph import build_graph
 from ..core.errors import DatasetError
-from ..errors import MethodRefused
+from ..errors import CircuitError
 from .base import Result, StrictModel, register
 from .circuit_rows import MIB_FRACTIONS, CircuitRowsExperiment, Mode
 from .patching import ActivationPatchingInputs
@@ -373,7 +373,7 @@ def _read_edges(graph, path: str, model=None) -> tuple[EdgeScores, Optional[dict
                                "edge 'upstream->downstream' or drop the row")
         try:
             d, u = graph.parse_edge(e, f"scores.edges_file row {i}")
-        except MethodRefused as err:
+        except CircuitError as err:
             raise DatasetError(f"{err} (scores from another model?)") from None
         try:
             x = float(v)

@@ -5,41 +5,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional
 
 import torch
 
 from ..core.errors import ModelLoadError
+from ..core.protocols import HookedModel as HookedModel  # re-exported: the type of every model argument
 from . import load as _load
 from .source import _load_config_and_tokenizer
 from .spec import ModelSpec, _check_devices, as_spec
 
 log = logging.getLogger("tracekit.model")
-
-
-@runtime_checkable
-class HookedModel(Protocol):
-    """What tracekit reads on a model: the type of every ``model`` argument.
-
-    A loaded TransformerLens ``TransformerBridge`` (from :func:`tracekit.load_model`) has all of it.
-    A :class:`ModelInfo` has the static part (``cfg``, ``tokenizer``, ``hook_dict``: what
-    ``Experiment.check`` reads before any weights load) and refuses the running part with a clear
-    :class:`~tracekit.errors.ModelLoadError`.
-    """
-
-    cfg: Any
-    tokenizer: Any
-
-    @property
-    def hook_dict(self) -> dict: ...  # read-only: a bridge's is a property, a ModelInfo's an attribute
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class ModelInfo:

@@ -92,18 +92,22 @@ is given). ``head_k``/``head_v`` index key/value heads (``n_key_value_heads`` un
 attention).
 
 Modules: :mod:`.setters` (setters, :class:`Site`, :data:`SITES`, :data:`SITE_GROUPS`),
-:mod:`.checks` (equal lengths, no padding, layers, sites the model has), :mod:`.engine`
-(:func:`cache_run`, :func:`patch_rows`, batching and out-of-memory halving), :mod:`.ablation`
+:mod:`.checks` (equal lengths, no padding, layers, sites the model has), :mod:`.request` (the
+paired-run front door shared with :mod:`tracekit.circuits`: :func:`check_pairs`,
+:func:`length_groups`, :func:`check_positions`, :func:`check_request`, and :func:`paired_args` for
+a :class:`tracekit.dataset.PairedRows`), :mod:`.engine` (:func:`cache_run`, :func:`patch_hook`,
+:func:`patch_rows`, batching and out-of-memory halving), :mod:`.ablation`
 (baseline populations), :mod:`.jobs` (the one job builder of both front-ends, :func:`count_variants`)
 and :mod:`.run` (:func:`run_patching`, :func:`batched_activation_patch`, ``batched_act_patch_*``).
 """
 
 from ..errors import PatchingError
-from . import ablation, checks, engine, jobs, run, setters
+from . import ablation, checks, engine, jobs, request, run, setters
 from .ablation import *  # noqa: F403 - the package re-exports each module's __all__
 from .checks import *  # noqa: F403
 from .engine import *  # noqa: F403
 from .jobs import *  # noqa: F403
+from .request import *  # noqa: F403
 from .run import *  # noqa: F403
 from .setters import *  # noqa: F403
 
@@ -112,5 +116,6 @@ __all__ += ablation.__all__
 __all__ += checks.__all__
 __all__ += engine.__all__
 __all__ += jobs.__all__
+__all__ += request.__all__
 __all__ += run.__all__
 __all__ += setters.__all__

@@ -13,13 +13,15 @@ from ..core.sites import check_layers
 from ..errors import MethodRefused, PatchingError, TokenizationError
 from ..hooks import check_hooks
 from ..model.architectures import architecture_name, require
+from ..model.info import HookedModel
 from ..tokens import Batch, encode, str_tokens
+from .engine import CachedRun
 from .setters import SITES
 
-__all__ = ["check_same_length", "check_unpadded", "resolve_layers"]
+__all__ = ["check_same_length", "check_unpadded", "require_sites", "resolve_layers"]
 
 
-def check_same_length(model, clean: Sequence[str], corrupted: Sequence[str], field: str = "pairs"
+def check_same_length(model: HookedModel, clean: Sequence[str], corrupted: Sequence[str], field: str = "pairs"
                       ) -> list[tuple[list[int], list[int]]]:
     """Tokenize each (clean, corrupted) pair and require equal lengths (position-wise patching).
 
@@ -56,14 +58,14 @@ def _side_by_side(cs: Sequence[str], xs: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _pad_id(model) -> int | None:
+def _pad_id(model: HookedModel) -> int | None:
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return None
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
-def check_unpadded(model, tokens, field: str = "tokens",
+def check_unpadded(model: HookedModel, tokens: Int[torch.Tensor, "batch pos"] | Batch, field: str = "tokens",
                    attention_mask: Int[torch.Tensor, "batch pos"] | None = None) -> Int[torch.Tensor, "batch pos"]:
     """The ``[batch, pos]`` token tensor of equal-length, unpadded prompts.
 
@@ -125,7 +127,7 @@ def _ids_tensor(ids, field: str) -> torch.Tensor | None:
     return t
 
 
-def _refuse_side_inputs(model, run, rows_a: torch.Tensor, rows_b: torch.Tensor) -> None:
+def _refuse_side_inputs(model: HookedModel, run: CachedRun, rows_a: torch.Tensor, rows_b: torch.Tensor) -> None:
     """Refuse patching between runs whose blocks also read token-dependent inputs besides the
     residual stream: patching a site could never restore (or break) the other run, so every
     number would understate the site's effect. ``run`` is a :class:`tracekit.patching.CachedRun`.
@@ -141,10 +143,22 @@ def _refuse_side_inputs(model, run, rows_a: torch.Tensor, rows_b: torch.Tensor) 
             "run's activations into the corrupted run cannot restore the clean run.")
 
 
-def _require_sites(model, sites: Sequence[str], layers: Sequence[int], neuron_layers: Sequence[int],
-                   neurons: Sequence[int] | None) -> None:
+def require_sites(model: HookedModel, sites: Sequence[str], layers: Sequence[int], neuron_layers: Sequence[int],
+                  neurons: Sequence[int] | None) -> None:
     """Refuse sites this model's blocks do not have (heads on blocks without per-head outputs,
-    neurons on mixture-of-experts MLPs), naming the architecture."""
+    neurons on mixture-of-experts MLPs, hooks that do not exist or never fire), naming the
+    architecture. A model without weights (a :class:`tracekit.model.ModelInfo`) is not checked.
+
+    Args:
+        model: the hooked model.
+        sites: patching site names (:data:`tracekit.patching.SITES`, groups expanded).
+        layers: the blocks of the non-neuron sites; neuron_layers: the blocks of the neuron sites.
+        neurons: unused (the neurons are checked by :func:`tracekit.patching.request.check_request`).
+
+    Raises:
+        MethodRefused: a site the model's blocks do not have (:func:`tracekit.model.architectures.require`).
+        HookError: a site's hook is missing or does not fire (:func:`tracekit.hooks.check_hooks`).
+    """
     if not hasattr(model, "blocks"):
         return
     for s in sites:

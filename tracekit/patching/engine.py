@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("tracekit.patching")
 
-__all__ = ["CachedRun", "PatchJob", "auto_batch_size", "cache_run", "is_oom", "patch_rows", "run_chunked"]
+__all__ = ["CachedRun", "PatchJob", "auto_batch_size", "cache_run", "is_oom", "patch_hook", "patch_rows", "run_chunked"]
 
 
 def _strip_cache(x):
@@ -317,7 +317,7 @@ def _replay(model: HookedModel, run: CachedRun, jobs: list[PatchJob], rows: list
                         job.site.setter(xn, torch.tensor(grp, device=dev), index, src, src_rows)
                     else:
                         rws = torch.tensor(grp, device=dev) + off
-                        fn = partial(_patch_hook, setter=job.site.setter, rows=rws, index=index,
+                        fn = partial(patch_hook, setter=job.site.setter, rows=rws, index=index,
                                      source=src, src_rows=src_rows)
                         if not hook_dict:
                             hook_dict = model.hook_dict
@@ -341,9 +341,25 @@ def _replay(model: HookedModel, run: CachedRun, jobs: list[PatchJob], rows: list
     return logits.float()
 
 
-def _patch_hook(module, inputs, output, setter, rows, index, source, src_rows):
-    # As HookPoint.add_hook: present the activation in TransformerLens' layout (e.g. hook_z as
-    # [batch, pos, head, d_head]) and convert the patched tensor back.
+def patch_hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor, setter: Callable,
+               rows: torch.Tensor, index: dict[str, torch.Tensor], source: torch.Tensor,
+               src_rows: torch.Tensor) -> torch.Tensor:
+    """A forward hook (on a hook point) that patches its output with ``setter``: the one patch step
+    of every replay (bind the keyword arguments with :func:`functools.partial`).
+
+    As TransformerLens' ``HookPoint.add_hook``, the activation is presented to the setter in
+    TransformerLens' layout (the hook point's ``hook_conversion``, e.g. ``hook_z`` as
+    ``[batch, pos, head, d_head]``) and the patched tensor converted back.
+
+    Args:
+        module: the hook point; inputs: its inputs (unused); output: its activation ``[batch, ...]``.
+        setter: ``setter(act, rows, index, source, src_rows) -> act`` (:mod:`tracekit.patching.setters`).
+        rows: ``[R]`` the batch rows patched; index: ``{axis: [R]}`` each row's position / head / neuron.
+        source: the activation patched in (the hook's layout, any batch size); src_rows: ``[R]`` its rows.
+
+    Returns:
+        The patched activation, in the hook point's own layout.
+    """
     conv = getattr(module, "hook_conversion", None)
     act = conv.convert(output) if conv is not None else output
     act = setter(act, rows, index, source, src_rows)

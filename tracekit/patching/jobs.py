@@ -26,21 +26,36 @@ import torch
 from jaxtyping import Int
 
 from ..core.sites import check_neurons, head_count
+from ..model.info import HookedModel
 from .ablation import ABLATIONS
 from .checks import resolve_layers
 from .engine import CachedRun, PatchJob
 from .setters import SITES, Site, expand_sites
 
-__all__ = ["DIRECTIONS", "build_job", "count_variants"]
+__all__ = ["DIRECTIONS", "build_job", "count_variants", "site_index"]
 
 #: Patching directions: ``denoising`` (clean activation into the corrupted run), ``noising`` (the reverse).
 DIRECTIONS = ("denoising", "noising")
 
 
-def _index_df(model, site: Site, n_pos: int, layers=None, index_df=None, neurons=None) -> pd.DataFrame:
-    """The index rows of ``site`` (columns ``layer`` + the site's axes): ``index_df`` as given
-    (index reset), else every (layer, position, head / neuron) of ``layers`` (default all) for
-    prompts of ``n_pos`` tokens, in row-major order."""
+def site_index(model: HookedModel, site: Site, n_pos: int, layers: Sequence[int] | None = None,
+               index_df: pd.DataFrame | None = None, neurons: Sequence[int] | None = None) -> pd.DataFrame:
+    """The index rows of ``site``: one row per patch (columns ``layer`` + the site's axes, ints).
+
+    Args:
+        model: the hooked model (head counts and MLP widths per block).
+        site: the :class:`Site`.
+        n_pos: the prompts' token length (or the number of chosen positions: ``pos`` then holds a slot).
+        layers: the blocks (default all).
+        index_df: explicit index rows: returned as given (index reset).
+        neurons: the neurons of a neuron site (default every neuron).
+
+    Returns:
+        ``index_df``, else every (layer, position, head / neuron) of ``layers``, in row-major order.
+
+    Raises:
+        SiteError: a neuron out of range (:func:`tracekit.core.sites.check_neurons`).
+    """
     if index_df is not None:
         return index_df.reset_index(drop=True)
     layers = list(layers) if layers is not None else list(range(model.cfg.n_layers))
@@ -54,7 +69,7 @@ def _index_df(model, site: Site, n_pos: int, layers=None, index_df=None, neurons
     return pd.DataFrame(rows, columns=list(axes))
 
 
-def count_variants(model, lengths: Sequence[int], sites: Sequence[str], n_modes: int,
+def count_variants(model: HookedModel, lengths: Sequence[int], sites: Sequence[str], n_modes: int,
                    layers: Sequence[int] | None = None, neuron_layers: Sequence[int] | None = None,
                    neurons: Sequence[int] | None = None, n_positions: int | None = None) -> int:
     """How many patched runs :func:`run_patching` makes (for progress bars): per pair length and
@@ -72,7 +87,7 @@ def count_variants(model, lengths: Sequence[int], sites: Sequence[str], n_modes:
         site = SITES[s]
         for P in lengths:
             n_pos = n_positions if n_positions is not None and "pos" in site.axes else P
-            total += len(_index_df(model, site, n_pos, nlay if s.startswith("neuron") else lay, neurons=neurons))
+            total += len(site_index(model, site, n_pos, nlay if s.startswith("neuron") else lay, neurons=neurons))
     return total * n_modes
 
 

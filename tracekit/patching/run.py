@@ -16,21 +16,19 @@ import torch
 from jaxtyping import Float, Int
 
 from .. import metrics as M
-from ..core.sites import check_neurons
 from ..errors import PatchingError
 from ..hooks import enabled_hooks
-from ..model.architectures import require
 from ..model.info import HookedModel
 from ..model.load import model_device
 from ..tokens import Batch
-from .ablation import ABLATIONS, _ablation_source, _population_acts, baseline_members, choose_baselines
-from .checks import _ids_tensor, _refuse_side_inputs, _require_sites, check_unpadded, resolve_layers
+from .ablation import _ablation_source, _population_acts, baseline_members, choose_baselines
+from .checks import _refuse_side_inputs, check_unpadded, require_sites, resolve_layers
 from .engine import CachedRun, PatchJob, cache_run, patch_rows
-from .jobs import DIRECTIONS, _index_df, build_job
+from .jobs import DIRECTIONS, build_job, site_index
+from .request import PatchRequest, check_pairs, check_positions, check_request, length_groups
 from .setters import (
     SITES,
     Site,
-    expand_sites,
     layer_head_pattern_setter,
     layer_head_vector_setter,
     layer_neuron_setter,
@@ -111,32 +109,6 @@ class PatchingRun:
 # run_patching: every direction / ablation x site x pair.
 # ---------------------------------------------------------------------------------------------
 
-@dataclass
-class _Request:
-    """A checked :func:`run_patching` request: what every length group is patched with."""
-
-    sites: list[str]
-    modes: Sequence[str]
-    metric_names: list[str]
-    layers: list[int]
-    neuron_layers: list[int]
-    neurons: Sequence[int] | None
-    target: torch.Tensor
-    foil: torch.Tensor | None
-    chosen: dict[str, list[list[int]]]
-    batch_size: int | str = "auto"
-    skip_unchanged: bool = True
-    progress: Callable[[int], None] | None = None
-    #: ``[n_pairs, k]`` per pair the token indices position-indexed sites are patched at (None: every position).
-    positions: torch.Tensor | None = None
-    #: per site explicit index rows (``layer`` + the site's axes) to patch instead of every index.
-    index_rows: dict[str, pd.DataFrame] | None = None
-
-    def site_layers(self, s: str) -> list[int]:
-        """The layers site ``s`` is patched at (``neuron_layers`` for neuron sites)."""
-        return self.neuron_layers if s.startswith("neuron") else self.layers
-
-
 @torch.no_grad()
 def run_patching(
     model: HookedModel,
@@ -198,24 +170,24 @@ def run_patching(
             bypass the residual stream, or a site the model's blocks do not have.
     """
     # Long (reason): groups of equal-length rows, each group's cached run and jobs, and the per-job results share the group's tensors; the body is already split into _group_jobs and build_job.
-    clean_ids, corrupted_ids = _check_pairs(clean_ids, corrupted_ids)
-    req = _check_request(model, len(clean_ids), sites, modes, metrics, target_ids, foil_ids,
+    clean_ids, corrupted_ids = check_pairs(clean_ids, corrupted_ids)
+    req = check_request(model, len(clean_ids), sites, modes, metrics, target_ids, foil_ids,
                          layers, neuron_layers, neurons)
     pop, req.chosen = choose_baselines(clean_ids, baseline_ids, modes, seed)
     req.batch_size, req.skip_unchanged, req.progress = batch_size, skip_unchanged, progress
-    req.positions = _check_positions(positions, clean_ids)
+    req.positions = check_positions(positions, clean_ids)
     req.index_rows = index_rows
 
     dev = model_device(model)
     hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
-    _require_sites(model, req.sites, req.layers, req.neuron_layers, neurons)
+    require_sites(model, req.sites, req.layers, req.neuron_layers, neurons)
     n, lengths = len(clean_ids), [len(c) for c in clean_ids]
     clean_vals = torch.full((n, len(req.metric_names)), float("nan"))
     corr_vals = torch.full((n, len(req.metric_names)), float("nan"))
     out_jobs: list[JobResult] = []
     with enabled_hooks(model, hooks):
         pop_acts = _population_acts(model, pop, hooks) if req.chosen else {}
-        for n_pos, members in _length_groups(lengths):
+        for n_pos, members in length_groups(lengths):
             g, midx = len(members), torch.tensor(members)
             toks = torch.tensor([clean_ids[i] for i in members] + [corrupted_ids[i] for i in members], device=dev)
             base, results = _run_group(model, req, toks, members, n_pos, hooks, pop_acts, dev)
@@ -224,81 +196,7 @@ def run_patching(
     return PatchingRun(req.metric_names, clean_vals, corr_vals, out_jobs, lengths, len(pop) if req.chosen else 0)
 
 
-def _check_pairs(clean_ids: Sequence[Sequence[int]], corrupted_ids: Sequence[Sequence[int]]
-                 ) -> tuple[list[list[int]], list[list[int]]]:
-    """The pairs' token ids as lists of ints; one corrupted prompt per clean one, of the same non-zero length."""
-    n = len(clean_ids)
-    if n == 0 or len(corrupted_ids) != n:
-        raise PatchingError(f"pairs: need one corrupted prompt per clean prompt (got {n} clean, "
-                            f"{len(corrupted_ids)} corrupted)")
-    clean = [list(map(int, c)) for c in clean_ids]
-    corrupted = [list(map(int, c)) for c in corrupted_ids]
-    for i, (c, x) in enumerate(zip(clean, corrupted)):
-        if len(c) != len(x) or not c:
-            raise PatchingError(f"pairs[{i}]: clean ({len(c)} tokens) and corrupted ({len(x)} tokens) must have "
-                                "the same, non-zero length (see check_same_length)")
-    return clean, corrupted
-
-
-def _check_positions(positions: Sequence[Sequence[int]] | None, clean: list[list[int]]) -> torch.Tensor | None:
-    """``[n_pairs, k]`` chosen token indices, or None.
-
-    Raises:
-        PatchingError: not one list of the same non-zero length per pair, or an index outside its pair.
-    """
-    if positions is None:
-        return None
-    rows = [[int(p) for p in r] for r in positions]
-    if len(rows) != len(clean) or not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
-        raise PatchingError(f"positions: give per pair the same number (at least 1) of token indices; got "
-                            f"{[len(r) for r in rows]} for {len(clean)} pair(s)")
-    for i, (r, c) in enumerate(zip(rows, clean)):
-        bad = [p for p in r if not 0 <= p < len(c)]
-        if bad:
-            raise PatchingError(f"positions[{i}]: {bad[0]} is outside pair {i} ({len(c)} tokens; indices 0.."
-                                f"{len(c) - 1})")
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def _check_request(model, n: int, sites: Sequence[str], modes: Sequence[str], metrics: Sequence[str],
-                   target_ids, foil_ids, layers, neuron_layers, neurons) -> _Request:
-    """Check the sites, modes, metrics, layers, neurons and answer ids of a request of ``n`` pairs
-    (in that order; the first problem raises :class:`PatchingError`). Baselines are not chosen yet."""
-    sites = expand_sites(sites)
-    for i, m in enumerate(modes):
-        if m not in DIRECTIONS + ABLATIONS:
-            raise PatchingError(f"modes[{i}]: unknown mode {m!r}; use {list(DIRECTIONS)} or {list(ABLATIONS)}")
-    metric_names = list(metrics)
-    for i, m in enumerate(metric_names):
-        if m not in M.METRICS:
-            raise PatchingError(f"metrics[{i}]: unknown metric {m!r}; use one of {sorted(M.METRICS)}")
-    n_layers = int(model.cfg.n_layers)
-    lay = resolve_layers(n_layers, layers, "layers")
-    nlay = resolve_layers(n_layers, neuron_layers or [], "neuron_layers")
-    if any(s.startswith("neuron") for s in sites) and not nlay:
-        raise PatchingError("neuron_layers: neuron sites need the layers whose MLP neurons are patched")
-    if any(s.startswith("neuron") for s in sites):
-        require(model, "neuron patching", layers=nlay, need=("neurons",))
-        for L in nlay:
-            check_neurons(model, L, neurons)
-    target = _ids_tensor(target_ids, "target")
-    foil = _ids_tensor(foil_ids, "foil")
-    if target is None or target.shape[0] != n or (foil is not None and foil.shape != target.shape):
-        raise PatchingError("target/foil: give per pair the same number of target and foil token ids")
-    if "logit_diff" in metric_names and foil is None:
-        raise PatchingError("foil: the logit_diff metric needs a foil token per pair; add foils or drop logit_diff")
-    return _Request(sites, modes, metric_names, lay, nlay, neurons, target, foil, chosen={})
-
-
-def _length_groups(lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """``[(token length, pair indices), ...]`` by increasing length (pairs in order within a group)."""
-    groups: dict[int, list[int]] = {}
-    for i, L in enumerate(lengths):
-        groups.setdefault(L, []).append(i)
-    return sorted(groups.items())
-
-
-def _run_group(model, req: _Request, toks: torch.Tensor, members: list[int], n_pos: int, hooks: list[str],
+def _run_group(model: HookedModel, req: PatchRequest, toks: torch.Tensor, members: list[int], n_pos: int, hooks: list[str],
                pop_acts: dict, dev: torch.device) -> tuple[torch.Tensor, list[JobResult]]:
     """Patch one group of equal-length pairs: ``toks`` ``[2g, n_pos]`` (clean rows, then corrupted).
 
@@ -320,7 +218,7 @@ def _run_group(model, req: _Request, toks: torch.Tensor, members: list[int], n_p
                   for (mode, site, idf, bn, bs), vals in zip(meta, results)]
 
 
-def _group_metric(req: _Request, run: CachedRun, midx: torch.Tensor, g: int, dev: torch.device
+def _group_metric(req: PatchRequest, run: CachedRun, midx: torch.Tensor, g: int, dev: torch.device
                   ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``(logits [R, d_vocab], run rows [R]) -> [R, n_metrics]``: the request's metrics, row ``r``
     scored against pair ``r % g``'s answers and clean distribution."""
@@ -333,7 +231,7 @@ def _group_metric(req: _Request, run: CachedRun, midx: torch.Tensor, g: int, dev
     return row_metric
 
 
-def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos: int, pop_acts: dict,
+def _group_jobs(model: HookedModel, req: PatchRequest, run: CachedRun, members: list[int], n_pos: int, pop_acts: dict,
                 dev: torch.device) -> tuple[list[PatchJob], list[tuple]]:
     """One job per (mode, site) of a group, and per job ``(mode, site, index, baseline_n, baseline_source)``."""
     jobs, meta = [], []
@@ -342,7 +240,7 @@ def _group_jobs(model, req: _Request, run: CachedRun, members: list[int], n_pos:
         for s in req.sites:
             site = SITES[s]
             site_map = pos_map if "pos" in site.axes else None  # pos then holds a slot into site_map's row
-            idf = _index_df(model, site, n_pos if site_map is None else int(site_map.shape[1]),
+            idf = site_index(model, site, n_pos if site_map is None else int(site_map.shape[1]),
                             req.site_layers(s), (req.index_rows or {}).get(s), neurons=req.neurons)
             ablation = bn = bs = None
             if mode in req.chosen:
@@ -446,10 +344,10 @@ def batched_activation_patch(
     B, P_len = base_tokens.shape
     if layers is not None:
         layers = resolve_layers(int(model.cfg.n_layers), layers, "layers")
-    idf = _index_df(model, site, P_len, layers, index_df, neurons)
+    idf = site_index(model, site, P_len, layers, index_df, neurons)
     idf_layers = sorted({int(x) for x in idf["layer"]})
     hooks = sorted({site.hook_name(L) for L in idf_layers})
-    _require_sites(model, [activation_name], idf_layers, idf_layers, None)
+    require_sites(model, [activation_name], idf_layers, idf_layers, None)
     with enabled_hooks(model, hooks):
         run, job = _batched_job(model, site, idf, base_tokens, source_tokens, source, hooks)
         (vals,) = patch_rows(model, run, [job], lambda lg, br: patching_metric(lg, br % B)[:, None],
@@ -470,7 +368,7 @@ def _batched_site(activation_name: str, patch_setter: Callable) -> Site:
     return site
 
 
-def _batched_job(model, site: Site, idf: pd.DataFrame, base_tokens: torch.Tensor, source_tokens,
+def _batched_job(model: HookedModel, site: Site, idf: pd.DataFrame, base_tokens: torch.Tensor, source_tokens,
                  source: str | None, hooks: list[str]) -> tuple[CachedRun, PatchJob]:
     """The cached run of :func:`batched_activation_patch` and its one job: ``[base; source]`` rows
     with the base rows patched from the source rows, or the base rows ablated (``source``)."""

@@ -64,7 +64,7 @@ from .model.info import HookedModel
 from .model.load import model_device
 from .model.readout import Readout
 from .patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
-from .tokens import _tok, encode, pad_ids, run_with_cache, str_tokens
+from .tokens import encode, pad_ids, run_with_cache, str_tokens, tokenizer_of
 
 __all__ = ["KINDS", "CATEGORIES", "PREFIX_TOLERANCE", "NOISE_CALIBRATIONS", "Restoration", "RestoredProbs",
            "CausalTrace", "NoiseScale", "causal_trace", "trace_restorations", "embedding_std", "noise_scale",
@@ -139,7 +139,7 @@ def subject_span(model, prompt: str, subject: str, ids: Sequence[int] | None = N
     end = start + len(subject)
     ids = list(ids) if ids is not None else encode(model, prompt)
     try:
-        enc = _tok(model)(prompt, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+        enc = tokenizer_of(model)(prompt, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     except (NotImplementedError, TypeError) as e:
         raise TokenizationError(f"{field}: finding a subject needs a fast tokenizer (character offsets)") from e
     n_bos = len(ids) - len(enc["input_ids"])
@@ -255,7 +255,7 @@ def _table_subject_positions(model, name: str, ids: Sequence[int]) -> tuple[int,
     try:
         return subject_span(model, " " + name, name, ids, field="subjects table")
     except TokenizationError:
-        n_bos = len(ids) - len(_tok(model)(" " + name, add_special_tokens=False)["input_ids"])
+        n_bos = len(ids) - len(tokenizer_of(model)(" " + name, add_special_tokens=False)["input_ids"])
         return tuple(range(max(0, n_bos), len(ids)))
 
 

@@ -232,7 +232,7 @@ def _block_write_paths(model: HookedModel, kind: str, arch: str) -> list[WritePa
 
 def _dtype_of(model: HookedModel) -> torch.dtype:
     try:
-        return next(cast(Any, model).parameters())  # a loaded bridge's weights.dtype
+        return next(cast(Any, model).parameters()).dtype  # a loaded bridge's weights
     except StopIteration:  # pragma: no cover
         return torch.float32
 

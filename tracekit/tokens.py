@@ -1,7 +1,10 @@
 """Tokenization, positions and batched forward passes with correct padding.
 
 Over 600 lines because token display (:func:`show_token`, :func:`token_texts`, :func:`display_text`)
-shares this module's byte-level decoding; issue #37 (rows restructuring) moves display beside the tables.
+shares this module's byte-level decoding with the tokenization it shows; display is the piece to move
+beside the tables. The model spec is read in one place (:func:`prepend_bos_of`); the tokenizer-only
+helpers (:func:`text_ids`, :func:`single_token_id`) never read it, so a caller that tokenizes many
+texts resolves BOS once and passes it on.
 
 Every experiment tokenizes through :func:`tokenize`, so BOS handling, padding, context length and
 "which token is position X" are decided in one place:
@@ -65,7 +68,8 @@ def prepend_bos_of(model: HookedModel) -> bool:
     resolved against its tokenizer (``auto``: whether the tokenizer adds one itself). The one place
     tokenization reads the model spec; callers that tokenize many texts resolve it once and pass it
     to :func:`encode`."""
-    return bool(model_spec_of(model).resolved_prepend_bos(tokenizer_of(model)))
+    tok = tokenizer_of(model)
+    return bool(model_spec_of(model).resolved_prepend_bos(tok))
 
 
 def text_ids(model: HookedModel, text: str) -> list[int]:

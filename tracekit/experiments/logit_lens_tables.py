@@ -5,7 +5,7 @@ and the loader of lens results saved before per-row tables (#21).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
@@ -27,9 +27,9 @@ def _tuples(df: pd.DataFrame) -> Iterator[Any]:
     return iter(df.itertuples())
 
 
-def _cells(row: pd.Series) -> Mapping[str, Any]:
-    """A table row's cells by column name: the row itself, typed for its scalar cells."""
-    return cast(Mapping[str, Any], row)
+def _cells(row: pd.Series) -> dict[str, Any]:
+    """A table row's cells by column name (the same values, not converted)."""
+    return {str(k): v for k, v in row.items()}
 
 _HS_LABEL = "hidden state (0 = embeddings, h = output of block h-1)"
 #: Rows listed one by one in the report (beyond: the first ones and a pointer to ``rows.parquet``).

@@ -69,7 +69,7 @@ from .model.load import model_device
 from .model.readout import Readout
 from .model.state import state_of
 from .patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
-from .tokens import _tok, encode, pad_ids, run_with_cache, str_tokens
+from .tokens import encode, pad_ids, run_with_cache, str_tokens, tokenizer_of
 
 __all__ = ["KINDS", "CATEGORIES", "PREFIX_TOLERANCE", "NOISE_CALIBRATIONS", "Restoration", "RestoredProbs",
            "CausalTrace", "NoiseScale", "causal_trace", "trace_restorations", "embedding_std", "noise_scale",
@@ -144,7 +144,7 @@ def subject_span(model: HookedModel, prompt: str, subject: str, ids: Sequence[in
     end = start + len(subject)
     ids = list(ids) if ids is not None else encode(model, prompt)
     try:
-        enc = _tok(model)(prompt, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+        enc = tokenizer_of(model)(prompt, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     except (NotImplementedError, TypeError) as e:
         raise TokenizationError(f"{field}: finding a subject needs a fast tokenizer (character offsets)") from e
     n_bos = len(ids) - len(enc["input_ids"])
@@ -260,7 +260,7 @@ def _table_subject_positions(model: HookedModel, name: str, ids: Sequence[int]) 
     try:
         return subject_span(model, " " + name, name, ids, field="subjects table")
     except TokenizationError:
-        n_bos = len(ids) - len(_tok(model)(" " + name, add_special_tokens=False)["input_ids"])
+        n_bos = len(ids) - len(tokenizer_of(model)(" " + name, add_special_tokens=False)["input_ids"])
         return tuple(range(max(0, n_bos), len(ids)))
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from .model.context import check_window
+from .model.info import HookedModel
 from .tokens import Batch, encode, pad_ids
 
 __all__ = ["Window", "iter_documents", "stdlib_documents", "token_windows", "packed_windows", "window_batches",
@@ -188,7 +189,7 @@ def iter_documents(source: Union[str, Sequence[str], None] = None, jsonl_field: 
             yield from _file_docs(f, jsonl_field, field)
 
 
-def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64,
+def token_windows(model: HookedModel, documents: Iterable[tuple[str, str]], seq_len: int = 64,
                   max_tokens: Optional[int] = None, min_tokens: int = 4, field: str = "seq_len") -> Iterator[Window]:
     """Cut documents into windows of at most ``seq_len`` model tokens (BOS included).
 
@@ -213,7 +214,7 @@ def token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int = 64
     return _token_windows(model, documents, seq_len, max_tokens, min_tokens)
 
 
-def _token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, max_tokens: Optional[int],
+def _token_windows(model: HookedModel, documents: Iterable[tuple[str, str]], seq_len: int, max_tokens: Optional[int],
                    min_tokens: int) -> Iterator[Window]:
     bos = encode(model, "", prepend_bos=True) if _has_bos(model) else []
     n_prefix = len(bos)
@@ -235,7 +236,7 @@ def _token_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, ma
             n_tok += len(chunk)
 
 
-def packed_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, skip_tokens: int = 0,
+def packed_windows(model: HookedModel, documents: Iterable[tuple[str, str]], seq_len: int, skip_tokens: int = 0,
                    max_tokens: Optional[int] = None, field: str = "seq_len") -> Iterator[tuple[int, ...]]:
     """Windows of exactly ``seq_len`` tokens packed across documents, as SAELens packs its training
     contexts: documents are tokenized one by one and concatenated, each followed by the tokens of a
@@ -267,7 +268,7 @@ def packed_windows(model, documents: Iterable[tuple[str, str]], seq_len: int, sk
     return _packed_windows(model, documents, bos, width, skip_tokens, max_tokens)
 
 
-def _packed_windows(model, documents: Iterable[tuple[str, str]], bos: list[int], width: int, skip_tokens: int,
+def _packed_windows(model: HookedModel, documents: Iterable[tuple[str, str]], bos: list[int], width: int, skip_tokens: int,
                     max_tokens: Optional[int]) -> Iterator[tuple[int, ...]]:
     sep = encode(model, "\n\n", prepend_bos=False)
     buf: list[int] = []
@@ -285,13 +286,13 @@ def _packed_windows(model, documents: Iterable[tuple[str, str]], bos: list[int],
                 return
 
 
-def _has_bos(model) -> bool:
+def _has_bos(model: HookedModel) -> bool:
     from .model.load import model_spec_of
 
     return bool(model_spec_of(model).prepend_bos)
 
 
-def window_batches(model, windows: Iterable[Window], batch_size: int = 16,
+def window_batches(model: HookedModel, windows: Iterable[Window], batch_size: int = 16,
                    padding_side: str = "right") -> Iterator[tuple[Batch, list[Window]]]:
     """Group windows into padded :class:`~tracekit.tokens.Batch` es of ``batch_size``."""
     it = iter(windows)

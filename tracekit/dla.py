@@ -1,4 +1,3 @@
-# Over 600 lines (reason): the attribution engine, its per-row batching (#21) and the target/position helpers the unit kinds share; the helpers (row_targets, row_positions, as_position) are the piece to move next to tracekit.dataset.
 """Direct logit attribution: the logit (difference) at a position split into the writes of every
 embedding, attention head and MLP (and, on request, every MLP neuron).
 
@@ -42,7 +41,7 @@ target logit is the logit minus the mean logit of the position; logit difference
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -51,9 +50,19 @@ from jaxtyping import Float
 
 from .core.sites import check_layers, hook
 from .dataset import PreparedDataset
+from .dataset.targets import (
+    DLA_POSITION_FORMS,
+    UNIT_POSITION_FORMS,
+    LogitTarget,
+    as_position,
+    resolve_target,
+    row_positions,
+    row_targets,
+)
 from .errors import AttributionError, HookError, TokenizationError
 from .fastpath import activations_at
 from .model.architectures import MethodRefused, architecture_name, require
+from .model.info import HookedModel
 from .model.norms import run_sigma
 from .model.readout import Readout
 from .model.writepath import WritePath, write_paths
@@ -62,8 +71,6 @@ from .tokens import (
     PositionSpec,
     encode_prompts,
     pad_rows,
-    parse_position,
-    single_token_id,
     str_tokens,
 )
 
@@ -71,132 +78,9 @@ __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", 
            "DLA_POSITION_FORMS", "as_position", "row_positions", "row_targets", "DirectAttribution",
            "logit_attribution", "identity_tolerance"]
 
-#: The position forms direct logit attribution and neuron attribution accept on prompts.
-POSITION_FORMS = ("int", "last", "token:<text>")
-#: The forms direct logit attribution accepts on a dataset: those plus a named position (``END``,
-#: ``IO``...) of the dataset's rows, resolved per row.
-DLA_POSITION_FORMS = (*POSITION_FORMS, "name")
-
-
-# ---------------------------------------------------------------------------------------------
-# targets, layers, positions
-
-
-@dataclass(frozen=True)
-class LogitTarget:
-    """A target token and an optional foil (the metric is ``logit[target] - logit[foil]``)."""
-
-    target: str
-    target_id: int
-    foil: Optional[str] = None
-    foil_id: Optional[int] = None
-
-    @property
-    def label(self) -> str:
-        return f"logit({self.target!r})" + (f" - logit({self.foil!r})" if self.foil is not None else "")
-
-
-def resolve_target(model, target: str, foil: Optional[str] = None) -> LogitTarget:
-    """Token ids of ``target`` (and ``foil``); needs only the tokenizer (works on a ``ModelInfo``).
-
-    Raises:
-        TokenizationError: ``target``/``foil`` is not exactly one token (message shows the split).
-        AttributionError: ``foil`` equals ``target``.
-    """
-    t = single_token_id(model, target, field="target")
-    f = single_token_id(model, foil, field="foil") if foil is not None else None
-    if f is not None and f == t:
-        raise AttributionError(f"foil: {foil!r} is the same token as target; pick a different foil or drop it")
-    return LogitTarget(target, t, foil, f)
-
-
-def as_position(position: Union[PositionSpec, Position], field: str = "position",
-                allowed: Sequence[str] = POSITION_FORMS) -> Position:
-    """A :class:`tracekit.tokens.Position` of one of ``allowed`` (default :data:`POSITION_FORMS`:
-    int, ``last``, ``token:<text>``; :data:`DLA_POSITION_FORMS` adds a dataset position name).
-
-    Raises:
-        TokenizationError: another form, or a bare token string (the message suggests ``token:<text>``;
-            a string with surrounding spaces such as ``" is"`` is token text, never a name).
-    """
-    if isinstance(position, Position):
-        kinds = {"int": "index", "last": "last", "token:<text>": "token", "name": "name"}
-        if position.kind not in {kinds[a] for a in allowed if a in kinds}:
-            parse_position(str(position), allowed, field)  # raises, listing the accepted forms
-        return position
-    if ("name" in allowed and isinstance(position, str) and position != position.strip()
-            and position.strip().isidentifier()):
-        raise TokenizationError(f"{field}: {position!r} is token text, not a position name (names have no "
-                                f"spaces); write 'token:{position}'")
-    return parse_position(position, allowed, field)
-
-
-def row_positions(model, data: PreparedDataset, position: Union[PositionSpec, Position],
-                  field: str = "position") -> list[int]:
-    """Each row's read position as an index into its own ids (BOS counted), tokenizer only.
-
-    Args:
-        data: the prepared rows.
-        position: an int (an index into the row's ids, BOS counted when prepended; negative from the
-            end), ``last``, ``token:<text>``, or a named position of the rows (``END``, ``IO``).
-
-    Raises:
-        TokenizationError: an index out of range or a text not in a row (naming the row).
-        DatasetError: a name some row does not have.
-    """
-    pos = as_position(position, field, DLA_POSITION_FORMS)
-    if pos.kind == "name":
-        assert pos.text is not None
-        return data.position(pos.text, field)
-    out = []
-    for e in data.examples:
-        try:
-            out.append(pos.resolve(model, e.prompt, e.ids, field=field)[0])
-        except TokenizationError as err:
-            raise TokenizationError(f"{err} (row {e.row_id}: {e.prompt!r})") from None
-    return out
-
-
-def row_targets(model, n: int, target: Union[str, Sequence[str], None],
-                foil: Union[str, Sequence[str], None] = None) -> list[LogitTarget]:
-    """One :class:`LogitTarget` per prompt from a ``target``/``foil`` string (every prompt's) or list
-    (one per prompt), each distinct token resolved once; needs only the tokenizer.
-
-    Raises:
-        AttributionError: no target, or a list of another length than the prompts.
-        TokenizationError: a target/foil that is not one token (naming ``target[i]`` for lists).
-    """
-    if target is None:
-        raise AttributionError("target: give the token whose logit is split (a string for every prompt, or a "
-                               "list with one per prompt), or pass a PreparedDataset whose rows carry targets")
-
-    def per_row(v, name: str) -> list:
-        if v is None or isinstance(v, str):
-            return [v] * n
-        v = list(v)
-        if len(v) != n:
-            raise AttributionError(f"{name}: {len(v)} tokens for {n} prompt(s); a {name} list gives each prompt "
-                                   "its own token (one per prompt)")
-        return v
-
-    ts, fs = per_row(target, "target"), per_row(foil, "foil")
-    listed = not isinstance(target, str) or (foil is not None and not isinstance(foil, str))
-    seen: dict[tuple, LogitTarget] = {}
-    out = []
-    for i, (t, f) in enumerate(zip(ts, fs)):
-        if (t, f) not in seen:
-            if not listed:
-                seen[(t, f)] = resolve_target(model, t, f)
-            else:
-                ti = single_token_id(model, t, field=f"target[{i}]" if not isinstance(target, str) else "target")
-                fi = (single_token_id(model, f, field=f"foil[{i}]" if not isinstance(foil, str) else "foil")
-                      if f is not None else None)
-                if fi is not None and fi == ti:
-                    raise AttributionError(f"foil[{i}]: {f!r} is the same token as target[{i}]; pick a different "
-                                           "foil or drop it")
-                seen[(t, f)] = LogitTarget(t, ti, f, fi)
-        out.append(seen[(t, f)])
-    return out
+#: The position forms direct logit attribution and neuron attribution accept on prompts (the
+#: target and position helpers live in :mod:`tracekit.dataset.targets`, re-exported here).
+POSITION_FORMS = UNIT_POSITION_FORMS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +219,7 @@ def identity_tolerance(dtype: torch.dtype, magnitude: float, n_terms: int, atol3
     return base + float(n_terms) * u * float(magnitude)
 
 
-def _block_write_paths(model, kind: str, arch: str) -> list[WritePath]:
+def _block_write_paths(model: HookedModel, kind: str, arch: str) -> list[WritePath]:
     """Every block's write path for ``kind`` (``attn`` / ``mlp``); :func:`require` has checked
     that each block writes one."""
     paths = write_paths(model, kind)
@@ -346,9 +230,9 @@ def _block_write_paths(model, kind: str, arch: str) -> list[WritePath]:
     return [wp for wp in paths if wp is not None]
 
 
-def _dtype_of(model) -> torch.dtype:
+def _dtype_of(model: HookedModel) -> torch.dtype:
     try:
-        return next(model.parameters()).dtype
+        return next(cast(Any, model).parameters()).dtype  # a loaded bridge's weights
     except StopIteration:  # pragma: no cover
         return torch.float32
 
@@ -368,12 +252,12 @@ class _Direction:
     Wout_u: dict  # neuron layer -> [d_mlp]: W_out @ direction
 
 
-def _direction(model, readout: Readout, tgt: LogitTarget, apaths: list[WritePath], mpaths: list[WritePath],
+def _direction(model: HookedModel, readout: Readout, tgt: LogitTarget, apaths: list[WritePath], mpaths: list[WritePath],
                nl: Sequence[int]) -> _Direction:
     ue, bias = readout.direction(tgt.target_id, tgt.foil_id)
     WO_u, bO_u, bout_u, apost_b, mpost_b, Wout_u = [], [], [], [], [], {}
     for L in range(int(model.cfg.n_layers)):
-        blk = model.blocks[L]
+        blk = cast(Any, model).blocks[L]  # a loaded bridge's module
         da = apaths[L].direction(ue)
         dm = mpaths[L].direction(ue)
         W_O = blk.attn.W_O.float()  # [n_heads, d_head, d_model]
@@ -392,7 +276,7 @@ def _direction(model, readout: Readout, tgt: LogitTarget, apaths: list[WritePath
 
 @torch.no_grad()
 def logit_attribution(
-    model,
+    model: HookedModel,
     prompts: Union[str, Sequence[str], PreparedDataset],
     target: Union[str, Sequence[str], None] = None,
     foil: Union[str, Sequence[str], None] = None,
@@ -499,7 +383,7 @@ def logit_attribution(
                       batch_size, check_atol)
 
 
-def _attribute(model, texts: Sequence[str], all_ids: Sequence[Sequence[int]], row_ids: Sequence[int],
+def _attribute(model: HookedModel, texts: Sequence[str], all_ids: Sequence[Sequence[int]], row_ids: Sequence[int],
                tgts: Sequence[LogitTarget], pos_of: Sequence[int], neuron_layers, batch_size: int,
                check_atol: float) -> list[DirectAttribution]:
     """The attribution of prepared rows (see :func:`logit_attribution`)."""

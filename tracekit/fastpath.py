@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from jaxtyping import Float, Int
 
+from .model.info import HookedModel
 from .model.readout import Readout
 from .tokens import Batch, forward_kwargs
 
@@ -33,7 +34,7 @@ class _AllHooksRead(Exception):
 
 @torch.no_grad()
 def residual_stream(
-    model,
+    model: HookedModel,
     batch: Batch,
     hook_names: Sequence[str],
     positions: Int[torch.Tensor, " batch"] | Int[torch.Tensor, "batch n_read"] | None = None,
@@ -96,7 +97,7 @@ def residual_stream(
 
 @torch.no_grad()
 def activations_at(
-    model,
+    model: HookedModel,
     batch: Batch,
     hook_names: Sequence[str],
     positions: Int[torch.Tensor, " batch"],
@@ -146,7 +147,7 @@ def activations_at(
 
 @torch.no_grad()
 def lens_readout(
-    model,
+    model: HookedModel,
     resid: Float[torch.Tensor, "... d_model"],
     target_ids: Sequence[int] = (),
     top_k: int = 10,

@@ -23,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 from .compat import check_hook_to_add, hook_alias_map
 from .errors import HookError
+from .model.info import HookedModel
 from .model.state import state_of
 
 __all__ = ["GATES", "hook_names", "gated_setting", "check_hooks", "enabled_hooks", "state_guard",
@@ -51,12 +52,12 @@ def hook_layer(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def hook_names(model) -> set[str]:
+def hook_names(model: HookedModel) -> set[str]:
     """Every hook name the model accepts (TransformerLens names and their aliases)."""
     return set(model.hook_dict)
 
 
-def gated_setting(model, name: str) -> str | None:
+def gated_setting(model: HookedModel, name: str) -> str | None:
     """The ``cfg.use_*`` setting that must be on for hook ``name`` to fire, when it is off."""
     reason: Callable[[str], str | None] | None = getattr(model, "_gated_hook_reason", None)
     if callable(reason):
@@ -67,7 +68,7 @@ def gated_setting(model, name: str) -> str | None:
     return None
 
 
-def check_hooks(model, names: Iterable[str], field: str = "hooks", allow_gated: bool = True) -> list[str]:
+def check_hooks(model: HookedModel, names: Iterable[str], field: str = "hooks", allow_gated: bool = True) -> list[str]:
     """Check hook names exist on the model (and, with ``allow_gated=False``, that they fire).
 
     Args:
@@ -103,7 +104,7 @@ def check_hooks(model, names: Iterable[str], field: str = "hooks", allow_gated: 
 
 
 @contextlib.contextmanager
-def enabled_hooks(model, names: Iterable[str]) -> Iterator[list[str]]:
+def enabled_hooks(model: HookedModel, names: Iterable[str]) -> Iterator[list[str]]:
     """Turn on the TransformerLens settings the named hooks need; restore them on exit.
 
     Yields:
@@ -152,8 +153,8 @@ def _library_internal(fn) -> bool:
     return mod.startswith(_INTERNAL)
 
 
-def _snapshot(model) -> dict[str, Any]:
-    mods = list(model.modules())
+def _snapshot(model: HookedModel) -> dict[str, Any]:
+    mods = list(cast(Any, model).modules())  # a loaded bridge's modules
     snap: dict[str, Any] = {
         "hooks": [(m, {d: set(getattr(m, d, {}) or {}) for d in _HOOK_DICTS}) for m in mods],
         "lens": [(m, list(getattr(m, "fwd_hooks", []) or []), list(getattr(m, "bwd_hooks", []) or []))
@@ -167,7 +168,7 @@ def _snapshot(model) -> dict[str, Any]:
     return snap
 
 
-def _restore(model, snap: dict[str, Any]) -> None:
+def _restore(model: HookedModel, snap: dict[str, Any]) -> None:
     for m, fwd, bwd in snap["lens"]:
         keep_f, keep_b = {id(h) for h in fwd}, {id(h) for h in bwd}
         for h in list(m.fwd_hooks):
@@ -198,11 +199,11 @@ def _restore(model, snap: dict[str, Any]) -> None:
         tok.padding_side = snap["padding_side"]
     ctx = getattr(model, "context_level", None)
     if isinstance(ctx, int) and ctx != 0 and not snap.get("nested"):
-        model.context_level = 0
+        cast(Any, model).context_level = 0  # a bridge's hook nesting level
 
 
 @contextlib.contextmanager
-def state_guard(model) -> Iterator[None]:
+def state_guard(model: HookedModel) -> Iterator[None]:
     """Restore the model's hooks, gated-hook settings, padding side and train/eval modes on exit.
 
     Any hook added inside the block (through TransformerLens or directly with
@@ -223,7 +224,7 @@ def state_guard(model) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fwd_hooks(model, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
+def fwd_hooks(model: HookedModel, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
     """Add forward hooks by exact hook name for the block, then remove exactly them.
 
     The same hooks, aliases and removal as TransformerLens' ``model.hooks(fwd_hooks=...)`` for
@@ -243,10 +244,11 @@ def fwd_hooks(model, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
         with model.hooks(fwd_hooks=hooks):
             yield model
         return
-    level = model.context_level + 1
+    bridge = cast(Any, model)  # a TransformerBridge (it has check_hooks_to_add and compatibility_mode)
+    level = bridge.context_level + 1
     added = []
     try:
-        model.context_level = level
+        bridge.context_level = level
         hd = model.hook_dict
         aliases = hook_alias_map(hd)
         for name, fn in hooks:
@@ -255,7 +257,7 @@ def fwd_hooks(model, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
             if hp is None:
                 continue  # as model.hooks in TL 3.9: an unknown name adds nothing (callers check names first)
             check_hook_to_add(model, hp, actual, fn)
-            if model.compatibility_mode and actual != hp.name:
+            if bridge.compatibility_mode and actual != hp.name:
                 alias_names = ([hp.name] if hp.name is not None else []) + [actual]
                 hp.add_hook(fn, dir="fwd", alias_names=alias_names, level=level)
             else:
@@ -265,4 +267,4 @@ def fwd_hooks(model, hooks: Iterable[tuple[str, Any]]) -> Iterator[Any]:
     finally:
         for hp in added:
             hp.remove_hooks(dir="fwd", level=level)
-        model.context_level = level - 1
+        bridge.context_level = level - 1

@@ -59,6 +59,7 @@ from jaxtyping import Float, Int
 from .core.errors import DatasetError, TokenizationError
 from .core.sites import hook
 from .dataset import PreparedDataset, per_row_values
+from .model.info import HookedModel
 from .tokens import (
     Position,
     chunks,
@@ -174,7 +175,7 @@ class PromptLens:
         return self.track_log_prob.exp()
 
 
-def _readout(model, resid: Float[torch.Tensor, "... d_model"], target: Int[torch.Tensor, "..."],
+def _readout(model: HookedModel, resid: Float[torch.Tensor, "... d_model"], target: Int[torch.Tensor, "..."],
              foil: Int[torch.Tensor, "..."], track_ids: Sequence[int], top_k: int, chunk_rows: int = 512
              ) -> dict[str, torch.Tensor]:
     """Every statistic of the lens for residual vectors, each with its own target / foil id.
@@ -237,7 +238,7 @@ def _readout(model, resid: Float[torch.Tensor, "... d_model"], target: Int[torch
     return {key: v.reshape(*lead, *v.shape[1:]) for key, v in out.items()}
 
 
-def _per_row(value, n: int, name: str, model, rows_word: str = "prompt") -> list[Optional[int]]:
+def _per_row(value, n: int, name: str, model: HookedModel, rows_word: str = "prompt") -> list[Optional[int]]:
     """``[n]`` token ids from a token (every row's), a list (one per row) or None."""
     def one(v, where: str) -> Optional[int]:
         if v is None:
@@ -257,7 +258,7 @@ def _per_row(value, n: int, name: str, model, rows_word: str = "prompt") -> list
 
 @torch.no_grad()
 def logit_lens(
-    model,
+    model: HookedModel,
     prompts: Union[str, Sequence[str], Sequence[Sequence[int]], PreparedDataset],
     targets: Union[TokenSpec, Sequence[Optional[TokenSpec]], None] = None,
     position: Position | int | str | list[int] | tuple[int, ...] | range = "last",
@@ -380,7 +381,7 @@ def _translate(resid: torch.Tensor, points: Sequence[LensPoint], translator) -> 
     return out
 
 
-def _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at, top_k,
+def _lens_batches(model: HookedModel, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at, top_k,
                   batch_size, progress, translator=None) -> list[PromptLens]:
     from .fastpath import residual_stream
 

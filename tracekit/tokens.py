@@ -1,7 +1,10 @@
 """Tokenization, positions and batched forward passes with correct padding.
 
 Over 600 lines because token display (:func:`show_token`, :func:`token_texts`, :func:`display_text`)
-shares this module's byte-level decoding; issue #37 (rows restructuring) moves display beside the tables.
+shares this module's byte-level decoding with the tokenization it shows; display is the piece to move
+beside the tables. The model spec is read in one place (:func:`prepend_bos_of`); the tokenizer-only
+helpers (:func:`text_ids`, :func:`single_token_id`) never read it, so a caller that tokenizes many
+texts resolves BOS once and passes it on.
 
 Every experiment tokenizes through :func:`tokenize`, so BOS handling, padding, context length and
 "which token is position X" are decided in one place:
@@ -28,17 +31,19 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 from jaxtyping import Int
 
 from .errors import TokenizationError
 from .model.context import context_length
+from .model.info import HookedModel
 from .model.load import model_device, model_spec_of
 
 __all__ = [
-    "TokenizationError", "encode", "str_tokens", "token_repr", "token_text", "token_texts", "display_text", "show_token",
+    "TokenizationError", "tokenizer_of", "prepend_bos_of", "text_ids", "with_bos", "encode", "refuse_padding",
+    "recurrent", "str_tokens", "token_repr", "token_text", "token_texts", "display_text", "show_token",
     "describe_tokenization", "single_token_id",
     "Batch", "tokenize", "pad_ids", "forward_kwargs", "run_with_cache", "chunks", "check_length",
     "context_length", "Position", "PositionSpec", "parse_position", "POSITION_FORMS",
@@ -46,30 +51,61 @@ __all__ = [
 ]
 
 
-def _tok(model):
+def tokenizer_of(model: HookedModel) -> Any:
+    """The model's Hugging Face tokenizer.
+
+    Raises:
+        TokenizationError: the model has none (a foreign object; load it with :func:`tracekit.load_model`).
+    """
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         raise TokenizationError("the model has no tokenizer; load it with tracekit.load_model")
     return tok
 
 
-def encode(model, text: str, prepend_bos: Optional[bool] = None) -> list[int]:
-    """Token ids of one string, with exactly one BOS when ``prepend_bos`` (default: the model spec's).
+def prepend_bos_of(model: HookedModel) -> bool:
+    """Whether tokenization prepends a BOS for this model: the model spec's ``prepend_bos``
+    resolved against its tokenizer (``auto``: whether the tokenizer adds one itself). The one place
+    tokenization reads the model spec; callers that tokenize many texts resolve it once and pass it
+    to :func:`encode`."""
+    tok = tokenizer_of(model)
+    return bool(model_spec_of(model).resolved_prepend_bos(tok))
+
+
+def text_ids(model: HookedModel, text: str) -> list[int]:
+    """Token ids of ``text`` alone: no BOS, special-token strings tokenized as text
+    (``split_special_tokens``); tokenizer only, the model spec is not read."""
+    return list(tokenizer_of(model)(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def with_bos(model: HookedModel, ids: list[int], prepend_bos: bool) -> list[int]:
+    """``ids`` with the tokenizer's BOS in front when ``prepend_bos``.
+
+    Raises:
+        TokenizationError: ``prepend_bos`` on a tokenizer without a BOS token.
+    """
+    if not prepend_bos:
+        return ids
+    bos = tokenizer_of(model).bos_token_id
+    if bos is None:
+        raise TokenizationError(
+            "model.prepend_bos is true but this tokenizer has no BOS token; set model.prepend_bos: false"
+        )
+    return [bos] + ids
+
+
+def encode(model: HookedModel, text: str, prepend_bos: Optional[bool] = None) -> list[int]:
+    """Token ids of one string, with exactly one BOS when ``prepend_bos`` (default: the model spec's,
+    :func:`prepend_bos_of`).
 
     Special-token strings in ``text`` are tokenized as text (``split_special_tokens``).
+
+    Raises:
+        TokenizationError: a BOS asked of a tokenizer that has none.
     """
-    tok = _tok(model)
     if prepend_bos is None:
-        prepend_bos = model_spec_of(model).resolved_prepend_bos(tok)
-    ids = list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-    if prepend_bos:
-        bos = tok.bos_token_id
-        if bos is None:
-            raise TokenizationError(
-                "model.prepend_bos is true but this tokenizer has no BOS token; set model.prepend_bos: false"
-            )
-        ids = [bos] + ids
-    return ids
+        prepend_bos = prepend_bos_of(model)
+    return with_bos(model, text_ids(model, text), prepend_bos)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -85,10 +121,10 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def token_repr(model, token_id: int) -> str:
+def token_repr(model: HookedModel, token_id: int) -> str:
     """A readable form of one token: its text (``' Paris'``), or, when it is only part of a
     character (byte-level BPE pieces of non-Latin text), its bytes (``<bytes e5 b7>``)."""
-    tok = _tok(model)
+    tok = tokenizer_of(model)
     s = tok.decode([int(token_id)])
     if "\ufffd" not in s:
         return repr(s)
@@ -101,14 +137,14 @@ def token_repr(model, token_id: int) -> str:
     return repr(s)
 
 
-def token_text(model, token_id: int) -> str:
+def token_text(model: HookedModel, token_id: int) -> str:
     """A token's text (``" Paris"``), or ``<bytes e5 b7>`` when it is only part of a character
     (byte-level BPE pieces of non-Latin text): never the replacement character ``\ufffd``."""
     r = token_repr(model, token_id)
-    return r if r.startswith("<bytes ") else _tok(model).decode([int(token_id)])
+    return r if r.startswith("<bytes ") else tokenizer_of(model).decode([int(token_id)])
 
 
-def token_texts(model, ids: Sequence[int]) -> list[str]:
+def token_texts(model: HookedModel, ids: Sequence[int]) -> list[str]:
     """:func:`token_text` of each id: the tokens' texts, a piece of a character as its bytes
     (``<bytes e5 b7>``), never U+FFFD. For tables and reports; :func:`str_tokens` gives the raw
     decoded strings (for matching text)."""
@@ -133,7 +169,7 @@ def show_token(text: str) -> str:
     return text if isinstance(text, str) and _BYTES.fullmatch(text) else repr(text)
 
 
-def display_text(model, ids: Sequence[int]) -> str:
+def display_text(model: HookedModel, ids: Sequence[int]) -> str:
     """The text of a run of token ids for display: the decoded text, except that a piece of a
     character the run does not complete (cut at the run's start or end, e.g. by a context window)
     is shown as its bytes (``<bytes e5 b7>``), never as U+FFFD.
@@ -145,7 +181,7 @@ def display_text(model, ids: Sequence[int]) -> str:
     Returns:
         The text (equal to the tokenizer's decode when that has no U+FFFD).
     """
-    tok = _tok(model)
+    tok = tokenizer_of(model)
     ids = [int(i) for i in ids]
     whole = tok.decode(ids)
     if "\ufffd" not in whole:
@@ -167,15 +203,15 @@ def display_text(model, ids: Sequence[int]) -> str:
     return "".join(out)
 
 
-def str_tokens(model, ids: Sequence[int]) -> list[str]:
+def str_tokens(model: HookedModel, ids: Sequence[int]) -> list[str]:
     """Decoded string of each token id (``" Paris"`` keeps its leading space)."""
-    tok = _tok(model)
+    tok = tokenizer_of(model)
     return [tok.decode([int(i)]) for i in ids]
 
 
-def _clean_pieces(model, ids: Sequence[int]) -> list[tuple[str, list[int]]]:
+def _clean_pieces(model: HookedModel, ids: Sequence[int]) -> list[tuple[str, list[int]]]:
     """Group token ids into runs that decode to whole characters: ``[(text, ids), ...]``."""
-    tok = _tok(model)
+    tok = tokenizer_of(model)
     out: list[tuple[str, list[int]]] = []
     cur: list[int] = []
     for i in ids:
@@ -189,10 +225,10 @@ def _clean_pieces(model, ids: Sequence[int]) -> list[tuple[str, list[int]]]:
     return out
 
 
-def describe_tokenization(model, text: str) -> str:
+def describe_tokenization(model: HookedModel, text: str) -> str:
     """Human-readable tokenization, e.g. ``[' Par'(1234), 'is'(271)]``; byte pieces of a character
     are shown as bytes with the character they complete (``<bytes e5 b7>(32432)+<bytes b4>(112) = '巴'``)."""
-    ids = encode(model, text, prepend_bos=False)
+    ids = text_ids(model, text)
     parts = []
     for s, grp in _clean_pieces(model, ids):
         if len(grp) == 1 and "\ufffd" not in model.tokenizer.decode(grp):
@@ -202,7 +238,7 @@ def describe_tokenization(model, text: str) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def single_token_id(model, text: str, field: str = "target") -> int:
+def single_token_id(model: HookedModel, text: str, field: str = "target") -> int:
     """Id of a string that must be exactly one token.
 
     Args:
@@ -216,7 +252,7 @@ def single_token_id(model, text: str, field: str = "target") -> int:
     """
     if not isinstance(text, str) or text == "":
         raise TokenizationError(f"{field}: must be a non-empty string, got {text!r}")
-    ids = encode(model, text, prepend_bos=False)
+    ids = text_ids(model, text)
     if len(ids) != 1:
         hint = ""
         pieces = _clean_pieces(model, ids)
@@ -226,21 +262,21 @@ def single_token_id(model, text: str, field: str = "target") -> int:
             hint = (f" Its first character {pieces[0][0]!r} alone is {len(pieces[0][1])} tokens, so no prefix of it "
                     "is one token; pick another target word")
         if not text.startswith(" "):
-            sp = encode(model, " " + text, prepend_bos=False)
+            sp = text_ids(model, " " + text)
             if len(sp) == 1:
                 hint = f" Did you mean {' ' + text!r} (with a leading space, one token)?"
         raise TokenizationError(
             f"{field}: {text!r} is {len(ids)} tokens {describe_tokenization(model, text)}, "
             f"but must be exactly one token.{hint}"
         )
-    if not text.startswith(" ") and text[:1].isalpha() and len(encode(model, " " + text, prepend_bos=False)) == 1:
+    if not text.startswith(" ") and text[:1].isalpha() and len(text_ids(model, " " + text)) == 1:
         warnings.warn(f"{field}: {text!r} has no leading space; after a word the model usually predicts "
                       f"{' ' + text!r}, a different token. Use {' ' + text!r} unless you mean the bare form.",
                       stacklevel=2)
     return ids[0]
 
 
-def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
+def encode_prompts(model: HookedModel, prompts: Sequence[str], field: str = "prompts",
                    prepend_bos: Optional[bool] = None) -> tuple[tuple[int, ...], ...]:
     """Token ids of each prompt (:func:`tracekit.tokens.encode`), each checked to be non-empty and
     within the model's context, as :func:`tokenize` checks them.
@@ -248,9 +284,10 @@ def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
     Raises:
         TokenizationError: a prompt with no tokens, or longer than the context (naming ``field[i]``).
     """
+    bos = prepend_bos_of(model) if prepend_bos is None else prepend_bos  # the spec read once
     out = []
     for i, p in enumerate(prompts):
-        ids = encode(model, p, prepend_bos)
+        ids = with_bos(model, text_ids(model, p), bos)
         check_length(model, ids, f"{field}[{i}]", p)
         if not ids:
             raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
@@ -258,7 +295,7 @@ def encode_prompts(model, prompts: Sequence[str], field: str = "prompts",
     return tuple(out)
 
 
-def check_length(model, ids: Sequence[int], field: str = "prompts", text: Optional[str] = None) -> None:
+def check_length(model: HookedModel, ids: Sequence[int], field: str = "prompts", text: Optional[str] = None) -> None:
     """Refuse a token sequence longer than the model's context.
 
     Raises:
@@ -313,7 +350,7 @@ class Position:
         """True when the position names one token per prompt."""
         return self.kind in ("index", "last", "token", "field", "name")
 
-    def resolve(self, model, text: str, ids: Sequence[int], field: str = "position",
+    def resolve(self, model: HookedModel, text: str, ids: Sequence[int], field: str = "position",
                 field_value: Optional[str] = None, skip_bos: Optional[bool] = None) -> list[int]:
         """Token indices (into ``ids``, BOS included) this position names in one prompt.
 
@@ -337,9 +374,9 @@ class Position:
                                         f"{str_tokens(model, ids)} (use 0..{n - 1} or -1 for the last)")
             return [self.index % n]
         if self.kind in ("all", "mean"):
-            bos = _tok(model).bos_token_id
+            bos = tokenizer_of(model).bos_token_id
             drop = skip_bos if skip_bos is not None else (n > 1 and bos is not None and ids[0] == bos
-                                                          and model_spec_of(model).resolved_prepend_bos(_tok(model)))
+                                                          and prepend_bos_of(model))
             return list(range(1 if drop else 0, n))
         if self.kind == "name":
             raise TokenizationError(f"{field}: {self.text!r} names a dataset position; it is resolved per row from "
@@ -399,7 +436,7 @@ def parse_position(spec: PositionSpec, allowed: Sequence[str] = tuple(k for k in
     return pos
 
 
-def token_index_of_substring(model, text: str, sub: str, ids: Optional[Sequence[int]] = None,
+def token_index_of_substring(model: HookedModel, text: str, sub: str, ids: Optional[Sequence[int]] = None,
                              field: str = "position", occurrence: int = -1) -> int:
     """Index (into ``encode(model, text)``, BOS included) of the token holding the last character
     of an occurrence of ``sub`` in ``text`` (default the last; ``occurrence=0`` the first, ``1`` the
@@ -420,7 +457,7 @@ def token_index_of_substring(model, text: str, sub: str, ids: Optional[Sequence[
                                 f"time(s) in the prompt {text!r} (0 = first, -1 = last)")
     start = starts[occurrence]
     end = start + len(sub)
-    tok = _tok(model)
+    tok = tokenizer_of(model)
     try:
         enc = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     except (NotImplementedError, TypeError) as e:
@@ -486,7 +523,7 @@ class Batch:
 
 
 def tokenize(
-    model,
+    model: HookedModel,
     prompts: Sequence[str],
     prepend_bos: Optional[bool] = None,
     padding_side: Optional[str] = None,
@@ -511,7 +548,8 @@ def tokenize(
         raise TokenizationError(f"{field}: need at least one prompt")
     if padding_side not in (None, "left", "right"):
         raise TokenizationError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    ids = [encode(model, p, prepend_bos) for p in prompts]
+    bos = prepend_bos_of(model) if prepend_bos is None else prepend_bos  # the spec read once
+    ids = [with_bos(model, text_ids(model, p), bos) for p in prompts]
     for i, (p, seq) in enumerate(zip(prompts, ids)):
         if not seq:
             raise TokenizationError(f"{field}[{i}]: {p!r} tokenizes to nothing; give a non-empty prompt")
@@ -519,7 +557,7 @@ def tokenize(
     return pad_rows(model, ids, field, padding_side)
 
 
-def pad_rows(model, ids: Sequence[Sequence[int]], field: str = "prompts", padding_side: Optional[str] = None
+def pad_rows(model: HookedModel, ids: Sequence[Sequence[int]], field: str = "prompts", padding_side: Optional[str] = None
              ) -> Batch:
     """Pre-tokenized rows padded into a :class:`Batch` as :func:`tokenize` pads prompts: on the
     model spec's ``padding_side`` (or ``padding_side``), right on recurrent models (pads before a
@@ -536,11 +574,17 @@ def pad_rows(model, ids: Sequence[Sequence[int]], field: str = "prompts", paddin
     if side == "left" and recurrent(model):
         side = "right"
     if len({len(i) for i in ids}) > 1:
-        _refuse_padding(model, field)
+        refuse_padding(model, field)
     return pad_ids(model, [list(i) for i in ids], side)
 
 
-def _refuse_padding(model, field: str) -> None:
+def refuse_padding(model: HookedModel, field: str) -> None:
+    """Refuse rows of different lengths on an architecture whose numbers change under padding
+    (:data:`tracekit.model.architectures.BATCH_SENSITIVE`); nothing on others.
+
+    Raises:
+        TokenizationError: naming ``field`` and the fix (``batch_size: 1``).
+    """
     from .model.architectures import BATCH_SENSITIVE, architecture_name
 
     try:
@@ -552,7 +596,7 @@ def _refuse_padding(model, field: str) -> None:
                                 f"{BATCH_SENSITIVE[arch]}. Run with batch_size: 1.")
 
 
-def recurrent(model) -> bool:
+def recurrent(model: HookedModel) -> bool:
     """True for models that must be padded on the right: recurrent / state-space layers (Mamba,
     RWKV, RecurrentGemma, hybrids), where left padding would run pad tokens through the recurrence
     before the prompt, and :data:`tracekit.model.architectures.RIGHT_PADDED` (chunked attention). Right
@@ -566,9 +610,9 @@ def recurrent(model) -> bool:
         return False
 
 
-def pad_ids(model, ids: Sequence[Sequence[int]], padding_side: str = "right") -> Batch:
+def pad_ids(model: HookedModel, ids: Sequence[Sequence[int]], padding_side: str = "right") -> Batch:
     """Pad pre-tokenized sequences into a :class:`Batch` on the model's device."""
-    tok = _tok(model)
+    tok = tokenizer_of(model)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     width = max(len(i) for i in ids)
     tokens = torch.full((len(ids), width), pad, dtype=torch.long)
@@ -588,7 +632,7 @@ def forward_kwargs(batch: Batch) -> dict:
 
 
 @torch.no_grad()
-def run_with_cache(model, batch: Batch, names: Iterable[str] | Callable[[str], bool], strict: bool = True):
+def run_with_cache(model: HookedModel, batch: Batch, names: Iterable[str] | Callable[[str], bool], strict: bool = True):
     """Forward a batch caching only the named hooks (gated hooks are enabled for the call).
 
     ``strict=False`` allows named hooks that exist but do not fire for this architecture (e.g.

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from importlib import resources
 
 from ..core.errors import DatasetError
+from ..model.info import HookedModel
 from ..tokens import encode
 from .rows import At, Row
 
@@ -101,11 +102,11 @@ def _plural(k: int, one: str, many: str | None = None) -> str:
     return f"{k} {one if k == 1 else (many or one + 's')}"
 
 
-def _one_token(model, word: str) -> bool:
+def _one_token(model: HookedModel, word: str) -> bool:
     return len(encode(model, word, prepend_bos=False)) == 1
 
 
-def _ioi_names(model, pool: list[str]) -> tuple[list[str], dict[str, int]]:
+def _ioi_names(model: HookedModel, pool: list[str]) -> tuple[list[str], dict[str, int]]:
     """The names of ``pool`` the ioi draw can use, checked before any draw.
 
     A row draws 3 distinct names (IO, S and a third, C, for ``corrupt: abc``), each one token with a
@@ -148,7 +149,7 @@ def _ioi_names(model, pool: list[str]) -> tuple[list[str], dict[str, int]]:
     return usable, dropped
 
 
-def ioi(model, n: int = 64, seed: int = 0, corrupt: str = "swap_s2",
+def ioi(model: HookedModel, n: int = 64, seed: int = 0, corrupt: str = "swap_s2",
         names: Sequence[str] | None = None) -> tuple[list[Row], dict[str, int]]:
     """IOI rows (see the module docstring). Returns ``(rows, dropped)``.
 
@@ -201,7 +202,7 @@ def _countries() -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def capitals(model, n: int | None = None, seed: int = 0, few_shot: bool = False) -> tuple[list[Row], dict[str, int]]:
+def capitals(model: HookedModel, n: int | None = None, seed: int = 0, few_shot: bool = False) -> tuple[list[Row], dict[str, int]]:
     """Capital-city rows from the built-in countries table (see the module docstring).
 
     Args:
@@ -235,7 +236,7 @@ def capitals(model, n: int | None = None, seed: int = 0, few_shot: bool = False)
     return rows, dropped
 
 
-def induction(model, n: int = 32, seed: int = 0, seq_len: int = 10) -> tuple[list[Row], dict[str, int]]:
+def induction(model: HookedModel, n: int = 32, seed: int = 0, seq_len: int = 10) -> tuple[list[Row], dict[str, int]]:
     """Repeated random-word rows (see the module docstring).
 
     Args:
@@ -282,7 +283,7 @@ def induction(model, n: int = 32, seed: int = 0, seq_len: int = 10) -> tuple[lis
 GENERATORS = {"ioi": ioi, "capitals": capitals, "induction": induction}
 
 
-def generate(model, name: str, **options) -> tuple[list[Row], dict[str, int]]:
+def generate(model: HookedModel, name: str, **options) -> tuple[list[Row], dict[str, int]]:
     """Rows of the built-in generator ``name`` (one of :data:`GENERATORS`) for ``model``.
 
     Raises:

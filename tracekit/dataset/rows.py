@@ -33,10 +33,21 @@ from pydantic import ConfigDict, Field, field_validator
 
 from ..core.errors import DatasetError, TokenizationError
 from ..core.strict import StrictModel
-from ..model.load import model_spec_of
-from ..tokens import Batch, check_length, encode, single_token_id, str_tokens, token_index_of_substring
+from ..model.info import HookedModel
+from ..tokens import (
+    Batch,
+    check_length,
+    encode_prompts,
+    prepend_bos_of,
+    single_token_id,
+    str_tokens,
+    text_ids,
+    token_index_of_substring,
+    with_bos,
+)
+from .targets import check_answer_tokens, per_row_values, row_targets
 
-__all__ = ["At", "PositionValue", "Row", "Example", "PreparedDataset", "prepare_rows", "rows_from_prompts", "per_row_values",
+__all__ = ["At", "PositionValue", "Row", "Example", "Rows", "PreparedDataset", "prepare_rows", "rows_from_prompts", "target_rows",
            "RESERVED_COLUMNS", "own_row_ids"]
 
 #: Row fields with a meaning; every other key of a row is an extra column, kept as it is.
@@ -79,6 +90,10 @@ class Row(StrictModel):
         positions: named positions (see the module docstring for the value forms).
         corrupted: the corrupted counterpart of ``prompt`` (activation patching), optional.
         group: a group label (for summaries by group and for grouped splits), optional.
+        targets / foils: a row scored on **several** answer tokens (activation patching pairs with a
+            target list: the metric sums over them), in order; then ``target``/``foil`` are None.
+            Empty (default) for a row with one answer. Per-row tables show them as a JSON list in
+            the ``targets`` / ``foils`` columns.
 
     Any other key is an extra column, kept in :attr:`extra` and in every per-row table.
     """
@@ -91,6 +106,8 @@ class Row(StrictModel):
     positions: dict[str, PositionValue] = Field(default_factory=dict)
     corrupted: Optional[str] = None
     group: Optional[str] = None
+    targets: tuple[str, ...] = ()
+    foils: tuple[str, ...] = ()
 
     retired = {"answer": "target", "wrong": "foil", "clean": "prompt", "text": "prompt"}
 
@@ -107,6 +124,11 @@ class Row(StrictModel):
                                      "S1, END: kinds refer to it by name (position: END)")
         return v
 
+    @field_validator("targets", "foils", mode="before")
+    @classmethod
+    def _answers(cls, v):
+        return _json_cell(v)
+
     @field_validator("group", mode="before")
     @classmethod
     def _group_text(cls, v):
@@ -115,6 +137,16 @@ class Row(StrictModel):
     @property
     def extra(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+    @property
+    def target_texts(self) -> tuple[Optional[str], ...]:
+        """The row's answer tokens: :attr:`targets` when it has several, else ``(target,)``."""
+        return self.targets if self.targets else (self.target,)
+
+    @property
+    def foil_texts(self) -> tuple[Optional[str], ...]:
+        """The row's foil tokens: :attr:`foils` when it has several targets, else ``(foil,)``."""
+        return self.foils if self.targets else (self.foil,)
 
 
 @dataclass(frozen=True)
@@ -149,8 +181,11 @@ class Example:
 
 
 @dataclass(frozen=True)
-class PreparedDataset:
-    """Rows prepared for one model (see :func:`prepare_rows`).
+class Rows:
+    """Rows prepared for one model (see :func:`prepare_rows`): what every kind and engine takes.
+
+    Made by :meth:`Rows.from_prompts` (the notebook door), :meth:`tracekit.dataset.DatasetSpec.prepare`
+    (a dataset) or :func:`prepare_rows` (:class:`Row` s). ``PreparedDataset`` is its former name.
 
     Attributes:
         examples: the prepared rows, in dataset order.
@@ -162,6 +197,31 @@ class PreparedDataset:
     examples: tuple[Example, ...]
     source: str = "rows"
     dropped: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_prompts(cls, model: HookedModel, prompts: Union[str, Sequence[str]],
+                     target: Union[str, Sequence[str], None] = None, foil: Union[str, Sequence[str], None] = None,
+                     *, prepend_bos: Optional[bool] = None) -> "Rows":
+        """One row per prompt, prepared for ``model``: the notebook door.
+
+        ``target`` / ``foil``: a token string is every prompt's answer (leading space included); a
+        list is one per prompt; None: no target. Each prompt is tokenized once (BOS as the model
+        spec says, or ``prepend_bos``); target and foil ids are resolved once.
+
+        >>> rows = Rows.from_prompts(model, ["The capital of France is"], target=" Paris")
+        >>> len(rows), rows.has_targets, rows.has_foils
+        (1, True, False)
+
+        Raises:
+            TokenizationError: a target/foil that is not exactly one token (naming ``target`` /
+                ``target[i]``), a prompt longer than the model's context.
+            DatasetError: a list of another length than the prompts, a foil equal to its target, an
+                empty prompt (naming ``prompts[i]``).
+        """
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        check_answer_tokens(model, target, foil)
+        return prepare_rows(model, rows_from_prompts(texts, target, foil), where="prompts", source="prompts",
+                            prepend_bos=prepend_bos)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -221,7 +281,7 @@ class PreparedDataset:
         Raises:
             DatasetError: a row without that name.
         """
-        sub = PreparedDataset(tuple(self.examples[i] for i in rows))
+        sub = Rows(tuple(self.examples[i] for i in rows))
         at = sub.position(name, field)
         return torch.tensor([o + a for o, a in zip(batch.offsets, at)], dtype=torch.long,
                             device=batch.tokens.device)
@@ -235,21 +295,23 @@ class PreparedDataset:
             rec: dict[str, Any] = {"row_id": e.row_id, "prompt": r.prompt, "target": r.target, "foil": r.foil,
                                    "corrupted": r.corrupted, "group": r.group}
             rec.update({f"pos_{k}": v for k, v in e.positions.items()})
+            if r.targets:  # several answers: a JSON list per cell, as the tables always showed them
+                rec.update({"targets": json.dumps(list(r.targets)), "foils": json.dumps(list(r.foils))})
             rec.update({k: v for k, v in r.extra.items() if k not in rec})
             recs.append(rec)
         return pd.DataFrame(recs)
 
-    def select(self, keep: Sequence[int], reason: Optional[str] = None) -> "PreparedDataset":
+    def select(self, keep: Sequence[int], reason: Optional[str] = None) -> "Rows":
         """The examples at indices ``keep`` (their row ids unchanged); the rest counted under
         ``reason`` in :attr:`dropped`."""
         kept = tuple(self.examples[i] for i in keep)
         dropped = dict(self.dropped)
         if reason is not None:
             dropped[reason] = dropped.get(reason, 0) + len(self.examples) - len(kept)
-        return PreparedDataset(kept, self.source, dropped)
+        return Rows(kept, self.source, dropped)
 
 
-def _resolve_position(model, ex_ids: Sequence[int], n_bos: int, prompt: str, value: PositionValue,
+def _resolve_position(model: HookedModel, ex_ids: Sequence[int], n_bos: int, prompt: str, value: PositionValue,
                       where: str) -> int:
     n_text = len(ex_ids) - n_bos
     if isinstance(value, bool):
@@ -267,9 +329,9 @@ def _resolve_position(model, ex_ids: Sequence[int], n_bos: int, prompt: str, val
         raise DatasetError(str(e)) from None
 
 
-def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source: str = "rows",
-                 dropped: Optional[Mapping[str, int]] = None, row_ids: Optional[Sequence[int]] = None
-                 ) -> PreparedDataset:
+def prepare_rows(model: HookedModel, rows: Sequence[Row], where: str = "dataset.rows", source: str = "rows",
+                 dropped: Optional[Mapping[str, int]] = None, row_ids: Optional[Sequence[int]] = None,
+                 prepend_bos: Optional[bool] = None) -> Rows:
     """Tokenize every row once and resolve its target, foil and named positions for ``model``.
 
     Args:
@@ -280,9 +342,10 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
         dropped: recorded on the result (see :class:`PreparedDataset`).
         row_ids: the rows' ids (default: the rows' own ``row_id`` column when they have one, see
             :func:`own_row_ids`, else ``0..n-1``).
+        prepend_bos: whether each prompt starts with a BOS (default: the model spec's, read once).
 
     Returns:
-        A :class:`PreparedDataset`.
+        The prepared :class:`Rows`.
 
     Raises:
         DatasetError: no rows, a ``row_id`` column that is not unique whole numbers >= 0, a target or foil that is not one token (with its tokenization), target
@@ -295,11 +358,12 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
     if row_ids is None:
         row_ids = own_row_ids(rows, where)
     ids_of = list(row_ids) if row_ids is not None else list(range(len(rows)))
-    n_bos = int(bool(model_spec_of(model).resolved_prepend_bos(model.tokenizer)))  # encode adds exactly one
+    bos = prepend_bos_of(model) if prepend_bos is None else bool(prepend_bos)  # the spec read once
+    n_bos = int(bos)  # exactly one BOS when prepended
     out = []
     for i, (rid, r) in enumerate(zip(ids_of, rows)):
         at = f"{where}[{i}]"
-        ids = tuple(encode(model, r.prompt))  # each prompt tokenized once
+        ids = tuple(with_bos(model, text_ids(model, r.prompt), bos))  # each prompt tokenized once
         if len(ids) == n_bos:
             raise DatasetError(f"{at}.prompt: {r.prompt!r} tokenizes to nothing; give a non-empty prompt")
         check_length(model, ids, f"{at}.prompt", r.prompt)
@@ -318,13 +382,13 @@ def prepare_rows(model, rows: Sequence[Row], where: str = "dataset.rows", source
                for name, v in r.positions.items()}
         cids = None
         if r.corrupted is not None:
-            cids = tuple(encode(model, r.corrupted))
+            cids = tuple(with_bos(model, text_ids(model, r.corrupted), bos))
             if len(cids) != len(ids):
                 raise DatasetError(f"{at}.corrupted: {len(cids)} tokens, the prompt {len(ids)}; a corrupted prompt "
                                    f"must tokenize to the same length (prompt {str_tokens(model, list(ids))}, "
                                    f"corrupted {str_tokens(model, list(cids))})")
         out.append(Example(rid, r, ids, tid, fid, pos, cids, n_bos))
-    return PreparedDataset(tuple(out), source, dict(dropped or {}))
+    return Rows(tuple(out), source, dict(dropped or {}))
 
 
 def _as_row_id(v: Any) -> Optional[int]:
@@ -375,23 +439,6 @@ def own_row_ids(rows: Sequence[Row], where: str = "dataset.rows") -> Optional[li
     return ids
 
 
-def per_row_values(value: Any, n: int, name: str, rows_word: str = "prompt") -> list[Any]:
-    """``[n]`` values from one value (every row's; None, a string or an id) or a list (one per row).
-
-    Raises:
-        DatasetError: a list whose length is not ``n`` (the message names ``track``, the field for
-            tokens followed on every row).
-    """
-    if value is None or isinstance(value, (str, int)):
-        return [value] * n
-    vals = list(value)
-    if len(vals) != n:
-        raise DatasetError(f"{name}: {len(vals)} tokens for {n} {rows_word}(s); a {name} list gives each {rows_word} "
-                           f"its own answer (one per {rows_word}). To follow the same tokens on every {rows_word} use "
-                           f"track: {vals!r}")
-    return vals
-
-
 def rows_from_prompts(prompts: Sequence[str], target: Union[str, Sequence[str], None] = None,
                       foil: Union[str, Sequence[str], None] = None, field: str = "target") -> list[Row]:
     """Rows from a kind's ``prompts`` / ``target`` / ``foil`` fields: a single string is every
@@ -406,3 +453,28 @@ def rows_from_prompts(prompts: Sequence[str], target: Union[str, Sequence[str], 
     ts = per_row_values(target, n, field)
     fs = per_row_values(foil, n, "foil")
     return [Row(prompt=p, target=t, foil=f) for p, t, f in zip(prompts, ts, fs)]
+
+
+def target_rows(model: HookedModel, prompts: Sequence[str], target: Union[str, Sequence[str], None],
+                foil: Union[str, Sequence[str], None] = None, prepend_bos: Optional[bool] = None) -> Rows:
+    """Prompts whose ``target`` (required) and ``foil`` (a string: every prompt's; a list: one per
+    prompt) are scored, as prepared rows: each prompt tokenized once (with ``prepend_bos``: default
+    the model spec's), the errors naming the kind's fields (``target[i]``, ``prompts[i]``); the
+    rows of the unit kinds (direct logit attribution, neurons, SAE features, steering).
+
+    Raises:
+        TokenizationError: a target/foil that is not one token (naming ``target`` / ``target[i]``), an
+            empty or too long prompt.
+        AttributionError: no target, a list of the wrong length, a foil equal to its target.
+    """
+    tgts = row_targets(model, len(prompts), target, foil)
+    bos = prepend_bos_of(model) if prepend_bos is None else bool(prepend_bos)  # the spec read once
+    ids = encode_prompts(model, prompts, prepend_bos=bos)
+    n_bos = int(bos)  # 1 when a BOS is prepended
+    rows = rows_from_prompts(list(prompts), target, foil)
+    return Rows(tuple(Example(i, r, seq, t.target_id, t.foil_id, {}, None, n_bos)
+                      for i, (r, seq, t) in enumerate(zip(rows, ids, tgts))), "prompts")
+
+
+#: The former name of :class:`Rows` (kept: notebooks and other modules import it).
+PreparedDataset = Rows

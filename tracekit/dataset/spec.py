@@ -14,19 +14,20 @@ run, keeps only the rows the model gets right (:func:`filter_correct`), counting
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
 from ..core.errors import DatasetError
 from ..core.strict import StrictModel
+from ..model.info import HookedModel
 from ..tokens import pad_ids
 from .generators import GENERATORS, GeneratorError, generate
 from .read import read_records
-from .rows import RESERVED_COLUMNS, PreparedDataset, Row, _json_cell, prepare_rows
+from .rows import RESERVED_COLUMNS, Row, Rows, _json_cell, prepare_rows, rows_from_prompts
 
-__all__ = ["GeneratorSpec", "DatasetSpec", "filter_correct", "FILTERS"]
+__all__ = ["GeneratorSpec", "DatasetSpec", "filter_correct", "FILTERS", "kind_rows"]
 
 #: ``filter`` values and what each keeps.
 FILTERS = {
@@ -136,7 +137,7 @@ class DatasetSpec(StrictModel):
         assert g is not None
         return f"generator {g.name} (seed {g.seed})"
 
-    def load_rows(self, model, field: str = "dataset") -> tuple[list[Row], dict[str, int], str]:
+    def load_rows(self, model: HookedModel, field: str = "dataset") -> tuple[list[Row], dict[str, int], str]:
         """``(rows, dropped, where)``: the rows as given, generated or read (``where`` names a row
         in errors)."""
         if self.rows is not None:
@@ -169,7 +170,7 @@ class DatasetSpec(StrictModel):
             raise DatasetError(f"{field}.path: {name} has no rows")
         return rows, {}, f"{field}.path row"
 
-    def prepare(self, model, field: str = "dataset", batch_size: int = 16) -> PreparedDataset:
+    def prepare(self, model: HookedModel, field: str = "dataset", batch_size: int = 16) -> Rows:
         """The rows prepared for ``model``; ``filter: correct`` runs the model when it can (a
         :class:`tracekit.model.ModelInfo` has no weights: there the filter is left to the run).
 
@@ -188,15 +189,15 @@ class DatasetSpec(StrictModel):
         return data
 
 
-def _can_run(model) -> bool:
+def _can_run(model: HookedModel) -> bool:
     from ..model.info import ModelInfo
 
     return not isinstance(model, ModelInfo)
 
 
 @torch.no_grad()
-def filter_correct(model, data: PreparedDataset, batch_size: int = 16, field: str = "dataset.filter"
-                   ) -> PreparedDataset:
+def filter_correct(model: HookedModel, data: Rows, batch_size: int = 16, field: str = "dataset.filter"
+                   ) -> Rows:
     """The rows the model gets right (see :data:`FILTERS`), one batched forward pass per
     ``batch_size`` rows of equal length (no padding), read at each row's last token; the others are counted in ``dropped``
     under ``"filter: correct"``.
@@ -227,3 +228,19 @@ def filter_correct(model, data: PreparedDataset, batch_size: int = 16, field: st
         raise DatasetError(f"{field}: the model gets none of the {len(data)} rows right; nothing is left to study "
                            "(check targets, or set filter: none)")
     return data.select(keep, reason="filter: correct")
+
+
+def kind_rows(model: HookedModel, prompts: Optional[Sequence[str]], dataset: Optional[DatasetSpec],
+              target: Any = None, foil: Any = None, batch_size: int = 16) -> Rows:
+    """The rows a kind runs on, prepared for ``model`` once: the ``dataset`` (generated, read,
+    filtered), or one row per prompt with ``target``/``foil`` (a string: every row's; a list: one
+    per prompt, see :func:`tracekit.dataset.rows_from_prompts`).
+
+    Raises:
+        DatasetError / TokenizationError: a row that cannot be used, naming it (``dataset.rows[3].target``
+            or ``prompts[3].target``).
+    """
+    if dataset is not None:
+        return dataset.prepare(model, "dataset", batch_size=batch_size)
+    assert prompts
+    return prepare_rows(model, rows_from_prompts(list(prompts), target, foil), where="prompts", source="prompts")

@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """The experiment protocol: a config class whose ``run(model)`` returns a :class:`Result`.
 
 An experiment kind is a pydantic model (its fields are the YAML keys) with a ``kind`` name; the same
@@ -37,23 +36,23 @@ from pydantic import Field, field_validator, model_validator
 from ..core.errors import DatasetError
 from ..core.io import jsonable
 from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retired_message
-from ..dataset import DatasetSpec, Example, PreparedDataset, prepare_rows, rows_from_prompts
-from ..dla import DLA_POSITION_FORMS, LogitTarget, as_position, row_targets
+from ..dataset import DatasetSpec, PreparedDataset, Rows, kind_rows, rows_from_prompts, target_rows
+from ..dataset.targets import DLA_POSITION_FORMS, LogitTarget, as_position
 from ..hooks import state_guard
 from ..model.info import HookedModel
 from ..model.load import bos_info, load_model, model_fingerprint, model_spec_of
 from ..model.spec import ModelSpec
 from ..results import MANIFEST, REGISTRY, RESULTS, Expectation, Result, lookup, register
-from ..tokens import PositionSpec, encode, encode_prompts
+from ..tokens import PositionSpec, encode_prompts
 
 __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompts", "OptionalPrompts", "Indices",
            "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message",
            "RESERVED_NAMES", "encode_prompts", "kind_dataset", "check_dataset_fields", "DatasetSpec",
-           "PreparedDataset", "RowTargetsExperiment", "RowInputs", "prompt_rows", "check_row_targets", "row_frame",
+           "PreparedDataset", "Rows", "column", "subset", "RowTargetsExperiment", "RowInputs", "prompt_rows", "check_row_targets", "row_frame",
            "dataset_meta"]
 
 
-def as_model(model):
+def as_model(model: HookedModel | str | ModelSpec | dict | None) -> HookedModel:
     """A loaded hooked model from a model, a model name, a ModelSpec, a dict or None (default)."""
     if model is None or isinstance(model, (str, dict, ModelSpec)):
         return load_model(model)
@@ -79,21 +78,15 @@ def check_dataset_fields(prompts: Sequence[str] | None, dataset: Optional[Datase
                          "the rows); to follow the same tokens on every row use track")
 
 
-def kind_dataset(model, prompts: Sequence[str] | None, dataset: Optional[DatasetSpec], target: Any = None,
-                 foil: Any = None, batch_size: int = 16) -> PreparedDataset:
-    """The rows a kind runs on, prepared for ``model`` once: the ``dataset`` (generated, read,
-    filtered), or one row per prompt with ``target``/``foil`` (a string: every row's; a list: one
-    per prompt, see :func:`tracekit.dataset.rows_from_prompts`).
+def kind_dataset(model: HookedModel, prompts: Sequence[str] | None, dataset: Optional[DatasetSpec],
+                 target: Any = None, foil: Any = None, batch_size: int = 16) -> Rows:
+    """The rows a kind runs on: :func:`tracekit.dataset.kind_rows` (kept here for the kinds that
+    import it).
 
     Raises:
-        DatasetError / TokenizationError: a row that cannot be used, naming it (``dataset.rows[3].target``
-            or ``target[3]``).
+        DatasetError / TokenizationError: a row that cannot be used, naming it.
     """
-    if dataset is not None:
-        return dataset.prepare(model, "dataset", batch_size=batch_size)
-    assert prompts
-    rows = rows_from_prompts(list(prompts), target, foil)
-    return prepare_rows(model, rows, where="prompts", source="prompts")
+    return kind_rows(model, prompts, dataset, target, foil, batch_size=batch_size)
 
 
 _NAME = re.compile(r"[^\W][\w.-]*", re.UNICODE)
@@ -134,7 +127,7 @@ class Experiment(StrictModel):
     def step_name(self) -> str:
         return self.name or self.kind
 
-    def prepare(self, model) -> Any:
+    def prepare(self, model: HookedModel) -> Any:
         """The kind's inputs, built once: prompts tokenized, target/foil ids, resolved positions and
         layers, as a small frozen ``<Kind>Inputs`` dataclass (default: None, nothing to prepare).
 
@@ -194,28 +187,22 @@ class Experiment(StrictModel):
         result.meta.setdefault("model_fingerprint", model_fingerprint(model))
         return result
 
-    def _run(self, model, inputs: Any, progress: bool = True) -> "Result":  # pragma: no cover - abstract
+    def _run(self, model: HookedModel, inputs: Any, progress: bool = True) -> "Result":  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement _run(model, inputs, progress)")
 
 
-def prompt_rows(model, prompts, target, foil, prepend_bos: Optional[bool] = None) -> PreparedDataset:
-    """A kind's ``prompts`` with ``target``/``foil`` (a string: every prompt's; a list: one per prompt)
-    as prepared rows, each prompt tokenized once (with ``prepend_bos``: default the model spec's).
+def prompt_rows(model: HookedModel, prompts: Sequence[str], target: Any, foil: Any,
+                prepend_bos: Optional[bool] = None) -> Rows:
+    """A kind's ``prompts`` with a required ``target``/``foil``: :func:`tracekit.dataset.target_rows`
+    (kept here for the kinds that import it).
 
     Raises:
-        TokenizationError: a target/foil that is not one token (naming ``target`` / ``target[i]``), an
-            empty or too long prompt.
-        AttributionError: a list of the wrong length, a foil equal to its target.
+        TokenizationError / AttributionError: see :func:`tracekit.dataset.target_rows`.
     """
-    tgts = row_targets(model, len(prompts), target, foil)
-    ids = encode_prompts(model, prompts, prepend_bos=prepend_bos)
-    n_bos = len(encode(model, "", prepend_bos))  # 1 when a BOS is prepended
-    rows = rows_from_prompts(list(prompts), target, foil)
-    return PreparedDataset(tuple(Example(i, r, seq, t.target_id, t.foil_id, {}, None, n_bos)
-                                 for i, (r, seq, t) in enumerate(zip(rows, ids, tgts))), "prompts")
+    return target_rows(model, prompts, target, foil, prepend_bos)
 
 
-def check_row_targets(data: PreparedDataset, where: str, what: str) -> None:
+def check_row_targets(data: Rows, where: str, what: str) -> None:
     """Every row has a target, and every row has a foil or none does.
 
     Raises:
@@ -231,14 +218,25 @@ def check_row_targets(data: PreparedDataset, where: str, what: str) -> None:
                            "be a logit on some rows and a logit difference on others (give every row a foil, or none)")
 
 
-def row_frame(data: PreparedDataset, recs: list[dict]) -> pd.DataFrame:
-    """The ``rows`` table: the rows' fields (:meth:`PreparedDataset.frame`) then the kind's numbers."""
+def row_frame(data: Rows, recs: list[dict]) -> pd.DataFrame:
+    """The ``rows`` table: the rows' fields (:meth:`Rows.frame`) then the kind's numbers."""
     frame = data.frame()
     return pd.concat([frame.drop(columns=[c for c in recs[0] if c in frame.columns]).reset_index(drop=True),
                       pd.DataFrame(recs)], axis=1)
 
 
-def dataset_meta(data: PreparedDataset) -> dict:
+def column(df: pd.DataFrame, name: str) -> pd.Series:
+    """``df[name]`` typed as the column it is (pandas' stubs type ``df[name]`` as a Series or a
+    DataFrame); the same object, nothing copied or converted."""
+    return cast(pd.Series, df[name])
+
+
+def subset(df: pd.DataFrame, mask: Any) -> pd.DataFrame:
+    """``df[mask]`` for a boolean row mask, typed as the DataFrame it is; the same operation."""
+    return cast(pd.DataFrame, df[mask])
+
+
+def dataset_meta(data: Rows) -> dict:
     return {"source": data.source, "dropped": dict(data.dropped), "n_rows": len(data)}
 
 
@@ -285,7 +283,7 @@ class RowInputs:
     """Mixin of the prepared inputs of a :class:`RowTargetsExperiment` (a frozen dataclass with a
     ``data`` field): each row's token ids and its target (and foil) ids."""
 
-    data: PreparedDataset
+    data: Rows
 
     @property
     def ids(self) -> tuple[tuple[int, ...], ...]:

@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Direct logit attribution as an experiment kind, per dataset row.
 
 ``kind: direct_logit_attribution`` (:class:`DirectLogitAttribution`): each row's target logit (or
@@ -16,7 +15,7 @@ Units: ``contribution`` and every logit in logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import pandas as pd
@@ -25,21 +24,24 @@ from pydantic import Field
 from .. import plotting
 from ..dataset import PreparedDataset
 from ..dla import POSITION_FORMS, as_position, logit_attribution, row_positions
+from ..model.info import HookedModel
 from .base import (
     Result,
     RowTargetsExperiment,
     check_row_targets,
+    column,
     encode_prompts,
     kind_dataset,
     prompt_rows,
     register,
+    subset,
 )
 
 __all__ = ["DirectLogitAttribution", "DirectLogitAttributionInputs", "DirectLogitAttributionResult",
            "check_prompt_positions"]
 
 
-def check_prompt_positions(model, prompts, position) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+def check_prompt_positions(model: HookedModel, prompts, position) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     """Tokenize every prompt and resolve ``position`` in it, with the tokenizer only (works on a
     ``ModelInfo``). Used by the ``neuron_attribution`` kind.
 
@@ -70,7 +72,7 @@ class DirectLogitAttributionInputs:
 
 def _top(df: pd.DataFrame, col: str, k: int) -> pd.DataFrame:
     """The ``k`` rows of ``df`` with the largest ``|col|`` (ties: table order)."""
-    return df.reindex(df[col].abs().sort_values(ascending=False, kind="stable").index).head(k)
+    return df.reindex(column(df, col).abs().sort_values(ascending=False, kind="stable").index).head(k)
 
 
 def aggregate_components(components: pd.DataFrame) -> pd.DataFrame:
@@ -155,10 +157,9 @@ class DirectLogitAttributionResult(Result):
         old = tables["prompts"].rename(columns={"logit": "logit_diff", "attributed_logit": "attributed_logit_diff"})
         comp, heads = out["components"], out["heads"]
         rows = []
-        for _, r in old.iterrows():
-            rid = int(r["row_id"])
-            c = comp[comp["row_id"] == rid]
-            h = heads[(heads["row_id"] == rid) & (heads["head_idx"] >= 0)]
+        for rid in (int(x) for x in column(old, "row_id")):
+            c = subset(comp, comp["row_id"] == rid)
+            h = subset(heads, (heads["row_id"] == rid) & (heads["head_idx"] >= 0))
             top_c, top_h = _top(c, "contribution", 1).iloc[0], _top(h, "contribution", 1).iloc[0]
             rows.append({"top_component": top_c["component"], "top_component_contribution": float(top_c["contribution"]),
                          "top_head_layer": int(top_h["layer"]), "top_head_idx": int(top_h["head_idx"]),
@@ -186,15 +187,15 @@ class DirectLogitAttributionResult(Result):
         has_foil = bool(rows["foil"].notna().all()) if "foil" in rows else False
 
         def kind_mean(kind: str) -> float:
-            per_row = comp[comp["kind"] == kind].groupby("row_id")["contribution"].sum()
-            return float(per_row.reindex(rows["row_id"], fill_value=0.0).mean())
+            per_row = cast(pd.Series, subset(comp, comp["kind"] == kind).groupby("row_id")["contribution"].sum())
+            return float(per_row.reindex(column(rows, "row_id"), fill_value=0.0).mean())
 
         def layer_means(kind: str) -> list[float]:
-            c = comp[comp["kind"] == kind]
-            return [float(x) for x in c.groupby("layer")["contribution"].mean().sort_index()]
+            c = subset(comp, comp["kind"] == kind)
+            return [float(x) for x in cast(pd.Series, c.groupby("layer")["contribution"].mean()).sort_index()]
 
         cm, hm = self.tables["components_mean"], self.tables["heads_mean"]
-        hm = hm[hm["head_idx"] >= 0]
+        hm = subset(hm, hm["head_idx"] >= 0)
         correct = [bool(x > 0) for x in rows["logit_diff"]] if has_foil else None
         return {
             "n_rows": n,
@@ -207,13 +208,13 @@ class DirectLogitAttributionResult(Result):
             "foil_by_row": [None if pd.isna(x) else str(x) for x in rows["foil"]],
             "position_by_row": [int(x) for x in rows["position"]],
             "logit_diff_by_row": [float(x) for x in rows["logit_diff"]],
-            "mean_logit_diff": float(rows["logit_diff"].mean()),
+            "mean_logit_diff": float(column(rows, "logit_diff").mean()),
             "attributed_logit_diff_by_row": [float(x) for x in rows["attributed_logit_diff"]],
-            "mean_attributed_logit_diff": float(rows["attributed_logit_diff"].mean()),
+            "mean_attributed_logit_diff": float(column(rows, "attributed_logit_diff").mean()),
             "correct_by_row": correct,
             "share_rows_correct": float(np.mean(correct)) if correct is not None else None,
-            "max_sum_error": float(rows["sum_error"].max()),
-            "max_identity_error": float(rows["max_identity_error"].max()),
+            "max_sum_error": float(column(rows, "sum_error").max()),
+            "max_identity_error": float(column(rows, "max_identity_error").max()),
             "final_scale_by_row": [float(x) for x in rows["final_scale"]],
             "mean_embed": kind_mean("embed"),
             "mean_attn_total": kind_mean("attn"),
@@ -222,10 +223,10 @@ class DirectLogitAttributionResult(Result):
             "mean_attn_by_layer": layer_means("attn"),
             "mean_mlp_by_layer": layer_means("mlp"),
             "top_component_by_row": [str(x) for x in rows["top_component"]],
-            "top_components_mean": [[str(r.component), float(r.mean_contribution)]
-                                    for r in _top(cm, "mean_contribution", k).itertuples()],
-            "top_heads_mean": [[int(r.layer), int(r.head_idx), float(r.mean_contribution)]
-                               for r in _top(hm, "mean_contribution", k).itertuples()],
+            "top_components_mean": [[str(c), float(v)] for c, v in
+                                    _top(cm, "mean_contribution", k)[["component", "mean_contribution"]].to_numpy()],
+            "top_heads_mean": [[int(L), int(h), float(v)] for L, h, v in
+                               _top(hm, "mean_contribution", k)[["layer", "head_idx", "mean_contribution"]].to_numpy()],
         }
 
     def report(self) -> str:
@@ -267,7 +268,7 @@ class DirectLogitAttributionResult(Result):
             lines.append(f"rows ({len(shown)} of {len(rows)}):")
             lines.append(plotting.text_table(
                 [(int(r["row_id"]), repr(r["target"]), repr(r["foil"]) if not pd.isna(r["foil"]) else "-",
-                  f"{r['logit_diff']:+.4f}", r["top_component"]) for _, r in shown.iterrows()],
+                  f"{r['logit_diff']:+.4f}", r["top_component"]) for r in shown.to_dict("records")],
                 ["row_id", "target", "foil", "logit_diff", "top component"]))
         return "\n".join(lines)
 
@@ -276,9 +277,9 @@ class DirectLogitAttributionResult(Result):
         n = s["n_rows"]
         over = f" (mean over {n} rows)" if n > 1 else ""
         cm = self.tables["components_mean"]
-        att = cm[cm["kind"] == "attn"].sort_values("layer")
-        mlp = cm[cm["kind"] == "mlp"].sort_values("layer")
-        values = {"embed": float(cm[cm["kind"] == "embed"]["mean_contribution"].sum())}
+        att = subset(cm, cm["kind"] == "attn").sort_values("layer")
+        mlp = subset(cm, cm["kind"] == "mlp").sort_values("layer")
+        values = {"embed": float(column(subset(cm, cm["kind"] == "embed"), "mean_contribution").sum())}
         colors = {"embed": "gray"}
         for (L, a), m in zip(zip(att["layer"], att["mean_contribution"]), mlp["mean_contribution"]):
             values[f"attn.{L}"], values[f"mlp.{L}"] = float(a), float(m)
@@ -337,7 +338,7 @@ class DirectLogitAttribution(RowTargetsExperiment):
 
     target_role = "the token whose logit is split"
 
-    def prepare(self, model) -> DirectLogitAttributionInputs:
+    def prepare(self, model: HookedModel) -> DirectLogitAttributionInputs:
         """The rows prepared once (prompts tokenized, per-row target/foil ids, named positions) and
         each row's read position (tokenizer only: works on a :class:`tracekit.model.ModelInfo`;
         ``filter: correct`` runs the model where it can).
@@ -352,7 +353,7 @@ class DirectLogitAttribution(RowTargetsExperiment):
         check_row_targets(data, "dataset" if self.dataset is not None else "prompts", "direct logit attribution")
         return DirectLogitAttributionInputs(data, tuple(row_positions(model, data, self.position)))
 
-    def _run(self, model, inputs: DirectLogitAttributionInputs, progress: bool = True
+    def _run(self, model: HookedModel, inputs: DirectLogitAttributionInputs, progress: bool = True
              ) -> DirectLogitAttributionResult:
         data = inputs.data
         das = logit_attribution(model, data, position=self.position, read_at=inputs.read_at,
@@ -366,9 +367,10 @@ class DirectLogitAttribution(RowTargetsExperiment):
             h.insert(0, "row_id", d.row_id)
             heads.append(h)
             top_c = _top(c, "contribution", 1).iloc[0]
-            hh = h[h["head_idx"] >= 0]
+            hh = subset(h, h["head_idx"] >= 0)
             top_h = _top(hh, "contribution", 1).iloc[0]
             total = d.total()
+            assert d.attributed is not None  # set in DirectAttribution.__post_init__
             recs.append({
                 "position": d.position, "token": d.tokens[d.position], "metric": d.target.label,
                 "logit_diff": d.logit, "attributed_logit_diff": d.attributed, "sum_of_parts": total,

@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """``kind: lens_quality`` -- which lens to trust at which hidden state.
 
 Scores the logit lens, the tuned lens (Belrose et al. 2023; trained here once and cached, or
@@ -12,7 +11,7 @@ trains on. Units: nats; agreement in [0, 1].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -24,6 +23,7 @@ from ..corpus import Window
 from ..lenses.quality import LENSES, quality_figure, quality_table
 from ..lenses.train import TunedLensSpec, load_or_train_tuned_lens, split_windows
 from ..lenses.tuned import residual_basis
+from ..model.info import HookedModel
 from .base import Experiment, Result, register
 
 __all__ = ["LensQuality", "LensQualityResult", "LensEvalSpec", "LensQualityInputs"]
@@ -83,9 +83,9 @@ class LensQualityResult(Result):
         q = self.tables["quality"]
         kl = self._by("kl")
         lenses = list(kl)
-        H = int(q["hidden_state"].max()) + 1
+        H = int(cast(pd.Series, q["hidden_state"]).max()) + 1
         out: dict = {"lenses": lenses, "hidden_states": list(range(H)),
-                     "n_tokens": {str(k): int(g["n_tokens"].max()) for k, g in q.groupby("lens", sort=False)},
+                     "n_tokens": {str(k): int(cast(pd.Series, g["n_tokens"]).max()) for k, g in q.groupby("lens", sort=False)},
                      "kl_by_hidden_state": kl, "cross_entropy_by_hidden_state": self._by("cross_entropy"),
                      "top1_agreement_by_hidden_state": self._by("top1_agreement"),
                      "mean_kl": {k: float(np.mean(v[:-1])) if len(v) > 1 else float(v[0]) for k, v in kl.items()}}
@@ -169,7 +169,7 @@ class LensQuality(Experiment):
             raise ValueError(f"{v} lists a lens twice")
         return sorted(v, key=LENSES.index)
 
-    def prepare(self, model) -> LensQualityInputs:
+    def prepare(self, model: HookedModel) -> LensQualityInputs:
         """The held-out windows, tokenized once (tokenizer only).
 
         Raises:
@@ -183,7 +183,7 @@ class LensQuality(Experiment):
         return LensQualityInputs(tuple(split_windows(model, e.corpus, "held_out", e.n_tokens, e.seq_len,
                                                      "eval.corpus", "eval.seq_len")))
 
-    def _run(self, model, inputs: LensQualityInputs, progress: bool = True) -> LensQualityResult:
+    def _run(self, model: HookedModel, inputs: LensQualityInputs, progress: bool = True) -> LensQualityResult:
         from tqdm.auto import tqdm  # lazy: tqdm only for the bar
 
         lens = load_or_train_tuned_lens(model, self.tuned, progress, "tuned") if "tuned" in self.lenses else None

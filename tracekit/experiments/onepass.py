@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from ..core.errors import TokenizationError, TracekitError
 from ..logit_lens import PromptLens
+from ..model.info import HookedModel
 from ..tokens import single_token_id
 
 __all__ = ["SharedPasses", "current", "shared_passes", "split_lens"]
@@ -68,7 +69,7 @@ class SharedPasses:
                     out.append(s)
         return out if len(out) > 1 else []
 
-    def lens(self, model, step, n_rows: int, own_track: list[int], compute: Callable[[list[int]], list]
+    def lens(self, model: HookedModel, step, n_rows: int, own_track: list[int], compute: Callable[[list[int]], list]
              ) -> Optional[tuple[list, list[int]]]:
         """``(union lens, union track ids)`` for ``step`` (computed once per sibling group and model),
         or None when the step has no siblings.
@@ -98,7 +99,7 @@ class SharedPasses:
         return self.cache[key]
 
 
-def _row_ids(model, target, n_rows: int) -> list[Optional[int]]:
+def _row_ids(model: HookedModel, target, n_rows: int) -> list[Optional[int]]:
     """Each row's target id for a lens ``target`` field (a token for every row, one per row, or None).
 
     Raises:

@@ -53,7 +53,6 @@ Tables (``pair`` = the row's index in the run, ``row_id`` = its id in the datase
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -681,9 +680,9 @@ class ActivationPatching(Experiment):
         for i, (p, (c, x)) in enumerate(zip(pairs, ids)):
             check_length(model, c, f"{field}[{i}]", p.clean)
             one = len(p.targets) == 1 and len(p.foils) <= 1
-            extra = {} if one else {"targets": json.dumps(p.targets), "foils": json.dumps(p.foils)}
             row = Row(prompt=p.clean, corrupted=p.corrupted, target=p.targets[0] if one else None,
-                      foil=(p.foils[0] if p.foils else None) if one else None, **extra)
+                      foil=(p.foils[0] if p.foils else None) if one else None,
+                      targets=() if one else tuple(p.targets), foils=() if one else tuple(p.foils))
             examples.append(Example(i, row, tuple(c), tids[i][0] if one else None,
                                     fids[i][0] if one and fids is not None else None, {}, tuple(x), n_bos))
         source = "pairs" if self.pairs else str(self.pairs_file)
@@ -809,9 +808,8 @@ class ActivationPatching(Experiment):
             positions, names, auto = self._auto_positions(data)
         pop, pop_name, pop_meta = self._population(model)
 
-        def texts(e: Example, which: str) -> tuple[str, ...]:
-            many = e.row.extra.get(which + "s")
-            return tuple(json.loads(many)) if many is not None else (getattr(e.row, which),)
+        def texts(e: Example, which: str) -> tuple[Optional[str], ...]:
+            return e.row.target_texts if which == "target" else e.row.foil_texts
 
         return ActivationPatchingInputs(
             data=data, target_ids=tuple(tuple(t) for t in tids),

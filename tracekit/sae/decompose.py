@@ -18,7 +18,7 @@ from ..hooks import enabled_hooks
 from ..model.info import HookedModel
 from ..model.norms import run_sigma
 from ..model.readout import Readout
-from ..tokens import Batch, _refuse_padding, check_length, encode, forward_kwargs, pad_ids, str_tokens
+from ..tokens import Batch, check_length, encode, forward_kwargs, pad_ids, refuse_padding, str_tokens
 from .load import LoadedSAE
 from .windows import special_token_ids
 
@@ -359,7 +359,7 @@ def feature_decompositions(model: HookedModel, handle: LoadedSAE, ids: Sequence[
         # that reach the row's real tokens (seen with PyTorch's SDPA); right padding is exact for a
         # causal model (the pads come after every real token, which never attends to them)
         if len({len(r) for r in rows}) > 1:
-            _refuse_padding(model, "prompts")
+            refuse_padding(model, "prompts")
         batch = pad_ids(model, rows, "right")
         ps = [batch.offsets[b] + int(read_at[s + b]) for b in range(batch.size)]
         store, ms = _metric_backward(model, handle, batch, ps, targets[s:s + size])

@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIncompatibleVariableOverride=false, reportReturnType=false, reportOptionalSubscript=false, reportGeneralTypeIssues=false
 """Attribution patching experiment (``kind: attribution_patching``): AtP / AtP* estimates of every
 patching site's effect, checked against the exact engine in the same run.
 
@@ -33,7 +32,7 @@ from .. import patching as P
 from ..circuits.attribution import attribution_patch
 from ..circuits.verification import choose_checked, compare, site_means
 from .base import StrictModel, register
-from .patching import ActivationPatching, ActivationPatchingInputs, ActivationPatchingResult
+from .patching import ActivationPatchingInputs, ActivationPatchingResult, PatchingSpec
 
 __all__ = ["AttributionPatching", "AttributionPatchingResult", "VerifySpec", "verification_lines"]
 
@@ -137,12 +136,13 @@ def verification_lines(v: dict, against: str, what: str) -> list[str]:
 
 
 @register
-class AttributionPatching(ActivationPatching):
+class AttributionPatching(PatchingSpec):
     """Attribution patching (AtP; AtP* with ``qk_fix``) over prompt pairs or a dataset, verified
     against exact patching.
 
-    Besides the fields of :class:`tracekit.experiments.patching.ActivationPatching` (``ablations``
-    must stay empty: AtP estimates the directions):
+    The fields of :class:`tracekit.experiments.patching.ActivationPatching` (shared through
+    :class:`tracekit.experiments.patching.PatchingSpec`; ``ablations`` must stay empty: AtP
+    estimates the directions), and:
 
     Fields:
         qk_fix: AtP*'s QK fix for ``head_q``/``head_k`` sites (exact through the softmax;

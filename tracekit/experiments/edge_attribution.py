@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIncompatibleVariableOverride=false, reportOptionalMemberAccess=false, reportReturnType=false, reportOptionalSubscript=false, reportGeneralTypeIssues=false
 """Edge attribution experiment (``kind: edge_attribution``): EAP / EAP-IG scores of every edge of
 the model's graph, verified against exact path patching of single edges. The method:
 :mod:`tracekit.circuits.edges`; rows: :class:`tracekit.experiments.circuit_rows.CircuitRowsExperiment`::
@@ -19,10 +18,11 @@ from pydantic import Field
 from ..circuits.edges import SIGN_CONVENTION, EdgeScores, edge_attribution
 from ..circuits.paths import path_patch
 from ..circuits.verification import choose_checked, compare
+from ..dataset.paired import PairedRows
 from .attribution import VerifySpec, verification_lines
 from .base import Result, register
-from .circuit_rows import CircuitRowsExperiment, Mode, bar_chart
-from .patching import ActivationPatchingInputs
+from .circuit_rows import CircuitRowsExperiment, Mode
+from .circuits_tables import bar_chart
 
 __all__ = ["EdgeAttribution", "EdgeAttributionResult"]
 
@@ -146,7 +146,7 @@ class EdgeAttribution(CircuitRowsExperiment):
 
     result_class = EdgeAttributionResult
 
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> EdgeAttributionResult:
+    def _run(self, model, inputs: PairedRows, progress: bool = True) -> EdgeAttributionResult:
         clean, corr, tgt, foil = self.ids(inputs)
         es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=self.mode,
                               method=self.method, ig_steps=self.ig_steps, ig_rule=self.ig_rule)

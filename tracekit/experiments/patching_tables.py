@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Table shaping of activation patching (``kind: activation_patching``): the engine's job results
 (:mod:`tracekit.patching`) into the ``main``, ``baselines``, ``rows`` and ``tokens`` tables of
 :class:`tracekit.experiments.patching.ActivationPatchingResult` (columns described there).

@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIncompatibleVariableOverride=false, reportOptionalMemberAccess=false, reportReturnType=false, reportOptionalSubscript=false, reportGeneralTypeIssues=false
 """Path patching experiment (``kind: path_patching``): each sender (or group of senders) patched
 from the source run into chosen receivers only, exactly. The method: :mod:`tracekit.circuits.paths`;
 rows: :class:`tracekit.experiments.circuit_rows.CircuitRowsExperiment`::
@@ -19,10 +18,11 @@ from pydantic import Field
 
 from ..circuits.graph import build_graph
 from ..circuits.paths import path_patch
+from ..dataset.paired import PairedRows
 from ..errors import MethodRefused
 from .base import Result, register
-from .circuit_rows import CircuitRowsExperiment, Mode, bar_chart
-from .patching import ActivationPatchingInputs
+from .circuit_rows import CircuitRowsExperiment, Mode
+from .circuits_tables import bar_chart
 
 __all__ = ["PathPatching", "PathPatchingResult"]
 
@@ -182,12 +182,12 @@ class PathPatching(CircuitRowsExperiment):
             raise MethodRefused(f"senders: every sender writes after a receiver reads (skipped {skipped[:5]})")
         return variants, recv, skipped
 
-    def check(self, model) -> ActivationPatchingInputs:
+    def check(self, model) -> PairedRows:
         inputs = self.prepare(model)
         self._variants(model)
         return inputs
 
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> PathPatchingResult:
+    def _run(self, model, inputs: PairedRows, progress: bool = True) -> PathPatchingResult:
         clean, corr, tgt, foil = self.ids(inputs)
         variants, recv, skipped = self._variants(model)
         run = path_patch(model, clean, corr, variants, [recv] * len(variants), tgt, foil, metrics=[self.metric],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from ..core.errors import DatasetError, PatchingError, TokenizationError
 from ..model.info import HookedModel
@@ -242,7 +242,7 @@ def _pair_rows(model: HookedModel, pairs: list[PromptPair], field: str, source: 
     for i, (p, (c, x)) in enumerate(zip(pairs, ids)):
         check_length(model, c, f"{field}[{i}]", p.clean)
         one = len(p.targets) == 1 and len(p.foils) <= 1
-        extra = {} if one else {"targets": json.dumps(p.targets), "foils": json.dumps(p.foils)}
+        extra: dict[str, Any] = {} if one else {"targets": json.dumps(p.targets), "foils": json.dumps(p.foils)}
         row = Row(prompt=p.clean, corrupted=p.corrupted, target=p.targets[0] if one else None,
                   foil=(p.foils[0] if p.foils else None) if one else None, **extra)
         examples.append(Example(i, row, tuple(c), tids[i][0] if one else None,

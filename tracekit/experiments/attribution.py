@@ -22,7 +22,7 @@ summary's ``verification`` the agreement per intervention.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import pandas as pd
@@ -33,6 +33,7 @@ from ..circuits.attribution import attribution_patch
 from ..circuits.verification import choose_checked, compare, site_means
 from .base import StrictModel, register
 from .patching import ActivationPatchingInputs, ActivationPatchingResult, PatchingSpec
+from .patching_tables import where
 
 __all__ = ["AttributionPatching", "AttributionPatchingResult", "VerifySpec", "verification_lines"]
 
@@ -172,7 +173,7 @@ class AttributionPatching(PatchingSpec):
             [list(t) for t in inputs.target_ids], None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids],
             layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
             positions=None if inputs.positions is None else [list(p) for p in inputs.positions], qk_fix=self.qk_fix)
-        res = self._result(model, inputs, out)
+        res = cast(AttributionPatchingResult, self._result(model, inputs, out))
         qk_sites = any(s.startswith(("head_q", "head_k")) for s in P.expand_sites(self.sites))
         res.meta["method"] = "atp*" if self.qk_fix and qk_sites else "atp"
         res.meta["verification"] = None
@@ -211,7 +212,7 @@ class AttributionPatching(PatchingSpec):
                                                          approx_rank=rank[np.r_[top, sample]])
             exact = self._exact(model, inputs, str(mode), checked)
             keys = ["intervention", "site", "layer", "pos_key", "head_idx", "neuron"]
-            m = checked.merge(exact[keys + ["effect"]].rename(columns={"effect": "exact_effect"}), on=keys, how="left")
+            m = checked.merge(cast(pd.DataFrame, exact[keys + ["effect"]]).rename(columns={"effect": "exact_effect"}), on=keys, how="left")
             m = m.rename(columns={"effect": "approx_effect"})
             m["label"] = [_label(r) for _, r in m.iterrows()]
             stats[str(mode)] = compare(m["approx_effect"].to_numpy(float), m["exact_effect"].to_numpy(float),
@@ -247,9 +248,9 @@ class AttributionPatching(PatchingSpec):
 
             index_rows = {}
             for site, g in checked.groupby("site", sort=False):
-                axes = P.SITES[site].axes
+                axes = P.SITES[str(site)].axes
                 if "pos" in axes:
-                    g = g[g["pos_key"].isin(keys)]
+                    g = where(g, g["pos_key"].isin(keys))
                 if not len(g):
                     continue
                 df = pd.DataFrame({"layer": g["layer"].astype(int).to_numpy()})

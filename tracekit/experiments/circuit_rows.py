@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Optional
 
+import numpy as np
 import pandas as pd
+import torch
 from pydantic import Field
 
 from ..core.errors import DatasetError
@@ -61,7 +63,10 @@ class CircuitRowsExperiment(RowSource, Experiment):
         tgt, foil = inputs.single_target("circuit methods")
         return [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids], tgt, foil
 
-    def _rows_table(self, inputs: PairedRows, clean: Sequence[float], corrupted: Sequence[float]) -> pd.DataFrame:
+    def _rows_table(self, inputs: PairedRows, clean: Sequence[float] | np.ndarray | torch.Tensor,
+                    corrupted: Sequence[float] | np.ndarray | torch.Tensor) -> pd.DataFrame:
+        """The ``rows`` table: per row its fields and the clean and corrupted metric (``clean`` /
+        ``corrupted``: ``[rows]``)."""
         m = self.metric
         recs = [{"row_id": e.row_id, f"clean_{m}": float(c), f"corrupted_{m}": float(x)}
                 for e, c, x in zip(inputs.data.examples, clean, corrupted)]

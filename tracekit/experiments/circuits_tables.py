@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+import numpy as np
 
 from .base import Result
+from .patching_tables import column, is_missing, records, where
 
 if TYPE_CHECKING:
     from .circuits import Circuit
@@ -70,8 +71,8 @@ class CircuitResult(Result):
                   f"CMD {s['cmd']:.3f}{ci(s['cmd_ci'])} (area under |1 - faithfulness|; lower is better)"
                   if s["cpr"] is not None else "  (a circuit listed by hand: faithfulness of that circuit only)"),
                  "  size  fraction  edges  faithfulness [95% CI]"]
-        for _, r in self.tables["curve"].iterrows():
-            c = "" if pd.isna(r["ci_low"]) else f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+        for r in records(self.tables["curve"]):
+            c = "" if is_missing(r["ci_low"]) else f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
             lines.append(f"  {int(r['circuit_size']):5d}  {r['fraction']:.4f}  {int(r['n_edges']):6d}  {r['faithfulness']:+.3f}{c}")
         size = f"{ch['size']} {s['level']}" + (f" ({ch['n_edges']} edges)" if s["level"] == "nodes" else "")
         reached = ch["faithfulness"] >= s["threshold"]
@@ -91,10 +92,10 @@ class CircuitResult(Result):
         import matplotlib.pyplot as plt
 
         c = self.tables["curve"]
-        c = c[c["fraction"] > 0]
+        c = where(c, c["fraction"] > 0)
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         ax.plot(c["fraction"], c["faithfulness"], marker="o", label="circuit")
-        if c["ci_low"].notna().any():
+        if column(c, "ci_low").notna().any():
             ax.fill_between(c["fraction"], c["ci_low"], c["ci_high"], alpha=0.25, label="95% bootstrap over rows")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.axhline(self.config.threshold, color="tab:green", lw=0.8, ls=":", label=f"threshold {self.config.threshold}")
@@ -109,7 +110,7 @@ class CircuitResult(Result):
         return {"faithfulness": fig}
 
 
-def bar_chart(ax: Any, labels: Sequence[str], values: Sequence[float], title: str, xlabel: str) -> None:
+def bar_chart(ax: Any, labels: Sequence[str], values: Sequence[float] | np.ndarray, title: str, xlabel: str) -> None:
     """Horizontal bars of ``values`` (positive blue, negative red) labelled by ``labels``, first on top,
     on the matplotlib axes ``ax``."""
     ax.barh(range(len(values)), values, color=["tab:blue" if v >= 0 else "tab:red" for v in values])

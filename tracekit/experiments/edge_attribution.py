@@ -23,6 +23,7 @@ from .attribution import VerifySpec, verification_lines
 from .base import Result, register
 from .circuit_rows import CircuitRowsExperiment, Mode
 from .circuits_tables import bar_chart
+from .patching_tables import column, is_missing, records
 
 __all__ = ["EdgeAttribution", "EdgeAttributionResult"]
 
@@ -64,11 +65,12 @@ class EdgeAttributionResult(Result):
             "ig_rule": self.config.ig_rule if self.config.method == "eap_ig" else None,
             "sign_convention": SIGN_CONVENTION,
             "n_rows": int(len(rows)), "n_edges": int(len(e)),
-            "mean_clean": float(rows[f"clean_{m}"].mean()), "mean_corrupted": float(rows[f"corrupted_{m}"].mean()),
+            "mean_clean": float(column(rows, f"clean_{m}").mean()),
+                "mean_corrupted": float(column(rows, f"corrupted_{m}").mean()),
             "top_edges": [{"edge": r["edge"], "score": round(float(r["score"]), 6),
-                           "normalized": None if pd.isna(r["normalized"]) else round(float(r["normalized"]), 6)}
-                          for _, r in e.head(k).iterrows()],
-            "top_nodes": [{"node": r["node"], "score": round(float(r["score"]), 6)} for _, r in n.head(k).iterrows()],
+                           "normalized": None if is_missing(r["normalized"]) else round(float(r["normalized"]), 6)}
+                          for r in records(e.head(k))],
+            "top_nodes": [{"node": r["node"], "score": round(float(r["score"]), 6)} for r in records(n.head(k))],
             "verification": self.meta.get("verification"),
         }
 

@@ -52,7 +52,7 @@ Tables (``pair`` = the row's index in the run, ``row_id`` = its id in the datase
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -180,23 +180,8 @@ class ActivationPatchingResult(Result):
 
     def _mean_rows(self, metric: str | None = None) -> pd.DataFrame:
         df = self.tables["main"]
-        df = df[df["scope"] == "mean"]
-        return df[df["metric"] == (metric or self.config.main_metric)]
-
-    def _site_label(self, r) -> str:
-        parts = [f"L{int(r['layer'])}"]
-        if not pd.isna(r.get("head_idx")):
-            parts.append(f"H{int(r['head_idx'])}")
-        if not pd.isna(r.get("neuron")):
-            parts.append(f"N{int(r['neuron'])}")
-        name = r.get("position_name")
-        if isinstance(name, str):
-            parts.append(f"pos {name}")
-        elif not pd.isna(r.get("pos_from_end")):
-            tok = r.get("token")
-            parts.append(f"pos {int(r['position'])} {tok!r}" if not pd.isna(r.get("position"))
-                         else f"pos {int(r['pos_from_end'])}")
-        return " ".join(parts)
+        df = T.where(df, df["scope"] == "mean")
+        return T.where(df, df["metric"] == (metric or self.config.main_metric))
 
     def top_sites(self, n: int | None = None, intervention: str | None = None, site: str | None = None,
                   metric: str | None = None, *, family: str | list[str] = "auto", trivial: bool = False,
@@ -236,15 +221,15 @@ class ActivationPatchingResult(Result):
         n = n if n is not None else k
         df = self._mean_rows(metric)
         if intervention is not None:
-            df = df[df["intervention"] == intervention]
+            df = T.where(df, df["intervention"] == intervention)
         if site is not None:
-            df = df[df["site"] == site]
+            df = T.where(df, df["site"] == site)
         df = df.assign(family=df["site"].astype(str).map(T.site_family))
         df = df.assign(trivial=self._trivial().reindex(df.index).fillna(False).astype(bool))
         fams = self._families(family, df)
-        df = df[df["family"].isin(fams) & (trivial | ~df["trivial"])]
+        df = T.where(df, df["family"].isin(fams) & (trivial | ~df["trivial"]))
         col = self.ranked_by
-        df = df[df[col].notna()]
+        df = T.where(df, df[col].notna())
         df = df.assign(_abs=df[col].abs()).sort_values(["_abs", "layer"], ascending=[False, True])
         return df.drop(columns="_abs").head(n or self.config.top_k)
 
@@ -253,7 +238,7 @@ class ActivationPatchingResult(Result):
         main = self.tables["main"]
         key = (id(main), len(main))
         if getattr(self, "_trivial_key", None) != key:
-            mean = main[main["scope"] == "mean"]
+            mean = T.where(main, main["scope"] == "mean")
             self._trivial_flags = T.trivial_lines(mean, self._rows_table(), self.tables["tokens"],
                                                   int(self.meta.get("n_layers", 0)))
             self._trivial_key = key
@@ -306,9 +291,9 @@ class ActivationPatchingResult(Result):
             "positions_auto": self.meta.get("positions_auto"),
         }
 
-        def mean_or_none(x) -> float | None:
-            x = pd.to_numeric(x, errors="coerce")
-            return None if x.isna().all() else float(x.mean())
+        def mean_or_none(x: pd.Series | pd.DataFrame) -> float | None:
+            num = cast(pd.Series, pd.to_numeric(x, errors="coerce"))
+            return None if num.isna().all() else float(num.mean())
 
         out["mean_clean"] = {m: mean_or_none(g["clean"]) for m, g in base.groupby("metric")}
         out["mean_corrupted"] = {m: mean_or_none(g["corrupted"]) for m, g in base.groupby("metric")}
@@ -316,29 +301,30 @@ class ActivationPatchingResult(Result):
         out["clean_logit_diff_by_row"] = [float(x) for x in rows["clean_logit_diff"]] if has_ld else None
         out["corrupted_logit_diff_by_row"] = ([None if pd.isna(x) else float(x) for x in rows["corrupted_logit_diff"]]
                                               if has_ld else None)
-        out["correct_by_row"] = [bool(x) for x in rows["correct"]] if has_ld else None
-        out["share_rows_correct"] = float(np.mean(out["correct_by_row"])) if has_ld and len(rows) else None
-        flagged = base[base["flagged"]]
+        correct = [bool(x) for x in rows["correct"]] if has_ld else None
+        out["correct_by_row"] = correct
+        out["share_rows_correct"] = float(np.mean(correct)) if correct is not None and len(rows) else None
+        flagged = T.where(base, base["flagged"])
         rid = "row_id" if "row_id" in base else "pair"
         out["flagged_rows"] = [{"pair": int(r["pair"]), "row_id": int(r[rid]), "metric": r["metric"],
                                 "clean": float(r["clean"]), "corrupted": float(r["corrupted"])}
-                               for _, r in flagged.iterrows()]
-        main_base = base[base["metric"] == cfg.main_metric]
-        out["n_rows_flagged"] = int(main_base["flagged"].sum())
-        out["n_rows_unflagged"] = int((~main_base["flagged"]).sum())
-        mrows = self.tables["main"][self.tables["main"]["scope"] == "mean"]
-        out["metrics_with_flagged_mean"] = sorted(mrows[mrows["flagged"].astype(bool)]["metric"].unique().tolist())
+                               for r in T.records(flagged)]
+        main_base = T.where(base, base["metric"] == cfg.main_metric)
+        out["n_rows_flagged"] = int(T.column(main_base, "flagged").sum())
+        out["n_rows_unflagged"] = int((~T.column(main_base, "flagged")).sum())
+        mrows = T.where(self.tables["main"], self.tables["main"]["scope"] == "mean")
+        out["metrics_with_flagged_mean"] = sorted(T.where(mrows, mrows["flagged"].astype(bool))["metric"].unique().tolist())
         out["baseline_population"] = self.meta.get("baseline_population")
         out["ranked_by"] = self.ranked_by
 
-        def rec(r) -> dict:
+        def rec(r: dict[str, Any]) -> dict:
             d = {"intervention": r["intervention"], "site": r["site"], "layer": int(r["layer"]),
-                 "label": self._site_label(r)}
+                 "label": T.site_label(r)}
             for c in ("value", "delta", "normalized", "effect"):
                 v = r.get(c)
-                d[f"mean_{c}"] = None if pd.isna(v) else float(v)  # unrounded, as every number of this summary
+                d[f"mean_{c}"] = None if T.is_missing(v) else float(cast(float, v))  # unrounded, as every number of this summary
             for c in ("position", "head_idx", "neuron"):
-                if not pd.isna(r.get(c)):
+                if not T.is_missing(r.get(c)):
                     d[c] = int(r[c])
             for c in ("position_name", "token"):
                 if isinstance(r.get(c), str):
@@ -346,149 +332,26 @@ class ActivationPatchingResult(Result):
             return d
 
         top = self.top_sites()
-        out["top_sites"] = [rec(r) for _, r in top.iterrows()]
+        out["top_sites"] = [rec(r) for r in T.records(top)]
         out["top_sites_families"] = sorted(set(top["family"]))
-        out["top_resid_sites"] = [rec(r) for _, r in self.top_sites(family="resid").iterrows()]
+        out["top_resid_sites"] = [rec(r) for r in T.records(self.top_sites(family="resid"))]
         by = {}
-        for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):
-            top = self.top_sites(k=3, intervention=d, site=s)
-            by[f"{d}/{s}"] = [rec(r) for _, r in top.iterrows()]
+        for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):  # pyright: ignore[reportGeneralTypeIssues] # stubs: a list key gives tuples
+            top = self.top_sites(k=3, intervention=str(d), site=str(s))
+            by[f"{d}/{s}"] = [rec(r) for r in T.records(top)]
         out["top_by_site"] = by
         return out
 
     def report(self) -> str:
-        s = self.summary()
-        cfg = self.config
-        pos = f", positions {s['positions']}" if s["positions"] else ""
-        lines = [(f"activation patching [{cfg.step_name}]: {s['n_rows']} row(s) from {s['dataset_source']}, "
-                  f"sites {s['sites']}{pos}, interventions {s['interventions']}")]
-        if s["positions_auto"]:
-            lines.append(f"  positions: {s['positions_auto']}")
-        if s["rows_dropped"]:
-            lines.append("  rows dropped: " + ", ".join(f"{k}: {v}" for k, v in s["rows_dropped"].items()))
-        base = self.tables["baselines"]
-        for m in cfg.metrics:
-            b = base[base["metric"] == m]
-            corr = f"{b['corrupted'].mean():+.4f}" if b["corrupted"].notna().any() else "(no corrupted prompts)"
-            lines.append(f"  {m:10s} clean {b['clean'].mean():+.4f}  corrupted {corr}"
-                         f"  (mean over rows; flagged {int(b['flagged'].sum())})")
-        if s["share_rows_correct"] is not None:
-            lines.append(f"  correct (clean logit_diff > 0): {s['share_rows_correct']:.2%} of rows")
-        if s["flagged_rows"]:
-            lines.append(f"  FLAGGED (|clean - corrupted| < {cfg.min_denominator}): "
-                         + ", ".join(f"row {f['row_id']} {f['metric']}" for f in s["flagged_rows"]))
-        if s["ranked_by"] == "effect":
-            lines.append(f"top sites by |effect| on {cfg.main_metric}, mean over rows (effect = normalized for "
-                         "denoising, 1 - normalized for noising/ablations; normalized: 1 = clean, 0 = corrupted):")
-        else:
-            lines.append(f"top sites by |delta| = |patched - clean| on {cfg.main_metric}, mean over rows (no "
-                         "corrupted prompts: nothing to normalise against):")
-        lines.append(f"  {'effect':>8} {'normalized':>10} {'delta':>9}  {'intervention':12s} {'site':18s} index")
-
-        def num(v, w):
-            return f"{v:+{w}.4f}" if v is not None else f"{'-':>{w}}"
-
-        def line(t) -> str:
-            return (f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
-                    f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
-
-        lines += [line(t) for t in s["top_sites"]]
-        if "resid" not in s["top_sites_families"] and s["top_resid_sites"]:
-            lines.append("residual stream, ranked apart (a whole position's state; by-construction lines left out):")
-            lines += [line(t) for t in s["top_resid_sites"][:3]]
-        return "\n".join(lines)
+        """The summary as text (:func:`~tracekit.experiments.patching_tables.report_text`)."""
+        return T.report_text(self.summary(), self.config, self.tables["baselines"])
 
     # ---- figures -------------------------------------------------------------------------
     def figures(self) -> dict:
-        # Long (reason): one figure per (site family, intervention) from the same mean table; each block is a few plotting calls.
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        figs = {}
-        df = self._mean_rows()
-        toks = self.tables["tokens"]
-        t0 = toks[(toks["pair"] == toks["pair"].min())]
-        clean_t = t0[t0["prompt"] == "clean"].set_index("position")["token"]
-        corr_t = t0[t0["prompt"] == "corrupted"].set_index("position")["token"]
-        equal_len = bool(self.meta.get("equal_lengths", True))
-        named = bool(self.meta.get("positions"))
-        value_col = "normalized" if self.ranked_by == "effect" else "delta"
-        value_label = (f"normalized {self.config.main_metric}: 1 = clean, 0 = corrupted" if value_col == "normalized"
-                       else f"{self.config.main_metric} patched - clean")
-
-        def pos_label(pfe) -> str:
-            n = len(clean_t)
-            p = n + int(pfe)
-            if not equal_len or p not in clean_t.index:
-                return f"{int(pfe)}"
-            a, b = clean_t[p], corr_t.get(p, clean_t[p])
-            lab = repr(a)[1:-1] if a == b else f"{repr(a)[1:-1]}/{repr(b)[1:-1]}"
-            return f"{lab[:14]} ({p})"
-
-        names = list(self.meta.get("positions") or [])
-        order = {n: i for i, n in enumerate(names)}
-
-        def ptick(p) -> str:
-            """Tick label of a ``_pos`` value: the position's name (chosen positions, by slot) or
-            its token (position from the end)."""
-            return names[int(p)] if named else pos_label(p)
-
-        for (d, site), g in df.groupby(["intervention", "site"], sort=True):
-            axes = P.SITES[site].axes
-            g = g.copy()
-            g["layer"] = g["layer"].astype(int)
-            if named and "pos" in axes:
-                g["_pos"] = g["position_name"].map(order)
-            elif "pos" in axes:
-                g["_pos"] = g["pos_from_end"]
-            if axes == ("pos",) or axes == ():
-                col = "_pos" if axes else None
-                if col is None:
-                    g["_c"] = 0
-                    col = "_c"
-                piv = g.pivot_table(index="layer", columns=col, values=value_col, aggfunc="mean")
-                xl = [ptick(c) for c in piv.columns] if axes else ["all positions"]
-                xlabel = "position (token)" if not named else "position (named, per row)"
-            elif axes == ("head",):
-                piv = g.pivot_table(index="layer", columns="head_idx", values=value_col, aggfunc="mean")
-                xl = [str(int(c)) for c in piv.columns]
-                xlabel = "head" + (" (key/value head)" if P.SITES[site].kv_heads else "")
-            elif axes == ("pos", "head"):
-                piv = g.pivot_table(index="layer", columns=["_pos", "head_idx"], values=value_col, aggfunc="mean")
-                xl = [f"{ptick(p)} H{int(h)}" if int(h) == 0 else f"H{int(h)}" for p, h in piv.columns]
-                xlabel = "position (token) x head"
-            elif axes == ("neuron",):
-                piv = g.pivot_table(index="layer", columns="neuron", values=value_col, aggfunc="mean")
-                xl = None
-                xlabel = "neuron"
-            else:  # ("pos", "neuron")
-                piv = g.pivot_table(index=["layer", "_pos"], columns="neuron", values=value_col, aggfunc="mean")
-                piv.index = [f"L{int(L)} {ptick(p)}" for L, p in piv.index]
-                xl = None
-                xlabel = "neuron"
-            grid = piv.to_numpy(dtype=float)
-            lim = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
-            lim = max(lim, 1e-6)
-            w = 3.5 + (0.55 * grid.shape[1] if xl is not None and grid.shape[1] <= 60 else 8)
-            h = 2.0 + 0.22 * grid.shape[0]
-            fig, ax = plt.subplots(figsize=(min(w, 40), min(h, 30)))
-            im = ax.imshow(grid, aspect="auto", origin="lower", cmap="RdBu", vmin=-lim, vmax=lim,
-                           interpolation="nearest")
-            if xl is not None:
-                ax.set_xticks(range(len(xl)), xl, rotation=70, fontsize=7)
-            ax.set_yticks(range(len(piv.index)), [str(i) for i in piv.index], fontsize=6)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("layer")
-            what = {"denoising": "clean -> corrupted run", "noising": "corrupted -> clean run"}.get(
-                d, f"{d} ablation of the clean run")
-            n_rows = int(self.tables["baselines"]["pair"].nunique())
-            ax.set_title(f"{site} patching, {d} ({what}), mean over {n_rows} row(s)\n{value_label}", fontsize=9)
-            fig.colorbar(im, ax=ax, fraction=0.03)
-            fig.tight_layout()
-            figs[f"{d}_{site}"] = fig
-        return figs
+        """One heatmap per (intervention, site) of the main metric's mean-over-rows lines
+        (:func:`~tracekit.experiments.patching_tables.heatmaps`)."""
+        return T.heatmaps(self._mean_rows(), self.tables["tokens"], self.tables["baselines"], self.meta,
+                          self.config.main_metric, self.ranked_by)
 
 
 class PatchingSpec(RowSource, Experiment):
@@ -617,7 +480,7 @@ class PatchingSpec(RowSource, Experiment):
     @property
     def modes(self) -> list[str]:
         """The directions, then the ablations."""
-        return list(self.directions) + list(self.ablations)
+        return [str(d) for d in self.directions] + [str(a) for a in self.ablations]
 
     def _population(self, model: HookedModel) -> tuple[tuple[tuple[int, ...], ...] | None, str, str]:
         """``(baseline ids or None, population name for errors, population name for meta)``."""
@@ -692,10 +555,10 @@ class PatchingSpec(RowSource, Experiment):
         rows = rows_frame(inputs.data, scored, list(self.metrics), self.main_metric,
                           [list(t) for t in inputs.targets],
                           None if inputs.foils is None else [list(f) for f in inputs.foils])
-        baselines = scored[scored["metric"].isin(self.metrics)].reset_index(drop=True)
+        baselines = T.where(scored, scored["metric"].isin(self.metrics)).reset_index(drop=True)
         frames = [job_frame(job, tokens_df, metrics, row_ids, inputs.position_names) for job in out.jobs]
         per_row = pd.concat(frames, ignore_index=True)
-        per_row = per_row[per_row["metric"].isin(self.metrics)].reset_index(drop=True)
+        per_row = T.where(per_row, per_row["metric"].isin(self.metrics)).reset_index(drop=True)
         equal = len(set(lengths)) == 1
         main = normalise(per_row, baselines, equal, self.min_denominator, named=positions is not None)
         meta = {"n_layers": n_layers, "sites": sites, "modes": modes, "lengths": lengths,
@@ -711,7 +574,7 @@ class PatchingSpec(RowSource, Experiment):
                                            "min_mean": P.MIN_MEAN_POPULATION,
                                            "alignment": "position from the end; own clean prompt excluded"}
         tables = {"main": main, "rows": rows, "baselines": baselines, "tokens": tokens_df}
-        return self.result_class(self, tables, meta)
+        return cast(ActivationPatchingResult, self.result_class(self, tables, meta))
 
 
 @register
@@ -755,10 +618,13 @@ class ActivationPatching(PatchingSpec):
                                  self.neuron_layers, self.neurons,
                                  n_positions=None if positions is None else len(positions[0]))
         bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
+
+        def tick(k: int) -> None:
+            bar.update(k)
         try:
             return P.run_patching(model, clean_ids, corr_ids, sites, self.modes, self.metric_names(inputs), tids,
                                   fids, layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
                                   baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
-                                  skip_unchanged=self.skip_unchanged, progress=bar.update, positions=positions)
+                                  skip_unchanged=self.skip_unchanged, progress=tick, positions=positions)
         finally:
             bar.close()

@@ -23,6 +23,7 @@ from ..errors import MethodRefused
 from .base import Result, register
 from .circuit_rows import CircuitRowsExperiment, Mode
 from .circuits_tables import bar_chart
+from .patching_tables import column, is_missing, records, where
 
 __all__ = ["PathPatching", "PathPatchingResult"]
 
@@ -49,17 +50,18 @@ class PathPatchingResult(Result):
 
     def summary(self) -> dict:
         df = self.tables["main"]
-        mean = df[df["scope"] == "mean"].copy()
-        mean = mean.assign(_a=mean["effect"].abs()).sort_values("_a", ascending=False)
+        mean = where(df, df["scope"] == "mean").copy()
+        mean = mean.assign(_a=column(mean, "effect").abs()).sort_values("_a", ascending=False)
         rows = self.tables["rows"]
         m = self.config.metric
         return {"mode": self.config.mode, "recipe": self.config.recipe, "metric": m, "n_rows": int(len(rows)),
                 "receivers": list(self.meta["receivers"]), "n_variants": int(len(mean)),
                 "skipped": list(self.meta.get("skipped", [])),
-                "mean_clean": float(rows[f"clean_{m}"].mean()), "mean_corrupted": float(rows[f"corrupted_{m}"].mean()),
+                "mean_clean": float(column(rows, f"clean_{m}").mean()),
+                "mean_corrupted": float(column(rows, f"corrupted_{m}").mean()),
                 "effects": [{"senders": r["senders"], "mean_delta": round(float(r["delta"]), 6),
-                             "mean_effect": None if pd.isna(r["effect"]) else round(float(r["effect"]), 6)}
-                            for _, r in mean.iterrows()]}
+                             "mean_effect": None if is_missing(r["effect"]) else round(float(r["effect"]), 6)}
+                            for r in records(mean)]}
 
     def report(self) -> str:
         s = self.summary()

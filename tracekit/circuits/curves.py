@@ -147,12 +147,20 @@ def faithfulness_curve(model: HookedModel, graph: Graph, clean: Sequence[Sequenc
     and MLP for ``nodes``) with ``bootstrap`` intervals over rows.
 
     Args:
-        model: the model; graph: its :class:`Graph`.
-        clean / corrupted: per row the token ids (equal lengths per row); target / foil: per row one id.
-        cand: :class:`Candidates`; metric: one metric name; ablation: ``corrupted``, ``mean``,
-            ``zero`` or ``resample`` (:func:`tracekit.circuits.faithfulness.evaluate_circuits`).
-        seed: the bootstrap's and the ``resample`` ablation's seed; threshold: the faithfulness the
-            chosen circuit reaches.
+        model: the model.
+        graph: its :class:`Graph`.
+        clean: per row the clean token ids.
+        corrupted: per row the corrupted token ids (as long as the clean ones).
+        target: per row one target id.
+        foil: per row one foil id, or None.
+        cand: :class:`Candidates`.
+        level: ``edges`` or ``nodes`` (what the fractions count).
+        metric: one metric name.
+        ablation: ``corrupted``, ``mean``, ``zero`` or ``resample``
+            (:func:`tracekit.circuits.faithfulness.evaluate_circuits`).
+        seed: the bootstrap's and the ``resample`` ablation's seed.
+        bootstrap: resamples of the rows for the intervals (0: none).
+        threshold: the faithfulness the chosen circuit reaches.
 
     Raises:
         MethodRefused / PatchingError: as :func:`tracekit.circuits.faithfulness.evaluate_circuits`.

@@ -25,7 +25,7 @@ from .pairs import PromptPair, load_pairs
 from .rows import Example, PreparedDataset, Row
 from .spec import DatasetSpec
 
-__all__ = ["PairedRows", "POSITION_SPEC_FORMS", "pair_ids", "side_by_side"]
+__all__ = ["PairedRows", "POSITION_SPEC_FORMS", "pair_ids", "side_by_side", "position_specs"]
 
 #: Forms a ``positions`` entry takes (:data:`tracekit.tokens.POSITION_FORMS`).
 POSITION_SPEC_FORMS = ("int", "last", "token:<text>", "name")
@@ -124,7 +124,9 @@ class PairedRows:
 
         Args:
             model: the model (its tokenizer and config).
-            pairs / pairs_file / dataset: the rows (pairs become rows with ``prompt`` = ``clean``).
+            pairs: inline pairs (they become rows with ``prompt`` = ``clean``).
+            pairs_file: or a file of pairs (:func:`tracekit.dataset.pairs.load_pairs`).
+            dataset: or a dataset (:class:`tracekit.dataset.DatasetSpec`).
             positions: ``positions`` entries (:data:`POSITION_SPEC_FORMS`), resolved per row; None:
                 every position.
             foil_required: every row needs a foil (the ``logit_diff`` metric).
@@ -170,6 +172,28 @@ class PairedRows:
             has_corrupted=has_corr,
             positions=None if pos is None else tuple(tuple(r) for r in pos),
             position_names=tuple(names), positions_auto=auto)
+
+
+def position_specs(v: Any) -> Any:
+    """A config's ``positions`` checked (a field validator's body): None, or a non-empty list of
+    :data:`POSITION_SPEC_FORMS` entries (a single one becomes a list), none given twice.
+
+    Raises:
+        ValueError: an empty list, an entry of no such form, a position given twice.
+    """
+    if v is None:
+        return v
+    if isinstance(v, (str, int)):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise ValueError("positions: give a non-empty list (e.g. [S2, END] or [-1])")
+    labels = []
+    for i, p in enumerate(v):
+        labels.append(str(parse_position(p, POSITION_SPEC_FORMS, f"positions[{i}]")))
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"positions: {dup} given twice")
+    return v
 
 
 def side_by_side(cs: Sequence[str], xs: Sequence[str]) -> str:

@@ -31,6 +31,7 @@ from pydantic import Field, model_validator
 from .. import patching as P
 from ..circuits.attribution import attribution_patch
 from ..circuits.verification import choose_checked, compare, site_means
+from ..model.info import HookedModel
 from .base import StrictModel, register
 from .patching import ActivationPatchingInputs, ActivationPatchingResult, PatchingSpec
 from .patching_tables import where
@@ -166,7 +167,7 @@ class AttributionPatching(PatchingSpec):
                              f"{list(self.ablations)} are exact ablations: use kind activation_patching for them")
         return self
 
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> AttributionPatchingResult:
+    def _run(self, model: HookedModel, inputs: ActivationPatchingInputs, progress: bool = True) -> AttributionPatchingResult:
         out = attribution_patch(
             model, [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids],
             P.expand_sites(self.sites), list(self.directions), self.metric_names(inputs),
@@ -199,7 +200,7 @@ class AttributionPatching(PatchingSpec):
             return pos if equal else pos - job.n_pos
         return key
 
-    def _verify(self, model, inputs: ActivationPatchingInputs, out: P.PatchingRun) -> tuple[pd.DataFrame, dict]:
+    def _verify(self, model: HookedModel, inputs: ActivationPatchingInputs, out: P.PatchingRun) -> tuple[pd.DataFrame, dict]:
         """Exact patching of the checked sites on the same rows; the table and the stats per intervention."""
         approx = site_means([(out, self._pos_key(inputs))], self.main_metric)
         tables, stats = [], {}
@@ -226,7 +227,7 @@ class AttributionPatching(PatchingSpec):
             table[c] = table[c].astype("Int64")
         return table, stats
 
-    def _exact(self, model, inputs: ActivationPatchingInputs, mode: str, checked: pd.DataFrame) -> pd.DataFrame:
+    def _exact(self, model: HookedModel, inputs: ActivationPatchingInputs, mode: str, checked: pd.DataFrame) -> pd.DataFrame:
         """Exact patching of the checked sites (one :func:`tracekit.patching.run_patching` call per
         group of equal-length rows, positions as slots), as :func:`site_means`."""
         names = list(inputs.position_names)

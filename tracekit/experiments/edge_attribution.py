@@ -19,6 +19,7 @@ from ..circuits.edges import SIGN_CONVENTION, EdgeScores, edge_attribution
 from ..circuits.paths import path_patch
 from ..circuits.verification import choose_checked, compare
 from ..dataset.paired import PairedRows
+from ..model.info import HookedModel
 from .attribution import VerifySpec, verification_lines
 from .base import Result, register
 from .circuit_rows import CircuitRowsExperiment, Mode
@@ -148,7 +149,7 @@ class EdgeAttribution(CircuitRowsExperiment):
 
     result_class = EdgeAttributionResult
 
-    def _run(self, model, inputs: PairedRows, progress: bool = True) -> EdgeAttributionResult:
+    def _run(self, model: HookedModel, inputs: PairedRows, progress: bool = True) -> EdgeAttributionResult:
         clean, corr, tgt, foil = self.ids(inputs)
         es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=self.mode,
                               method=self.method, ig_steps=self.ig_steps, ig_rule=self.ig_rule)
@@ -173,7 +174,7 @@ def _node_frame(es: EdgeScores) -> pd.DataFrame:
     return df.sort_values("abs_rank").reset_index(drop=True)
 
 
-def _verify_edges(model, cfg, es: EdgeScores, edges: pd.DataFrame, clean, corr, tgt, foil) -> tuple[pd.DataFrame, dict]:
+def _verify_edges(model: HookedModel, cfg: "EdgeAttribution", es: EdgeScores, edges: pd.DataFrame, clean, corr, tgt, foil) -> tuple[pd.DataFrame, dict]:
     """Exact path patching of the top edges and a random sample of the rest (one edge per variant)."""
     top, sample = choose_checked(edges["score"].to_numpy(float), cfg.verify.top_k, cfg.verify.n_random, cfg.verify.seed)
     idx = np.r_[top, sample]

@@ -62,11 +62,11 @@ from tqdm.auto import tqdm
 
 from .. import patching as P
 from ..dataset import DatasetSpec
-from ..dataset.paired import POSITION_SPEC_FORMS, PairedRows
+from ..dataset.paired import POSITION_SPEC_FORMS, PairedRows, position_specs
 from ..dataset.pairs import PromptPair, load_pairs
 from ..errors import PatchingError
 from ..model.info import HookedModel
-from ..tokens import check_length, encode, parse_position
+from ..tokens import check_length, encode
 from . import patching_tables as T
 from .base import Experiment, Indices, OptionalPrompts, Result, register
 from .patching_tables import baselines_frame, job_frame, normalise, rows_frame, tokens_frame
@@ -226,7 +226,7 @@ class ActivationPatchingResult(Result):
             df = T.where(df, df["site"] == site)
         df = df.assign(family=df["site"].astype(str).map(T.site_family))
         df = df.assign(trivial=self._trivial().reindex(df.index).fillna(False).astype(bool))
-        fams = self._families(family, df)
+        fams = T.families(family, df)
         df = T.where(df, df["family"].isin(fams) & (trivial | ~df["trivial"]))
         col = self.ranked_by
         df = T.where(df, df[col].notna())
@@ -248,29 +248,9 @@ class ActivationPatchingResult(Result):
         """:meth:`top_sites` of the attention heads (``family="heads"``; the other arguments as there)."""
         return self.top_sites(n, family="heads", **kw)
 
-    @staticmethod
-    def _families(family: str | list[str], df: pd.DataFrame) -> list[str]:
-        """The families ``top_sites`` ranks (``auto``: the components when any were patched)."""
-        if family == "auto":
-            comps = sorted(set(df["family"]) - {"resid"})
-            return comps or ["resid"]
-        fams = list(T.SITE_FAMILIES) + ["other"] if family == "all" else [family] if isinstance(family, str) else family
-        bad = [f for f in fams if f not in T.SITE_FAMILIES and f != "other"]
-        if bad:
-            raise ValueError(f"family: unknown {bad}; use 'auto', 'all' or of {list(T.SITE_FAMILIES)}")
-        return list(fams)
-
     def _rows_table(self) -> pd.DataFrame:
-        """The ``rows`` table (results saved before it existed: built from ``baselines``)."""
-        if "rows" in self.tables:
-            return self.tables["rows"]
-        base = self.tables["baselines"]
-        wide = base.pivot(index="pair", columns="metric", values=["clean", "corrupted"]).sort_index()
-        df = pd.DataFrame({"pair": wide.index.to_numpy(), "row_id": wide.index.to_numpy()})
-        for (which, m) in wide.columns:
-            df[f"{which}_{m}"] = wide[(which, m)].to_numpy()
-        df["correct"] = (df["clean_logit_diff"] > 0) if "clean_logit_diff" in df else pd.NA
-        return df
+        """The ``rows`` table (:func:`~tracekit.experiments.patching_tables.rows_table`)."""
+        return T.rows_table(self.tables)
 
     # ---- summary -------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -434,19 +414,7 @@ class PatchingSpec(RowSource, Experiment):
     @field_validator("positions", mode="before")
     @classmethod
     def _positions(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        if isinstance(v, (str, int)):
-            v = [v]
-        if not isinstance(v, list) or not v:
-            raise ValueError("positions: give a non-empty list (e.g. [S2, END] or [-1])")
-        labels = []
-        for i, p in enumerate(v):
-            labels.append(str(parse_position(p, POSITION_SPEC_FORMS, f"positions[{i}]")))
-        dup = sorted({x for x in labels if labels.count(x) > 1})
-        if dup:
-            raise ValueError(f"positions: {dup} given twice")
-        return v
+        return position_specs(v)
 
     @field_serializer("dataset")
     def _dataset_json(self, v: Optional[DatasetSpec]) -> Optional[dict]:

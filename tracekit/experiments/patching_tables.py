@@ -18,9 +18,10 @@ import pandas as pd
 from .. import patching as P
 from ..dataset import PreparedDataset
 from ..metrics import normalize
+from ..model.info import HookedModel
 from ..tokens import str_tokens
 
-__all__ = ["heatmaps", "records", "where", "column", "is_missing", "report_text", "site_label", "tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS", "SITE_FAMILIES",
+__all__ = ["families", "rows_table", "heatmaps", "records", "where", "column", "is_missing", "report_text", "site_label", "tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS", "SITE_FAMILIES",
            "site_family", "trivial_lines"]
 
 #: Columns of the ``main`` table, in order.
@@ -30,7 +31,7 @@ MAIN_COLUMNS = ["scope", "intervention", "site", "hook", "layer", "position", "p
 _INT_COLUMNS = ("position", "pos_from_end", "head_idx", "neuron", "pair", "row_id", "baseline_n", "baseline_source")
 
 
-def tokens_frame(model, ids: Sequence[tuple[Sequence[int], Sequence[int]]], row_ids: Sequence[int]) -> pd.DataFrame:
+def tokens_frame(model: HookedModel, ids: Sequence[tuple[Sequence[int], Sequence[int]]], row_ids: Sequence[int]) -> pd.DataFrame:
     """The ``tokens`` table: every row's clean and corrupted tokens (pair, row_id, prompt
     ``clean``/``corrupted``, position (BOS counted), token, token_id)."""
     tok_rows = []
@@ -463,3 +464,28 @@ def report_text(summary: dict[str, Any], config: Any, baselines: pd.DataFrame) -
         lines.append("residual stream, ranked apart (a whole position's state; by-construction lines left out):")
         lines += [line(t) for t in s["top_resid_sites"][:3]]
     return "\n".join(lines)
+
+
+def families(family: str | list[str], df: pd.DataFrame) -> list[str]:
+    """The families ``top_sites`` ranks (``auto``: the components when any were patched)."""
+    if family == "auto":
+        comps = sorted(set(df["family"]) - {"resid"})
+        return comps or ["resid"]
+    fams = list(SITE_FAMILIES) + ["other"] if family == "all" else [family] if isinstance(family, str) else family
+    bad = [f for f in fams if f not in SITE_FAMILIES and f != "other"]
+    if bad:
+        raise ValueError(f"family: unknown {bad}; use 'auto', 'all' or of {list(SITE_FAMILIES)}")
+    return list(fams)
+
+
+def rows_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The ``rows`` table of a result's ``tables`` (results saved before it existed: built from ``baselines``)."""
+    if "rows" in tables:
+        return tables["rows"]
+    base = tables["baselines"]
+    wide = base.pivot(index="pair", columns="metric", values=["clean", "corrupted"]).sort_index()
+    df = pd.DataFrame({"pair": wide.index.to_numpy(), "row_id": wide.index.to_numpy()})
+    for (which, m) in wide.columns:
+        df[f"{which}_{m}"] = wide[(which, m)].to_numpy()
+    df["correct"] = (df["clean_logit_diff"] > 0) if "clean_logit_diff" in df else pd.NA
+    return df

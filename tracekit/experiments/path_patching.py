@@ -20,6 +20,7 @@ from ..circuits.graph import build_graph
 from ..circuits.paths import path_patch
 from ..dataset.paired import PairedRows
 from ..errors import MethodRefused
+from ..model.info import HookedModel
 from .base import Result, register
 from .circuit_rows import CircuitRowsExperiment, Mode
 from .circuits_tables import bar_chart
@@ -125,7 +126,7 @@ class PathPatching(CircuitRowsExperiment):
 
     result_class = PathPatchingResult
 
-    def _variants(self, model) -> tuple[list[list[str]], list[str], list[str]]:
+    def _variants(self, model: HookedModel) -> tuple[list[list[str]], list[str], list[str]]:
         """``(sender lists, receivers, skipped)`` with patterns expanded.
 
         Raises:
@@ -184,12 +185,12 @@ class PathPatching(CircuitRowsExperiment):
             raise MethodRefused(f"senders: every sender writes after a receiver reads (skipped {skipped[:5]})")
         return variants, recv, skipped
 
-    def check(self, model) -> PairedRows:
+    def check(self, model: HookedModel) -> PairedRows:
         inputs = self.prepare(model)
         self._variants(model)
         return inputs
 
-    def _run(self, model, inputs: PairedRows, progress: bool = True) -> PathPatchingResult:
+    def _run(self, model: HookedModel, inputs: PairedRows, progress: bool = True) -> PathPatchingResult:
         clean, corr, tgt, foil = self.ids(inputs)
         variants, recv, skipped = self._variants(model)
         run = path_patch(model, clean, corr, variants, [recv] * len(variants), tgt, foil, metrics=[self.metric],

@@ -302,7 +302,7 @@ def test_hand_listed_edge_faithfulness_is_evaluate_circuits(gpt2):
 
 
 def test_full_faithfulness_detects_a_full_circuit_that_is_not_the_clean_run(gpt2, monkeypatch):
-    import tracekit.experiments.circuits as circuit_kind
+    import tracekit.circuits.curves as circuit_kind
 
     real = circuit_kind.evaluate_circuits
 

@@ -295,7 +295,7 @@ def test_unreadable_files_name_the_file_and_the_fix(model, tmp_path, name, conte
 
 def test_pairs_files_go_through_the_checked_reader(tmp_path):
     from tracekit.core.errors import ConfigError
-    from tracekit.experiments.pairs import load_pairs
+    from tracekit.dataset.pairs import load_pairs
 
     (tmp_path / "p.csv").write_bytes("clean,corrupted,target,foil\nCaf\xe9 is,Tea is, hot, cold\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"pairs_file: p\.csv is not UTF-8 .*save it as UTF-8"):

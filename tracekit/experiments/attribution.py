@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIncompatibleVariableOverride=false, reportReturnType=false, reportOptionalSubscript=false, reportGeneralTypeIssues=false
 """Attribution patching experiment (``kind: attribution_patching``): AtP / AtP* estimates of every
 patching site's effect, checked against the exact engine in the same run.
 
@@ -23,7 +22,7 @@ summary's ``verification`` the agreement per intervention.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import pandas as pd
@@ -32,8 +31,10 @@ from pydantic import Field, model_validator
 from .. import patching as P
 from ..circuits.attribution import attribution_patch
 from ..circuits.verification import choose_checked, compare, site_means
+from ..model.info import HookedModel
 from .base import StrictModel, register
-from .patching import ActivationPatching, ActivationPatchingInputs, ActivationPatchingResult
+from .patching import ActivationPatchingInputs, ActivationPatchingResult, PatchingSpec
+from .patching_tables import where
 
 __all__ = ["AttributionPatching", "AttributionPatchingResult", "VerifySpec", "verification_lines"]
 
@@ -137,12 +138,13 @@ def verification_lines(v: dict, against: str, what: str) -> list[str]:
 
 
 @register
-class AttributionPatching(ActivationPatching):
+class AttributionPatching(PatchingSpec):
     """Attribution patching (AtP; AtP* with ``qk_fix``) over prompt pairs or a dataset, verified
     against exact patching.
 
-    Besides the fields of :class:`tracekit.experiments.patching.ActivationPatching` (``ablations``
-    must stay empty: AtP estimates the directions):
+    The fields of :class:`tracekit.experiments.patching.ActivationPatching` (shared through
+    :class:`tracekit.experiments.patching.PatchingSpec`; ``ablations`` must stay empty: AtP
+    estimates the directions), and:
 
     Fields:
         qk_fix: AtP*'s QK fix for ``head_q``/``head_k`` sites (exact through the softmax;
@@ -165,14 +167,14 @@ class AttributionPatching(ActivationPatching):
                              f"{list(self.ablations)} are exact ablations: use kind activation_patching for them")
         return self
 
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> AttributionPatchingResult:
+    def _run(self, model: HookedModel, inputs: ActivationPatchingInputs, progress: bool = True) -> AttributionPatchingResult:
         out = attribution_patch(
             model, [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids],
             P.expand_sites(self.sites), list(self.directions), self.metric_names(inputs),
             [list(t) for t in inputs.target_ids], None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids],
             layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
             positions=None if inputs.positions is None else [list(p) for p in inputs.positions], qk_fix=self.qk_fix)
-        res = self._result(model, inputs, out)
+        res = cast(AttributionPatchingResult, self._result(model, inputs, out))
         qk_sites = any(s.startswith(("head_q", "head_k")) for s in P.expand_sites(self.sites))
         res.meta["method"] = "atp*" if self.qk_fix and qk_sites else "atp"
         res.meta["verification"] = None
@@ -198,7 +200,7 @@ class AttributionPatching(ActivationPatching):
             return pos if equal else pos - job.n_pos
         return key
 
-    def _verify(self, model, inputs: ActivationPatchingInputs, out: P.PatchingRun) -> tuple[pd.DataFrame, dict]:
+    def _verify(self, model: HookedModel, inputs: ActivationPatchingInputs, out: P.PatchingRun) -> tuple[pd.DataFrame, dict]:
         """Exact patching of the checked sites on the same rows; the table and the stats per intervention."""
         approx = site_means([(out, self._pos_key(inputs))], self.main_metric)
         tables, stats = [], {}
@@ -211,7 +213,7 @@ class AttributionPatching(ActivationPatching):
                                                          approx_rank=rank[np.r_[top, sample]])
             exact = self._exact(model, inputs, str(mode), checked)
             keys = ["intervention", "site", "layer", "pos_key", "head_idx", "neuron"]
-            m = checked.merge(exact[keys + ["effect"]].rename(columns={"effect": "exact_effect"}), on=keys, how="left")
+            m = checked.merge(cast(pd.DataFrame, exact[keys + ["effect"]]).rename(columns={"effect": "exact_effect"}), on=keys, how="left")
             m = m.rename(columns={"effect": "approx_effect"})
             m["label"] = [_label(r) for _, r in m.iterrows()]
             stats[str(mode)] = compare(m["approx_effect"].to_numpy(float), m["exact_effect"].to_numpy(float),
@@ -225,7 +227,7 @@ class AttributionPatching(ActivationPatching):
             table[c] = table[c].astype("Int64")
         return table, stats
 
-    def _exact(self, model, inputs: ActivationPatchingInputs, mode: str, checked: pd.DataFrame) -> pd.DataFrame:
+    def _exact(self, model: HookedModel, inputs: ActivationPatchingInputs, mode: str, checked: pd.DataFrame) -> pd.DataFrame:
         """Exact patching of the checked sites (one :func:`tracekit.patching.run_patching` call per
         group of equal-length rows, positions as slots), as :func:`site_means`."""
         names = list(inputs.position_names)
@@ -247,9 +249,9 @@ class AttributionPatching(ActivationPatching):
 
             index_rows = {}
             for site, g in checked.groupby("site", sort=False):
-                axes = P.SITES[site].axes
+                axes = P.SITES[str(site)].axes
                 if "pos" in axes:
-                    g = g[g["pos_key"].isin(keys)]
+                    g = where(g, g["pos_key"].isin(keys))
                 if not len(g):
                     continue
                 df = pd.DataFrame({"layer": g["layer"].astype(int).to_numpy()})

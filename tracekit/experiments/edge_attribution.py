@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIncompatibleVariableOverride=false, reportOptionalMemberAccess=false, reportReturnType=false, reportOptionalSubscript=false, reportGeneralTypeIssues=false
 """Edge attribution experiment (``kind: edge_attribution``): EAP / EAP-IG scores of every edge of
 the model's graph, verified against exact path patching of single edges. The method:
 :mod:`tracekit.circuits.edges`; rows: :class:`tracekit.experiments.circuit_rows.CircuitRowsExperiment`::
@@ -19,10 +18,13 @@ from pydantic import Field
 from ..circuits.edges import SIGN_CONVENTION, EdgeScores, edge_attribution
 from ..circuits.paths import path_patch
 from ..circuits.verification import choose_checked, compare
+from ..dataset.paired import PairedRows
+from ..model.info import HookedModel
 from .attribution import VerifySpec, verification_lines
 from .base import Result, register
-from .circuit_rows import CircuitRowsExperiment, Mode, bar_chart
-from .patching import ActivationPatchingInputs
+from .circuit_rows import CircuitRowsExperiment, Mode
+from .circuits_tables import bar_chart
+from .patching_tables import column, is_missing, records
 
 __all__ = ["EdgeAttribution", "EdgeAttributionResult"]
 
@@ -64,11 +66,12 @@ class EdgeAttributionResult(Result):
             "ig_rule": self.config.ig_rule if self.config.method == "eap_ig" else None,
             "sign_convention": SIGN_CONVENTION,
             "n_rows": int(len(rows)), "n_edges": int(len(e)),
-            "mean_clean": float(rows[f"clean_{m}"].mean()), "mean_corrupted": float(rows[f"corrupted_{m}"].mean()),
+            "mean_clean": float(column(rows, f"clean_{m}").mean()),
+                "mean_corrupted": float(column(rows, f"corrupted_{m}").mean()),
             "top_edges": [{"edge": r["edge"], "score": round(float(r["score"]), 6),
-                           "normalized": None if pd.isna(r["normalized"]) else round(float(r["normalized"]), 6)}
-                          for _, r in e.head(k).iterrows()],
-            "top_nodes": [{"node": r["node"], "score": round(float(r["score"]), 6)} for _, r in n.head(k).iterrows()],
+                           "normalized": None if is_missing(r["normalized"]) else round(float(r["normalized"]), 6)}
+                          for r in records(e.head(k))],
+            "top_nodes": [{"node": r["node"], "score": round(float(r["score"]), 6)} for r in records(n.head(k))],
             "verification": self.meta.get("verification"),
         }
 
@@ -146,7 +149,7 @@ class EdgeAttribution(CircuitRowsExperiment):
 
     result_class = EdgeAttributionResult
 
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> EdgeAttributionResult:
+    def _run(self, model: HookedModel, inputs: PairedRows, progress: bool = True) -> EdgeAttributionResult:
         clean, corr, tgt, foil = self.ids(inputs)
         es = edge_attribution(model, clean, corr, tgt, foil, metric=self.metric, mode=self.mode,
                               method=self.method, ig_steps=self.ig_steps, ig_rule=self.ig_rule)
@@ -171,7 +174,7 @@ def _node_frame(es: EdgeScores) -> pd.DataFrame:
     return df.sort_values("abs_rank").reset_index(drop=True)
 
 
-def _verify_edges(model, cfg, es: EdgeScores, edges: pd.DataFrame, clean, corr, tgt, foil) -> tuple[pd.DataFrame, dict]:
+def _verify_edges(model: HookedModel, cfg: "EdgeAttribution", es: EdgeScores, edges: pd.DataFrame, clean, corr, tgt, foil) -> tuple[pd.DataFrame, dict]:
     """Exact path patching of the top edges and a random sample of the rest (one edge per variant)."""
     top, sample = choose_checked(edges["score"].to_numpy(float), cfg.verify.top_k, cfg.verify.n_random, cfg.verify.seed)
     idx = np.r_[top, sample]

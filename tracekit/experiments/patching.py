@@ -1,5 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
-# Over 600 lines (reason): config (three row sources: pairs, pairs_file, dataset) + result class (per-row and per-site summaries, report, figures); the figures and summary go to patching_tables.py next.
 """Activation patching experiment: which activations carry the information that changes the answer?
 
 The method, the sites and the engine live in :mod:`tracekit.patching` (usable from notebooks on
@@ -54,7 +52,7 @@ Tables (``pair`` = the row's index in the run, ``row_id`` = its id in the datase
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -63,62 +61,57 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from .. import patching as P
-from ..core.errors import DatasetError
-from ..dataset import DatasetSpec, Example, PreparedDataset, Row
+from ..dataset import DatasetSpec
+from ..dataset.paired import POSITION_SPEC_FORMS, PairedRows, position_specs
+from ..dataset.pairs import PromptPair, load_pairs
 from ..errors import PatchingError
-from ..tokens import Position, check_length, encode, parse_position, single_token_id
+from ..model.info import HookedModel
+from ..tokens import check_length, encode
 from . import patching_tables as T
 from .base import Experiment, Indices, OptionalPrompts, Result, register
-from .pairs import PromptPair, load_pairs
 from .patching_tables import baselines_frame, job_frame, normalise, rows_frame, tokens_frame
+from .sources import PAIRED_SOURCES, RowSource
 
-__all__ = ["ActivationPatching", "ActivationPatchingInputs", "ActivationPatchingResult", "PromptPair", "load_pairs",
-           "POSITION_SPEC_FORMS"]
+__all__ = ["ActivationPatching", "ActivationPatchingInputs", "ActivationPatchingResult", "PatchingSpec", "PromptPair",
+           "load_pairs", "POSITION_SPEC_FORMS"]
 
 Direction = Literal["denoising", "noising"]
 Ablation = Literal["zero", "mean", "resample"]
-#: Forms a ``positions`` entry takes (:data:`tracekit.tokens.POSITION_FORMS`).
-POSITION_SPEC_FORMS = ("int", "last", "token:<text>", "name")
 
 
 @dataclass(frozen=True)
 class ActivationPatchingInputs:
-    """What :meth:`ActivationPatching.prepare` builds once.
+    """What :meth:`PatchingSpec.prepare` builds once: the paired rows and the baseline population.
 
     Attributes:
-        data: the rows (pairs become rows with ``prompt`` = ``clean``), prepared for the model.
-        target_ids / foil_ids: per row the target ids and (when every row has them) the foil ids.
-        targets / foils: per row the answer texts (for the ``rows`` table).
-        clean_ids / corrupted_ids: per row the token ids (equal lengths per row; without corrupted
-            prompts, an ablation-only run, ``corrupted_ids`` repeats ``clean_ids``).
-        has_corrupted: the rows have corrupted prompts.
-        positions: per row the token index (BOS counted) of each chosen position, or None.
-        position_names: the chosen positions' names (``S2``, ``END``, ``-1``, ``token: is``).
-        baseline_ids: the ``mean``/``resample`` population's ids (None: the rows' clean prompts),
-            with its name in errors and in the result's meta.
-        positions_auto: why the positions are the dataset's named positions although ``positions``
-            was not given (rows of different lengths or templates; :meth:`ActivationPatching.prepare`),
-            else None.
+        rows: the :class:`~tracekit.dataset.paired.PairedRows` (clean/corrupted ids, targets, foils,
+            positions); its fields read through as this object's (``data``, ``clean_ids``,
+            ``target_ids``, ``positions``, ``positions_auto``, ...).
+        baseline_ids: the ``mean``/``resample`` population's ids (None: the rows' clean prompts).
+        population_name: the population's name in errors; population_source: in the result's meta.
     """
 
-    data: PreparedDataset
-    target_ids: tuple[tuple[int, ...], ...]
-    foil_ids: tuple[tuple[int, ...], ...] | None
-    targets: tuple[tuple[str, ...], ...]
-    foils: tuple[tuple[str, ...], ...] | None
-    clean_ids: tuple[tuple[int, ...], ...]
-    corrupted_ids: tuple[tuple[int, ...], ...]
-    has_corrupted: bool
-    positions: tuple[tuple[int, ...], ...] | None
-    position_names: tuple[str, ...]
+    rows: PairedRows
     baseline_ids: tuple[tuple[int, ...], ...] | None
     population_name: str
     population_source: str
-    positions_auto: str | None = None
+
+    data = property(lambda self: self.rows.data)
+    target_ids = property(lambda self: self.rows.target_ids)
+    foil_ids = property(lambda self: self.rows.foil_ids)
+    targets = property(lambda self: self.rows.targets)
+    foils = property(lambda self: self.rows.foils)
+    clean_ids = property(lambda self: self.rows.clean_ids)
+    corrupted_ids = property(lambda self: self.rows.corrupted_ids)
+    has_corrupted = property(lambda self: self.rows.has_corrupted)
+    positions = property(lambda self: self.rows.positions)
+    position_names = property(lambda self: self.rows.position_names)
+    positions_auto = property(lambda self: self.rows.positions_auto)
 
     @property
     def row_ids(self) -> list[int]:
-        return [e.row_id for e in self.data.examples]
+        """Each row's id in the dataset."""
+        return self.rows.row_ids
 
 
 class ActivationPatchingResult(Result):
@@ -187,23 +180,8 @@ class ActivationPatchingResult(Result):
 
     def _mean_rows(self, metric: str | None = None) -> pd.DataFrame:
         df = self.tables["main"]
-        df = df[df["scope"] == "mean"]
-        return df[df["metric"] == (metric or self.config.main_metric)]
-
-    def _site_label(self, r) -> str:
-        parts = [f"L{int(r['layer'])}"]
-        if not pd.isna(r.get("head_idx")):
-            parts.append(f"H{int(r['head_idx'])}")
-        if not pd.isna(r.get("neuron")):
-            parts.append(f"N{int(r['neuron'])}")
-        name = r.get("position_name")
-        if isinstance(name, str):
-            parts.append(f"pos {name}")
-        elif not pd.isna(r.get("pos_from_end")):
-            tok = r.get("token")
-            parts.append(f"pos {int(r['position'])} {tok!r}" if not pd.isna(r.get("position"))
-                         else f"pos {int(r['pos_from_end'])}")
-        return " ".join(parts)
+        df = T.where(df, df["scope"] == "mean")
+        return T.where(df, df["metric"] == (metric or self.config.main_metric))
 
     def top_sites(self, n: int | None = None, intervention: str | None = None, site: str | None = None,
                   metric: str | None = None, *, family: str | list[str] = "auto", trivial: bool = False,
@@ -243,15 +221,15 @@ class ActivationPatchingResult(Result):
         n = n if n is not None else k
         df = self._mean_rows(metric)
         if intervention is not None:
-            df = df[df["intervention"] == intervention]
+            df = T.where(df, df["intervention"] == intervention)
         if site is not None:
-            df = df[df["site"] == site]
+            df = T.where(df, df["site"] == site)
         df = df.assign(family=df["site"].astype(str).map(T.site_family))
         df = df.assign(trivial=self._trivial().reindex(df.index).fillna(False).astype(bool))
-        fams = self._families(family, df)
-        df = df[df["family"].isin(fams) & (trivial | ~df["trivial"])]
+        fams = T.families(family, df)
+        df = T.where(df, df["family"].isin(fams) & (trivial | ~df["trivial"]))
         col = self.ranked_by
-        df = df[df[col].notna()]
+        df = T.where(df, df[col].notna())
         df = df.assign(_abs=df[col].abs()).sort_values(["_abs", "layer"], ascending=[False, True])
         return df.drop(columns="_abs").head(n or self.config.top_k)
 
@@ -260,7 +238,7 @@ class ActivationPatchingResult(Result):
         main = self.tables["main"]
         key = (id(main), len(main))
         if getattr(self, "_trivial_key", None) != key:
-            mean = main[main["scope"] == "mean"]
+            mean = T.where(main, main["scope"] == "mean")
             self._trivial_flags = T.trivial_lines(mean, self._rows_table(), self.tables["tokens"],
                                                   int(self.meta.get("n_layers", 0)))
             self._trivial_key = key
@@ -270,29 +248,9 @@ class ActivationPatchingResult(Result):
         """:meth:`top_sites` of the attention heads (``family="heads"``; the other arguments as there)."""
         return self.top_sites(n, family="heads", **kw)
 
-    @staticmethod
-    def _families(family: str | list[str], df: pd.DataFrame) -> list[str]:
-        """The families ``top_sites`` ranks (``auto``: the components when any were patched)."""
-        if family == "auto":
-            comps = sorted(set(df["family"]) - {"resid"})
-            return comps or ["resid"]
-        fams = list(T.SITE_FAMILIES) + ["other"] if family == "all" else [family] if isinstance(family, str) else family
-        bad = [f for f in fams if f not in T.SITE_FAMILIES and f != "other"]
-        if bad:
-            raise ValueError(f"family: unknown {bad}; use 'auto', 'all' or of {list(T.SITE_FAMILIES)}")
-        return list(fams)
-
     def _rows_table(self) -> pd.DataFrame:
-        """The ``rows`` table (results saved before it existed: built from ``baselines``)."""
-        if "rows" in self.tables:
-            return self.tables["rows"]
-        base = self.tables["baselines"]
-        wide = base.pivot(index="pair", columns="metric", values=["clean", "corrupted"]).sort_index()
-        df = pd.DataFrame({"pair": wide.index.to_numpy(), "row_id": wide.index.to_numpy()})
-        for (which, m) in wide.columns:
-            df[f"{which}_{m}"] = wide[(which, m)].to_numpy()
-        df["correct"] = (df["clean_logit_diff"] > 0) if "clean_logit_diff" in df else pd.NA
-        return df
+        """The ``rows`` table (:func:`~tracekit.experiments.patching_tables.rows_table`)."""
+        return T.rows_table(self.tables)
 
     # ---- summary -------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -313,9 +271,9 @@ class ActivationPatchingResult(Result):
             "positions_auto": self.meta.get("positions_auto"),
         }
 
-        def mean_or_none(x) -> float | None:
-            x = pd.to_numeric(x, errors="coerce")
-            return None if x.isna().all() else float(x.mean())
+        def mean_or_none(x: pd.Series | pd.DataFrame) -> float | None:
+            num = cast(pd.Series, pd.to_numeric(x, errors="coerce"))
+            return None if num.isna().all() else float(num.mean())
 
         out["mean_clean"] = {m: mean_or_none(g["clean"]) for m, g in base.groupby("metric")}
         out["mean_corrupted"] = {m: mean_or_none(g["corrupted"]) for m, g in base.groupby("metric")}
@@ -323,29 +281,30 @@ class ActivationPatchingResult(Result):
         out["clean_logit_diff_by_row"] = [float(x) for x in rows["clean_logit_diff"]] if has_ld else None
         out["corrupted_logit_diff_by_row"] = ([None if pd.isna(x) else float(x) for x in rows["corrupted_logit_diff"]]
                                               if has_ld else None)
-        out["correct_by_row"] = [bool(x) for x in rows["correct"]] if has_ld else None
-        out["share_rows_correct"] = float(np.mean(out["correct_by_row"])) if has_ld and len(rows) else None
-        flagged = base[base["flagged"]]
+        correct = [bool(x) for x in rows["correct"]] if has_ld else None
+        out["correct_by_row"] = correct
+        out["share_rows_correct"] = float(np.mean(correct)) if correct is not None and len(rows) else None
+        flagged = T.where(base, base["flagged"])
         rid = "row_id" if "row_id" in base else "pair"
         out["flagged_rows"] = [{"pair": int(r["pair"]), "row_id": int(r[rid]), "metric": r["metric"],
                                 "clean": float(r["clean"]), "corrupted": float(r["corrupted"])}
-                               for _, r in flagged.iterrows()]
-        main_base = base[base["metric"] == cfg.main_metric]
-        out["n_rows_flagged"] = int(main_base["flagged"].sum())
-        out["n_rows_unflagged"] = int((~main_base["flagged"]).sum())
-        mrows = self.tables["main"][self.tables["main"]["scope"] == "mean"]
-        out["metrics_with_flagged_mean"] = sorted(mrows[mrows["flagged"].astype(bool)]["metric"].unique().tolist())
+                               for r in T.records(flagged)]
+        main_base = T.where(base, base["metric"] == cfg.main_metric)
+        out["n_rows_flagged"] = int(T.column(main_base, "flagged").sum())
+        out["n_rows_unflagged"] = int((~T.column(main_base, "flagged")).sum())
+        mrows = T.where(self.tables["main"], self.tables["main"]["scope"] == "mean")
+        out["metrics_with_flagged_mean"] = sorted(T.where(mrows, mrows["flagged"].astype(bool))["metric"].unique().tolist())
         out["baseline_population"] = self.meta.get("baseline_population")
         out["ranked_by"] = self.ranked_by
 
-        def rec(r) -> dict:
+        def rec(r: dict[str, Any]) -> dict:
             d = {"intervention": r["intervention"], "site": r["site"], "layer": int(r["layer"]),
-                 "label": self._site_label(r)}
+                 "label": T.site_label(r)}
             for c in ("value", "delta", "normalized", "effect"):
                 v = r.get(c)
-                d[f"mean_{c}"] = None if pd.isna(v) else float(v)  # unrounded, as every number of this summary
+                d[f"mean_{c}"] = None if T.is_missing(v) else float(cast(float, v))  # unrounded, as every number of this summary
             for c in ("position", "head_idx", "neuron"):
-                if not pd.isna(r.get(c)):
+                if not T.is_missing(r.get(c)):
                     d[c] = int(r[c])
             for c in ("position_name", "token"):
                 if isinstance(r.get(c), str):
@@ -353,155 +312,33 @@ class ActivationPatchingResult(Result):
             return d
 
         top = self.top_sites()
-        out["top_sites"] = [rec(r) for _, r in top.iterrows()]
+        out["top_sites"] = [rec(r) for r in T.records(top)]
         out["top_sites_families"] = sorted(set(top["family"]))
-        out["top_resid_sites"] = [rec(r) for _, r in self.top_sites(family="resid").iterrows()]
+        out["top_resid_sites"] = [rec(r) for r in T.records(self.top_sites(family="resid"))]
         by = {}
-        for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):
-            top = self.top_sites(k=3, intervention=d, site=s)
-            by[f"{d}/{s}"] = [rec(r) for _, r in top.iterrows()]
+        for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):  # pyright: ignore[reportGeneralTypeIssues] # stubs: a list key gives tuples
+            top = self.top_sites(k=3, intervention=str(d), site=str(s))
+            by[f"{d}/{s}"] = [rec(r) for r in T.records(top)]
         out["top_by_site"] = by
         return out
 
     def report(self) -> str:
-        s = self.summary()
-        cfg = self.config
-        pos = f", positions {s['positions']}" if s["positions"] else ""
-        lines = [(f"activation patching [{cfg.step_name}]: {s['n_rows']} row(s) from {s['dataset_source']}, "
-                  f"sites {s['sites']}{pos}, interventions {s['interventions']}")]
-        if s["positions_auto"]:
-            lines.append(f"  positions: {s['positions_auto']}")
-        if s["rows_dropped"]:
-            lines.append("  rows dropped: " + ", ".join(f"{k}: {v}" for k, v in s["rows_dropped"].items()))
-        base = self.tables["baselines"]
-        for m in cfg.metrics:
-            b = base[base["metric"] == m]
-            corr = f"{b['corrupted'].mean():+.4f}" if b["corrupted"].notna().any() else "(no corrupted prompts)"
-            lines.append(f"  {m:10s} clean {b['clean'].mean():+.4f}  corrupted {corr}"
-                         f"  (mean over rows; flagged {int(b['flagged'].sum())})")
-        if s["share_rows_correct"] is not None:
-            lines.append(f"  correct (clean logit_diff > 0): {s['share_rows_correct']:.2%} of rows")
-        if s["flagged_rows"]:
-            lines.append(f"  FLAGGED (|clean - corrupted| < {cfg.min_denominator}): "
-                         + ", ".join(f"row {f['row_id']} {f['metric']}" for f in s["flagged_rows"]))
-        if s["ranked_by"] == "effect":
-            lines.append(f"top sites by |effect| on {cfg.main_metric}, mean over rows (effect = normalized for "
-                         "denoising, 1 - normalized for noising/ablations; normalized: 1 = clean, 0 = corrupted):")
-        else:
-            lines.append(f"top sites by |delta| = |patched - clean| on {cfg.main_metric}, mean over rows (no "
-                         "corrupted prompts: nothing to normalise against):")
-        lines.append(f"  {'effect':>8} {'normalized':>10} {'delta':>9}  {'intervention':12s} {'site':18s} index")
-
-        def num(v, w):
-            return f"{v:+{w}.4f}" if v is not None else f"{'-':>{w}}"
-
-        def line(t) -> str:
-            return (f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
-                    f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
-
-        lines += [line(t) for t in s["top_sites"]]
-        if "resid" not in s["top_sites_families"] and s["top_resid_sites"]:
-            lines.append("residual stream, ranked apart (a whole position's state; by-construction lines left out):")
-            lines += [line(t) for t in s["top_resid_sites"][:3]]
-        return "\n".join(lines)
+        """The summary as text (:func:`~tracekit.experiments.patching_tables.report_text`)."""
+        return T.report_text(self.summary(), self.config, self.tables["baselines"])
 
     # ---- figures -------------------------------------------------------------------------
     def figures(self) -> dict:
-        # Long (reason): one figure per (site family, intervention) from the same mean table; each block is a few plotting calls.
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        figs = {}
-        df = self._mean_rows()
-        toks = self.tables["tokens"]
-        t0 = toks[(toks["pair"] == toks["pair"].min())]
-        clean_t = t0[t0["prompt"] == "clean"].set_index("position")["token"]
-        corr_t = t0[t0["prompt"] == "corrupted"].set_index("position")["token"]
-        equal_len = bool(self.meta.get("equal_lengths", True))
-        named = bool(self.meta.get("positions"))
-        value_col = "normalized" if self.ranked_by == "effect" else "delta"
-        value_label = (f"normalized {self.config.main_metric}: 1 = clean, 0 = corrupted" if value_col == "normalized"
-                       else f"{self.config.main_metric} patched - clean")
-
-        def pos_label(pfe) -> str:
-            n = len(clean_t)
-            p = n + int(pfe)
-            if not equal_len or p not in clean_t.index:
-                return f"{int(pfe)}"
-            a, b = clean_t[p], corr_t.get(p, clean_t[p])
-            lab = repr(a)[1:-1] if a == b else f"{repr(a)[1:-1]}/{repr(b)[1:-1]}"
-            return f"{lab[:14]} ({p})"
-
-        names = list(self.meta.get("positions") or [])
-        order = {n: i for i, n in enumerate(names)}
-
-        def ptick(p) -> str:
-            """Tick label of a ``_pos`` value: the position's name (chosen positions, by slot) or
-            its token (position from the end)."""
-            return names[int(p)] if named else pos_label(p)
-
-        for (d, site), g in df.groupby(["intervention", "site"], sort=True):
-            axes = P.SITES[site].axes
-            g = g.copy()
-            g["layer"] = g["layer"].astype(int)
-            if named and "pos" in axes:
-                g["_pos"] = g["position_name"].map(order)
-            elif "pos" in axes:
-                g["_pos"] = g["pos_from_end"]
-            if axes == ("pos",) or axes == ():
-                col = "_pos" if axes else None
-                if col is None:
-                    g["_c"] = 0
-                    col = "_c"
-                piv = g.pivot_table(index="layer", columns=col, values=value_col, aggfunc="mean")
-                xl = [ptick(c) for c in piv.columns] if axes else ["all positions"]
-                xlabel = "position (token)" if not named else "position (named, per row)"
-            elif axes == ("head",):
-                piv = g.pivot_table(index="layer", columns="head_idx", values=value_col, aggfunc="mean")
-                xl = [str(int(c)) for c in piv.columns]
-                xlabel = "head" + (" (key/value head)" if P.SITES[site].kv_heads else "")
-            elif axes == ("pos", "head"):
-                piv = g.pivot_table(index="layer", columns=["_pos", "head_idx"], values=value_col, aggfunc="mean")
-                xl = [f"{ptick(p)} H{int(h)}" if int(h) == 0 else f"H{int(h)}" for p, h in piv.columns]
-                xlabel = "position (token) x head"
-            elif axes == ("neuron",):
-                piv = g.pivot_table(index="layer", columns="neuron", values=value_col, aggfunc="mean")
-                xl = None
-                xlabel = "neuron"
-            else:  # ("pos", "neuron")
-                piv = g.pivot_table(index=["layer", "_pos"], columns="neuron", values=value_col, aggfunc="mean")
-                piv.index = [f"L{int(L)} {ptick(p)}" for L, p in piv.index]
-                xl = None
-                xlabel = "neuron"
-            grid = piv.to_numpy(dtype=float)
-            lim = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
-            lim = max(lim, 1e-6)
-            w = 3.5 + (0.55 * grid.shape[1] if xl is not None and grid.shape[1] <= 60 else 8)
-            h = 2.0 + 0.22 * grid.shape[0]
-            fig, ax = plt.subplots(figsize=(min(w, 40), min(h, 30)))
-            im = ax.imshow(grid, aspect="auto", origin="lower", cmap="RdBu", vmin=-lim, vmax=lim,
-                           interpolation="nearest")
-            if xl is not None:
-                ax.set_xticks(range(len(xl)), xl, rotation=70, fontsize=7)
-            ax.set_yticks(range(len(piv.index)), [str(i) for i in piv.index], fontsize=6)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("layer")
-            what = {"denoising": "clean -> corrupted run", "noising": "corrupted -> clean run"}.get(
-                d, f"{d} ablation of the clean run")
-            n_rows = int(self.tables["baselines"]["pair"].nunique())
-            ax.set_title(f"{site} patching, {d} ({what}), mean over {n_rows} row(s)\n{value_label}", fontsize=9)
-            fig.colorbar(im, ax=ax, fraction=0.03)
-            fig.tight_layout()
-            figs[f"{d}_{site}"] = fig
-        return figs
+        """One heatmap per (intervention, site) of the main metric's mean-over-rows lines
+        (:func:`~tracekit.experiments.patching_tables.heatmaps`)."""
+        return T.heatmaps(self._mean_rows(), self.tables["tokens"], self.tables["baselines"], self.meta,
+                          self.config.main_metric, self.ranked_by)
 
 
-@register
-class ActivationPatching(Experiment):
-    """Activation patching over prompt pairs or a dataset, every site, both directions, with
-    ablation baselines.
+class PatchingSpec(RowSource, Experiment):
+    """The fields, checks and inputs of the patching kinds (:class:`ActivationPatching`, and
+    :class:`tracekit.experiments.attribution.AttributionPatching`, which estimates the same runs):
+    the rows (one of ``pairs``, ``pairs_file``, ``dataset``: :class:`tracekit.experiments.sources.RowSource`),
+    sites, positions, interventions and metrics. Not a kind itself (no ``kind`` of its own).
 
     Fields:
         pairs: inline prompt pairs (:class:`PromptPair`: ``clean``, ``corrupted``, ``target``, ``foil``).
@@ -543,20 +380,9 @@ class ActivationPatching(Experiment):
         batch_size: variants per replay batch or ``auto`` (free memory); halves on out-of-memory.
         skip_unchanged: bit-exact no-op patches take the cached run's score (exact, faster).
         top_k: sites listed in the summary.
-
-    Summary keys and tables: :class:`ActivationPatchingResult`.
-
-    Raises (from :meth:`check`, before any model work):
-        TokenizationError: a pair's target/foil that is not one token, or a pair whose prompts
-            tokenize to different lengths (both tokenizations are shown side by side).
-        DatasetError: a dataset row that cannot be used, naming it: no target, no foil for
-            ``logit_diff``, no corrupted prompt for a direction, a corrupted prompt of another
-            length, a named position it does not have.
-        PatchingError: missing foils for ``logit_diff``, layers/neurons out of range, a baseline
-            population too small for ``mean``/``resample``; the field is named.
     """
 
-    kind: Literal["activation_patching"] = "activation_patching"
+    row_sources = PAIRED_SOURCES
     pairs: list[PromptPair] = Field(default_factory=list)
     pairs_file: str | None = None
     dataset: Optional[DatasetSpec] = None
@@ -577,45 +403,27 @@ class ActivationPatching(Experiment):
     seed: int = 0
     top_k: int = Field(default=10, ge=1)
 
-    result_class = ActivationPatchingResult
 
     @field_validator("batch_size")
     @classmethod
-    def _bs(cls, v):
+    def _bs(cls, v: Union[int, str]) -> Union[int, str]:
         if isinstance(v, int) and v < 1:
             raise ValueError("batch_size must be >= 1 or 'auto'")
         return v
 
     @field_validator("positions", mode="before")
     @classmethod
-    def _positions(cls, v):
-        if v is None:
-            return v
-        if isinstance(v, (str, int)):
-            v = [v]
-        if not isinstance(v, list) or not v:
-            raise ValueError("positions: give a non-empty list (e.g. [S2, END] or [-1])")
-        labels = []
-        for i, p in enumerate(v):
-            labels.append(str(parse_position(p, POSITION_SPEC_FORMS, f"positions[{i}]")))
-        dup = sorted({x for x in labels if labels.count(x) > 1})
-        if dup:
-            raise ValueError(f"positions: {dup} given twice")
-        return v
+    def _positions(cls, v: Any) -> Any:
+        return position_specs(v)
 
     @field_serializer("dataset")
-    def _dataset_json(self, v: Optional[DatasetSpec]):
+    def _dataset_json(self, v: Optional[DatasetSpec]) -> Optional[dict]:
         # only the options given: a generator's options for other generators are refused on reload
         return None if v is None else v.model_dump(mode="json", exclude_unset=True)
 
     @model_validator(mode="after")
-    def _consistent(self):
-        given = [k for k in ("pairs", "pairs_file", "dataset") if getattr(self, k)]
-        if not given:
-            raise ValueError("give the rows: 'pairs' (a list of {clean, corrupted, target, foil}), 'pairs_file' "
-                             "(.jsonl/.json/.csv) or 'dataset' ({rows: ...}, {path: ...} or {generator: ioi})")
-        if len(given) > 1:
-            raise ValueError(f"give one of 'pairs', 'pairs_file', 'dataset', not {' and '.join(given)}")
+    def _consistent(self) -> "PatchingSpec":
+        # the row source (one of pairs, pairs_file, dataset) is checked first, by RowSource
         if self.main_metric not in self.metrics:
             raise ValueError(f"main_metric {self.main_metric!r} must be one of metrics {self.metrics}")
         if not self.directions and not self.ablations:
@@ -637,151 +445,12 @@ class ActivationPatching(Experiment):
         return self
 
     # ---- input handling ------------------------------------------------------------------
-    def all_pairs(self) -> list[PromptPair]:
-        """The inline ``pairs`` or those read from ``pairs_file`` ([] with a ``dataset``)."""
-        if self.dataset is not None:
-            return []
-        return list(self.pairs) if self.pairs else load_pairs(self.pairs_file)
-
     @property
     def modes(self) -> list[str]:
-        return list(self.directions) + list(self.ablations)
+        """The directions, then the ablations."""
+        return [str(d) for d in self.directions] + [str(a) for a in self.ablations]
 
-    def _token_ids(self, model, pairs) -> tuple[list[list[int]], list[list[int]] | None]:
-        """Per pair the target ids and (when every pair has them) the foil ids."""
-        tids, fids = [], []
-        for i, p in enumerate(pairs):
-            many_t, many_f = len(p.targets) > 1, len(p.foils) > 1
-            t = [single_token_id(model, x, field=f"pairs[{i}].target" + (f"[{j}]" if many_t else ""))
-                 for j, x in enumerate(p.targets)]
-            f = [single_token_id(model, x, field=f"pairs[{i}].foil" + (f"[{j}]" if many_f else ""))
-                 for j, x in enumerate(p.foils)]
-            if f and len(f) != len(t):
-                raise PatchingError(f"pairs[{i}]: target has {len(t)} tokens but foil has {len(f)}; give one foil "
-                                    "token per target (logit_diff pairs them up)")
-            if "logit_diff" in self.metrics and not f:
-                raise PatchingError(f"pairs[{i}].foil: the logit_diff metric needs a foil token (e.g. ' Rome'); "
-                                    "add it or drop logit_diff from metrics")
-            tids.append(t)
-            fids.append(f)
-        if len({len(t) for t in tids}) > 1:
-            raise PatchingError("pairs[*].target: every pair needs the same number of target tokens")
-        return tids, (fids if all(fids) else None)
-
-    def _pair_rows(self, model) -> tuple[PreparedDataset, list[list[int]], list[list[int]] | None]:
-        """The pairs as prepared rows (``prompt`` = ``clean``), each prompt tokenized once, with the
-        pairs' own errors (side-by-side tokenizations, ``pairs[i].target``)."""
-        pairs = self.all_pairs()
-        field = "pairs" if self.pairs else f"pairs_file ({self.pairs_file})"
-        tids, fids = self._token_ids(model, pairs)
-        ids = P.check_same_length(model, [p.clean for p in pairs], [p.corrupted for p in pairs], field=field)
-        n_bos = len(encode(model, ""))  # 1 when the model spec prepends a BOS
-        examples = []
-        for i, (p, (c, x)) in enumerate(zip(pairs, ids)):
-            check_length(model, c, f"{field}[{i}]", p.clean)
-            one = len(p.targets) == 1 and len(p.foils) <= 1
-            row = Row(prompt=p.clean, corrupted=p.corrupted, target=p.targets[0] if one else None,
-                      foil=(p.foils[0] if p.foils else None) if one else None,
-                      targets=() if one else tuple(p.targets), foils=() if one else tuple(p.foils))
-            examples.append(Example(i, row, tuple(c), tids[i][0] if one else None,
-                                    fids[i][0] if one and fids is not None else None, {}, tuple(x), n_bos))
-        source = "pairs" if self.pairs else str(self.pairs_file)
-        return PreparedDataset(tuple(examples), source), tids, fids
-
-    def _dataset_rows(self, model) -> tuple[PreparedDataset, list[list[int]], list[list[int]] | None]:
-        """The dataset's rows, each with its own target (required) and foil (required by
-        ``logit_diff``; used by every metric only when every row has one)."""
-        data = self.dataset.prepare(model, "dataset")
-        for e in data.examples:
-            if e.target_id is None:
-                raise DatasetError(f"dataset row {e.row_id} ({e.prompt[:60]!r}): no target; activation patching "
-                                   "scores each row's own target (and foil): add target to every row")
-            if e.foil_id is None and "logit_diff" in self.metrics:
-                raise DatasetError(f"dataset row {e.row_id} ({e.prompt[:60]!r}): no foil; the logit_diff metric "
-                                   "needs each row's foil (e.g. the corrupted prompt's answer): add foil to every "
-                                   "row or drop logit_diff from metrics")
-        tids = [[e.target_id] for e in data.examples]
-        has_foils = all(e.foil_id is not None for e in data.examples)
-        return data, tids, ([[e.foil_id] for e in data.examples] if has_foils else None)
-
-    def _corrupted(self, data: PreparedDataset) -> bool:
-        """Whether the rows have corrupted prompts (all or none).
-
-        Raises:
-            DatasetError: a row without one in a run with directions (which need it), or some rows
-                with and some without in an ablation-only run; naming the row.
-        """
-        missing = [e for e in data.examples if e.corrupted_ids is None]
-        if not missing:
-            return True
-        e = missing[0]
-        where = f"dataset row {e.row_id} ({e.prompt[:60]!r})"
-        if self.directions:
-            raise DatasetError(f"{where}: no corrupted prompt; the directions {list(self.directions)} patch between "
-                               "each row's prompt and its corrupted prompt (same token length): add corrupted to "
-                               "every row, or run only the ablations zero/mean/resample (directions: [])")
-        if len(missing) < len(data):
-            raise DatasetError(f"{where}: no corrupted prompt, while other rows have one; give every row a "
-                               "corrupted prompt (normalised effects) or none (an ablation-only run scored by delta)")
-        return False
-
-    def _resolve_positions(self, model, data: PreparedDataset) -> tuple[list[list[int]] | None, list[str]]:
-        """Per row the token index (BOS counted) of each of ``positions``, and their names.
-
-        Raises:
-            DatasetError: a named position a row does not have (naming the row).
-            TokenizationError: an index or text not in a row's prompt.
-        """
-        if not self.positions:
-            return None, []
-        cols, names = [], []
-        for i, spec in enumerate(self.positions):
-            pos: Position = parse_position(spec, POSITION_SPEC_FORMS, f"positions[{i}]")
-            names.append(str(pos))
-            if pos.kind == "name":
-                cols.append(data.position(str(pos.text), f"positions[{i}]"))
-            else:
-                cols.append([pos.resolve(model, e.prompt, e.ids, f"positions[{i}] (row {e.row_id})")[0]
-                             for e in data.examples])
-        return [list(r) for r in zip(*cols)], names
-
-    def _auto_positions(self, data: PreparedDataset) -> tuple[list[list[int]] | None, list[str], str | None]:
-        """Without ``positions``: the positions of position-indexed sites when a per-position mean
-        over the rows would mix token roles, ``(per row indices, names, why)``; ``(None, [], None)``
-        when it would not (every row the same length, named positions at the same index in each).
-
-        Rows of different lengths align only by position from the end, and rows whose named
-        positions sit at different indices (another template, e.g. IOI's ABBA and BABA) do not align
-        by index either: at one position, different rows hold tokens of different roles. Such rows
-        are patched at the dataset's named positions (those every row has), each row at its own
-        index, and averaged by name.
-
-        Raises:
-            PatchingError: such rows without named positions (nothing to align them by).
-        """
-        if not any("pos" in P.SITES[s].axes for s in P.expand_sites(self.sites)):
-            return None, [], None
-        ex = data.examples
-        lengths = sorted({len(e.ids) for e in ex})
-        names = data.position_names
-        moved = [n for n in names if len({e.positions[n] for e in ex}) > 1]
-        if len(lengths) == 1 and not moved:
-            return None, [], None
-        why = (f"the rows have different token lengths ({', '.join(map(str, lengths[:6]))}"
-               f"{', ...' if len(lengths) > 6 else ''})" if len(lengths) > 1 else
-               f"the named position(s) {moved} sit at different token indices in different rows (different templates)")
-        if not names:
-            raise PatchingError(
-                f"positions: {why}, so a per-position mean over the rows would average tokens of different roles "
-                "(a position counted from the end is another token in each template); give positions: either "
-                "named positions of the dataset (add positions: {S2: ..., END: -1} to each row, then positions: "
-                "[S2, END]) or indices counted from the end that hold the same role in every row (positions: [-1]); "
-                "or patch whole-layer sites (resid_pre_layer, head_out, mlp_out_layer) instead")
-        return ([[e.positions[n] for n in names] for e in ex], list(names),
-                f"{why}: patched at the dataset's named positions {list(names)} (each row at its own index, "
-                "averaged by name), not at every index; give positions: to choose others")
-
-    def _population(self, model) -> tuple[tuple[tuple[int, ...], ...] | None, str, str]:
+    def _population(self, model: HookedModel) -> tuple[tuple[tuple[int, ...], ...] | None, str, str]:
         """``(baseline ids or None, population name for errors, population name for meta)``."""
         if not self.baseline_prompts:
             return None, "the rows' clean prompts", "rows.prompt"
@@ -792,38 +461,29 @@ class ActivationPatching(Experiment):
             ids.append(tuple(seq))
         return tuple(ids), "baseline_prompts", "baseline_prompts"
 
-    def prepare(self, model) -> ActivationPatchingInputs:
-        """The rows (the dataset, or the pairs as rows), their target/foil ids, clean and corrupted
-        token ids (equal lengths per row), chosen positions per row and the baseline population
-        (tokenizer only: works on a :class:`tracekit.model.ModelInfo`; a dataset's ``filter:
-        correct`` then waits for the run)."""
-        if self.dataset is not None:
-            data, tids, fids = self._dataset_rows(model)
-        else:
-            data, tids, fids = self._pair_rows(model)
-        has_corr = self._corrupted(data)
-        positions, names = self._resolve_positions(model, data)
-        auto = None
-        if positions is None:
-            positions, names, auto = self._auto_positions(data)
+    def prepare(self, model: HookedModel) -> ActivationPatchingInputs:
+        """The rows (the dataset, or the pairs as rows: :class:`~tracekit.dataset.paired.PairedRows`),
+        their target/foil ids, clean and corrupted token ids (equal lengths per row), chosen positions
+        per row and the baseline population (tokenizer only: works on a
+        :class:`tracekit.model.ModelInfo`; a dataset's ``filter: correct`` then waits for the run).
+
+        Raises:
+            TokenizationError / DatasetError / PatchingError: as
+                :meth:`tracekit.dataset.paired.PairedRows.prepare`, naming the field or row.
+        """
+        why = None
+        if self.directions:
+            why = (f"the directions {list(self.directions)} patch between each row's prompt and its corrupted "
+                   "prompt (same token length): add corrupted to every row, or run only the ablations "
+                   "zero/mean/resample (directions: [])")
+        rows = self.paired_rows(model, positions=self.positions, foil_required="logit_diff" in self.metrics,
+                                corrupted_needed_by=why,
+                                align_positions=any("pos" in P.SITES[s].axes for s in P.expand_sites(self.sites)))
         pop, pop_name, pop_meta = self._population(model)
+        return ActivationPatchingInputs(rows=rows, baseline_ids=pop, population_name=pop_name,
+                                        population_source=pop_meta)
 
-        def texts(e: Example, which: str) -> tuple[Optional[str], ...]:
-            return e.row.target_texts if which == "target" else e.row.foil_texts
-
-        return ActivationPatchingInputs(
-            data=data, target_ids=tuple(tuple(t) for t in tids),
-            foil_ids=None if fids is None else tuple(tuple(f) for f in fids),
-            targets=tuple(texts(e, "target") for e in data.examples),
-            foils=None if fids is None else tuple(texts(e, "foil") for e in data.examples),
-            clean_ids=tuple(e.ids for e in data.examples),
-            corrupted_ids=tuple(e.corrupted_ids if e.corrupted_ids is not None else e.ids for e in data.examples),
-            has_corrupted=has_corr,
-            positions=None if positions is None else tuple(tuple(r) for r in positions),
-            position_names=tuple(names), baseline_ids=pop, population_name=pop_name, population_source=pop_meta,
-            positions_auto=auto)
-
-    def check(self, model) -> ActivationPatchingInputs:
+    def check(self, model: HookedModel) -> ActivationPatchingInputs:
         """:meth:`prepare`, then the layers, neurons and baseline population (tokenizer and config
         only: works on a :class:`tracekit.model.ModelInfo`)."""
         inputs = self.prepare(model)
@@ -842,37 +502,12 @@ class ActivationPatching(Experiment):
                                    inputs.population_name)
         return inputs
 
-    # ---- run -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> ActivationPatchingResult:
-        return self._result(model, inputs, self._patch(model, inputs, progress))
-
-    def _patch(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> P.PatchingRun:
-        """The exact patching runs of every row (:func:`tracekit.patching.run_patching`)."""
-        tids = [list(t) for t in inputs.target_ids]
-        fids = None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids]
-        clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
-        pop = None if inputs.baseline_ids is None else [list(b) for b in inputs.baseline_ids]
-        sites = P.expand_sites(self.sites)
-        positions = None if inputs.positions is None else [list(p) for p in inputs.positions]
-        total = P.count_variants(model, [len(c) for c in clean_ids], sites, len(self.modes), self.layers,
-                                 self.neuron_layers, self.neurons,
-                                 n_positions=None if positions is None else len(positions[0]))
-        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
-        try:
-            return P.run_patching(model, clean_ids, corr_ids, sites, self.modes, self.metric_names(inputs), tids,
-                                  fids, layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
-                                  baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
-                                  skip_unchanged=self.skip_unchanged, progress=bar.update, positions=positions)
-        finally:
-            bar.close()
-
     def metric_names(self, inputs: ActivationPatchingInputs) -> list[str]:
         """``metrics``, plus ``logit_diff`` whenever the rows have foils (the rows table reports it)."""
         return list(self.metrics) + (["logit_diff"] if inputs.foil_ids is not None and "logit_diff" not in self.metrics
                                      else [])
 
-    def _result(self, model, inputs: ActivationPatchingInputs, out: P.PatchingRun):
+    def _result(self, model: HookedModel, inputs: ActivationPatchingInputs, out: P.PatchingRun) -> ActivationPatchingResult:
         """The result's tables from the patched runs ``out`` (exact or estimated)."""
         clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
         row_ids = inputs.row_ids
@@ -888,10 +523,10 @@ class ActivationPatching(Experiment):
         rows = rows_frame(inputs.data, scored, list(self.metrics), self.main_metric,
                           [list(t) for t in inputs.targets],
                           None if inputs.foils is None else [list(f) for f in inputs.foils])
-        baselines = scored[scored["metric"].isin(self.metrics)].reset_index(drop=True)
+        baselines = T.where(scored, scored["metric"].isin(self.metrics)).reset_index(drop=True)
         frames = [job_frame(job, tokens_df, metrics, row_ids, inputs.position_names) for job in out.jobs]
         per_row = pd.concat(frames, ignore_index=True)
-        per_row = per_row[per_row["metric"].isin(self.metrics)].reset_index(drop=True)
+        per_row = T.where(per_row, per_row["metric"].isin(self.metrics)).reset_index(drop=True)
         equal = len(set(lengths)) == 1
         main = normalise(per_row, baselines, equal, self.min_denominator, named=positions is not None)
         meta = {"n_layers": n_layers, "sites": sites, "modes": modes, "lengths": lengths,
@@ -907,4 +542,57 @@ class ActivationPatching(Experiment):
                                            "min_mean": P.MIN_MEAN_POPULATION,
                                            "alignment": "position from the end; own clean prompt excluded"}
         tables = {"main": main, "rows": rows, "baselines": baselines, "tokens": tokens_df}
-        return self.result_class(self, tables, meta)
+        return cast(ActivationPatchingResult, self.result_class(self, tables, meta))
+
+
+@register
+class ActivationPatching(PatchingSpec):
+    """Activation patching over prompt pairs or a dataset, every site, both directions, with
+    ablation baselines.
+
+    Fields: those of :class:`PatchingSpec` (``pairs`` / ``pairs_file`` / ``dataset``, ``sites``,
+    ``positions``, ``directions``, ``ablations``, ``metrics``, ...).
+
+    Summary keys and tables: :class:`ActivationPatchingResult`.
+
+    Raises (from :meth:`check`, before any model work):
+        TokenizationError: a pair's target/foil that is not one token, or a pair whose prompts
+            tokenize to different lengths (both tokenizations are shown side by side).
+        DatasetError: a dataset row that cannot be used, naming it: no target, no foil for
+            ``logit_diff``, no corrupted prompt for a direction, a corrupted prompt of another
+            length, a named position it does not have.
+        PatchingError: missing foils for ``logit_diff``, layers/neurons out of range, a baseline
+            population too small for ``mean``/``resample``; the field is named.
+    """
+
+    kind: Literal["activation_patching"] = "activation_patching"
+
+    result_class = ActivationPatchingResult
+
+    # ---- run -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _run(self, model: HookedModel, inputs: ActivationPatchingInputs, progress: bool = True) -> ActivationPatchingResult:
+        return self._result(model, inputs, self._patch(model, inputs, progress))
+
+    def _patch(self, model: HookedModel, inputs: ActivationPatchingInputs, progress: bool = True) -> P.PatchingRun:
+        """The exact patching runs of every row (:func:`tracekit.patching.run_patching`)."""
+        tids = [list(t) for t in inputs.target_ids]
+        fids = None if inputs.foil_ids is None else [list(f) for f in inputs.foil_ids]
+        clean_ids, corr_ids = [list(c) for c in inputs.clean_ids], [list(x) for x in inputs.corrupted_ids]
+        pop = None if inputs.baseline_ids is None else [list(b) for b in inputs.baseline_ids]
+        sites = P.expand_sites(self.sites)
+        positions = None if inputs.positions is None else [list(p) for p in inputs.positions]
+        total = P.count_variants(model, [len(c) for c in clean_ids], sites, len(self.modes), self.layers,
+                                 self.neuron_layers, self.neurons,
+                                 n_positions=None if positions is None else len(positions[0]))
+        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
+
+        def tick(k: int) -> None:
+            bar.update(k)
+        try:
+            return P.run_patching(model, clean_ids, corr_ids, sites, self.modes, self.metric_names(inputs), tids,
+                                  fids, layers=self.layers, neuron_layers=self.neuron_layers, neurons=self.neurons,
+                                  baseline_ids=pop, seed=self.seed, batch_size=self.batch_size,
+                                  skip_unchanged=self.skip_unchanged, progress=tick, positions=positions)
+        finally:
+            bar.close()

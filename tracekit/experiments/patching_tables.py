@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Table shaping of activation patching (``kind: activation_patching``): the engine's job results
 (:mod:`tracekit.patching`) into the ``main``, ``baselines``, ``rows`` and ``tokens`` tables of
 :class:`tracekit.experiments.patching.ActivationPatchingResult` (columns described there).
@@ -11,6 +10,7 @@ when ``filter: correct`` or ``limit`` dropped rows).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -18,9 +18,10 @@ import pandas as pd
 from .. import patching as P
 from ..dataset import PreparedDataset
 from ..metrics import normalize
+from ..model.info import HookedModel
 from ..tokens import str_tokens
 
-__all__ = ["tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS", "SITE_FAMILIES",
+__all__ = ["families", "rows_table", "heatmaps", "records", "where", "column", "is_missing", "report_text", "site_label", "tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS", "SITE_FAMILIES",
            "site_family", "trivial_lines"]
 
 #: Columns of the ``main`` table, in order.
@@ -30,7 +31,7 @@ MAIN_COLUMNS = ["scope", "intervention", "site", "hook", "layer", "position", "p
 _INT_COLUMNS = ("position", "pos_from_end", "head_idx", "neuron", "pair", "row_id", "baseline_n", "baseline_source")
 
 
-def tokens_frame(model, ids: Sequence[tuple[Sequence[int], Sequence[int]]], row_ids: Sequence[int]) -> pd.DataFrame:
+def tokens_frame(model: HookedModel, ids: Sequence[tuple[Sequence[int], Sequence[int]]], row_ids: Sequence[int]) -> pd.DataFrame:
     """The ``tokens`` table: every row's clean and corrupted tokens (pair, row_id, prompt
     ``clean``/``corrupted``, position (BOS counted), token, token_id)."""
     tok_rows = []
@@ -132,14 +133,14 @@ def job_frame(job: P.JobResult, tokens_df: pd.DataFrame, metrics: list[str], row
         "baseline_n": per_pair(job.baseline_n), "baseline_source": per_pair(job.baseline_source),
     })
     df["pos_from_end"] = (df["position"] - job.n_pos).astype("Int64")
-    tk = tokens_df[tokens_df["prompt"] == "clean"][["pair", "position", "token"]].astype(
-        {"pair": "Int64", "position": "Int64"})
+    tk = where(tokens_df, tokens_df["prompt"] == "clean")[["pair", "position", "token"]].astype(
+        cast(Any, {"pair": "Int64", "position": "Int64"}))  # per-column dtypes (the stubs accept one dtype)
     df = df.merge(tk, on=["pair", "position"], how="left")
     v = job.values.numpy().reshape(V * n, Mn)
     return pd.concat([df.assign(metric=m, value=v[:, k]) for k, m in enumerate(metrics)], ignore_index=True)
 
 
-def _one_or_na(g, col: str, dtype: str) -> pd.Series | pd.arrays.BaseMaskedArray:
+def _one_or_na(g: Any, col: str, dtype: str) -> pd.Series:
     """Per group the column's value when every member has the same one, else <NA>."""
     first = g[col].first()
     same = g[col].nunique(dropna=False) == 1
@@ -197,13 +198,14 @@ def normalise(main: pd.DataFrame, baselines: pd.DataFrame, equal: bool, min_deno
         mean["flagged"] = mean_flag
         mean["scope"] = "mean"
     cols = [c for c in MAIN_COLUMNS if c != "effect"]
-    out = pd.concat([main[cols], mean[cols]], ignore_index=True)
+    out = pd.concat([cast(pd.DataFrame, main[cols]), cast(pd.DataFrame, mean[cols])], ignore_index=True)
     # effect: how far the patch moves the run it was applied to, towards the other run
     # (denoising: normalized; noising and ablations of the clean run: 1 - normalized)
     out["effect"] = np.where(out["intervention"] == "denoising", out["normalized"], 1.0 - out["normalized"])
     for c in _INT_COLUMNS:
         out[c] = out[c].astype("Int64")
-    out["position_name"] = out["position_name"].astype(object).where(out["position_name"].notna(), None)
+    names = column(out, "position_name")
+    out["position_name"] = names.astype(object).where(names.notna(), None)
     return out
 
 
@@ -222,14 +224,14 @@ def site_family(site: str) -> str:
     return "other"
 
 
-def _row_positions(line, rows: pd.DataFrame) -> np.ndarray | None:
+def _row_positions(line: Any, rows: pd.DataFrame) -> np.ndarray | None:
     """Each row's token index of a mean line's position (named: ``pos_<NAME>``; else from the end)."""
     name = line["position_name"]
     if isinstance(name, str):
         col = f"pos_{name}"
         return rows[col].to_numpy(dtype=np.int64) if col in rows else None
     pfe = line["pos_from_end"]
-    return None if pd.isna(pfe) else rows["n_tokens"].to_numpy(dtype=np.int64) + int(pfe)
+    return None if is_missing(pfe) else rows["n_tokens"].to_numpy(dtype=np.int64) + int(pfe)
 
 
 def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame, n_layers: int) -> pd.Series:
@@ -267,7 +269,7 @@ def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame,
     diff: dict[int, set] = {int(p): set() for p in rows["pair"]}
     if "corrupted" in wide:
         d = wide[wide["clean"] != wide["corrupted"]]
-        for pair, pos in d.index:
+        for pair, pos in cast(list[tuple[Any, Any]], d.index.tolist()):
             diff[int(pair)].add(int(pos))
     sole = [diff[int(p)] for p in rows["pair"]]
     layer = lines["layer"].astype(int)
@@ -276,8 +278,214 @@ def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame,
         pos = _row_positions(ln, rows)
         if pos is None:
             continue
-        if ln["site"] == "resid_post":
+        if str(ln["site"]) == "resid_post":
             out[i] = bool(np.all(pos == last))
-        elif ln["intervention"] in ("denoising", "noising"):
+        elif str(ln["intervention"]) in ("denoising", "noising"):
             out[i] = all(s == {int(p)} for s, p in zip(sole, pos))
     return out
+
+
+def heatmaps(mean: pd.DataFrame, tokens: pd.DataFrame, baselines: pd.DataFrame, meta: dict, main_metric: str,
+             ranked_by: str) -> dict:
+    """The figures of :class:`~tracekit.experiments.patching.ActivationPatchingResult`: one heatmap
+    (layer x position/head/neuron) per (intervention, site) of the main metric's mean-over-rows lines
+    ``mean`` (``normalized`` when ``ranked_by`` is ``effect``, else ``delta``), ticks from the first
+    row's ``tokens``; ``{"<intervention>_<site>": Figure}``."""
+    # Long (reason): one figure per (site family, intervention) from the same mean table; each block is a few plotting calls.
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    figs = {}
+    df = mean
+    toks = tokens
+    t0 = where(toks, toks["pair"] == toks["pair"].min())
+    clean_t = column(where(t0, t0["prompt"] == "clean").set_index("position"), "token")
+    corr_t = column(where(t0, t0["prompt"] == "corrupted").set_index("position"), "token")
+    equal_len = bool(meta.get("equal_lengths", True))
+    named = bool(meta.get("positions"))
+    value_col = "normalized" if ranked_by == "effect" else "delta"
+    value_label = (f"normalized {main_metric}: 1 = clean, 0 = corrupted" if value_col == "normalized"
+                   else f"{main_metric} patched - clean")
+
+    def pos_label(pfe: Any) -> str:
+        n = len(clean_t)
+        p = n + int(pfe)
+        if not equal_len or p not in clean_t.index:
+            return f"{int(pfe)}"
+        a, b = clean_t[p], corr_t.get(p, clean_t[p])
+        lab = repr(a)[1:-1] if a == b else f"{repr(a)[1:-1]}/{repr(b)[1:-1]}"
+        return f"{lab[:14]} ({p})"
+
+    names = list(meta.get("positions") or [])
+    order = {n: i for i, n in enumerate(names)}
+
+    def ptick(p: Any) -> str:
+        """Tick label of a ``_pos`` value: the position's name (chosen positions, by slot) or
+        its token (position from the end)."""
+        return names[int(p)] if named else pos_label(p)
+
+    for (d, site), g in df.groupby(["intervention", "site"], sort=True):  # pyright: ignore[reportGeneralTypeIssues] # stubs: a list key gives tuples
+        axes = P.SITES[site].axes
+        g = g.copy()
+        g["layer"] = g["layer"].astype(int)
+        if named and "pos" in axes:
+            g["_pos"] = g["position_name"].map(lambda x: order.get(x, np.nan))
+        elif "pos" in axes:
+            g["_pos"] = g["pos_from_end"]
+        if axes == ("pos",) or axes == ():
+            col = "_pos" if axes else None
+            if col is None:
+                g["_c"] = 0
+                col = "_c"
+            piv = g.pivot_table(index="layer", columns=col, values=value_col, aggfunc="mean")
+            xl = [ptick(c) for c in piv.columns] if axes else ["all positions"]
+            xlabel = "position (token)" if not named else "position (named, per row)"
+        elif axes == ("head",):
+            piv = g.pivot_table(index="layer", columns="head_idx", values=value_col, aggfunc="mean")
+            xl = [str(int(c)) for c in piv.columns]
+            xlabel = "head" + (" (key/value head)" if P.SITES[site].kv_heads else "")
+        elif axes == ("pos", "head"):
+            piv = g.pivot_table(index="layer", columns=["_pos", "head_idx"], values=value_col, aggfunc="mean")
+            xl = [f"{ptick(p)} H{int(h)}" if int(h) == 0 else f"H{int(h)}" for p, h in piv.columns]
+            xlabel = "position (token) x head"
+        elif axes == ("neuron",):
+            piv = g.pivot_table(index="layer", columns="neuron", values=value_col, aggfunc="mean")
+            xl = None
+            xlabel = "neuron"
+        else:  # ("pos", "neuron")
+            piv = g.pivot_table(index=["layer", "_pos"], columns="neuron", values=value_col, aggfunc="mean")
+            piv.index = [f"L{int(L)} {ptick(p)}" for L, p in piv.index]
+            xl = None
+            xlabel = "neuron"
+        grid = piv.to_numpy(dtype=float)
+        lim = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+        lim = max(lim, 1e-6)
+        w = 3.5 + (0.55 * grid.shape[1] if xl is not None and grid.shape[1] <= 60 else 8)
+        h = 2.0 + 0.22 * grid.shape[0]
+        fig, ax = plt.subplots(figsize=(min(w, 40), min(h, 30)))
+        im = ax.imshow(grid, aspect="auto", origin="lower", cmap="RdBu", vmin=-lim, vmax=lim,
+                       interpolation="nearest")
+        if xl is not None:
+            ax.set_xticks(range(len(xl)), xl, rotation=70, fontsize=7)
+        ax.set_yticks(range(len(piv.index)), [str(i) for i in piv.index], fontsize=6)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("layer")
+        what = {"denoising": "clean -> corrupted run", "noising": "corrupted -> clean run"}.get(
+            d, f"{d} ablation of the clean run")
+        n_rows = int(column(baselines, "pair").nunique())
+        ax.set_title(f"{site} patching, {d} ({what}), mean over {n_rows} row(s)\n{value_label}", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.03)
+        fig.tight_layout()
+        figs[f"{d}_{site}"] = fig
+    return figs
+
+
+def where(df: pd.DataFrame, mask: pd.Series | pd.DataFrame | np.ndarray) -> pd.DataFrame:
+    """The lines of ``df`` where the boolean ``mask`` (one per line) holds: ``df[mask]``, typed as a
+    frame (the stubs type a column as ``Series | DataFrame``)."""
+    return cast(pd.DataFrame, df[cast(pd.Series, mask)])
+
+
+def column(df: pd.DataFrame, name: str) -> pd.Series:
+    """The column ``name`` of ``df``, typed as a Series."""
+    return cast(pd.Series, df[name])
+
+
+def is_missing(v: object) -> bool:
+    """A table cell that is None, NaN or <NA> (``pd.isna`` of one value)."""
+    return bool(pd.isna(cast(Any, v)))
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """The lines of ``df`` as dicts (column -> value), in order: typed access to table lines."""
+    return cast(list[dict[str, Any]], df.to_dict("records"))
+
+
+def site_label(r: dict[str, Any]) -> str:
+    """A mean line's index as text: ``L3 H2 pos S2`` (layer, head, neuron, position)."""
+    parts = [f"L{int(r['layer'])}"]
+    if not is_missing(r.get("head_idx")):
+        parts.append(f"H{int(r['head_idx'])}")
+    if not is_missing(r.get("neuron")):
+        parts.append(f"N{int(r['neuron'])}")
+    name = r.get("position_name")
+    if isinstance(name, str):
+        parts.append(f"pos {name}")
+    elif not is_missing(r.get("pos_from_end")):
+        tok = r.get("token")
+        parts.append(f"pos {int(r['position'])} {tok!r}" if not is_missing(r.get("position"))
+                     else f"pos {int(r['pos_from_end'])}")
+    return " ".join(parts)
+
+
+def report_text(summary: dict[str, Any], config: Any, baselines: pd.DataFrame) -> str:
+    """:meth:`~tracekit.experiments.patching.ActivationPatchingResult.report`: the rows, the mean
+    clean/corrupted scores, flagged rows and the top sites of ``summary``, as text (``config``: the
+    :class:`~tracekit.experiments.patching.PatchingSpec` run)."""
+    s = summary
+    cfg = config
+    pos = f", positions {s['positions']}" if s["positions"] else ""
+    lines = [(f"activation patching [{cfg.step_name}]: {s['n_rows']} row(s) from {s['dataset_source']}, "
+              f"sites {s['sites']}{pos}, interventions {s['interventions']}")]
+    if s["positions_auto"]:
+        lines.append(f"  positions: {s['positions_auto']}")
+    if s["rows_dropped"]:
+        lines.append("  rows dropped: " + ", ".join(f"{k}: {v}" for k, v in s["rows_dropped"].items()))
+    base = baselines
+    for m in cfg.metrics:
+        b = where(base, base["metric"] == m)
+        corr = f"{b['corrupted'].mean():+.4f}" if column(b, "corrupted").notna().any() else "(no corrupted prompts)"
+        lines.append(f"  {m:10s} clean {b['clean'].mean():+.4f}  corrupted {corr}"
+                     f"  (mean over rows; flagged {int(column(b, 'flagged').sum())})")
+    if s["share_rows_correct"] is not None:
+        lines.append(f"  correct (clean logit_diff > 0): {s['share_rows_correct']:.2%} of rows")
+    if s["flagged_rows"]:
+        lines.append(f"  FLAGGED (|clean - corrupted| < {cfg.min_denominator}): "
+                     + ", ".join(f"row {f['row_id']} {f['metric']}" for f in s["flagged_rows"]))
+    if s["ranked_by"] == "effect":
+        lines.append(f"top sites by |effect| on {cfg.main_metric}, mean over rows (effect = normalized for "
+                     "denoising, 1 - normalized for noising/ablations; normalized: 1 = clean, 0 = corrupted):")
+    else:
+        lines.append(f"top sites by |delta| = |patched - clean| on {cfg.main_metric}, mean over rows (no "
+                     "corrupted prompts: nothing to normalise against):")
+    lines.append(f"  {'effect':>8} {'normalized':>10} {'delta':>9}  {'intervention':12s} {'site':18s} index")
+
+    def num(v, w):
+        return f"{v:+{w}.4f}" if v is not None else f"{'-':>{w}}"
+
+    def line(t) -> str:
+        return (f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
+                f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
+
+    lines += [line(t) for t in s["top_sites"]]
+    if "resid" not in s["top_sites_families"] and s["top_resid_sites"]:
+        lines.append("residual stream, ranked apart (a whole position's state; by-construction lines left out):")
+        lines += [line(t) for t in s["top_resid_sites"][:3]]
+    return "\n".join(lines)
+
+
+def families(family: str | list[str], df: pd.DataFrame) -> list[str]:
+    """The families ``top_sites`` ranks (``auto``: the components when any were patched)."""
+    if family == "auto":
+        comps = sorted(set(df["family"]) - {"resid"})
+        return comps or ["resid"]
+    fams = list(SITE_FAMILIES) + ["other"] if family == "all" else [family] if isinstance(family, str) else family
+    bad = [f for f in fams if f not in SITE_FAMILIES and f != "other"]
+    if bad:
+        raise ValueError(f"family: unknown {bad}; use 'auto', 'all' or of {list(SITE_FAMILIES)}")
+    return list(fams)
+
+
+def rows_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The ``rows`` table of a result's ``tables`` (results saved before it existed: built from ``baselines``)."""
+    if "rows" in tables:
+        return tables["rows"]
+    base = tables["baselines"]
+    wide = base.pivot(index="pair", columns="metric", values=["clean", "corrupted"]).sort_index()
+    df = pd.DataFrame({"pair": wide.index.to_numpy(), "row_id": wide.index.to_numpy()})
+    for (which, m) in wide.columns:
+        df[f"{which}_{m}"] = wide[(which, m)].to_numpy()
+    df["correct"] = (df["clean_logit_diff"] > 0) if "clean_logit_diff" in df else pd.NA
+    return df

@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIncompatibleVariableOverride=false, reportOptionalMemberAccess=false, reportReturnType=false, reportOptionalSubscript=false, reportGeneralTypeIssues=false
 """Path patching experiment (``kind: path_patching``): each sender (or group of senders) patched
 from the source run into chosen receivers only, exactly. The method: :mod:`tracekit.circuits.paths`;
 rows: :class:`tracekit.experiments.circuit_rows.CircuitRowsExperiment`::
@@ -19,10 +18,13 @@ from pydantic import Field
 
 from ..circuits.graph import build_graph
 from ..circuits.paths import path_patch
+from ..dataset.paired import PairedRows
 from ..errors import MethodRefused
+from ..model.info import HookedModel
 from .base import Result, register
-from .circuit_rows import CircuitRowsExperiment, Mode, bar_chart
-from .patching import ActivationPatchingInputs
+from .circuit_rows import CircuitRowsExperiment, Mode
+from .circuits_tables import bar_chart
+from .patching_tables import column, is_missing, records, where
 
 __all__ = ["PathPatching", "PathPatchingResult"]
 
@@ -49,17 +51,18 @@ class PathPatchingResult(Result):
 
     def summary(self) -> dict:
         df = self.tables["main"]
-        mean = df[df["scope"] == "mean"].copy()
-        mean = mean.assign(_a=mean["effect"].abs()).sort_values("_a", ascending=False)
+        mean = where(df, df["scope"] == "mean").copy()
+        mean = mean.assign(_a=column(mean, "effect").abs()).sort_values("_a", ascending=False)
         rows = self.tables["rows"]
         m = self.config.metric
         return {"mode": self.config.mode, "recipe": self.config.recipe, "metric": m, "n_rows": int(len(rows)),
                 "receivers": list(self.meta["receivers"]), "n_variants": int(len(mean)),
                 "skipped": list(self.meta.get("skipped", [])),
-                "mean_clean": float(rows[f"clean_{m}"].mean()), "mean_corrupted": float(rows[f"corrupted_{m}"].mean()),
+                "mean_clean": float(column(rows, f"clean_{m}").mean()),
+                "mean_corrupted": float(column(rows, f"corrupted_{m}").mean()),
                 "effects": [{"senders": r["senders"], "mean_delta": round(float(r["delta"]), 6),
-                             "mean_effect": None if pd.isna(r["effect"]) else round(float(r["effect"]), 6)}
-                            for _, r in mean.iterrows()]}
+                             "mean_effect": None if is_missing(r["effect"]) else round(float(r["effect"]), 6)}
+                            for r in records(mean)]}
 
     def report(self) -> str:
         s = self.summary()
@@ -123,7 +126,7 @@ class PathPatching(CircuitRowsExperiment):
 
     result_class = PathPatchingResult
 
-    def _variants(self, model) -> tuple[list[list[str]], list[str], list[str]]:
+    def _variants(self, model: HookedModel) -> tuple[list[list[str]], list[str], list[str]]:
         """``(sender lists, receivers, skipped)`` with patterns expanded.
 
         Raises:
@@ -182,12 +185,12 @@ class PathPatching(CircuitRowsExperiment):
             raise MethodRefused(f"senders: every sender writes after a receiver reads (skipped {skipped[:5]})")
         return variants, recv, skipped
 
-    def check(self, model) -> ActivationPatchingInputs:
+    def check(self, model: HookedModel) -> PairedRows:
         inputs = self.prepare(model)
         self._variants(model)
         return inputs
 
-    def _run(self, model, inputs: ActivationPatchingInputs, progress: bool = True) -> PathPatchingResult:
+    def _run(self, model: HookedModel, inputs: PairedRows, progress: bool = True) -> PathPatchingResult:
         clean, corr, tgt, foil = self.ids(inputs)
         variants, recv, skipped = self._variants(model)
         run = path_patch(model, clean, corr, variants, [recv] * len(variants), tgt, foil, metrics=[self.metric],

@@ -1,5 +1,5 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
-"""Prompt pairs of activation patching: the clean/corrupted pair config class and the pairs-file reader.
+"""Prompt pairs (activation patching, attribution patching, the circuit kinds): the clean/corrupted
+pair config class and the pairs-file reader.
 
 A pair is ``{clean, corrupted, target, foil}`` (:class:`PromptPair`), given inline in a config's
 ``pairs`` or in a ``pairs_file`` (JSONL, JSON, CSV/TSV or Parquet; :func:`load_pairs`).
@@ -15,7 +15,7 @@ from pydantic import ConfigDict, model_validator
 
 from ..core.errors import ConfigError
 from ..core.strict import StrictModel
-from ..dataset.read import FILE_TYPES, read_records
+from .read import FILE_TYPES, read_records
 
 __all__ = ["PromptPair", "load_pairs", "RETIRED_PAIR_KEYS"]
 
@@ -47,7 +47,7 @@ class PromptPair(StrictModel):
     retired = {old: f"{new}; pairs are {{clean, corrupted, target, foil}}" for old, new in RETIRED_PAIR_KEYS.items()}
 
     @model_validator(mode="after")
-    def _target_differs_from_foil(self):
+    def _target_differs_from_foil(self) -> "PromptPair":
         same = [x for x, y in zip(self.targets, self.foils) if x == y]
         if same:
             raise ValueError(f"target and foil must differ (both {same[0]!r}): the logit difference "
@@ -65,7 +65,7 @@ class PromptPair(StrictModel):
         return [self.foil] if isinstance(self.foil, str) else list(self.foil)
 
 
-def _maybe_list(v):
+def _maybe_list(v: object) -> object:
     if isinstance(v, str) and v.strip().startswith("["):
         try:
             return json.loads(v)
@@ -98,7 +98,7 @@ def load_pairs(path: str | Path, field: str = "pairs_file") -> list[PromptPair]:
     raw, _ = read_records(p, field, ConfigError)
     text_cells = p.suffix.lower() in (".csv", ".tsv")  # a list of targets is written as a JSON list string
     recs = [{k: (_maybe_list(v) if text_cells else v) for k, v in r.items() if v is not None} for r in raw]
-    out = []
+    out: list[PromptPair] = []
     for i, r in enumerate(recs):
         try:
             out.append(PromptPair.model_validate(r))

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tracekit.model",),
     ("tracekit.tokens", "tracekit.hooks", "tracekit.dataset", "tracekit.metrics", "tracekit.fastpath", "tracekit.corpus",
      "tracekit.resources", "tracekit.scratch", "tracekit.plotting", "tracekit.inputs", "tracekit.units"),
-    ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.neurons", "tracekit.patching",
+    ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.attention_tables", "tracekit.neurons", "tracekit.patching",
      "tracekit.circuits", "tracekit.lenses", "tracekit.steering", "tracekit.causal_tracing",
      "tracekit.sae", "tracekit.probing", "tracekit.activations", "tracekit.trace", "tracekit.verify", "tracekit.results"),
     ("tracekit.experiments",),

@@ -33,6 +33,7 @@ from .. import plotting
 from ..dataset import PreparedDataset, rows_from_prompts
 from ..dla import check_layers, row_positions
 from ..model.context import check_window
+from ..model.info import HookedModel
 from ..neurons import (
     key_readout,
     neuron_contributions,
@@ -454,7 +455,7 @@ class NeuronAttribution(RowTargetsExperiment):
 
     target_role = "the token whose logit the neurons write"
 
-    def prepare(self, model) -> NeuronAttributionInputs:
+    def prepare(self, model: HookedModel) -> NeuronAttributionInputs:
         """The rows prepared once (prompts tokenized, per-row target/foil ids, named positions), the
         layers and each row's read position (tokenizer and config only: works on a
         :class:`tracekit.model.ModelInfo`; ``filter: correct`` runs the model where it can).
@@ -474,7 +475,7 @@ class NeuronAttribution(RowTargetsExperiment):
         return NeuronAttributionInputs(data, layers, tuple(row_positions(model, data, self.position)))
 
     @torch.no_grad()
-    def _run(self, model, inputs: NeuronAttributionInputs, progress: bool = True) -> NeuronAttributionResult:
+    def _run(self, model: HookedModel, inputs: NeuronAttributionInputs, progress: bool = True) -> NeuronAttributionResult:
         # the engines read the prepared ids, targets and positions: nothing is tokenized again
         data = inputs.data
         layers = list(inputs.layers)
@@ -552,7 +553,7 @@ class NeuronAttribution(RowTargetsExperiment):
             row["layer"], row["neuron"], row["n_rows"] = int(row["layer"]), int(row["neuron"]), int(row["n_rows"])
         return top_rows, overall
 
-    def _contexts(self, model, overall, top_set, rand_sets, tables: dict, meta: dict, progress: bool):
+    def _contexts(self, model: HookedModel, overall, top_set, rand_sets, tables: dict, meta: dict, progress: bool):
         """Key readout of the top neurons (table ``contexts``); returns the corpus means of every
         neuron read (the baselines of a ``mean`` ablation)."""
         cx = self.contexts
@@ -576,7 +577,7 @@ class NeuronAttribution(RowTargetsExperiment):
         meta.update(corpus=cx.corpus, corpus_tokens=kr.n_tokens, corpus_windows=kr.n_windows, mean_source="corpus")
         return kr.means
 
-    def _interventions(self, model, inputs: NeuronAttributionInputs, top_set, rand_sets, means,
+    def _interventions(self, model: HookedModel, inputs: NeuronAttributionInputs, top_set, rand_sets, means,
                        progress: bool) -> pd.DataFrame:
         """One row per (verb, value) x set x dataset row: the top neurons and each random control set
         edited on every row in batched passes, each row with its own target/foil at its own position

@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
 from ..core.errors import DatasetError
+from ..model.info import HookedModel
 from ..model.load import bos_info, model_spec_of
 from ..results import round_sig
 from ..tokens import show_token, single_token_id
@@ -619,7 +620,7 @@ class TokenTrace(Experiment):
             raise ValueError("give a head as 'L0H6' or [layer, head]")
         return v
 
-    def prepare(self, model) -> TokenTraceInputs:
+    def prepare(self, model: HookedModel) -> TokenTraceInputs:
         """Tokenize the prompt, resolve the target/foil ids and the head shown (tokenizer and config
         only: works on a :class:`tracekit.model.ModelInfo`)."""
         if self.dataset is None:
@@ -636,7 +637,7 @@ class TokenTrace(Experiment):
         return TokenTraceInputs(e.ids, e.target_id, e.foil_id, parse_head(self.head, model), e.prompt,
                                 e.row.target, e.row.foil, e.row_id)
 
-    def _run(self, model, inputs: TokenTraceInputs, progress: bool = True) -> TokenTraceResult:
+    def _run(self, model: HookedModel, inputs: TokenTraceInputs, progress: bool = True) -> TokenTraceResult:
         # The engine (tracekit.trace.token_trace) takes the prompt string and tokenizes it in each of
         # its stages (lens, attribution, attention; no ids parameter yet).
         tr = token_trace(model, inputs.prompt, inputs.target, inputs.foil, self.head, self.top_neurons, self.value_tokens,

@@ -81,7 +81,8 @@ def query_tables(model: HookedModel, data: PreparedDataset, ids: Sequence[Sequen
         key_pos: ``[row][key]`` each named key's index in the row's ids (unused with ``key_names=None``).
         plot_heads: the shown ``(layer, head)`` pairs, or None: the ``n_plot_heads`` heads with the
             largest mean weight on the first key (``keys: all``: on one key other than the first token).
-        dominance / spread_entropy: thresholds of the head labels (:func:`tracekit.attention.label_query_rows`).
+        dominance: threshold of the self / first / previous head labels (:func:`tracekit.attention.label_query_rows`).
+        spread_entropy: threshold of the ``spread`` head label (normalised entropy).
         n_plot_heads: heads shown by default.
         full_pattern: also tabulate the shown heads' full causal patterns on the first ``plot_rows`` rows.
         plot_rows: rows of the full pattern.

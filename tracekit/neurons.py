@@ -42,7 +42,7 @@ by raising inside a hook).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -157,7 +157,7 @@ class NeuronBasis:
 
     def decoder_rows(self, units: Sequence[int]) -> Float[torch.Tensor, "k d_model"]:
         """``W_out[L, units]`` as written into the residual stream per unit activation (float32)."""
-        v = self.model.blocks[self.layer].mlp.W_out[list(units)].float()
+        v = cast(Any, self.model).blocks[self.layer].mlp.W_out[list(units)].float()  # a loaded bridge's block
         wp = write_path(self.model, self.layer, "mlp")
         if wp is not None and wp.norm is not None:  # through the post-MLP norm at its scale 1
             v = wp.norm.weight.to(v.device) * wp.norm.centre(v)

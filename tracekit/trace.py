@@ -33,7 +33,7 @@ import base64
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, cast
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -277,7 +277,7 @@ def _tokenization(model: HookedModel, batch) -> pd.DataFrame:
 
 @torch.no_grad()
 def _embedding(model: HookedModel, ids: list[int], n_nearest: int):
-    W_E = model.W_E.detach().float().cpu()
+    W_E = cast(Any, model).W_E.detach().float().cpu()  # a loaded bridge's embedding
     norms = W_E[ids].norm(dim=-1)
     W_pos = getattr(model, "W_pos", None) if hook("pos_embed") in model.hook_dict else None
     pos_norm = [float(W_pos[i].float().norm()) for i in range(len(ids))] if W_pos is not None else [None] * len(ids)
@@ -441,7 +441,7 @@ def _cost(model: HookedModel, n_tokens: int, device_name: Optional[str]):
     seen, parts = set(), {}
     dtype = None
     tied = _tied(model)
-    for name, p in model.named_parameters():
+    for name, p in cast(Any, model).named_parameters():  # a loaded bridge's parameters
         if p.data_ptr() in seen:  # tied weights counted once
             continue
         seen.add(p.data_ptr())

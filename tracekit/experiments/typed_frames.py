@@ -10,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 import pandas as pd
 
-__all__ = ["column", "records", "values", "where"]
+__all__ = ["column", "records", "scalar", "values", "where"]
 
 
 def where(df: pd.DataFrame, mask: Any) -> pd.DataFrame:
@@ -32,3 +32,9 @@ def records(df: pd.DataFrame) -> Iterator[Any]:
     """``df.itertuples()``: the rows as named tuples (attribute per column; typed ``Any`` because
     the columns are the table's own)."""
     return cast(Iterator[Any], df.itertuples())
+
+
+def scalar(x: Any) -> float:
+    """``float(x)`` of a pandas reduction (``Series.sum()``, ``.max()``, ``.mean()``: a scalar at run
+    time, typed loosely by the stubs)."""
+    return float(x)

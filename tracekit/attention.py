@@ -42,6 +42,7 @@ from jaxtyping import Float, Int
 from .core.sites import check_heads, check_layer, check_layers, hook
 from .errors import AttentionError, HookError
 from .model.context import check_context, context_length
+from .model.info import HookedModel
 from .tokens import (
     Batch,
     Position,
@@ -108,7 +109,7 @@ class LayerAttention:
         return pd.concat(frames, ignore_index=True)
 
 
-def resolve_position(model, prompt: str, position: Union[PositionSpec, Position] = "last",
+def resolve_position(model: HookedModel, prompt: str, position: Union[PositionSpec, Position] = "last",
                      ids: Optional[Sequence[int]] = None, field: str = "position") -> int:
     """The query position (index into the tokenized prompt, BOS included) of ``position``: an int
     (negative from the end), ``last`` or ``token:<text>`` (the token holding the last character of
@@ -126,7 +127,7 @@ def resolve_position(model, prompt: str, position: Union[PositionSpec, Position]
 
 
 @torch.no_grad()
-def attention_pattern(model, prompt: str, layer: int) -> LayerAttention:
+def attention_pattern(model: HookedModel, prompt: str, layer: int) -> LayerAttention:
     """Scores and weights of every head of ``layer`` on ``prompt`` (one forward pass; caches only
     ``hook_attn_scores`` and ``hook_pattern`` of that layer).
 
@@ -188,7 +189,7 @@ def classify_heads(weights: Float[torch.Tensor, "head q k"], queries: Optional[S
     return pd.DataFrame(table)
 
 
-def check_repeated_length(model, seq_len: int, field: str = "seq_len") -> None:
+def check_repeated_length(model: HookedModel, seq_len: int, field: str = "seq_len") -> None:
     """Refuse a :func:`repeated_random_tokens` sequence (BOS + ``r`` + ``r``, ``2 x seq_len + 1``
     tokens, counted with the BOS either way) longer than the model's context
     (:func:`tracekit.model.context.check_context`).
@@ -206,7 +207,7 @@ def check_repeated_length(model, seq_len: int, field: str = "seq_len") -> None:
                   f"set {field} to at most {((n_ctx or 1) - 1) // 2}", AttentionError)
 
 
-def repeated_random_tokens(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0):
+def repeated_random_tokens(model: HookedModel, seq_len: int = 40, n_seqs: int = 4, seed: int = 0):
     """A batch of ``n_seqs`` sequences: [BOS?] + r + r with ``r`` ``seq_len`` random tokens
     (drawn from ids 100..d_vocab-1, avoiding special tokens), as in Olsson et al. 2022.
 
@@ -264,7 +265,7 @@ def pattern_scores(pattern: Float[torch.Tensor, "head pos pos"], tokens: torch.T
 
 
 @torch.no_grad()
-def head_scores(model, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
+def head_scores(model: HookedModel, seq_len: int = 40, n_seqs: int = 4, seed: int = 0,
                 layers: Optional[Sequence[int]] = None) -> pd.DataFrame:
     """Previous-token and induction scores of every head on repeated random tokens.
 
@@ -358,14 +359,14 @@ class QueryAttention:
         return out.masked_fill(future, float("-inf") if scores else 0.0)
 
 
-def _check_heads_of(model, heads, layers: Sequence[int], field: str = "heads") -> list[int]:
+def _check_heads_of(model: HookedModel, heads, layers: Sequence[int], field: str = "heads") -> list[int]:
     out: list[int] = []
     for L in layers:
         out = check_heads(model, heads, field, layer=L)
     return out
 
 
-def _forward_until_read(model, batch: Batch, hooks: list, names: list[str]) -> None:
+def _forward_until_read(model: HookedModel, batch: Batch, hooks: list, names: list[str]) -> None:
     """Forward ``batch`` with ``hooks`` (gated ones enabled); a hook raising :class:`_AllRead`
     ends the pass early."""
     from .hooks import enabled_hooks, fwd_hooks
@@ -377,7 +378,7 @@ def _forward_until_read(model, batch: Batch, hooks: list, names: list[str]) -> N
             pass
 
 
-def _read_query_rows(model, batch: Batch, names: list[str], qpad: torch.Tensor, kidx: torch.Tensor,
+def _read_query_rows(model: HookedModel, batch: Batch, names: list[str], qpad: torch.Tensor, kidx: torch.Tensor,
                      head_t: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{hook name: [b, head, kb]}``: each pattern/score hook's query row (padded index ``qpad``)
     of the heads ``head_t`` at the padded key indices ``kidx`` (``[b, kb]``), on the CPU."""
@@ -398,7 +399,7 @@ def _read_query_rows(model, batch: Batch, names: list[str], qpad: torch.Tensor, 
     return got
 
 
-def _read_full(model, batch: Batch, pairs: Sequence[tuple[int, int]], names: list[str]
+def _read_full(model: HookedModel, batch: Batch, pairs: Sequence[tuple[int, int]], names: list[str]
                ) -> dict[tuple[int, int], torch.Tensor]:
     """``{(layer, head): [b, pos, pos]}`` full padded patterns of the pairs, on the CPU."""
     got: dict[tuple[int, int], torch.Tensor] = {}
@@ -421,7 +422,7 @@ def _read_full(model, batch: Batch, pairs: Sequence[tuple[int, int]], names: lis
 
 
 @torch.no_grad()
-def query_attention(model, ids: Sequence[Sequence[int]], query_pos: Sequence[int],
+def query_attention(model: HookedModel, ids: Sequence[Sequence[int]], query_pos: Sequence[int],
                     layers: Union[str, Sequence[int], None] = None, heads: Union[str, Sequence[int], None] = None,
                     batch_size: int = 16, scores: bool = False, progress: Optional[Callable[[int], None]] = None,
                     field: str = "prompts") -> QueryAttention:
@@ -508,7 +509,7 @@ def query_attention(model, ids: Sequence[Sequence[int]], query_pos: Sequence[int
 
 
 @torch.no_grad()
-def full_patterns(model, ids: Sequence[Sequence[int]], pairs: Sequence[tuple[int, int]], batch_size: int = 16,
+def full_patterns(model: HookedModel, ids: Sequence[Sequence[int]], pairs: Sequence[tuple[int, int]], batch_size: int = 16,
                   field: str = "prompts") -> dict[tuple[int, int], list[Float[torch.Tensor, "q k"]]]:
     """The full causal pattern ``[len, len]`` (query x key, the row's own positions) of some
     ``(layer, head)`` pairs on each row, in one batched forward pass per ``batch_size`` rows that

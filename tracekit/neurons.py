@@ -42,7 +42,7 @@ by raising inside a hook).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -65,6 +65,7 @@ from .dla import (
 from .errors import AttributionError, TokenizationError
 from .hooks import check_hooks, enabled_hooks
 from .model.architectures import require
+from .model.info import HookedModel
 from .model.readout import Readout
 from .model.writepath import write_path
 from .tokens import (
@@ -104,7 +105,7 @@ __all__ = [
 INTERVENE_AT = ("position", "all")
 
 
-def parse_neuron(model, spec, field: str = "neurons") -> tuple[int, int]:
+def parse_neuron(model: HookedModel, spec, field: str = "neurons") -> tuple[int, int]:
     """``"L.N"`` (``"5.123"``), ``[5, 123]`` or ``(5, 123)`` -> ``(5, 123)``; ``L`` is a block index
     (negative from the end). Needs only ``model.cfg``.
 
@@ -139,7 +140,7 @@ class NeuronBasis:
     name = "neuron"
     verbs: tuple[str, ...] = VERBS  # declared as UnitBasis does (a literal tuple type would not match it)
 
-    def __init__(self, model, layer: int):
+    def __init__(self, model: HookedModel, layer: int):
         self.model = model
         self.layer = check_layer(model, layer, "layer")
         require(model, "neuron attribution", layers=[self.layer], need=("neurons",))
@@ -156,7 +157,7 @@ class NeuronBasis:
 
     def decoder_rows(self, units: Sequence[int]) -> Float[torch.Tensor, "k d_model"]:
         """``W_out[L, units]`` as written into the residual stream per unit activation (float32)."""
-        v = self.model.blocks[self.layer].mlp.W_out[list(units)].float()
+        v = cast(Any, self.model).blocks[self.layer].mlp.W_out[list(units)].float()  # a loaded bridge's block
         wp = write_path(self.model, self.layer, "mlp")
         if wp is not None and wp.norm is not None:  # through the post-MLP norm at its scale 1
             v = wp.norm.weight.to(v.device) * wp.norm.centre(v)
@@ -198,7 +199,7 @@ class NeuronBasis:
 
 
 def neuron_contributions(
-    model,
+    model: HookedModel,
     prompts: Union[str, Sequence[str], PreparedDataset],
     target: Union[str, Sequence[str], None] = None,
     foil: Union[str, Sequence[str], None] = None,
@@ -256,7 +257,7 @@ class _Rows:
     n_bos: list[int]
 
 
-def _rows(model, prompts, target, foil, position, read_at: Optional[Sequence[int]], need_target: bool = True) -> _Rows:
+def _rows(model: HookedModel, prompts, target, foil, position, read_at: Optional[Sequence[int]], need_target: bool = True) -> _Rows:
     """Prompt strings (tokenized here) or a :class:`PreparedDataset` (used as prepared) as :class:`_Rows`.
 
     Raises:
@@ -301,7 +302,7 @@ def _rows(model, prompts, target, foil, position, read_at: Optional[Sequence[int
 
 
 @torch.no_grad()
-def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_vocab"]:
+def value_logits(model: HookedModel, layer: int, neuron: int) -> Float[torch.Tensor, " d_vocab"]:
     """A neuron's value vector read in vocabulary space: ``(centre(W_out[L, n]) * w) @ W_U``,
     centred over the vocabulary (logits per unit activation at final-norm scale 1; Geva et al. 2022).
     On blocks with a post-MLP norm (Gemma 2/3, OLMo 2, GLM-4) the vector goes through that norm's
@@ -319,7 +320,7 @@ def value_logits(model, layer: int, neuron: int) -> Float[torch.Tensor, " d_voca
 
 
 @torch.no_grad()
-def value_readout(model, layer: int, neuron: int, k: int = 10, sign: float = 1.0) -> pd.DataFrame:
+def value_readout(model: HookedModel, layer: int, neuron: int, k: int = 10, sign: float = 1.0) -> pd.DataFrame:
     """Tokens a neuron's value vector ``W_out[layer, neuron]`` promotes and suppresses most
     (:func:`tracekit.units.vocab_readout` over :class:`NeuronBasis`).
 
@@ -371,7 +372,7 @@ class KeyReadout:
     n_windows: int
 
 
-def _context(model, ids, p, n_prefix, before, after) -> tuple[str, str]:
+def _context(model: HookedModel, ids, p, n_prefix, before, after) -> tuple[str, str]:
     # a piece of a character (cut by the window, or the token itself) shows its bytes, not U+FFFD
     left = display_text(model, list(ids[max(n_prefix, p - before):p]))
     mid = token_text(model, int(ids[p]))
@@ -382,7 +383,7 @@ def _context(model, ids, p, n_prefix, before, after) -> tuple[str, str]:
 
 @torch.no_grad()
 def key_readout(
-    model,
+    model: HookedModel,
     neurons: Sequence,
     corpus=None,
     *,
@@ -462,7 +463,7 @@ def key_readout(
 
 
 @torch.no_grad()
-def prompt_means(model, prompts: Union[Sequence[str], PreparedDataset], neurons: Sequence, batch_size: int = 16) -> dict:
+def prompt_means(model: HookedModel, prompts: Union[Sequence[str], PreparedDataset], neurons: Sequence, batch_size: int = 16) -> dict:
     """Mean activation (``hook_post``) of each neuron over the rows' real tokens, BOS and padding
     excluded: the baseline of a ``mean`` ablation when no corpus is read (Geva et al. 2022's
     interventions need a reference activation).
@@ -499,7 +500,7 @@ def prompt_means(model, prompts: Union[Sequence[str], PreparedDataset], neurons:
     return {(L, n): float(sums[j] / max(1, count)) for j, (L, n) in enumerate(specs)}
 
 
-def random_neurons(model, like: Sequence[tuple[int, int]], seed: int = 0, exclude: Iterable = ()) -> list[tuple[int, int]]:
+def random_neurons(model: HookedModel, like: Sequence[tuple[int, int]], seed: int = 0, exclude: Iterable = ()) -> list[tuple[int, int]]:
     """As many random neurons per layer as ``like`` has, avoiding ``exclude`` and ``like`` (a
     control set; :func:`tracekit.units.random_units`, one numpy generator seeded with ``seed``
     drawing layer after layer in increasing order)."""
@@ -512,7 +513,7 @@ def random_neurons(model, like: Sequence[tuple[int, int]], seed: int = 0, exclud
     return out
 
 
-def _direct_path_freeze(model, layers: Sequence[int]) -> list[str]:
+def _direct_path_freeze(model: HookedModel, layers: Sequence[int]) -> list[str]:
     """Hooks held at their clean values so an edit of the neurons of ``layers`` moves the output only
     through the direct path: the final-norm scale, the edited blocks' post-MLP norm scales, every
     later attention output and non-edited MLP output, and the edited ``hook_post`` s themselves."""
@@ -530,7 +531,7 @@ def _direct_path_freeze(model, layers: Sequence[int]) -> list[str]:
 
 @torch.no_grad()
 def neuron_intervention(
-    model,
+    model: HookedModel,
     prompt: str,
     target: str,
     neurons: Sequence,
@@ -591,7 +592,7 @@ def neuron_intervention(
                      field="neurons")
 
 
-def _neuron_edits(model, neurons: Sequence, mode: str, means: Optional[dict], factor: float, value: float,
+def _neuron_edits(model: HookedModel, neurons: Sequence, mode: str, means: Optional[dict], factor: float, value: float,
                   intervene_at: str) -> tuple[list[UnitEdit], list[int]]:
     """The :class:`tracekit.units.UnitEdit` s (one per layer) of an intervention, checked."""
     specs = [parse_neuron(model, n) for n in neurons]
@@ -610,7 +611,7 @@ def _neuron_edits(model, neurons: Sequence, mode: str, means: Optional[dict], fa
 
 
 @torch.no_grad()
-def _intervene_rows(model, edits: Sequence[UnitEdit], batch: Batch, read_at: Sequence[int],
+def _intervene_rows(model: HookedModel, edits: Sequence[UnitEdit], batch: Batch, read_at: Sequence[int],
                     targets: Sequence[LogitTarget], where: Bool[torch.Tensor, "batch pos"], freeze: Sequence[str] = (),
                     clean_metrics: Optional[Sequence[dict]] = None) -> list[dict]:
     """:func:`tracekit.units.intervene` for every row of a padded batch: row ``b`` read at its padded
@@ -647,7 +648,7 @@ def _intervene_rows(model, edits: Sequence[UnitEdit], batch: Batch, read_at: Seq
 
 @torch.no_grad()
 def neuron_interventions(
-    model,
+    model: HookedModel,
     prompts: Union[str, Sequence[str], PreparedDataset],
     target: Union[str, Sequence[str], None],
     neurons: Sequence,

@@ -33,7 +33,7 @@ import base64
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, cast
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -46,6 +46,7 @@ from .errors import AttentionError, TokenizationError
 from .fastpath import residual_stream
 from .hooks import enabled_hooks, fwd_hooks
 from .logit_lens import landmarks, logit_lens
+from .model.info import HookedModel
 from .model.load import bos_info, model_device
 from .model.readout import Readout
 from .neurons import key_readout, value_readout
@@ -66,7 +67,7 @@ class _LastRow:
 
 
 @torch.no_grad()
-def _attention(model, prompt: str, layers: Sequence[int]) -> list:
+def _attention(model: HookedModel, prompt: str, layers: Sequence[int]) -> list:
     """Every layer's attention *from the last position* (``.tokens``, ``.layer``, ``.scores`` and
     ``.weights`` ``[head, 1, key]``), from ONE forward pass that keeps only that row of each
     ``hook_attn_scores`` / ``hook_pattern``: the report shows the last position's attention, and a
@@ -93,7 +94,7 @@ PATTERN_WINDOW = 32
 
 
 @torch.no_grad()
-def _head_patterns(model, prompt: str, heads: Sequence[tuple[int, int]], window: int = PATTERN_WINDOW) -> pd.DataFrame:
+def _head_patterns(model: HookedModel, prompt: str, heads: Sequence[tuple[int, int]], window: int = PATTERN_WINDOW) -> pd.DataFrame:
     """The full ``[query, key]`` attention pattern of each of ``heads`` (``(layer, head)``), the last
     ``window`` query and key positions, from one forward pass that keeps only those heads: a tidy
     table ``component`` (``"L3H1"``), ``layer``, ``head_idx``, ``query_pos``, ``key_pos``,
@@ -123,7 +124,7 @@ def _head_patterns(model, prompt: str, heads: Sequence[tuple[int, int]], window:
         columns=["component", "layer", "head_idx", "query_pos", "key_pos", "query_token", "key_token", "weight"])
 
 
-def shown_head(model, head: Optional[tuple[int, int]], ranked: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], str]:
+def shown_head(model: HookedModel, head: Optional[tuple[int, int]], ranked: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], str]:
     """The head whose raw scores the trace shows, and why: ``head`` when given (``"given"``); on a
     GPT-2 with a head 6 in layer 0, the article's L0H6 (``"article (GPT-2)"``); else the prompt's top
     head, ``ranked[0]`` (``"top head by DLA"``).
@@ -143,7 +144,7 @@ def shown_head(model, head: Optional[tuple[int, int]], ranked: Sequence[tuple[in
     return ranked[0], "top head by DLA"
 
 
-def is_gpt2(model) -> bool:
+def is_gpt2(model: HookedModel) -> bool:
     """Whether ``model`` is a GPT-2 (the article's model; its head L0H6 is shown only there)."""
     arch = str(getattr(model.cfg, "architecture", "") or getattr(model.cfg, "original_architecture", "") or "")
     cfg = getattr(getattr(model, "original_model", None), "config", None)
@@ -219,7 +220,7 @@ class TraceTables:
     meta: dict = field(default_factory=dict)
 
 
-def parse_head(spec, model, field_name: str = "head") -> Optional[tuple[int, int]]:
+def parse_head(spec, model: HookedModel, field_name: str = "head") -> Optional[tuple[int, int]]:
     """``"L0H6"`` / ``[0, 6]`` to (layer, head); None stays None (the trace then picks the head:
     L0H6 on GPT-2, the article's, else the prompt's top head by direct logit attribution).
 
@@ -250,7 +251,7 @@ def parse_head(spec, model, field_name: str = "head") -> Optional[tuple[int, int
     return L, H
 
 
-def _tok_id(model, text: str) -> Optional[int]:
+def _tok_id(model: HookedModel, text: str) -> Optional[int]:
     try:
         return single_token_id(model, text, field="analogy")
     except TokenizationError:
@@ -261,7 +262,7 @@ def _tok_id(model, text: str) -> Optional[int]:
 # sections
 
 
-def _tokenization(model, batch) -> pd.DataFrame:
+def _tokenization(model: HookedModel, batch) -> pd.DataFrame:
 
     ids = list(batch.ids[0])
     toks = token_texts(model, ids)  # a piece of a character shows its bytes, not '\ufffd'
@@ -275,8 +276,8 @@ def _tokenization(model, batch) -> pd.DataFrame:
 
 
 @torch.no_grad()
-def _embedding(model, ids: list[int], n_nearest: int):
-    W_E = model.W_E.detach().float().cpu()
+def _embedding(model: HookedModel, ids: list[int], n_nearest: int):
+    W_E = cast(Any, model).W_E.detach().float().cpu()  # a loaded bridge's embedding
     norms = W_E[ids].norm(dim=-1)
     W_pos = getattr(model, "W_pos", None) if hook("pos_embed") in model.hook_dict else None
     pos_norm = [float(W_pos[i].float().norm()) for i in range(len(ids))] if W_pos is not None else [None] * len(ids)
@@ -312,7 +313,7 @@ def _embedding(model, ids: list[int], n_nearest: int):
 LENS_GRID = 16
 
 
-def _attention_section(model, prompt: str, head: tuple[int, int]):
+def _attention_section(model: HookedModel, prompt: str, head: tuple[int, int]):
     rows, labels, picked = [], [], None
     for ap in _attention(model, prompt, range(int(model.cfg.n_layers))):
         L = ap.layer
@@ -353,7 +354,7 @@ def _top_heads(ranked: pd.DataFrame, attention: pd.DataFrame, head_types: pd.Dat
     return pd.DataFrame(rows)
 
 
-def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus,
+def _ffn_section(model: HookedModel, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus,
                  target_only=None):
     """The jump block's top neurons by ``dla``'s contribution (the logit difference when a foil is
     set); ``target_only``: the attribution of the target logit alone (adds ``contribution_target``)."""
@@ -380,7 +381,7 @@ def _ffn_section(model, dla, layer: int, n_neurons: int, n_values: int, key_top_
     return neurons, pd.concat(values, ignore_index=True) if values else pd.DataFrame(), contexts
 
 
-def _sampling(model, logits: torch.Tensor, target_id: int, seed: int, n_samples: int):
+def _sampling(model: HookedModel, logits: torch.Tensor, target_id: int, seed: int, n_samples: int):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     rows = []
@@ -426,13 +427,13 @@ def _param_part(name: str) -> str:
     return next((part for pat, part in _PARAM_PARTS if re.search(pat, n)), "other")
 
 
-def _tied(model) -> bool:
+def _tied(model: HookedModel) -> bool:
     cfg = getattr(getattr(model, "original_model", None), "config", None)
     v = getattr(model.cfg, "tie_word_embeddings", None)
     return bool(v if v is not None else getattr(cfg, "tie_word_embeddings", False))
 
 
-def _cost(model, n_tokens: int, device_name: Optional[str]):
+def _cost(model: HookedModel, n_tokens: int, device_name: Optional[str]):
     """Parameters of the model as published: shared tensors once; with tied embeddings the
     unembedding is the embedding (weight processing folds the final norm into a separate copy, which
     is not counted); all-zero tensors that weight processing adds (e.g. an unembedding bias) are
@@ -440,7 +441,7 @@ def _cost(model, n_tokens: int, device_name: Optional[str]):
     seen, parts = set(), {}
     dtype = None
     tied = _tied(model)
-    for name, p in model.named_parameters():
+    for name, p in cast(Any, model).named_parameters():  # a loaded bridge's parameters
         if p.data_ptr() in seen:  # tied weights counted once
             continue
         seen.add(p.data_ptr())
@@ -474,7 +475,7 @@ def _cost(model, n_tokens: int, device_name: Optional[str]):
     return params, kv, meta
 
 
-def _device_name(model) -> Optional[str]:
+def _device_name(model: HookedModel) -> Optional[str]:
 
     dev = model_device(model)
     if dev.type == "cuda" and torch.cuda.is_available():
@@ -507,7 +508,7 @@ def _renamed(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
 
 @torch.no_grad()
 def token_trace(
-    model,
+    model: HookedModel,
     prompt: str,
     target: Optional[str] = None,
     foil: Optional[str] = None,

@@ -63,6 +63,7 @@ from .core.errors import AttributionError, SAEError
 from .core.strict import StrictModel
 from .hooks import check_hooks, enabled_hooks, hook_layer
 from .metrics import logit_diff, target_log_prob, target_prob
+from .model.info import HookedModel
 from .model.readout import Readout
 from .tokens import Batch, forward_kwargs, run_with_cache, token_texts
 
@@ -253,7 +254,7 @@ def _frozen(clean, name: str, act: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def intervene(model, edits: Union[UnitEdit, Sequence[UnitEdit]], batch: Batch, read_at: int, target, *,
+def intervene(model: HookedModel, edits: Union[UnitEdit, Sequence[UnitEdit]], batch: Batch, read_at: int, target, *,
               where: Optional[Bool[torch.Tensor, " pos"]] = None, freeze: Sequence[str] = (),
               clean_metrics: Optional[dict] = None, field: str = "units") -> dict:
     """Edit units and measure the target on prompt 0 of ``batch`` at padded position ``read_at``
@@ -491,7 +492,7 @@ class InterventionVerbs(StrictModel):
 
 
 @torch.no_grad()
-def hook_values(model, batch: Batch, names: list[str], stop_at_layer: Optional[int]) -> dict:
+def hook_values(model: HookedModel, batch: Batch, names: list[str], stop_at_layer: Optional[int]) -> dict:
     """The named hooks' values on ``batch``; the forward pass stops before block ``stop_at_layer``
     (TransformerLens' ``run_with_cache(stop_at_layer=...)``: no later blocks, no unembedding; its
     hooks are removed in a ``finally``).
@@ -568,7 +569,7 @@ class TopContexts:
 
 
 @torch.no_grad()
-def top_contexts(model, reads: Sequence[tuple[UnitBasis, int]],
+def top_contexts(model: HookedModel, reads: Sequence[tuple[UnitBasis, int]],
                  batches: Iterable[tuple[Batch, Sequence[int], Bool[torch.Tensor, "batch pos"]]], *, top_n: int = 10,
                  signs: Optional[Sequence[float]] = None, positive_only: bool = False, keep_rows: bool = False,
                  on_batch: Optional[Callable[[TopContexts, torch.Tensor, torch.Tensor], None]] = None,
@@ -624,7 +625,7 @@ def top_contexts(model, reads: Sequence[tuple[UnitBasis, int]],
 
 
 @torch.no_grad()
-def vocab_readout(model, basis: UnitBasis, units: Sequence[int], k: int = 10,
+def vocab_readout(model: HookedModel, basis: UnitBasis, units: Sequence[int], k: int = 10,
                   signs: Optional[Sequence[float]] = None) -> pd.DataFrame:
     """Tokens each unit's decoder row promotes and suppresses most (Geva et al. 2022's value readout;
     SAE decoder readout): the rows read through the final norm and unembedding at scale 1

@@ -173,9 +173,15 @@ def test_bad_inputs_name_the_field(tiny_gpt2, tmp_path):
 
 
 def test_random_control_matches_layers():
-    class M:  # minimal stand-in: only cfg is read
+    class M:  # minimal stand-in: only cfg is read (the rest: what a HookedModel has, checked at run time)
         class cfg:
             d_mlp = 50
+        tokenizer = None
+        hook_dict: dict = {}
+
+        def run_with_cache(self, *a, **k): ...
+
+        run_with_hooks = hooks = run_with_cache
 
     top = [(1, 3), (1, 4), (2, 9)]
     r = random_neurons(M, top, seed=3)

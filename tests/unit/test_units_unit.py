@@ -140,9 +140,15 @@ def test_random_wrappers_are_random_units():
     from tracekit.neurons import random_neurons
     from tracekit.sae import random_features
 
-    class M:  # only cfg is read
+    class M:  # only cfg is read (the rest: what a HookedModel has, checked at run time)
         class cfg:
             d_mlp = 40
+        tokenizer = None
+        hook_dict: dict = {}
+
+        def run_with_cache(self, *a, **k): ...
+
+        run_with_hooks = hooks = run_with_cache
 
     like = [(0, 1), (2, 5), (2, 6)]
     g = np.random.default_rng(11)

@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Bool
 
 from ..core.errors import DatasetError
-from ..errors import CircuitError, MethodRefused
+from ..errors import CircuitError
 from ..model.info import HookedModel
 from .edges import EdgeScores
 from .faithfulness import (
@@ -163,7 +163,7 @@ def faithfulness_curve(model: HookedModel, graph: Graph, clean: Sequence[Sequenc
         threshold: the faithfulness the chosen circuit reaches.
 
     Raises:
-        MethodRefused / PatchingError: as :func:`tracekit.circuits.faithfulness.evaluate_circuits`.
+        CircuitError / MethodRefused / PatchingError: as :func:`tracekit.circuits.faithfulness.evaluate_circuits`.
     """
     full, empty = graph.mask.clone(), torch.zeros_like(graph.mask)
     circ, counts = cand.circuits, cand.counts

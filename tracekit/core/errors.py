@@ -88,3 +88,16 @@ class MethodRefused(TracekitError, ValueError):
     has no dense neurons, a block has no per-head output, an SSM layer has no attention, a block
     reads token inputs that bypass the residual stream); the message names the architecture, the
     reason and, where there is one, what can be done instead (docs/architectures.md)."""
+
+
+class PatchscopeError(PatchingError):
+    """Bad Patchscope input (hidden-state indices outside ``0..n_layers``, ``top_k``, ``n_generate``).
+    A :class:`PatchingError` too, so code that caught Patchscope's input errors as such keeps working."""
+
+
+class SteeringError(TracekitError, ValueError):
+    """Bad steering input: a vector of the wrong width, an unknown hook, empty alphas, a file without
+    the named tensor. The message names the field and the fix."""
+
+
+__all__ += ["PatchscopeError", "SteeringError"]

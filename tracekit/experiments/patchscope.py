@@ -33,7 +33,7 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
-from ..core.errors import PatchingError, TokenizationError
+from ..core.errors import PatchscopeError, TokenizationError
 from ..dataset import DatasetSpec, PreparedDataset
 from ..dla import DLA_POSITION_FORMS, as_position, row_positions
 from ..lenses.patchscope import IDENTITY_PROMPT, patchscope, target_tokens
@@ -214,7 +214,7 @@ class Patchscope(Experiment):
 
     Raises:
         TokenizationError: a target that is not one token, a position not in a prompt or the target prompt.
-        PatchingError: hidden states or target hidden state outside ``0..n_layers``.
+        PatchscopeError: hidden states or target hidden state outside ``0..n_layers``.
         ConfigError: ``target_prompt`` then ``n_generate`` tokens longer than the model's context.
         MethodRefused: a model whose residual stream is not a token's whole state (blocks with
             token-dependent side inputs).
@@ -266,7 +266,7 @@ class Patchscope(Experiment):
         position, the hidden states and the tokenized target prompt (tokenizer and config only).
 
         Raises:
-            TokenizationError / DatasetError / PatchingError: see the class docstring.
+            TokenizationError / DatasetError / PatchscopeError: see the class docstring.
         """
         data = kind_dataset(model, self.prompts, self.dataset, self.target)
         positions = row_positions(model, data, self.position)
@@ -274,11 +274,11 @@ class Patchscope(Experiment):
         hs = list(range(n + 1)) if self.hidden_states == "all" else list(self.hidden_states)
         for i, h in enumerate(hs):
             if not 0 <= h <= n:
-                raise PatchingError(f"hidden_states[{i}]: {h} out of range for a {n}-layer model (0 = embeddings .. "
+                raise PatchscopeError(f"hidden_states[{i}]: {h} out of range for a {n}-layer model (0 = embeddings .. "
                                     f"{n} = output of the last block)")
         th = None if self.target_hidden_state == "same" else int(self.target_hidden_state)
         if th is not None and not 0 <= th <= n:
-            raise PatchingError(f"target_hidden_state: {th} out of range for a {n}-layer model (0..{n}, or 'same')")
+            raise PatchscopeError(f"target_hidden_state: {th} out of range for a {n}-layer model (0..{n}, or 'same')")
         tgt = target_tokens(model, self.target_prompt, "target_prompt")
         if not -len(tgt) <= self.target_position < len(tgt):
             raise TokenizationError(f"target_position: {self.target_position} is out of range for the target prompt's "

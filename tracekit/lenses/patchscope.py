@@ -73,7 +73,7 @@ from typing import Any, Optional, Union, cast
 import torch
 from jaxtyping import Float, Int
 
-from ..core.errors import MethodRefused, PatchingError, TokenizationError
+from ..core.errors import MethodRefused, PatchscopeError, TokenizationError
 from ..core.sites import hook
 from ..fastpath import residual_stream
 from ..hooks import fwd_hooks
@@ -143,11 +143,11 @@ def _check_hidden(n_layers: int, values: Sequence[int], field: str) -> list[int]
     out = []
     for i, h in enumerate(values):
         if _as_int(h) is None or not 0 <= int(h) <= n_layers:
-            raise PatchingError(f"{field}[{i}]: hidden state {h!r} out of range for a {n_layers}-layer model (0 = "
+            raise PatchscopeError(f"{field}[{i}]: hidden state {h!r} out of range for a {n_layers}-layer model (0 = "
                                 f"embeddings .. {n_layers} = output of the last block)")
         out.append(int(h))
     if not out:
-        raise PatchingError(f"{field}: give at least one hidden state (0..{n_layers})")
+        raise PatchscopeError(f"{field}: give at least one hidden state (0..{n_layers})")
     return out
 
 
@@ -243,7 +243,7 @@ def patchscope(
         :class:`PatchscopeOutput`.
 
     Raises:
-        PatchingError: a hidden state or target hidden state outside ``0..n_layers``, bad top_k / n_generate.
+        PatchscopeError: a hidden state or target hidden state outside ``0..n_layers``, bad top_k / n_generate.
         TokenizationError: a position outside its prompt, an empty or too long prompt.
         ConfigError: the target prompt and ``n_generate`` do not fit the model's context (the last
             step runs ``len(target) + n_generate - 1`` positions; :func:`tracekit.model.context.check_generation`).
@@ -264,9 +264,9 @@ def patchscope(
     else:
         t_hs = [_check_hidden(n_layers, [target_hidden_state], "target_hidden_state")[0]] * len(hs)
     if isinstance(top_k, bool) or int(top_k) < 1:
-        raise PatchingError(f"top_k: {top_k!r} must be a positive integer")
+        raise PatchscopeError(f"top_k: {top_k!r} must be a positive integer")
     if isinstance(n_generate, bool) or int(n_generate) < 0:
-        raise PatchingError(f"n_generate: {n_generate!r} must be 0 or a positive integer")
+        raise PatchscopeError(f"n_generate: {n_generate!r} must be 0 or a positive integer")
     check_generation(model, len(tgt), int(n_generate), "n_generate", "target_ids")
     require(model, "patchscope")
     k = min(int(top_k), int(model.cfg.d_vocab))
@@ -374,7 +374,7 @@ def patchscope_lens_log_probs(
         ``[H, P, vocab]`` float32 natural-log probabilities on the CPU.
 
     Raises:
-        PatchingError / TokenizationError / MethodRefused: as :func:`patchscope`.
+        PatchscopeError / TokenizationError / MethodRefused: as :func:`patchscope`.
     """
     out = patchscope(model, ids, positions, hidden_states, target_ids=target, top_k=1, n_generate=0,
                      batch_size=batch_size, log_probs=True)

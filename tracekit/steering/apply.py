@@ -8,8 +8,9 @@ from typing import Iterator
 
 import torch
 
+from ..core.errors import SteeringError
 from ..hooks import enabled_hooks, fwd_hooks
-from .vectors import SteeringError, check_vector
+from .vectors import check_vector
 
 __all__ = ["StepClock", "Steer", "steer"]
 

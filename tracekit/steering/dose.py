@@ -9,10 +9,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..core.errors import SteeringError
 from ..hooks import enabled_hooks, fwd_hooks
 from ..tokens import pad_rows
 from .apply import StepClock, _add_hook
-from .vectors import SteeringError, SteeringVector, check_vector, random_directions
+from .vectors import SteeringVector, check_vector, random_directions
 
 __all__ = ["SteerRow", "DoseResponse", "dose_response"]
 

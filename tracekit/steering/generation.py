@@ -8,10 +8,10 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..core.errors import SteeringError
 from ..model.context import check_generation
 from ..model.load import model_device
 from .apply import Steer, StepClock, steer
-from .vectors import SteeringError
 
 __all__ = ["Generation", "generate"]
 

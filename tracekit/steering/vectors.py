@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from jaxtyping import Float
 
-from ..core.errors import TracekitError
+from ..core.errors import SteeringError  # defined in core.errors; this import path stays public
 from ..core.sites import hook as site_hook
 from ..hooks import check_hooks, enabled_hooks, hook_layer
 from ..probing.directions import load_probe_directions
@@ -23,11 +23,6 @@ from ..units import hook_values
 
 __all__ = ["SteeringError", "SteeringVector", "mean_difference", "probe_vector", "sae_vector", "file_vector",
            "check_vector", "random_directions"]
-
-
-class SteeringError(TracekitError, ValueError):
-    """Bad steering input: a vector of the wrong width, an unknown hook, empty alphas, a file without
-    the named tensor. The message names the field and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------

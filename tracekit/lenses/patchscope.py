@@ -79,6 +79,7 @@ from ..fastpath import residual_stream
 from ..hooks import fwd_hooks
 from ..model.architectures import architecture_name, require
 from ..model.context import check_generation
+from ..model.info import HookedModel
 from ..model.load import model_device
 from ..patching.engine import PatchJob, auto_batch_size, cache_run, patch_rows, run_chunked
 from ..patching.setters import Site
@@ -163,7 +164,7 @@ def _check_positions(values: Sequence[int], n: int, field: str) -> list[int]:
     return out
 
 
-def target_tokens(model, target: TargetSpec = None, field: str = "target_prompt") -> list[int]:
+def target_tokens(model: HookedModel, target: TargetSpec = None, field: str = "target_prompt") -> list[int]:
     """The target prompt's token ids: ``None`` = :data:`IDENTITY_PROMPT`; a string is tokenized with
     the model's BOS convention (:func:`tracekit.tokens.encode`); token ids are taken as given.
 
@@ -197,7 +198,7 @@ _SITE = Site("patchscope", "blocks.{layer}.hook_resid_pre", ("pos",), _set_vecto
              description="a source hidden state written into the target's block input at one position")
 
 
-def _refuse_side_inputs(model, run) -> None:
+def _refuse_side_inputs(model: HookedModel, run) -> None:
     varying = run.varying_inputs(torch.tensor([0]), torch.tensor([1]))
     if varying:
         raise MethodRefused(
@@ -208,7 +209,7 @@ def _refuse_side_inputs(model, run) -> None:
 
 @torch.no_grad()
 def patchscope(
-    model,
+    model: HookedModel,
     source_ids: Sequence[int],
     source_positions: Sequence[int],
     source_hidden_states: Sequence[int],
@@ -314,7 +315,7 @@ def _patch_hook(act, hook, rows: torch.Tensor, pos: int, vectors: torch.Tensor):
     return act
 
 
-def _generate(model, tgt: list[int], t_pos: int, layer: torch.Tensor, vectors: torch.Tensor,
+def _generate(model: HookedModel, tgt: list[int], t_pos: int, layer: torch.Tensor, vectors: torch.Tensor,
               generated: torch.Tensor, batch_size: int) -> None:
     """Fill ``generated[:, 1:]`` greedily: each step re-runs target + generated tokens with every row's
     source vector written at ``t_pos`` of its target hidden state (a hook per hidden state).
@@ -350,7 +351,7 @@ def _bind(rows: torch.Tensor, pos: int, vectors: torch.Tensor):
 
 @torch.no_grad()
 def patchscope_lens_log_probs(
-    model,
+    model: HookedModel,
     ids: Sequence[int],
     positions: Sequence[int],
     hidden_states: Sequence[int],

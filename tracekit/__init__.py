@@ -92,6 +92,7 @@ _LAZY: dict[str, str] = {
     "ModelLoadError": ".errors",
     "OutputError": ".errors",
     "PatchingError": ".errors",
+    "PatchscopeError": ".errors", "SteeringError": ".errors",
     "ProbingError": ".errors",
     "ResultLoadError": ".errors",
     "SAEError": ".errors",

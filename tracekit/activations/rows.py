@@ -16,6 +16,7 @@ from ..core.errors import TokenizationError
 from ..corpus import iter_documents, packed_windows, token_windows
 from ..dataset import PreparedDataset
 from ..model.context import check_window
+from ..model.info import HookedModel
 from ..tokens import Position, PositionSpec, check_length, encode, parse_position
 from .write import StoreRow
 
@@ -34,7 +35,7 @@ def store_position(spec: PositionSpec, field: str = "position") -> Position:
     return parse_position(spec, STORE_POSITION_FORMS, field)
 
 
-def _row(model, row_id: int, text: Optional[str], ids: Sequence[int], pos: Position, named: Optional[int],
+def _row(model: HookedModel, row_id: int, text: Optional[str], ids: Sequence[int], pos: Position, named: Optional[int],
          field: str) -> StoreRow:
     if pos.kind == "name":
         assert named is not None
@@ -44,7 +45,7 @@ def _row(model, row_id: int, text: Optional[str], ids: Sequence[int], pos: Posit
     return StoreRow(int(row_id), tuple(int(i) for i in ids), tuple(int(p) for p in read), pos.kind == "mean")
 
 
-def dataset_rows(model, data: PreparedDataset, position: PositionSpec, field: str = "position"
+def dataset_rows(model: HookedModel, data: PreparedDataset, position: PositionSpec, field: str = "position"
                  ) -> Iterator[StoreRow]:
     """The prepared rows of a dataset (:meth:`tracekit.dataset.DatasetSpec.prepare`), ids as prepared.
 
@@ -58,7 +59,7 @@ def dataset_rows(model, data: PreparedDataset, position: PositionSpec, field: st
         yield _row(model, e.row_id, e.prompt, e.ids, pos, at, f"{field} (row {e.row_id})")
 
 
-def prompt_rows(model, prompts: Sequence[str], position: PositionSpec, field: str = "position"
+def prompt_rows(model: HookedModel, prompts: Sequence[str], position: PositionSpec, field: str = "position"
                 ) -> Iterator[StoreRow]:
     """One row per prompt (ids by :func:`tracekit.tokens.encode`, as probing tokenizes), row id = index.
 
@@ -76,7 +77,7 @@ def prompt_rows(model, prompts: Sequence[str], position: PositionSpec, field: st
         yield _row(model, i, p, ids, pos, None, f"{field} (prompt {i})")
 
 
-def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
+def corpus_rows(model: HookedModel, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
                 position: PositionSpec = "all", field: str = "position", corpus_field: str = "corpus",
                 packed: bool = False, seq_field: str = "seq_len") -> Iterator[StoreRow]:
     """Corpus windows, streamed; row id = window index.
@@ -99,7 +100,7 @@ def corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, ma
     return _corpus_rows(model, corpus, seq_len, max_tokens, position, field, corpus_field, packed, seq_field)
 
 
-def _corpus_rows(model, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
+def _corpus_rows(model: HookedModel, corpus: Union[str, Sequence[str], None], seq_len: int, max_tokens: Optional[int],
                  position: PositionSpec, field: str, corpus_field: str, packed: bool,
                  seq_field: str) -> Iterator[StoreRow]:
     pos = store_position(position, field)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from jaxtyping import Float
 
 from ..core.errors import ConfigError
 from ..core.locks import acquire, holder_pid, release
+from ..model.info import HookedModel
 from ..model.load import model_fingerprint, model_spec_of
 from ..model.state import state_of
 
@@ -90,17 +91,17 @@ def row_key(ids: Sequence[int], read: Sequence[int], mean: bool = False) -> str:
     return h.hexdigest()[:16]
 
 
-def _weights_sha256(model) -> str:
+def _weights_sha256(model: HookedModel) -> str:
     """sha256 of every parameter's name, shape and a strided sample (<= 4096 values each)."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+    for name, p in sorted(cast(Any, model).named_parameters(), key=lambda t: t[0]):  # a loaded bridge's
         flat = p.detach().flatten()
         sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy()
         h.update(name.encode() + str(tuple(p.shape)).encode() + sample.tobytes())
     return h.hexdigest()[:16]
 
 
-def model_identity(model) -> dict:
+def model_identity(model: HookedModel) -> dict:
     """What a store records of the model it was made with: ``name``, ``fingerprint``
     (:func:`tracekit.model.load.model_fingerprint`), ``weights_sha256`` (every parameter, sampled),
     ``process_weights``, ``prepend_bos`` and ``dtype``. Cached on the model object."""
@@ -108,7 +109,7 @@ def model_identity(model) -> dict:
     if cached:
         return dict(cached)
     spec = model_spec_of(model)
-    dtype = str(next(iter(model.parameters())).dtype).replace("torch.", "")
+    dtype = str(next(iter(cast(Any, model).parameters())).dtype).replace("torch.", "")
     ident = {"name": spec.name, "fingerprint": model_fingerprint(model), "weights_sha256": _weights_sha256(model),
              "process_weights": bool(spec.process_weights), "prepend_bos": bool(spec.prepend_bos), "dtype": dtype}
     state_of(model).store_identity = ident
@@ -268,7 +269,7 @@ class ActivationStore:
         return safe_open(str(self.path / f), framework="pt")
 
     # ---- checks -----------------------------------------------------------------------------
-    def check_model(self, model, field: Optional[str] = None) -> None:
+    def check_model(self, model: HookedModel, field: Optional[str] = None) -> None:
         """Refuse the store when ``model`` is not the model it was made with.
 
         Raises:

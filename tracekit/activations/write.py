@@ -50,6 +50,7 @@ import torch
 from ..core.io import atomic_write, file_sha256, jsonable, write_errors, write_json
 from ..core.locks import acquire, holder_pid, release
 from ..hooks import check_hooks, enabled_hooks, fwd_hooks
+from ..model.info import HookedModel
 from ..tokens import Batch, forward_kwargs, pad_rows
 from .store import (
     FORMAT,
@@ -96,7 +97,7 @@ class _AllRead(Exception):
 
 
 @torch.no_grad()
-def _read_batch(model, batch: Batch, rows: Sequence[StoreRow], hooks: Sequence[str], dtype: Optional[torch.dtype]
+def _read_batch(model: HookedModel, batch: Batch, rows: Sequence[StoreRow], hooks: Sequence[str], dtype: Optional[torch.dtype]
                 ) -> dict[str, torch.Tensor]:
     """Per hook, ``[n_examples of these rows, d]`` at the rows' read positions (``mean`` rows
     averaged in float32), on the CPU in ``dtype`` (None: the activation's own)."""
@@ -296,7 +297,7 @@ def _shard_ok(path: Path, rec: dict) -> bool:
     return f.is_file() and f.stat().st_size == rec["bytes"] and file_sha256(f) == rec["sha256"]
 
 
-def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str | Path, *, position: str,
+def write_store(model: HookedModel, rows: Iterable[StoreRow], hooks: Sequence[str], path: str | Path, *, position: str,
                 source: dict, dtype: str = "model", batch_size: int = 16, shard_mb: float = 256.0,
                 overwrite: bool = False, progress: bool = False, field: str = "path") -> dict:
     """Write (or resume, or find up to date) an activation store of ``hooks`` at ``rows``' read positions.
@@ -356,7 +357,7 @@ def write_store(model, rows: Iterable[StoreRow], hooks: Sequence[str], path: str
                                  t0=t0)
 
 
-def _write_shards(model, rows: Iterable[StoreRow], hooks: list[str], path: Path, old: Optional[dict], key: str,
+def _write_shards(model: HookedModel, rows: Iterable[StoreRow], hooks: list[str], path: Path, old: Optional[dict], key: str,
                   ident: dict, *, position: str, source: dict, dtype: str, batch_size: int, shard_mb: float,
                   progress: bool, field: str, t0: float) -> dict:
     """:func:`write_store`'s write proper (the folder prepared and locked): resume from ``old``'s

@@ -98,3 +98,16 @@ class CircuitError(TracekitError, ValueError):
 
 
 __all__ += ["CircuitError"]
+
+
+class PatchscopeError(PatchingError):
+    """Bad Patchscope input (hidden-state indices outside ``0..n_layers``, ``top_k``, ``n_generate``).
+    A :class:`PatchingError` too, so code that caught Patchscope's input errors as such keeps working."""
+
+
+class SteeringError(TracekitError, ValueError):
+    """Bad steering input: a vector of the wrong width, an unknown hook, empty alphas, a file without
+    the named tensor. The message names the field and the fix."""
+
+
+__all__ += ["PatchscopeError", "SteeringError"]

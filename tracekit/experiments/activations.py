@@ -32,6 +32,7 @@ from ..dataset import DatasetSpec, PreparedDataset
 from ..hooks import check_hooks
 from ..inputs import input_files
 from ..model.context import check_window
+from ..model.info import HookedModel
 from ..probing import probe_hooks
 from ..tokens import PositionSpec
 from .base import Experiment, Indices, OptionalPrompts, Result, dataset_meta, register
@@ -180,14 +181,14 @@ class CacheActivations(Experiment):
             return "all" if self.corpus is not None else "last"
         return str(store_position(self.position, "position"))
 
-    def _hooks(self, model) -> list[str]:
+    def _hooks(self, model: HookedModel) -> list[str]:
         out = list(self.hooks)
         if self.sites:
             layers = None if self.layers == "all" else self.layers
             out += [h for _, _, h in probe_hooks(int(model.cfg.n_layers), self.sites, layers)]
         return list(dict.fromkeys(out))
 
-    def prepare(self, model) -> CacheActivationsInputs:
+    def prepare(self, model: HookedModel) -> CacheActivationsInputs:
         """Check the hooks, prepare the dataset or prompts and resolve the position in every row
         (tokenizer and config only: works on a :class:`tracekit.model.ModelInfo`). A corpus is
         streamed during the run.
@@ -231,7 +232,7 @@ class CacheActivations(Experiment):
                 src["python"] = platform.python_version()
         return src
 
-    def _run(self, model, inputs: CacheActivationsInputs, progress: bool = True) -> CacheActivationsResult:
+    def _run(self, model: HookedModel, inputs: CacheActivationsInputs, progress: bool = True) -> CacheActivationsResult:
         """Write (or resume) the store (:func:`tracekit.activations.write_store`) and describe it."""
         if inputs.rows is not None:
             rows = iter(inputs.rows)

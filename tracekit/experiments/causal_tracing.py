@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Causal tracing (Meng et al. 2022, ROME section 2.1) as an experiment kind, per row.
 
 ``kind: causal_tracing`` (:class:`CausalTracing`): for each row, the subject's token embeddings are
@@ -27,6 +26,7 @@ from ..causal_tracing import CATEGORIES, KINDS, causal_trace, noise_scale, subje
 from ..core.errors import ConfigError, DatasetError
 from ..core.strict import StrictModel
 from ..dataset import PreparedDataset, rows_from_prompts
+from ..model.info import HookedModel
 from ..tokens import str_tokens
 from .base import (
     DatasetSpec,
@@ -39,6 +39,7 @@ from .base import (
     register,
     row_frame,
 )
+from .frames import column, select, tuples
 
 __all__ = ["CausalTracing", "CausalTracingInputs", "CausalTracingResult", "SubjectSpec"]
 
@@ -151,14 +152,14 @@ class CausalTracingResult(Result):
         }
         for col in ("p_clean", "p_corrupted", "total_effect"):
             s[f"{col}_by_row"] = [float(x) for x in rows[col]]
-            s[f"mean_{col}"] = float(rows[col].mean())
+            s[f"mean_{col}"] = float(column(rows, col).mean())
         for k in self.meta["kinds"]:
             for part, cast in (("layer", int), ("position", int), ("token", str), ("effect", float)):
                 s[f"peak_{k}_{part}_by_row"] = [cast(x) for x in rows[f"peak_{k}_{part}"]]
-            c = cats[(cats["kind"] == k) & (cats["n"] > 0)]
+            c = select(cats, (column(cats, "kind") == k) & (column(cats, "n") > 0))
             # ties (a one-token subject is its first and last token; " is" can be the first subsequent
             # and the last token) go to the later category, as ROME's story reads them
-            best = c.loc[c["mean_indirect_effect"][::-1].idxmax()] if len(c) else None
+            best = c.loc[column(c, "mean_indirect_effect").iloc[::-1].idxmax()] if len(c) else None
             s[f"mean_peak_{k}_layer"] = int(best["layer"]) if best is not None else None
             s[f"mean_peak_{k}_category"] = str(best["category"]) if best is not None else None
             s[f"mean_peak_{k}_effect"] = float(best["mean_indirect_effect"]) if best is not None else None
@@ -179,9 +180,10 @@ class CausalTracingResult(Result):
             lines.append(f"{_LABEL[k]}: mean over rows peaks at layer {s[f'mean_peak_{k}_layer']} on the "
                          f"{s[f'mean_peak_{k}_category']} (indirect effect {s[f'mean_peak_{k}_effect']:+.4g})")
         lines.append(plotting.text_table(
-            [(int(r["row_id"]), repr(r["target"]), f"{r['p_clean']:.4g}", f"{r['p_corrupted']:.4g}",
-              *(f"L{r[f'peak_{k}_layer']} {r[f'peak_{k}_token']!r} {r[f'peak_{k}_effect']:+.3g}" for k in s["kinds"]))
-             for _, r in shown.iterrows()],
+            [(int(r.row_id), repr(r.target), f"{r.p_clean:.4g}", f"{r.p_corrupted:.4g}",
+              *(f"L{getattr(r, f'peak_{k}_layer')} {getattr(r, f'peak_{k}_token')!r} "
+                f"{getattr(r, f'peak_{k}_effect'):+.3g}" for k in s["kinds"]))
+             for r in tuples(shown)],
             ["row_id", "target", "p_clean", "p_corr", *(f"peak {k}" for k in s["kinds"])]))
         if len(rows) > len(shown):
             lines.append(f"({len(shown)} of {len(rows)} rows shown)")
@@ -332,7 +334,7 @@ class CausalTracing(Experiment):
             raise ValueError("subject: field / position read a dataset's rows; with prompts give the subject's text")
         return self
 
-    def _subject(self, model, data: PreparedDataset, i: int) -> tuple[tuple[int, ...], Optional[str]]:
+    def _subject(self, model: HookedModel, data: PreparedDataset, i: int) -> tuple[tuple[int, ...], Optional[str]]:
         e = data.examples[i]
         s = self.subject
         at = f"subject[{i}]" if isinstance(s, list) else "subject"
@@ -355,7 +357,7 @@ class CausalTracing(Experiment):
         assert isinstance(text, str)
         return subject_span(model, e.prompt, text, e.ids, field=at), text
 
-    def prepare(self, model) -> CausalTracingInputs:
+    def prepare(self, model: HookedModel) -> CausalTracingInputs:
         """The rows prepared once (prompts tokenized, targets checked to be one token), each row's
         subject positions and target id (tokenizer only: works on a :class:`tracekit.model.ModelInfo`).
 
@@ -367,7 +369,7 @@ class CausalTracing(Experiment):
         return CausalTracingInputs(data, tuple(p for p, _ in subs), tuple(t for _, t in subs),
                                    tuple(e.target_id for e in data.examples))
 
-    def _run(self, model, inputs: CausalTracingInputs, progress: bool = True) -> CausalTracingResult:
+    def _run(self, model: HookedModel, inputs: CausalTracingInputs, progress: bool = True) -> CausalTracingResult:
         from tqdm.auto import tqdm  # lazy: tqdm only for the bar
 
         data = inputs.data

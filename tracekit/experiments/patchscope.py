@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false
 """``kind: patchscope`` -- what does a hidden state say when patched into a target prompt?
 
 The method, its numbering and its cost live in :mod:`tracekit.lenses.patchscope` (Ghandeharioun et
@@ -26,20 +25,22 @@ Tables:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 import numpy as np
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
-from ..core.errors import PatchingError, TokenizationError
+from ..core.errors import PatchscopeError, TokenizationError
 from ..dataset import DatasetSpec, PreparedDataset
 from ..dla import DLA_POSITION_FORMS, as_position, row_positions
 from ..lenses.patchscope import IDENTITY_PROMPT, patchscope, target_tokens
 from ..model.context import check_generation
+from ..model.info import HookedModel
 from ..tokens import PositionSpec, str_tokens
 from .base import Experiment, OptionalPrompts, Result, check_dataset_fields, kind_dataset, register, row_frame
+from .frames import column, select, tuples
 
 __all__ = ["Patchscope", "PatchscopeInputs", "PatchscopeResult"]
 
@@ -101,7 +102,7 @@ class PatchscopeResult(Result):
         main = self.tables["main"].sort_values(["prompt_idx", "hidden_state"])
         rows = self._rows()
         hs = sorted(int(h) for h in main["hidden_state"].unique())
-        per = {int(pi): g for pi, g in main.groupby("prompt_idx")}
+        per = {int(cast(int, pi)): g for pi, g in main.groupby("prompt_idx")}
         out: dict[str, Any] = {
             "hidden_states": hs,
             "n_rows": len(rows),
@@ -112,12 +113,12 @@ class PatchscopeResult(Result):
             "generated_by_row": [per[int(pi)]["generated"].tolist() for pi in rows["prompt_idx"]],
         }
         if self.has_targets:
-            t = main[main["target_id"] >= 0]
+            t = select(main, column(main, "target_id") >= 0)
             out.update({
                 "target_by_row": [None if tid < 0 else tg for tg, tid in zip(rows["target"], rows["target_id"])],
                 "first_top1_hidden_state_by_row": [_none_int(v) for v in rows["first_top1_hidden_state"]],
                 "mean_target_prob_by_hidden_state": [round(float(v), 6) for v in
-                                                     t.groupby("hidden_state")["target_prob"].mean().reindex(hs)],
+                                                     cast(pd.Series, t.groupby("hidden_state")["target_prob"].mean()).reindex(hs)],
             })
         if len(rows) == 1:
             g = per[int(rows["prompt_idx"].iloc[0])]
@@ -138,12 +139,12 @@ class PatchscopeResult(Result):
         lines = [f"patchscope [{cfg.step_name}]: target prompt {self.meta.get('target_prompt')!r} patched at token "
                  f"{self.meta.get('target_position')} ({self.meta.get('target_token')!r}), target hidden state "
                  f"{cfg.target_hidden_state}; h = source hidden state (0 = embeddings, h = output of block h-1)"]
-        for r in self._rows().head(10).itertuples():
-            g = main[main["prompt_idx"] == r.prompt_idx]
+        for r in tuples(self._rows().head(10)):
+            g = select(main, column(main, "prompt_idx") == r.prompt_idx)
             has_t = int(r.target_id) >= 0
             table = [[h.hidden_state, repr(h.top1), f"{h.top1_prob:.4f}"]
                      + ([f"{h.target_prob:.4%}", h.target_rank] if has_t else []) + [repr(h.generated)]
-                     for h in g.itertuples()]
+                     for h in tuples(g)]
             headers = ["h", "top-1", "p(top-1)"] + ([f"p({r.target!r})", "rank"] if has_t else []) + ["generated"]
             lines.append(f"row {r.row_id}: {r.prompt!r} at position {r.position} ({r.token!r})")
             lines.append(plotting.text_table(table, headers))
@@ -161,11 +162,11 @@ class PatchscopeResult(Result):
         figs = {}
         if self.has_targets:
             fig, ax = plt.subplots(figsize=(7, 4))
-            t = main[main["target_id"] >= 0]
+            t = select(main, column(main, "target_id") >= 0)
             series = {f"row {r.row_id}: {plotting.short_text(r.prompt, 28)} → {r.target!r}":
-                      t[t["prompt_idx"] == r.prompt_idx]["target_prob"].to_numpy()
-                      for r in rows[rows["target_id"] >= 0].itertuples()}
-            x = sorted(t["hidden_state"].unique().tolist())
+                      column(select(t, column(t, "prompt_idx") == r.prompt_idx), "target_prob").to_numpy()
+                      for r in tuples(select(rows, column(rows, "target_id") >= 0))}
+            x = sorted(column(t, "hidden_state").unique().tolist())
             plotting.curves(ax, x, series)
             ax.set_xlabel(_HS_LABEL, fontsize=8)
             ax.set_ylabel("p(row's target) under the Patchscope")
@@ -178,12 +179,12 @@ class PatchscopeResult(Result):
         hs = sorted(main["hidden_state"].unique().tolist())
         grid = np.full((len(shown), len(hs)), np.nan)
         text = [["" for _ in hs] for _ in range(len(shown))]
-        for i, r in enumerate(shown.itertuples()):
-            g = main[main["prompt_idx"] == r.prompt_idx].set_index("hidden_state")
+        for i, r in enumerate(tuples(shown)):
+            g = select(main, column(main, "prompt_idx") == r.prompt_idx).set_index("hidden_state")
             for j, h in enumerate(hs):
                 grid[i, j] = g.loc[h, "top1_prob"]
                 text[i][j] = repr(g.loc[h, "top1"])[1:-1]
-        ylab = [f"row {r.row_id}: {plotting.short_text(r.prompt, 24)}" for r in shown.itertuples()]
+        ylab = [f"row {r.row_id}: {plotting.short_text(r.prompt, 24)}" for r in tuples(shown)]
         figs["top1_grid"] = plotting.heatmap(grid, hs, ylab, vmin=0, vmax=1,
                                              cell_text=text, title="Patchscope top-1 token (colour: its probability)",
                                              xlabel=_HS_LABEL, colorbar_label="p(top-1)")
@@ -214,7 +215,7 @@ class Patchscope(Experiment):
 
     Raises:
         TokenizationError: a target that is not one token, a position not in a prompt or the target prompt.
-        PatchingError: hidden states or target hidden state outside ``0..n_layers``.
+        PatchscopeError: hidden states or target hidden state outside ``0..n_layers``.
         ConfigError: ``target_prompt`` then ``n_generate`` tokens longer than the model's context.
         MethodRefused: a model whose residual stream is not a token's whole state (blocks with
             token-dependent side inputs).
@@ -261,12 +262,12 @@ class Patchscope(Experiment):
         check_dataset_fields(self.prompts, self.dataset, self.target, None)
         return self
 
-    def prepare(self, model) -> PatchscopeInputs:
+    def prepare(self, model: HookedModel) -> PatchscopeInputs:
         """The rows prepared once (prompts tokenized, target ids, named positions), each row's source
         position, the hidden states and the tokenized target prompt (tokenizer and config only).
 
         Raises:
-            TokenizationError / DatasetError / PatchingError: see the class docstring.
+            TokenizationError / DatasetError / PatchscopeError: see the class docstring.
         """
         data = kind_dataset(model, self.prompts, self.dataset, self.target)
         positions = row_positions(model, data, self.position)
@@ -274,11 +275,11 @@ class Patchscope(Experiment):
         hs = list(range(n + 1)) if self.hidden_states == "all" else list(self.hidden_states)
         for i, h in enumerate(hs):
             if not 0 <= h <= n:
-                raise PatchingError(f"hidden_states[{i}]: {h} out of range for a {n}-layer model (0 = embeddings .. "
+                raise PatchscopeError(f"hidden_states[{i}]: {h} out of range for a {n}-layer model (0 = embeddings .. "
                                     f"{n} = output of the last block)")
         th = None if self.target_hidden_state == "same" else int(self.target_hidden_state)
         if th is not None and not 0 <= th <= n:
-            raise PatchingError(f"target_hidden_state: {th} out of range for a {n}-layer model (0..{n}, or 'same')")
+            raise PatchscopeError(f"target_hidden_state: {th} out of range for a {n}-layer model (0..{n}, or 'same')")
         tgt = target_tokens(model, self.target_prompt, "target_prompt")
         if not -len(tgt) <= self.target_position < len(tgt):
             raise TokenizationError(f"target_position: {self.target_position} is out of range for the target prompt's "
@@ -286,7 +287,7 @@ class Patchscope(Experiment):
         check_generation(model, len(tgt), self.n_generate, "n_generate", "target_prompt")
         return PatchscopeInputs(data, tuple(positions), tuple(hs), tuple(tgt), self.target_position % len(tgt), th)
 
-    def _run(self, model, inputs: PatchscopeInputs, progress: bool = True) -> PatchscopeResult:
+    def _run(self, model: HookedModel, inputs: PatchscopeInputs, progress: bool = True) -> PatchscopeResult:
         data = inputs.data
         tok = model.tokenizer
         main, top, recs = [], [], []

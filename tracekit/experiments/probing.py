@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """Linear probing across layers, with honest controls (``kind: linear_probe``).
 
 Question: is property X (a label of each prompt) *linearly decodable* from layer L's activations
@@ -55,6 +54,7 @@ from ..activations import ActivationStore
 from ..dataset import DatasetSpec, GeneratorSpec, Row
 from ..errors import ProbingError
 from ..hooks import check_hooks
+from ..model.info import HookedModel
 from ..probing import (
     EMBEDDING_HOOK,
     SITES,
@@ -74,6 +74,7 @@ from ..probing import (
 from ..probing.extract import POSITION_FORMS_PROBING
 from ..tokens import PositionSpec, encode, parse_position
 from .base import Experiment, Indices, Result, StrictModel, register
+from .frames import column, select
 
 # load_probe_directions is re-exported so that ``tracekit.load_probe_directions`` works.
 __all__ = ["LinearProbe", "LinearProbeInputs", "LinearProbeResult", "ProbeDatasetSpec", "load_probe_directions"]
@@ -137,7 +138,7 @@ class ProbeDatasetSpec(StrictModel):
                              f"'generator: <name>' (got {given or 'none'})")
         return self
 
-    def load(self, task: str = "classification", model=None) -> ProbeDataset:
+    def load(self, task: str = "classification", model: HookedModel | None = None) -> ProbeDataset:
         """Build the :class:`~tracekit.probing.ProbeDataset` (errors name the ``dataset.*`` field).
 
         ``rows`` / ``generator`` (the shared dataset rows, :mod:`tracekit.dataset`) need ``model``
@@ -159,6 +160,7 @@ class ProbeDatasetSpec(StrictModel):
                 raise ProbingError("task: the builtin countries dataset is a classification task")
             ds = country_dataset(self.target, self.templates)
         else:
+            assert self.path is not None  # the source validator: one of builtin / rows / generator / path
             ds = load_probe_dataset(self.path, self.text, self.label, self.group, self.template, task)
         if self.drop_small_classes:
             ds = ds.drop_small_classes(2)
@@ -185,22 +187,21 @@ class LinearProbeResult(Result):
     config: "LinearProbe"
     main_table = "main"
 
-    # ---- helpers -------------------------------------------------------------------------
     @property
     def metric(self) -> str:
         return self.meta.get("metric", "accuracy")
 
     def _emb(self) -> pd.Series:
         df = self.tables["main"]
-        return df[df["hook"] == EMBEDDING_HOOK].iloc[0]
+        return select(df, column(df, "hook") == EMBEDDING_HOOK).iloc[0]
 
     def _site(self, site: Optional[str] = None, with_embedding: bool = False) -> pd.DataFrame:
         """Rows of one site sorted by layer (the embedding baseline row only if asked or its own site)."""
         df = self.tables["main"]
         site = site or self.meta.get("primary_site", "resid_post")
-        d = df[df["site"] == site]
+        d = select(df, column(df, "site") == site)
         if not with_embedding:
-            d = d[d["hook"] != EMBEDDING_HOOK]
+            d = select(d, column(d, "hook") != EMBEDDING_HOOK)
         return d.sort_values("layer")
 
     def layers_beating_controls(self, site: Optional[str] = None) -> list[int]:
@@ -212,10 +213,10 @@ class LinearProbeResult(Result):
         out = []
         df = self.tables["main"]
         emb = self._emb()
-        rest = df[df["hook"] != EMBEDDING_HOOK]
+        rest = select(df, column(df, "hook") != EMBEDDING_HOOK)
         margin = float(self.meta.get("shortcut_margin", 0.05))
         if len(rest):
-            best = rest.loc[rest[m].idxmax()]
+            best = rest.loc[column(rest, m).idxmax()]
             close = emb[m] >= best[m] - margin and best[m] > best[f"baseline_{m}"]
             # or: the embedding layer decodes (above the baseline) and the best layer is not
             # significantly better than it (paired bootstrap)
@@ -226,12 +227,12 @@ class LinearProbeResult(Result):
                            + (f"within {margin}" if close else "difference not significant, paired bootstrap")
                            + "): the property may be read off the input tokens at this position rather than "
                            "computed by the model")
-        if len(rest) == 0 or not rest["beats_controls"].any():
+        if len(rest) == 0 or not column(rest, "beats_controls").any():
             out.append("no layer beats all controls (shuffled-label control, majority baseline and "
                        f"embedding layer, paired bootstrap, {self.meta.get('correction', 'bonferroni')} over "
                        f"{self.meta.get('n_comparisons')} layers); do not read the curve as evidence of encoding")
-        if "uninformative" in df and df["uninformative"].astype(bool).any():
-            flat = df[df["uninformative"].astype(bool)]
+        if "uninformative" in df and column(df, "uninformative").astype(bool).any():
+            flat = select(df, column(df, "uninformative").astype(bool))
             out.append(f"uninformative: the activations at {[f'{s} {int(L)}' for s, L in zip(flat['site'], flat['layer'])]} "
                        "are identical across the training rows (e.g. every prompt ends in the same token, read at "
                        "the embedding layer); those layers are scored as the constant prior, at chance")
@@ -273,13 +274,13 @@ class LinearProbeResult(Result):
         for extra in (CLASS_METRICS if m == "accuracy" else REG_METRICS):
             if extra != m and extra in d:
                 out[f"{extra}_by_layer"] = d[extra].round(4).tolist()
-        out[f"baseline_{m}"] = round(float(emb[f"baseline_{m}"]), 4)
+        out[f"baseline_{m}"] = round(float(emb.loc[f"baseline_{m}"]), 4)
         if m == "accuracy":
             out["majority_baseline"] = out[f"baseline_{m}"]
             n_cls = len(self.meta.get("classes") or []) or 1
             out["chance"] = round(1.0 / n_cls, 4)
         out["embedding_hook"] = EMBEDDING_HOOK
-        out[f"embedding_{m}"] = round(float(emb[m]), 4)
+        out[f"embedding_{m}"] = round(float(emb.loc[m]), 4)
         if len(d):
             best = d.loc[d[m].idxmax()]
             out["best_layer"] = int(best["layer"])
@@ -355,9 +356,9 @@ class LinearProbeResult(Result):
             a1.fill_between(L, d[f"shuffled_{m}_lo"], d[f"shuffled_{m}_hi"], color="grey", alpha=.15)
             if m == "accuracy" and "balanced_accuracy" in d:
                 a1.plot(L, d["balanced_accuracy"], ls=":", color="C2", label="balanced accuracy")
-            a1.axhline(float(emb[f"baseline_{m}"]), color="k", ls="--", lw=1,
+            a1.axhline(float(emb.loc[f"baseline_{m}"]), color="k", ls="--", lw=1,
                        label="majority baseline" if m == "accuracy" else "mean baseline")
-            a1.axhline(float(emb[m]), color="C3", ls="-.", lw=1, label=f"embedding layer ({EMBEDDING_HOOK})")
+            a1.axhline(float(emb.loc[m]), color="C3", ls="-.", lw=1, label=f"embedding layer ({EMBEDDING_HOOK})")
             beat = d[d["beats_controls"].astype(bool)]
             a1.scatter(beat["layer"], beat[m], marker="*", s=60, color="C1", zorder=5, label="beats controls")
             a1.set_xlabel(f"layer (block index; {site})")
@@ -513,11 +514,11 @@ class LinearProbe(Experiment):
                                f"are {list(ds.frame.columns)}")
         return ds.frame[pos.text].astype(str).tolist()
 
-    def _targets(self, model) -> list[tuple[str, int, str]]:
+    def _targets(self, model: HookedModel) -> list[tuple[str, int, str]]:
         layers = None if self.layers == "all" else self.layers
         return probe_hooks(int(model.cfg.n_layers), self.sites, layers, self.hooks)
 
-    def prepare(self, model) -> LinearProbeInputs:
+    def prepare(self, model: HookedModel) -> LinearProbeInputs:
         """Load the dataset, check the hooks exist, tokenize every row and resolve the position in
         it. Needs only the tokenizer, ``cfg`` and hook names (works on a
         :class:`tracekit.model.ModelInfo`)."""
@@ -531,7 +532,7 @@ class LinearProbe(Experiment):
         return LinearProbeInputs(ds, tuple(targets), None if fields is None else tuple(fields),
                                  tuple(tuple(i) for i in ids), tuple(tuple(p) for p in positions))
 
-    def check(self, model) -> LinearProbeInputs:
+    def check(self, model: HookedModel) -> LinearProbeInputs:
         """:meth:`prepare`, then check the split is possible (config only: works on a
         :class:`tracekit.model.ModelInfo`)."""
         inputs = self.prepare(model)
@@ -558,7 +559,7 @@ class LinearProbe(Experiment):
 
     # ---- run -----------------------------------------------------------------------------
     @torch.no_grad()
-    def _run(self, model, inputs: LinearProbeInputs, progress: bool = True) -> LinearProbeResult:
+    def _run(self, model: HookedModel, inputs: LinearProbeInputs, progress: bool = True) -> LinearProbeResult:
         """Extract every hook's activations, then :func:`tracekit.probing.probe_layers`; shape the result.
 
         The extraction (:func:`tracekit.probing.extract_activations`) takes the row texts and

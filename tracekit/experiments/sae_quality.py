@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportGeneralTypeIssues=false, reportIndexIssue=false, reportOptionalMemberAccess=false, reportOptionalSubscript=false, reportOptionalOperand=false, reportReturnType=false, reportAssignmentType=false, reportOperatorIssue=false
 """SAE quality kinds over :mod:`tracekit.sae` (SAELens SAEs); ``sae_features`` is in
 :mod:`tracekit.experiments.sae`, which re-exports these.
 
@@ -22,13 +21,15 @@ from pydantic import Field, field_validator
 
 from .. import plotting
 from ..model.context import check_window
+from ..model.info import HookedModel
 from ..sae import SAESpec, check_sae, eval_seq_len, eval_windows, load_sae, sae_info, sae_quality
 from .base import Experiment, Result, register
+from .frames import column, select
 
 __all__ = ["SAEEval", "SAEEvalResult", "SAETrain", "SAETrainResult", "check_spec", "load_handle", "rounded"]
 
 
-def check_spec(exp, model) -> None:
+def check_spec(exp, model: HookedModel) -> None:
     """Check the SAE of a kind's ``sae`` field against the model (no weights loaded), and the windows
     it is evaluated on against the model's context (``seq_len``; unset: the SAE's context size).
 
@@ -41,7 +42,7 @@ def check_spec(exp, model) -> None:
         check_window(model, eval_seq_len(exp.sae.train, info.context_size, getattr(exp, "seq_len", None)), "seq_len")
 
 
-def load_handle(exp, model, progress):
+def load_handle(exp, model: HookedModel, progress):
     """Load (or train, or find in the cache) the SAE of a kind's ``sae`` field."""
     return load_sae(exp.sae, model, "sae", progress=progress)
 
@@ -73,8 +74,8 @@ class SAEEvalResult(Result):
                    else (int(v) if isinstance(v, (np.integer,)) else v))
                for k, v in m.items()}
         f = self.tables["features"]
-        out["dead_features"] = f[f["dead"]]["feature"].head(50).tolist()
-        out["dense_features"] = f[f["dense"]]["feature"].head(50).tolist()
+        out["dead_features"] = column(select(f, column(f, "dead")), "feature").head(50).tolist()
+        out["dense_features"] = column(select(f, column(f, "dense")), "feature").head(50).tolist()
         out["hook"] = self.meta.get("hook")
         out["sae"] = self.meta.get("sae")
         return out
@@ -128,11 +129,11 @@ class SAEEval(Experiment):
 
     result_class = SAEEvalResult
 
-    def check(self, model) -> None:
+    def check(self, model: HookedModel) -> None:
         """The SAE against the model (:func:`tracekit.sae.check_sae`); nothing to prepare."""
         check_spec(self, model)
 
-    def _run(self, model, inputs: None, progress: bool = True) -> SAEEvalResult:
+    def _run(self, model: HookedModel, inputs: None, progress: bool = True) -> SAEEvalResult:
         h = load_handle(self, model, progress)
         wins = eval_windows(model, h, self.corpus, self.max_tokens, self.seq_len)
         q = sae_quality(model, h, wins, self.batch_size, self.dense_threshold, progress)
@@ -208,11 +209,11 @@ class SAETrain(Experiment):
     def corpus(self):
         return None
 
-    def check(self, model) -> None:
+    def check(self, model: HookedModel) -> None:
         """The SAE against the model (:func:`tracekit.sae.check_sae`); nothing to prepare."""
         check_spec(self, model)
 
-    def _run(self, model, inputs: None, progress: bool = True) -> SAETrainResult:
+    def _run(self, model: HookedModel, inputs: None, progress: bool = True) -> SAETrainResult:
         h = load_handle(self, model, progress)
         wins = eval_windows(model, h, None, self.max_tokens)
         q = sae_quality(model, h, wins, self.batch_size, self.dense_threshold, progress)

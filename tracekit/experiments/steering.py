@@ -1,4 +1,3 @@
-# pyright: reportAttributeAccessIssue=false, reportArgumentType=false, reportCallIssue=false, reportIndexIssue=false, reportOptionalMemberAccess=false
 """Steering vectors as an experiment kind: a dose-response against norm-matched random directions, and
 text generated with and without steering.
 
@@ -14,7 +13,7 @@ with and without steering (same seed) and the texts are stored side by side. The
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -29,6 +28,7 @@ from ..dataset import PreparedDataset
 from ..dla import DLA_POSITION_FORMS, as_position, row_positions
 from ..hooks import check_hooks
 from ..model.context import check_generation, check_window
+from ..model.info import HookedModel
 from ..sae.spec import SAESpec
 from ..steering import (
     Steer,
@@ -45,6 +45,7 @@ from ..steering import (
 )
 from ..tokens import Position, encode_prompts, pad_rows
 from .base import Result, RowInputs, RowTargetsExperiment, check_row_targets, kind_dataset, prompt_rows, register
+from .frames import column, select, tuples
 
 __all__ = ["Steering", "SteeringResult", "SteeringInputs", "MeanDifferenceSource", "ProbeSource", "SAESource",
            "FileSource", "Controls", "GenerateSpec"]
@@ -260,9 +261,9 @@ class SteeringResult(Result):
                                                 "random max", "logit diff steer"]))
         gen = self.tables.get("generations")
         if gen is not None and len(gen):
-            for _, g in gen.head(4).iterrows():
-                lines.append(f"row {int(g['row_id'])} alpha {g['alpha']:g}: {g['prompt']!r}\n  steered:   "
-                             f"{g['steered_text']!r}\n  unsteered: {g['unsteered_text']!r}")
+            for g in tuples(gen.head(4)):
+                lines.append(f"row {int(g.row_id)} alpha {g.alpha:g}: {g.prompt!r}\n  steered:   "
+                             f"{g.steered_text!r}\n  unsteered: {g.unsteered_text!r}")
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -270,10 +271,10 @@ class SteeringResult(Result):
         dr = self.tables["dose_response"]
         fig, axes = plotting.plt().subplots(1, 2, figsize=(10, 4))
         for ax, col, label in ((axes[0], "target_prob", "target probability"), (axes[1], "logit_diff", s["metric"])):
-            st = dr[dr["direction"] == "steer"].sort_values("alpha")
-            rnd = dr[dr["direction"] != "steer"].groupby("alpha")[col]
+            st = select(dr, column(dr, "direction") == "steer").sort_values("alpha")
+            rnd = select(dr, column(dr, "direction") != "steer").groupby("alpha")[col]
             if s["n_random"]:
-                lo, hi, mean = rnd.min(), rnd.max(), rnd.mean()
+                lo, hi, mean = cast(pd.Series, rnd.min()), cast(pd.Series, rnd.max()), cast(pd.Series, rnd.mean())
                 ax.fill_between(lo.index, lo.to_numpy(), hi.to_numpy(), color="gray", alpha=0.3,
                                 label=f"random directions, same norm (min-max of {s['n_random']})")
                 ax.plot(mean.index, mean.to_numpy(), color="gray", ls="--", label="random mean")
@@ -347,8 +348,8 @@ class Steering(RowTargetsExperiment):
 
     @field_validator("alphas", mode="before")
     @classmethod
-    def _alphas(cls, v):
-        items = [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    def _alphas(cls, v: Any) -> Any:
+        items: Any = [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
         if not items:
             raise ValueError("give at least one multiplier, e.g. [0, 2, 4, 8]")
         dup = [a for i, a in enumerate(items) if a in items[:i]]
@@ -364,16 +365,17 @@ class Steering(RowTargetsExperiment):
             raise ValueError("hook: say where to steer: hook (blocks.6.hook_resid_pre) or layer (+ site)")
         return self
 
-    def _hook(self, model) -> str:
+    def _hook(self, model: HookedModel) -> str:
         if self.hook is not None:
             return self.hook
         if self.layer is not None:
             return site_hook(self.site, check_layer(model, self.layer, "layer"))
         if isinstance(self.vector, ProbeSource):
             return site_hook(self.vector.site, check_layer(model, self.vector.layer, "vector.layer"))
+        assert isinstance(self.vector, SAESource)  # _where: a mean-difference or file vector names its hook
         return str(self.vector.sae.train.hook) if self.vector.sae.train is not None else ""  # else: the SAE's, in _run
 
-    def prepare(self, model) -> SteeringInputs:
+    def prepare(self, model: HookedModel) -> SteeringInputs:
         """The rows, read and steered positions, hook and contrastive prompts prepared once (tokenizer
         only); a file or probe vector is loaded and its width checked. Raises the errors listed in
         the class docstring.
@@ -419,7 +421,7 @@ class Steering(RowTargetsExperiment):
         return SteeringInputs(data, read_at, tuple(tuple(sorted(s)) for s in at), "generated" in self.steer_at, hook,
                               tuple(map(tuple, pos_ids)), tuple(map(tuple, neg_ids)), vec)
 
-    def _vector(self, model, inputs: SteeringInputs) -> tuple[SteeringVector, str]:
+    def _vector(self, model: HookedModel, inputs: SteeringInputs) -> tuple[SteeringVector, str]:
         if isinstance(self.vector, MeanDifferenceSource):
             vec = mean_difference(model, inputs.positive_ids, inputs.negative_ids, inputs.hook,
                                   self.vector.read_position, batch_size=self.batch_size)
@@ -431,11 +433,14 @@ class Steering(RowTargetsExperiment):
         hook = inputs.hook or str(vec.hook)
         return (vec.normalized() if self.normalize else vec), hook
 
-    def _run(self, model, inputs: SteeringInputs, progress: bool = True) -> SteeringResult:
+    def _run(self, model: HookedModel, inputs: SteeringInputs, progress: bool = True) -> SteeringResult:
         vec, hook = self._vector(model, inputs)
         v = check_vector(model, vec, hook)
         ex = inputs.data.examples
-        rows = [SteerRow(tuple(e.ids), int(e.target_id), e.foil_id, r, a) for e, r, a in zip(ex, inputs.read_at, inputs.at)]
+        rows = []
+        for e, r, a in zip(ex, inputs.read_at, inputs.at):
+            assert e.target_id is not None  # prepare: check_row_targets
+            rows.append(SteerRow(tuple(e.ids), int(e.target_id), e.foil_id, r, a))
         dr = dose_response(model, rows, v, hook, self.alphas, n_random=self.controls.n_random, seed=self.controls.seed,
                            batch_size=self.batch_size)
         clean = _clean(model, rows, self.batch_size)
@@ -445,10 +450,11 @@ class Steering(RowTargetsExperiment):
         for c in ("prompt", "target", "foil"):
             per[c] = [frame.loc[r, c] if c in frame else None for r in per["row"]]
         per = per.drop(columns=["row"])
-        agg = (per.groupby(["direction", "draw", "alpha"], sort=False)[["target_prob", "target_log_prob", "logit_diff",
-                                                                        "foil_prob"]].mean().reset_index())
+        agg = cast(pd.DataFrame, per.groupby(["direction", "draw", "alpha"], sort=False)[
+            ["target_prob", "target_log_prob", "logit_diff", "foil_prob"]].mean()).reset_index()
         agg["n_rows"] = len(rows)
-        a0 = per[(per["direction"] == "steer") & (per["alpha"] == 0.0)]["target_prob"].to_numpy()
+        a0 = column(select(per, (column(per, "direction") == "steer") & (column(per, "alpha") == 0.0)),
+                    "target_prob").to_numpy()
         tables = {"dose_response": agg, "rows": per,
                   "generations": self._generations(model, inputs, v, hook)}
         has_foil = all(r.foil_id is not None for r in rows)
@@ -460,7 +466,7 @@ class Steering(RowTargetsExperiment):
                 "steered_positions": [list(a) for a in inputs.at], "steer_generated": inputs.generated}
         return SteeringResult(self, tables, meta, {"vector": v.clone(), "random_directions": dr.directions[1:].clone()})
 
-    def _generations(self, model, inputs: SteeringInputs, v: torch.Tensor, hook: str) -> pd.DataFrame:
+    def _generations(self, model: HookedModel, inputs: SteeringInputs, v: torch.Tensor, hook: str) -> pd.DataFrame:
         cols = ["row_id", "prompt", "alpha", "steered_text", "unsteered_text", "same_text", "steered_first_token",
                 "unsteered_first_token"]
         g = self.generate
@@ -481,13 +487,13 @@ class Steering(RowTargetsExperiment):
         return pd.DataFrame(recs, columns=cols)
 
 
-def _first(model, g) -> str:
+def _first(model: HookedModel, g) -> str:
     """The first generated token as text ('' when none)."""
     return str(model.tokenizer.decode(list(g.new_ids[:1]))) if g.new_ids else ""
 
 
 @torch.no_grad()
-def _clean(model, rows: list[SteerRow], batch_size: int) -> np.ndarray:
+def _clean(model: HookedModel, rows: list[SteerRow], batch_size: int) -> np.ndarray:
     """Each row's target probability without any hook (the reference alpha 0 must equal)."""
     out = []
     for s in range(0, len(rows), batch_size):

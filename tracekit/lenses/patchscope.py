@@ -73,12 +73,13 @@ from typing import Any, Optional, Union, cast
 import torch
 from jaxtyping import Float, Int
 
-from ..core.errors import MethodRefused, PatchingError, TokenizationError
+from ..core.errors import MethodRefused, PatchscopeError, TokenizationError
 from ..core.sites import hook
 from ..fastpath import residual_stream
 from ..hooks import fwd_hooks
 from ..model.architectures import architecture_name, require
 from ..model.context import check_generation
+from ..model.info import HookedModel
 from ..model.load import model_device
 from ..patching.engine import PatchJob, auto_batch_size, cache_run, patch_rows, run_chunked
 from ..patching.setters import Site
@@ -143,11 +144,11 @@ def _check_hidden(n_layers: int, values: Sequence[int], field: str) -> list[int]
     out = []
     for i, h in enumerate(values):
         if _as_int(h) is None or not 0 <= int(h) <= n_layers:
-            raise PatchingError(f"{field}[{i}]: hidden state {h!r} out of range for a {n_layers}-layer model (0 = "
+            raise PatchscopeError(f"{field}[{i}]: hidden state {h!r} out of range for a {n_layers}-layer model (0 = "
                                 f"embeddings .. {n_layers} = output of the last block)")
         out.append(int(h))
     if not out:
-        raise PatchingError(f"{field}: give at least one hidden state (0..{n_layers})")
+        raise PatchscopeError(f"{field}: give at least one hidden state (0..{n_layers})")
     return out
 
 
@@ -163,7 +164,7 @@ def _check_positions(values: Sequence[int], n: int, field: str) -> list[int]:
     return out
 
 
-def target_tokens(model, target: TargetSpec = None, field: str = "target_prompt") -> list[int]:
+def target_tokens(model: HookedModel, target: TargetSpec = None, field: str = "target_prompt") -> list[int]:
     """The target prompt's token ids: ``None`` = :data:`IDENTITY_PROMPT`; a string is tokenized with
     the model's BOS convention (:func:`tracekit.tokens.encode`); token ids are taken as given.
 
@@ -197,7 +198,7 @@ _SITE = Site("patchscope", "blocks.{layer}.hook_resid_pre", ("pos",), _set_vecto
              description="a source hidden state written into the target's block input at one position")
 
 
-def _refuse_side_inputs(model, run) -> None:
+def _refuse_side_inputs(model: HookedModel, run) -> None:
     varying = run.varying_inputs(torch.tensor([0]), torch.tensor([1]))
     if varying:
         raise MethodRefused(
@@ -208,7 +209,7 @@ def _refuse_side_inputs(model, run) -> None:
 
 @torch.no_grad()
 def patchscope(
-    model,
+    model: HookedModel,
     source_ids: Sequence[int],
     source_positions: Sequence[int],
     source_hidden_states: Sequence[int],
@@ -243,7 +244,7 @@ def patchscope(
         :class:`PatchscopeOutput`.
 
     Raises:
-        PatchingError: a hidden state or target hidden state outside ``0..n_layers``, bad top_k / n_generate.
+        PatchscopeError: a hidden state or target hidden state outside ``0..n_layers``, bad top_k / n_generate.
         TokenizationError: a position outside its prompt, an empty or too long prompt.
         ConfigError: the target prompt and ``n_generate`` do not fit the model's context (the last
             step runs ``len(target) + n_generate - 1`` positions; :func:`tracekit.model.context.check_generation`).
@@ -264,9 +265,9 @@ def patchscope(
     else:
         t_hs = [_check_hidden(n_layers, [target_hidden_state], "target_hidden_state")[0]] * len(hs)
     if isinstance(top_k, bool) or int(top_k) < 1:
-        raise PatchingError(f"top_k: {top_k!r} must be a positive integer")
+        raise PatchscopeError(f"top_k: {top_k!r} must be a positive integer")
     if isinstance(n_generate, bool) or int(n_generate) < 0:
-        raise PatchingError(f"n_generate: {n_generate!r} must be 0 or a positive integer")
+        raise PatchscopeError(f"n_generate: {n_generate!r} must be 0 or a positive integer")
     check_generation(model, len(tgt), int(n_generate), "n_generate", "target_ids")
     require(model, "patchscope")
     k = min(int(top_k), int(model.cfg.d_vocab))
@@ -314,7 +315,7 @@ def _patch_hook(act, hook, rows: torch.Tensor, pos: int, vectors: torch.Tensor):
     return act
 
 
-def _generate(model, tgt: list[int], t_pos: int, layer: torch.Tensor, vectors: torch.Tensor,
+def _generate(model: HookedModel, tgt: list[int], t_pos: int, layer: torch.Tensor, vectors: torch.Tensor,
               generated: torch.Tensor, batch_size: int) -> None:
     """Fill ``generated[:, 1:]`` greedily: each step re-runs target + generated tokens with every row's
     source vector written at ``t_pos`` of its target hidden state (a hook per hidden state).
@@ -350,7 +351,7 @@ def _bind(rows: torch.Tensor, pos: int, vectors: torch.Tensor):
 
 @torch.no_grad()
 def patchscope_lens_log_probs(
-    model,
+    model: HookedModel,
     ids: Sequence[int],
     positions: Sequence[int],
     hidden_states: Sequence[int],
@@ -374,7 +375,7 @@ def patchscope_lens_log_probs(
         ``[H, P, vocab]`` float32 natural-log probabilities on the CPU.
 
     Raises:
-        PatchingError / TokenizationError / MethodRefused: as :func:`patchscope`.
+        PatchscopeError / TokenizationError / MethodRefused: as :func:`patchscope`.
     """
     out = patchscope(model, ids, positions, hidden_states, target_ids=target, top_k=1, n_generate=0,
                      batch_size=batch_size, log_probs=True)

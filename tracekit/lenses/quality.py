@@ -30,6 +30,7 @@ from .. import plotting
 from ..corpus import Window, window_batches
 from ..fastpath import residual_stream
 from ..logit_lens import lens_points
+from ..model.info import HookedModel
 from ..model.readout import Readout
 from .patchscope import patchscope_lens_log_probs
 from .tuned import TunedLens
@@ -82,7 +83,7 @@ def _eval_rows(batch, group: Sequence[Window], resid: torch.Tensor) -> tuple[tor
 
 
 @torch.no_grad()
-def quality_table(model, windows: Sequence[Window], lenses: Sequence[str] = ("logit", "tuned"),
+def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequence[str] = ("logit", "tuned"),
                   tuned: Optional[TunedLens] = None, patchscope_positions: int = 16, seed: int = 0,
                   batch_size: int = 8, chunk_rows: int = 256, patchscope_target=None,
                   patchscope_batch_size: int | str = "auto",
@@ -150,7 +151,7 @@ def quality_table(model, windows: Sequence[Window], lenses: Sequence[str] = ("lo
     return pd.DataFrame(rows, columns=QUALITY_COLUMNS)
 
 
-def _patchscope(model, sampled, acc: _Acc, H: int, target, batch_size) -> None:
+def _patchscope(model: HookedModel, sampled, acc: _Acc, H: int, target, batch_size) -> None:
     """Score the Patchscope readout at the sampled positions (grouped by window: one call each)."""
     by_window: dict[int, list] = {}
     for w, p, fin, nxt in sampled:

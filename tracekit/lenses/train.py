@@ -41,7 +41,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from ..corpus import Window, iter_documents, token_windows, window_batches
 from ..fastpath import residual_stream
 from ..logit_lens import lens_points
 from ..model.context import check_window
+from ..model.info import HookedModel
 from ..model.load import model_spec_of
 from ..model.readout import Readout
 from ..scratch import scratch_dir
@@ -116,7 +117,7 @@ class TunedLensSpec(StrictModel):
     seed: int = 0
     cache: bool = True
 
-    def check_context(self, model, field: str = "tuned") -> None:
+    def check_context(self, model: HookedModel, field: str = "tuned") -> None:
         """Refuse a ``seq_len`` longer than the model's context when a lens is to be trained (no
         ``path`` nor ``store``), before anything runs (:func:`tracekit.model.context.check_window`).
 
@@ -149,7 +150,7 @@ def document_split(doc_id: str) -> str:
     return "held_out" if int(hashlib.sha256(group.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0 else "train"
 
 
-def split_windows(model, corpus: Union[str, Sequence[str], None], part: str, n_tokens: int, seq_len: int,
+def split_windows(model: HookedModel, corpus: Union[str, Sequence[str], None], part: str, n_tokens: int, seq_len: int,
                   field: str = "corpus", seq_field: str = "seq_len") -> list[Window]:
     """Windows of the documents of one side of the split, in corpus order, until ``n_tokens`` text
     tokens (BOS excluded) are collected.
@@ -205,7 +206,7 @@ class ResidualCache:
 
 
 @torch.no_grad()
-def cache_residuals(model, windows: Sequence[Window], folder: Path, batch_size: int = 8,
+def cache_residuals(model: HookedModel, windows: Sequence[Window], folder: Path, batch_size: int = 8,
                     progress: Optional[Callable[[int], object]] = None) -> ResidualCache:
     """Run the model over ``windows`` once and store the residual stream at every hidden state
     (``0 .. n_layers``) at each window's text tokens (``ids[n_prefix:]``: BOS and padding excluded)
@@ -264,7 +265,7 @@ class StoreTokens:
     held_out_examples: np.ndarray
     manifest_sha256: str
 
-    def residuals(self, model, part: str, folder: Path) -> ResidualCache:
+    def residuals(self, model: HookedModel, part: str, folder: Path) -> ResidualCache:
         """The :class:`ResidualCache` of one side (``"train"`` / ``"held_out"``), copied from the store
         into ``folder/residuals.npy`` (float32; one store slice in memory at a time)."""
         wins, ex = (self.train, self.train_examples) if part == "train" else (self.held_out, self.held_out_examples)
@@ -282,7 +283,7 @@ class StoreTokens:
         return ResidualCache(acts, next_ids)
 
 
-def store_tokens(model, spec: TunedLensSpec, field: str = "tuned") -> StoreTokens:
+def store_tokens(model: HookedModel, spec: TunedLensSpec, field: str = "tuned") -> StoreTokens:
     """Open ``spec.store`` and pick the tokens to train and evaluate on: its windows split by
     document (:func:`document_split`), in store order, until ``train_tokens`` / ``held_out_tokens``
     text tokens (the tokens :func:`split_windows` gives on the corpus the store was written from,
@@ -357,7 +358,7 @@ def _optimizer(params, spec: TunedLensSpec) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def held_out_kl(model, lens: Optional[TunedLens], cache: ResidualCache, batch_tokens: int = 256) -> list[float]:
+def held_out_kl(model: HookedModel, lens: Optional[TunedLens], cache: ResidualCache, batch_tokens: int = 256) -> list[float]:
     """Mean ``KL(p_final || p_lens_h)`` (nats) per hidden state ``0 .. n_layers`` over the cached tokens
     (``lens=None``: the logit lens)."""
     readout = Readout(model)
@@ -375,7 +376,7 @@ def held_out_kl(model, lens: Optional[TunedLens], cache: ResidualCache, batch_to
     return [float(v / max(1, cache.n_tokens)) for v in sums]
 
 
-def _fit(model, lens: TunedLens, cache: ResidualCache, spec: TunedLensSpec, progress: bool) -> list[float]:
+def _fit(model: HookedModel, lens: TunedLens, cache: ResidualCache, spec: TunedLensSpec, progress: bool) -> list[float]:
     """Train every translator on the cached residuals (module docstring); returns each translator's
     mean training KL over the last epoch (nats)."""
     from tqdm.auto import tqdm  # lazy: tqdm only for the bar
@@ -415,7 +416,7 @@ def _fit(model, lens: TunedLens, cache: ResidualCache, spec: TunedLensSpec, prog
     return [float(v / cache.n_tokens) for v in last]
 
 
-def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: str = "tuned",
+def train_tuned_lens(model: HookedModel, spec: TunedLensSpec, progress: bool = False, field: str = "tuned",
                      windows: Optional[tuple[list[Window], list[Window]]] = None,
                      stored: Optional[StoreTokens] = None) -> TunedLens:
     """Train a tuned lens for ``model`` (no cache: :func:`load_or_train_tuned_lens` caches).
@@ -454,7 +455,7 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
 
     lens = TunedLens.from_model(model, bias=spec.bias)
     t0 = time.time()
-    params = [p for p in model.parameters()]
+    params = [p for p in cast(Any, model).parameters()]  # a loaded bridge's parameters
     grads = [p.requires_grad for p in params]
     for p in params:  # the model stays frozen: gradients reach the translators only
         p.requires_grad_(False)
@@ -486,7 +487,7 @@ def train_tuned_lens(model, spec: TunedLensSpec, progress: bool = False, field: 
     return lens
 
 
-def _spec_windows(model, spec: TunedLensSpec, field: str) -> tuple[list[Window], list[Window]]:
+def _spec_windows(model: HookedModel, spec: TunedLensSpec, field: str) -> tuple[list[Window], list[Window]]:
     train = split_windows(model, spec.corpus, "train", spec.train_tokens, spec.seq_len, f"{field}.corpus",
                           f"{field}.seq_len")
     held = split_windows(model, spec.corpus, "held_out", spec.held_out_tokens, spec.seq_len, f"{field}.corpus",
@@ -495,7 +496,7 @@ def _spec_windows(model, spec: TunedLensSpec, field: str) -> tuple[list[Window],
     return train, held
 
 
-def _train_key(model, spec: TunedLensSpec, windows: tuple[list[Window], list[Window]],
+def _train_key(model: HookedModel, spec: TunedLensSpec, windows: tuple[list[Window], list[Window]],
                store_sha: Optional[str] = None) -> str:
     """sha256 (16 hex digits) of the model's fingerprint, basis, BOS, dtype, the training config,
     the token ids of the training and held-out windows and the store's manifest sha256 (if any)."""
@@ -512,7 +513,7 @@ def _train_key(model, spec: TunedLensSpec, windows: tuple[list[Window], list[Win
 _FILES = (CONFIG_FILE, PARAMS_FILE, TRACEKIT_FILE)
 
 
-def _cached(out: Path, model, field: str) -> Optional[TunedLens]:
+def _cached(out: Path, model: HookedModel, field: str) -> Optional[TunedLens]:
     if not out.exists():
         return None
     try:
@@ -524,7 +525,7 @@ def _cached(out: Path, model, field: str) -> Optional[TunedLens]:
         return None
 
 
-def load_or_train_tuned_lens(model, spec: Optional[TunedLensSpec] = None, progress: bool = False,
+def load_or_train_tuned_lens(model: HookedModel, spec: Optional[TunedLensSpec] = None, progress: bool = False,
                              field: str = "tuned", cache_dir: Optional[Path] = None) -> TunedLens:
     """The tuned lens a spec names: loaded from ``spec.path``, else from the cache, else trained
     (:func:`train_tuned_lens`) and cached.

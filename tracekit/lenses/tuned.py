@@ -41,7 +41,7 @@ import warnings
 from copy import deepcopy
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from jaxtyping import Float
@@ -49,6 +49,7 @@ from torch import nn
 
 from ..core.errors import ConfigError
 from ..core.io import atomic_folder
+from ..model.info import HookedModel
 from ..model.load import model_fingerprint, model_spec_of
 from ..model.readout import Readout, output_transform_fn
 from ..model.state import state_of
@@ -100,14 +101,14 @@ class TunedLensConfig:
         return cls(**{k: v for k, v in config_dict.items() if k in known})
 
 
-def residual_basis(model) -> str:
+def residual_basis(model: HookedModel) -> str:
     """The basis of the model's residual stream: ``"centred"`` when TransformerLens weight
     processing centred it (``process_weights`` on a LayerNorm model), else ``"hf"`` (Hugging Face's
     hidden states: processing off, or an RMSNorm model, whose processing leaves the stream as it is)."""
     return "centred" if bool(model_spec_of(model).process_weights) and Readout(model).is_layernorm else "hf"
 
 
-def unembed_hash(model) -> Optional[str]:
+def unembed_hash(model: HookedModel) -> Optional[str]:
     """The tuned-lens package's ``unembed_hash`` of the model's checkpoint: ``Unembed.unembedding_hash()``
     of the Hugging Face model (sha256 of ``np.array_str(W, precision=1)`` of its output embedding,
     :func:`tracekit.model.load.checkpoint_unembed_hash`), the same string the package writes to and
@@ -120,11 +121,12 @@ def unembed_hash(model) -> Optional[str]:
     return state_of(model).unembed_hash
 
 
-def lens_log_probs(model, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
+def lens_log_probs(model: HookedModel, resid: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
     """:meth:`Readout.log_probs <tracekit.model.readout.Readout.log_probs>` *with* gradients (the same
     operations: final norm recomputed, unembedding, output transform, float32 log-softmax), for
     training translators through the frozen readout."""
-    logits = model.unembed(model.ln_final(resid))
+    bridge = cast(Any, model)  # a loaded bridge's modules (not in HookedModel)
+    logits = bridge.unembed(bridge.ln_final(resid))
     fn = output_transform_fn(model)
     if fn is not None:
         logits = fn(logits)
@@ -159,7 +161,7 @@ class TunedLens(nn.Module):
         self.layer_translators = nn.ModuleList([deepcopy(translator) for _ in range(config.num_hidden_layers)])
 
     @classmethod
-    def from_model(cls, model, bias: bool = True) -> "TunedLens":
+    def from_model(cls, model: HookedModel, bias: bool = True) -> "TunedLens":
         """An untrained lens (the logit lens) for ``model``, on its device, recording its fingerprint and basis."""
         spec = model_spec_of(model)
         cfg = TunedLensConfig(base_model_name_or_path=str(spec.name), d_model=int(model.cfg.d_model),
@@ -209,7 +211,7 @@ class TunedLens(nn.Module):
         return self.transform(resid, hidden_state)
 
     # ---- checks ------------------------------------------------------------------------------
-    def check_model(self, model, field: str = "tuned") -> None:
+    def check_model(self, model: HookedModel, field: str = "tuned") -> None:
         """Refuse a model this lens cannot read: another width or depth, another residual basis.
 
         Raises:
@@ -271,7 +273,7 @@ class TunedLens(nn.Module):
             (folder / TRACEKIT_FILE).write_text(json.dumps(self.record, indent=2))
 
     @classmethod
-    def load(cls, path: Union[str, Path], model=None, field: str = "tuned.path") -> "TunedLens":
+    def load(cls, path: Union[str, Path], model: HookedModel | None = None, field: str = "tuned.path") -> "TunedLens":
         """A lens saved by :meth:`save` or by the tuned-lens package (``config.json`` + ``params.pt``).
 
         Args:

@@ -23,6 +23,7 @@ from ..activations.store import ActivationStore
 from ..core.sites import BLOCK_HOOKS, SITE_TABLE, check_layers, hook
 from ..errors import ProbingError
 from ..hooks import check_hooks, hook_layer
+from ..model.info import HookedModel
 from ..tokens import Position, chunks, encode, parse_position, run_with_cache, tokenize
 
 __all__ = ["SITES", "EMBEDDING_HOOK", "POSITION_FORMS_PROBING", "probe_hooks", "row_positions",
@@ -71,7 +72,7 @@ def probe_hooks(n_layers: int, sites: Sequence[str] = ("resid_post",), layers: O
     return uniq
 
 
-def row_positions(model, texts: Sequence[str], ids: Sequence[Sequence[int]], position: Position | int | str,
+def row_positions(model: HookedModel, texts: Sequence[str], ids: Sequence[Sequence[int]], position: Position | int | str,
                   fields: Optional[Sequence[str]] = None, field: str = "position") -> list[list[int]]:
     """Per row, the unpadded token positions to read (``mean`` averages over them), through
     :meth:`tracekit.tokens.Position.resolve` (``all``/``mean`` skip a prepended BOS).
@@ -256,7 +257,7 @@ class _ChunkWriter:
 
 @torch.no_grad()
 def extract_activations(
-    model,
+    model: HookedModel,
     texts: Sequence[str],
     hooks: Sequence[str],
     position: Position | int | str = "last",
@@ -384,7 +385,7 @@ def extract_activations(
         return Activations(hooks, np.array(rows), np.array(positions), {h: torch.cat(v, 0) for h, v in mem.items()})
 
 
-def _hook_dims(model, hooks: Sequence[str]) -> dict[str, int]:
+def _hook_dims(model: HookedModel, hooks: Sequence[str]) -> dict[str, int]:
     """Width of each hook's activation (per position), for memory estimates; d_model by default."""
     cfg = model.cfg
     out = {}

@@ -35,11 +35,11 @@ step (the reference the tests compare against).
 
 from __future__ import annotations
 
+from ..core.errors import SteeringError
 from .apply import Steer, StepClock, steer
 from .dose import DoseResponse, SteerRow, dose_response
 from .generation import Generation, generate
 from .vectors import (
-    SteeringError,
     SteeringVector,
     check_vector,
     file_vector,

@@ -8,8 +8,10 @@ from typing import Iterator
 
 import torch
 
+from ..core.errors import SteeringError
 from ..hooks import enabled_hooks, fwd_hooks
-from .vectors import SteeringError, check_vector
+from ..model.info import HookedModel
+from .vectors import check_vector
 
 __all__ = ["StepClock", "Steer", "steer"]
 
@@ -53,7 +55,7 @@ def _add_hook(add: torch.Tensor, where, clock: StepClock):
 
 
 @contextlib.contextmanager
-def steer(model, steering: Steer, prompt_len: int) -> Iterator[StepClock]:
+def steer(model: HookedModel, steering: Steer, prompt_len: int) -> Iterator[StepClock]:
     """Add a :class:`Steer` to every forward pass inside the block; its hook is removed on exit
     whatever is raised. Every row of a batch is steered at the same positions (rows without padding).
 

@@ -9,10 +9,12 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..core.errors import SteeringError
 from ..hooks import enabled_hooks, fwd_hooks
+from ..model.info import HookedModel
 from ..tokens import pad_rows
 from .apply import StepClock, _add_hook
-from .vectors import SteeringError, SteeringVector, check_vector, random_directions
+from .vectors import SteeringVector, check_vector, random_directions
 
 __all__ = ["SteerRow", "DoseResponse", "dose_response"]
 
@@ -74,7 +76,7 @@ def _check_rows(rows: Sequence[SteerRow], alphas: Sequence[float]) -> None:
 
 
 @torch.no_grad()
-def _dose_batch(model, rows: Sequence[SteerRow], jobs: Sequence[tuple[int, float, int]], directions: torch.Tensor,
+def _dose_batch(model: HookedModel, rows: Sequence[SteerRow], jobs: Sequence[tuple[int, float, int]], directions: torch.Tensor,
                 hook: str) -> list[dict]:
     """One forward pass over ``jobs`` = (direction index, alpha, row index); one metric dict each."""
     batch = pad_rows(model, [rows[r].ids for _, _, r in jobs], "prompts")
@@ -104,7 +106,7 @@ def _dose_batch(model, rows: Sequence[SteerRow], jobs: Sequence[tuple[int, float
     return out
 
 
-def dose_response(model, rows: Sequence[SteerRow], vector: Union[SteeringVector, torch.Tensor], hook: str,
+def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[SteeringVector, torch.Tensor], hook: str,
                   alphas: Sequence[float], *, n_random: int = 3, seed: int = 0, batch_size: int = 32) -> DoseResponse:
     """Target probability, log-prob and logit difference at each alpha, for the vector and for
     ``n_random`` random directions of exactly the vector's norm (:func:`random_directions`: seeded

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import torch
 
+from ..core.errors import SteeringError
 from ..model.context import check_generation
+from ..model.info import HookedModel
 from ..model.load import model_device
 from .apply import Steer, StepClock, steer
-from .vectors import SteeringError
 
 __all__ = ["Generation", "generate"]
 
@@ -32,7 +33,7 @@ class Generation:
 
 
 @contextlib.contextmanager
-def _kv_cache_names(model) -> Iterator[None]:
+def _kv_cache_names(model: HookedModel) -> Iterator[None]:
     """Pass an attention module's ``cache=`` keyword also as ``past_key_values=`` for the block
     (TransformerLens 3.9's ``AttentionBridge`` reads only the latter; transformers 5 passes the former),
     with forward pre-hooks removed on exit whatever is raised."""
@@ -45,7 +46,7 @@ def _kv_cache_names(model) -> Iterator[None]:
             return args, {**kwargs, "past_key_values": kwargs["cache"]}
         return None
 
-    handles = [m.register_forward_pre_hook(both, with_kwargs=True) for m in model.modules()
+    handles = [m.register_forward_pre_hook(both, with_kwargs=True) for m in cast(Any, model).modules()
                if isinstance(m, AttentionBridge)]
     try:
         yield
@@ -69,7 +70,7 @@ def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: Opti
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 20, *, do_sample: bool = False,
+def generate(model: HookedModel, prompt_ids: Sequence[int], max_new_tokens: int = 20, *, do_sample: bool = False,
              temperature: float = 1.0, top_p: Optional[float] = None, seed: int = 0,
              steering: Optional[Steer] = None, use_kv_cache: bool = True, stop_at_eos: bool = True) -> Generation:
     """Generate a continuation of one prompt, greedy or sampled (seeded), optionally steered.

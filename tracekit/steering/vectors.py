@@ -12,9 +12,10 @@ import numpy as np
 import torch
 from jaxtyping import Float
 
-from ..core.errors import TracekitError
+from ..core.errors import SteeringError  # defined in core.errors; this import path stays public
 from ..core.sites import hook as site_hook
 from ..hooks import check_hooks, enabled_hooks, hook_layer
+from ..model.info import HookedModel
 from ..probing.directions import load_probe_directions
 from ..sae.load import LoadedSAE, load_sae
 from ..sae.spec import SAESpec, hook_width
@@ -23,11 +24,6 @@ from ..units import hook_values
 
 __all__ = ["SteeringError", "SteeringVector", "mean_difference", "probe_vector", "sae_vector", "file_vector",
            "check_vector", "random_directions"]
-
-
-class SteeringError(TracekitError, ValueError):
-    """Bad steering input: a vector of the wrong width, an unknown hook, empty alphas, a file without
-    the named tensor. The message names the field and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +93,7 @@ def _float_vector(v: Any, field: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reads(model, ids: Sequence[Sequence[int]], hook: str, read_position: str, batch_size: int
+def _reads(model: HookedModel, ids: Sequence[Sequence[int]], hook: str, read_position: str, batch_size: int
            ) -> Float[torch.Tensor, "n d"]:
     """One activation per prompt at ``hook``: the last token's, or the mean over its tokens (BOS not counted)."""
     layer = hook_layer(hook)
@@ -113,7 +109,7 @@ def _reads(model, ids: Sequence[Sequence[int]], hook: str, read_position: str, b
     return torch.stack(out)
 
 
-def mean_difference(model, positive_ids: Sequence[Sequence[int]], negative_ids: Sequence[Sequence[int]], hook: str,
+def mean_difference(model: HookedModel, positive_ids: Sequence[Sequence[int]], negative_ids: Sequence[Sequence[int]], hook: str,
                     read_position: Literal["last", "mean"] = "last", batch_size: int = 16) -> SteeringVector:
     """The mean activation over the positive prompts minus the mean over the negative prompts at
     ``hook`` (CAA, Rimsky et al. 2024: mean over contrastive pairs; ActAdd, Turner et al. 2023: one
@@ -192,7 +188,7 @@ def probe_vector(source: Any, layer: int, cls: Union[int, str, None] = None, sit
     return SteeringVector(_float_vector(w[row], "vector"), src, site_hook(site, layer))
 
 
-def sae_vector(model, sae: Union[SAESpec, LoadedSAE], feature: int) -> SteeringVector:
+def sae_vector(model: HookedModel, sae: Union[SAESpec, LoadedSAE], feature: int) -> SteeringVector:
     """An SAE feature's decoder row ``W_dec[feature]`` (what one unit of the feature's activation writes).
 
     Args:
@@ -304,7 +300,7 @@ def file_vector(path: Union[str, Path], key: Optional[str] = None) -> SteeringVe
     return SteeringVector(vec, {"source": "file", "path": str(p), "key": key})
 
 
-def check_vector(model, vector: Union[SteeringVector, torch.Tensor], hook: str, field: str = "vector"
+def check_vector(model: HookedModel, vector: Union[SteeringVector, torch.Tensor], hook: str, field: str = "vector"
                  ) -> torch.Tensor:
     """The vector as ``[d]`` float32 after checking it fits ``hook``.
 

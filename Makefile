@@ -43,13 +43,14 @@ install-tl4: $(TL4_BIN)/tracekit
 demo: install
 	$(BIN)/tracekit run experiments/paris_logit_lens_smollm2.yaml --out results
 
-# The test command: every test but the `slow` tier (the real embedded model, fresh interpreters; ~12 min
+# The test command: every test but the `slow` tier (the real embedded model, fresh interpreters; ~10 min
 # on 2 cores). CI runs it, then `make test-slow`, then `make test-tl4` (.ci/run).
 test: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
 
 # The slow tier: the tests marked `slow` (pyproject.toml): the acceptance tests on the real embedded model
-# (SmolLM2-135M, loaded once per session), the displays of the slower kinds, subprocess tests. CI runs it.
+# (SmolLM2-135M, loaded once per session), the displays of the slower kinds, subprocess tests (~6-7 min on
+# 2 cores). CI runs it.
 test-slow: install
 	$(BIN)/python -m pytest -q -rs -m slow tests
 

@@ -9,11 +9,11 @@ export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
 # The second environment: the newest TransformerLens 4.x, no SAELens (SAELens pins transformer-lens<4,
-# SAELens issue #738); `make test-tl4` runs the same test command there, the SAE tests skipped.
+# SAELens issue #738); `make test-tl4` runs the whole suite (both tiers) there, the SAE tests skipped.
 TL4_VENV := build/venv-tl4
 TL4_BIN := $(TL4_VENV)/bin
 
-.PHONY: install install-tl4 demo test test-tl4 test-half test-fast lint docs bench clean schema
+.PHONY: install install-tl4 demo test test-slow test-tl4 test-half test-fast lint docs bench clean schema
 
 $(BIN)/tracekit: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,9 +43,16 @@ install-tl4: $(TL4_BIN)/tracekit
 demo: install
 	$(BIN)/tracekit run experiments/paris_logit_lens_smollm2.yaml --out results
 
-# The test command (CI runs exactly this).
+# The test command: every test but the `slow` tier (the real embedded model, fresh interpreters; ~10 min
+# on 2 cores). CI runs it, then `make test-slow`, then `make test-tl4` (.ci/run).
 test: install
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs -m "not slow" tests
+
+# The slow tier: the tests marked `slow` (pyproject.toml): the acceptance tests on the real embedded model
+# (SmolLM2-135M, loaded once per session), the displays of the slower kinds, subprocess tests (~6-7 min on
+# 2 cores). CI runs it.
+test-slow: install
+	$(BIN)/python -m pytest -q -rs -m slow tests
 
 # Lint and type check (CI runs these too).
 lint: install
@@ -56,7 +63,7 @@ lint: install
 docs: install
 	$(BIN)/mkdocs build --strict --site-dir site
 
-# The same test command on TransformerLens 4.x without SAELens (CI runs it after `make test`).
+# The whole suite (both tiers) on TransformerLens 4.x without SAELens (CI runs it after `make test-slow`).
 TL4_PYTEST_ARGS ?=
 test-tl4: install-tl4
 	$(TL4_BIN)/python -m pytest -q -rs $(TL4_PYTEST_ARGS) tests
@@ -68,12 +75,12 @@ schema: install
 	$(BIN)/python docs/gen_config_reference.py
 
 # Every kind on the embedded model in float16 and bfloat16 against float32 (~25-30 min of CPU on 2 cores;
-# skipped by `make test`, which runs the half-precision load check and logit-lens regression).
+# skipped by `make test-slow`, which runs the half-precision load check and logit-lens regression).
 test-half: install
 	TRACEKIT_HALF_TIER=1 $(BIN)/python -m pytest -q -rs tests/acceptance/test_half_precision_embedded.py
 
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+# The same selection as `make test` (kept as an alias).
+test-fast: test
 
 bench: install
 	$(BIN)/python benchmarks/bench_patching.py

@@ -4,7 +4,12 @@
   config parsing, splits).
 * ``tests/integration``: tiny random GPT-2 / Llama models (tests/helpers.py), including perturbed
   norms and biases, tied embeddings and GQA, with weight processing on and off.
-* ``tests/acceptance``: the real embedded model (SmolLM2-135M), marked ``slow``; run in CI too.
+* ``tests/acceptance``: the real embedded model (SmolLM2-135M), marked ``slow``.
+
+The ``slow`` tier (the real embedded model, fresh interpreters, the slower kinds' displays) is left out
+by ``make test`` (``-m "not slow"``) and run by ``make test-slow`` (``-m slow``); CI runs both, and the
+whole suite again on TransformerLens 4 (``make test-tl4``). The embedded model is loaded once per
+session (:func:`embedded_model`).
 
 GPT-2's real tokenizer tables are vendored in ``tracekit/data/gpt2-bpe`` (nothing outside the repo
 is read).

@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -258,6 +261,84 @@ KIND_DATASET_EXAMPLES: dict[str, dict] = {
                  "controls": {"n_random": 1}},
     "causal_tracing": {**_ROWS, "subject": {"position": "S2"}, "window": 2, "n_samples": 1},
 }
+
+
+def where_encoded() -> tuple[bool, str]:
+    """For :func:`counting_encodes`: ``(inside a kind's prepare, module of the first caller outside
+    tracekit.tokens)`` of the ``encode`` call being counted."""
+    f = sys._getframe(2)
+    caller = None
+    in_prepare = False
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if caller is None and mod != "tracekit.tokens":
+            caller = mod
+        if f.f_code.co_name == "prepare" and mod.startswith("tracekit.experiments"):
+            in_prepare = True
+        f = f.f_back
+    return in_prepare, caller or "?"
+
+
+def counting_encodes(mp) -> list[tuple[str, bool, str]]:
+    """Count every :func:`tracekit.tokens.encode` call (through ``mp``, a ``pytest.MonkeyPatch``): a list
+    of ``(text, in_prepare, caller module)``, one per call, that grows while ``mp`` is active."""
+    import tracekit.tokens as T
+
+    orig = T.encode
+    calls: list[tuple[str, bool, str]] = []
+
+    def counting(model, text, *args, **kwargs):
+        calls.append((text, *where_encoded()))
+        return orig(model, text, *args, **kwargs)
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("tracekit") and getattr(mod, "encode", None) is orig:
+            mp.setattr(mod, "encode", counting)
+    return calls
+
+
+def param_checksum(model) -> float:
+    """The sum of every parameter, in float64 (unchanged by a run that leaves the weights alone)."""
+    return float(sum(p.double().sum() for p in model.parameters()))
+
+
+@dataclass
+class KindRun:
+    """One run of a kind's :data:`KIND_EXAMPLES` config on the tiny GPT-2 (:func:`kind_run`), shared by
+    the tests that assert on it: the result, the parameters' checksum and the hooks before and after,
+    and every ``encode`` call during the run (:func:`counting_encodes`)."""
+
+    result: Any
+    checksum_before: float
+    checksum_after: float
+    hooks_before: dict
+    hooks_after: dict
+    encodes: list = field(default_factory=list)
+
+
+_KIND_RUNS: dict[str, KindRun] = {}
+
+
+def kind_run(kind: str) -> KindRun:
+    """Run ``kind``'s :data:`KIND_EXAMPLES` config once per test session on ``make_tiny("gpt2")`` (a
+    fresh validated config, after the bridge's first forward, as a run without a check), recording the
+    checksum, hooks and ``encode`` calls around it. tests/integration/test_kinds.py (round trip, no
+    state left), test_prepare_once.py (tokenized once) and test_notebook.py (display) assert on it."""
+    if kind in _KIND_RUNS:
+        return _KIND_RUNS[kind]
+    import pytest
+
+    from tracekit.experiments.base import REGISTRY
+
+    model = make_tiny("gpt2")
+    exp = REGISTRY[kind].model_validate({"kind": kind, **KIND_EXAMPLES[kind]})
+    model(torch.tensor([[464, 3139]]))  # the bridge wires its own capture hooks on a first forward
+    before, hooks = param_checksum(model), hook_keys(model)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = counting_encodes(mp)
+        res = exp.run(model, progress=False)
+    _KIND_RUNS[kind] = KindRun(res, before, param_checksum(model), hooks, hook_keys(model), list(calls))
+    return _KIND_RUNS[kind]
 
 
 def hook_keys(model) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tracekit as tk
-from helpers import KIND_DATASET_EXAMPLES, KIND_EXAMPLES, hook_keys, make_tiny
+from helpers import KIND_DATASET_EXAMPLES, KIND_EXAMPLES, kind_run, make_tiny
 from tracekit.compat import sae_lens_status
 from tracekit.experiments.base import REGISTRY, jsonable
 from tracekit.results import shadowing_columns
@@ -33,11 +33,12 @@ def test_kind_roundtrip(kind, tmp_path):
     exp = REGISTRY[kind].model_validate({"kind": kind, **KIND_EXAMPLES[kind]})
     info = tk.load_model_info(tk.model_spec_of(model).model_copy())
     exp.check(info)  # the tokenizer/config-only check works without weights
-    model(torch.tensor([[464, 3139]]))  # the bridge wires its own capture hooks on a first forward
-    before, hooks = _param_checksum(model), hook_keys(model)
-    res = exp.run(model, progress=False)
-    assert _param_checksum(model) == before
-    assert hook_keys(model) == hooks
+    # the run (after the bridge's first forward) is shared with test_prepare_once / test_notebook
+    # (helpers.kind_run): its checksum and hooks before and after are recorded around exp.run
+    run = kind_run(kind)
+    res, before, hooks = run.result, run.checksum_before, run.hooks_before
+    assert run.checksum_after == before
+    assert run.hooks_after == hooks
     summary = res.summary()
     json.dumps(jsonable(summary))
     res.save(tmp_path / "r")

@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 import tracekit as tk
-from helpers import KIND_EXAMPLES, make_perturbed, make_tiny
+from helpers import KIND_EXAMPLES, kind_run, make_perturbed, make_tiny
 from tracekit import plotting
-from tracekit.experiments.base import REGISTRY
 from tracekit.results import round_sig
 
 #: Kinds of KIND_EXAMPLES that run in about a second on the tiny GPT-2 (the rest: slow).
@@ -98,8 +97,9 @@ def _kind_params():
 
 
 @pytest.mark.parametrize("kind", _kind_params())
-def test_repr_html_of_every_kind(kind, tiny, tmp_path):
-    res = REGISTRY[kind].model_validate({"kind": kind, **KIND_EXAMPLES[kind]}).run(tiny, progress=False)
+def test_repr_html_of_every_kind(kind, tmp_path):
+    # KIND_EXAMPLES[kind] run on the tiny GPT-2, shared with test_kinds / test_prepare_once (helpers.kind_run)
+    res = kind_run(kind).result
     html = check_result_html(res)
     res.save(tmp_path / "r", figures=False)
     back = tk.Result.load(tmp_path / "r")

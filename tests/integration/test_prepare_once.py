@@ -9,15 +9,13 @@ them itself (it has no ids parameter yet), the kind keeps the engine call and sa
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
 import tracekit as tk
-import tracekit.tokens as T
-from helpers import KIND_EXAMPLES, make_tiny
+from helpers import KIND_EXAMPLES, counting_encodes, kind_run, make_tiny
 from tracekit.experiments.base import REGISTRY
 
 #: Kinds whose engine still takes prompt strings (each prompt is tokenized there once more per call).
@@ -46,35 +44,11 @@ def _prompts(exp) -> list[str]:
     return list(getattr(exp, "prompts", None) or [])
 
 
-def _where() -> tuple[bool, str]:
-    """``(inside a kind's prepare, module of the first caller outside tracekit.tokens)``."""
-    f = sys._getframe(2)
-    caller = None
-    in_prepare = False
-    while f is not None:
-        mod = f.f_globals.get("__name__", "")
-        if caller is None and mod != "tracekit.tokens":
-            caller = mod
-        if f.f_code.co_name == "prepare" and mod.startswith("tracekit.experiments"):
-            in_prepare = True
-        f = f.f_back
-    return in_prepare, caller or "?"
-
-
 @pytest.fixture()
 def encodes(monkeypatch):
-    """A list of ``(text, in_prepare, caller module)``, one per ``tracekit.tokens.encode`` call."""
-    orig = T.encode
-    calls: list[tuple[str, bool, str]] = []
-
-    def counting(model, text, *args, **kwargs):
-        calls.append((text, *_where()))
-        return orig(model, text, *args, **kwargs)
-
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("tracekit") and getattr(mod, "encode", None) is orig:
-            monkeypatch.setattr(mod, "encode", counting)
-    return calls
+    """A list of ``(text, in_prepare, caller module)``, one per ``tracekit.tokens.encode`` call
+    (helpers.counting_encodes: inside a kind's prepare, module of the first caller outside tracekit.tokens)."""
+    return counting_encodes(monkeypatch)
 
 
 def _exp(kind: str):
@@ -82,10 +56,12 @@ def _exp(kind: str):
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
-def test_run_tokenizes_each_prompt_once(kind, model, encodes):
+def test_run_tokenizes_each_prompt_once(kind):
     exp = _exp(kind)
     prompts = _prompts(exp)
-    exp.run(model, progress=False)
+    # the run of exp's config on the tiny GPT-2 is shared with test_kinds / test_notebook (helpers.kind_run),
+    # which counts every encode call during it
+    encodes = kind_run(kind).encodes
     prepared = Counter(t for t, in_prepare, _ in encodes if in_prepare)
     later = [(t, caller) for t, in_prepare, caller in encodes if not in_prepare and t in prompts]
     for p in prompts:

@@ -8,6 +8,7 @@ own layer or lower ones. ``tracekit/core`` imports nothing else of tracekit.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,96 @@ def test_model_state_is_the_one_attribute_tracekit_writes_on_a_model():
             if key not in allowed.get(rel, set()):
                 found.append(f"{rel}: {key}")
     assert not found, found
+
+
+# -- Gates of the rows restructuring (#37): what docs/design.md promises, counted from the source --------------
+
+def _package(mod: str) -> str:
+    """The package a module belongs to for the private-import rule: ``tracekit.<first part>``."""
+    return ".".join(mod.split(".")[:2])
+
+
+def private_imports() -> list[str]:
+    """Every ``from X import _name`` (or ``from X._mod import y``) that crosses packages.
+
+    A ``_private`` name is shared inside its package only; a name another package needs is public,
+    with a docstring. Counts what issue #37's note reports: ``python -c "from tests.unit.test_layers
+    import private_imports as f; print(len(f()))"``.
+    """
+    out = []
+    for p in MODULES:
+        mod = _module_name(p)
+        pkg = mod if p.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("tracekit") or _package(target) == _package(mod):
+                continue
+            for a in node.names:
+                parts = f"{target}.{a.name}".split(".")[1:]
+                if any(s.startswith("_") and not s.startswith("__") for s in parts):
+                    out.append(f"{mod}:{node.lineno} from {target} import {a.name}")
+    return out
+
+
+def untyped_model_params() -> list[str]:
+    """Every function parameter named ``model`` without an annotation (the type is
+    :class:`tracekit.model.info.HookedModel`, or the union a function accepts)."""
+    out = []
+    for p in MODULES:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                out += [f"{p.relative_to(PKG.parent)}:{node.lineno} {node.name}" for a in args
+                        if a.arg == "model" and a.annotation is None]
+    return out
+
+
+def pyright_opt_outs() -> list[str]:
+    """Files that switch pyright categories off at their top (``# pyright: report...=false``)."""
+    return [str(p.relative_to(PKG.parent)) for p in MODULES
+            if any(line.startswith("# pyright:") for line in p.read_text().splitlines()[:5])]
+
+
+def test_no_private_name_imported_across_packages():
+    bad = private_imports()
+    assert not bad, "a _private name crosses packages (make it public, with a docstring):\n" + "\n".join(bad)
+
+
+def test_every_model_parameter_is_typed():
+    bad = untyped_model_params()
+    assert not bad, "untyped `model` parameters (model: HookedModel):\n" + "\n".join(bad)
+
+
+def test_no_file_switches_pyright_categories_off():
+    bad = pyright_opt_outs()
+    assert not bad, f"file-level pyright opt-outs (type the code instead): {bad}"
+
+
+def test_long_modules_say_why():
+    """No module over ~600 lines without a reason at its top (docs/design.md, Conventions)."""
+    bad = []
+    for p in MODULES:
+        text = p.read_text()
+        if text.count("\n") > 600 and "over 600 lines" not in "\n".join(text.splitlines()[:30]).lower():
+            bad.append(f"{p.relative_to(PKG.parent)} ({text.count(chr(10))} lines)")
+    assert not bad, f"modules over 600 lines without a reason in their first 30 lines: {bad}"
+
+
+def test_the_gates_can_fail(tmp_path, monkeypatch):
+    """Each gate catches its fault on a planted module."""
+    planted = tmp_path / "tracekit" / "zz_planted.py"
+    planted.parent.mkdir()
+    planted.write_text("# pyright: reportArgumentType=false\nfrom tracekit.tokens import _tok\n\n\n"
+                       "def f(model):\n    return model\n")
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", [planted])
+    monkeypatch.setattr(sys.modules[__name__], "PKG", planted.parent)
+    assert private_imports() == ["tracekit.zz_planted:2 from tracekit.tokens import _tok"]
+    assert untyped_model_params() == ["tracekit/zz_planted.py:5 f"]
+    assert pyright_opt_outs() == ["tracekit/zz_planted.py"]

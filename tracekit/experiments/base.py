@@ -140,7 +140,7 @@ class Experiment(StrictModel):
         """
         return None
 
-    def check(self, model) -> Any:
+    def check(self, model: HookedModel) -> Any:
         """Validate everything that needs only the tokenizer and the model's config (targets are one
         token, prompts fit the context, layer/head indices, hook names, data files), before any
         forward pass: :meth:`prepare` plus the kind's further checks. ``model`` may be a loaded

@@ -280,11 +280,13 @@ def where_encoded() -> tuple[bool, str]:
 
 
 def counting_encodes(mp) -> list[tuple[str, bool, str]]:
-    """Count every :func:`tracekit.tokens.encode` call (through ``mp``, a ``pytest.MonkeyPatch``): a list
-    of ``(text, in_prepare, caller module)``, one per call, that grows while ``mp`` is active."""
+    """Count every tokenization of a text (through ``mp``, a ``pytest.MonkeyPatch``): every call of
+    :func:`tracekit.tokens.text_ids`, the one place a text meets the tokenizer (``encode`` and the
+    dataset door call it); a list of ``(text, in_prepare, caller module)``, one per call, that grows
+    while ``mp`` is active."""
     import tracekit.tokens as T
 
-    orig = T.encode
+    orig = T.text_ids
     calls: list[tuple[str, bool, str]] = []
 
     def counting(model, text, *args, **kwargs):
@@ -292,8 +294,8 @@ def counting_encodes(mp) -> list[tuple[str, bool, str]]:
         return orig(model, text, *args, **kwargs)
 
     for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("tracekit") and getattr(mod, "encode", None) is orig:
-            mp.setattr(mod, "encode", counting)
+        if getattr(mod, "__name__", "").startswith("tracekit") and getattr(mod, "text_ids", None) is orig:
+            mp.setattr(mod, "text_ids", counting)
     return calls
 
 

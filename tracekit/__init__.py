@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they
     from .errors import (
         AttentionError,
         AttributionError,
+        CircuitError,
         ConfigError,
         CorpusError,
         HookError,
@@ -40,9 +41,11 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they
         ModelLoadError,
         OutputError,
         PatchingError,
+        PatchscopeError,
         ProbingError,
         ResultLoadError,
         SAEError,
+        SteeringError,
         TokenizationError,
         TracekitError,
     )
@@ -92,7 +95,9 @@ _LAZY: dict[str, str] = {
     "ModelLoadError": ".errors",
     "OutputError": ".errors",
     "PatchingError": ".errors",
-    "PatchscopeError": ".errors", "SteeringError": ".errors",
+    "PatchscopeError": ".errors",
+    "SteeringError": ".errors",
+    "CircuitError": ".errors",
     "ProbingError": ".errors",
     "ResultLoadError": ".errors",
     "SAEError": ".errors",
@@ -145,7 +150,7 @@ __all__ = [
     # errors
     "TracekitError", "ConfigError", "ModelLoadError", "TokenizationError", "HookError", "PatchingError",
     "AttributionError", "AttentionError", "CorpusError", "ProbingError", "SAEError", "ResultLoadError",
-    "OutputError", "MethodRefused",
+    "OutputError", "MethodRefused", "CircuitError", "PatchscopeError", "SteeringError",
     # models, tokens, readout; protocol and config; sweeps, probes, SAEs, stores (the kinds: below)
     "ModelSpec", "ModelInfo", "load_model", "load_model_info", "model_spec_of", "wrap_hf_model", "Readout",
     "verify_model", "VerifyReport", "Position", "parse_position",

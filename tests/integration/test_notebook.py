@@ -232,12 +232,14 @@ def test_trivial_residual_lines_are_exactly_the_source_run(patched):
 
 
 def test_top_sites_rank_components_apart_from_the_residual_stream(patched):
+    from tracekit.experiments.patching_tables import site_label
+
     s = patched.summary()
     top = patched.top_sites()
     assert set(top["family"]) <= {"heads", "mlp"} and not top["trivial"].any()
     assert s["top_sites_families"] == sorted(set(top["family"]))
     assert [(r["site"], r["layer"], r["label"]) for r in s["top_sites"]] == \
-        [(r["site"], int(r["layer"]), patched._site_label(r)) for _, r in top.iterrows()]
+        [(r["site"], int(r["layer"]), site_label(r.to_dict())) for _, r in top.iterrows()]
     # components ranked by |effect| over every component line that is not flagged
     mean = patched.tables["main"]
     mean = mean[(mean["scope"] == "mean") & ~mean["site"].str.startswith("resid")]
@@ -245,7 +247,7 @@ def test_top_sites_rank_components_apart_from_the_residual_stream(patched):
     # the residual stream on its own list, without the by-construction lines
     resid = patched.top_sites(family="resid")
     assert set(resid["family"]) == {"resid"} and not resid["trivial"].any()
-    assert [r["label"] for r in s["top_resid_sites"]] == [patched._site_label(r) for _, r in resid.iterrows()]
+    assert [r["label"] for r in s["top_resid_sites"]] == [site_label(r.to_dict()) for _, r in resid.iterrows()]
     heads = patched.top_heads(n=4)
     assert len(heads) == 4 and set(heads["site"]) == {"head_out"}
     assert heads.equals(patched.top_sites(n=4, family="heads"))

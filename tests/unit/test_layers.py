@@ -53,6 +53,15 @@ def layer(mod: str) -> int:
     return best[0]
 
 
+def _from_target(node: ast.ImportFrom, pkg: str) -> str:
+    """The absolute module a ``from ... import`` reads (relative levels resolved against ``pkg``)."""
+    if not node.level:
+        return node.module or ""
+    base = pkg.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(path: Path, mod: str | None = None) -> list[tuple[str, int]]:
     """Absolute tracekit modules ``path`` (module ``mod``) imports (``from . import x`` counts as ``pkg.x``)."""
     mod = mod or _module_name(path)
@@ -62,12 +71,7 @@ def imports_of(path: Path, mod: str | None = None) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names if a.name.startswith("tracekit")]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, pkg)
             if not target.startswith("tracekit"):
                 continue
             if node.module is None or (PKG.parent / target.replace(".", "/")).is_dir():
@@ -158,12 +162,7 @@ def private_imports() -> list[str]:
         for node in ast.walk(ast.parse(p.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = pkg.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, pkg)
             if not target.startswith("tracekit") or _package(target) == _package(mod):
                 continue
             for a in node.names:

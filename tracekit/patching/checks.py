@@ -10,52 +10,16 @@ import torch
 from jaxtyping import Int
 
 from ..core.sites import check_layers
-from ..errors import MethodRefused, PatchingError, TokenizationError
+from ..dataset.paired import pair_ids as check_same_length  # the one pair check (dataset's, re-exported)
+from ..errors import MethodRefused, PatchingError
 from ..hooks import check_hooks
 from ..model.architectures import architecture_name, require
 from ..model.info import HookedModel
-from ..tokens import Batch, encode, str_tokens
+from ..tokens import Batch
 from .engine import CachedRun
 from .setters import SITES
 
 __all__ = ["check_same_length", "check_unpadded", "require_sites", "resolve_layers"]
-
-
-def check_same_length(model: HookedModel, clean: Sequence[str], corrupted: Sequence[str], field: str = "pairs"
-                      ) -> list[tuple[list[int], list[int]]]:
-    """Tokenize each (clean, corrupted) pair and require equal lengths (position-wise patching).
-
-    Returns:
-        ``[(clean_ids, corrupted_ids), ...]`` (BOS included per the model spec).
-
-    Raises:
-        TokenizationError: a pair tokenizes to different lengths; the message shows both
-            tokenizations side by side, position by position, and how to fix it.
-    """
-    out = []
-    for i, (c, x) in enumerate(zip(clean, corrupted)):
-        ci, xi = encode(model, c), encode(model, x)
-        if len(ci) != len(xi):
-            raise TokenizationError(
-                f"{field}[{i}]: clean and corrupted prompts must tokenize to the same length for "
-                f"position-wise patching, but clean {c!r} is {len(ci)} tokens and corrupted {x!r} is "
-                f"{len(xi)} tokens:\n" + _side_by_side(str_tokens(model, ci), str_tokens(model, xi))
-                + "\nReword one prompt (e.g. pick a corrupted "
-                "word that is as many tokens as the clean one) so both have the same number of tokens."
-            )
-        out.append((ci, xi))
-    return out
-
-
-def _side_by_side(cs: Sequence[str], xs: Sequence[str]) -> str:
-    """Two tokenizations position by position, differing positions marked ``<-``."""
-    lines = [f"{'pos':>4}  {'clean':<22} {'corrupted':<22}"]
-    for p in range(max(len(cs), len(xs))):
-        a = repr(cs[p]) if p < len(cs) else "-"
-        b = repr(xs[p]) if p < len(xs) else "-"
-        mark = "" if p < len(cs) and p < len(xs) and cs[p] == xs[p] else "  <-"
-        lines.append(f"{p:>4}  {a:<22} {b:<22}{mark}")
-    return "\n".join(lines)
 
 
 def _pad_id(model: HookedModel) -> int | None:

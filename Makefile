@@ -43,7 +43,7 @@ install-tl4: $(TL4_BIN)/tracekit
 demo: install
 	$(BIN)/tracekit run experiments/paris_logit_lens_smollm2.yaml --out results
 
-# The test command: every test but the `slow` tier (the real embedded model, fresh interpreters; ~10 min
+# The test command: every test but the `slow` tier (the real embedded model, fresh interpreters; <= 15 min
 # on 2 cores). CI runs it, then `make test-slow`, then `make test-tl4` (.ci/run).
 test: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests

@@ -126,6 +126,8 @@ _LAZY: dict[str, str] = {
     "parse_position": ".tokens",
     "VerifyReport": ".verify",
     "verify_model": ".verify",
+    "memory_budget": ".core.budget",
+    "MemoryBudgetError": ".errors",
 }
 _LAZY.update(package_exports())  # every kind's classes, from the one kinds table (tracekit.core.kinds)
 
@@ -150,10 +152,10 @@ __all__ = [
     # errors
     "TracekitError", "ConfigError", "ModelLoadError", "TokenizationError", "HookError", "PatchingError",
     "AttributionError", "AttentionError", "CorpusError", "ProbingError", "SAEError", "ResultLoadError",
-    "OutputError", "MethodRefused", "CircuitError", "PatchscopeError", "SteeringError",
+    "OutputError", "MethodRefused", "CircuitError", "PatchscopeError", "SteeringError", "MemoryBudgetError",
     # models, tokens, readout; protocol and config; sweeps, probes, SAEs, stores (the kinds: below)
     "ModelSpec", "ModelInfo", "load_model", "load_model_info", "model_spec_of", "wrap_hf_model", "Readout",
-    "verify_model", "VerifyReport", "Position", "parse_position",
+    "verify_model", "VerifyReport", "Position", "parse_position", "memory_budget",
     "REGISTRY", "Experiment", "Result", "Expectation", "register", "RunConfig", "load_config", "parse_config",
     "load_results", "load_metrics", "load_point", "run_sweep", "load_probe_directions", "SAESpec", "ActivationStore",
 ]

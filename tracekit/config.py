@@ -36,9 +36,9 @@ import json
 import re
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationError, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationError, WrapValidator, field_validator
 from pydantic_core import PydanticUndefined
 
 from .core import paths
@@ -53,6 +53,32 @@ __all__ = ["ConfigError", "RunConfig", "parse_config", "apply_override", "load_r
            "field_rows", "docstring_fields", "kinds_schema", "write_kinds_schema"]
 
 
+class RunSettings(StrictModel):
+    """How a run uses the machine (``run:`` mapping); no effect on any number.
+
+    Fields:
+        memory_budget: bytes every batched engine may hold for its chunked tensors at one time:
+            ``auto`` (default: 30% of the memory free on the run's device when the engine asks), a
+            size (``4GiB``, ``512MB``, or a number of bytes) or a share of free memory (``40%``).
+            Engines choose their chunk sizes from it; chunked results equal unchunked ones exactly.
+            A step whose single row does not fit stops, saying how much it needs
+            (:mod:`tracekit.core.budget`).
+    """
+
+    memory_budget: Union[str, float, int] = "auto"
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, v):
+        from .core.budget import MemoryBudgetError, parse_budget
+
+        try:
+            parse_budget(v)
+        except MemoryBudgetError as e:
+            raise ValueError(str(e).removeprefix("run.memory_budget: ")) from None
+        return v
+
+
 class RunConfig(StrictModel):
     """A whole config file: the model, a seed and a list of experiment steps.
 
@@ -63,6 +89,7 @@ class RunConfig(StrictModel):
             (default 0). Recorded in the run's manifest.
         description: free text recorded in the run's manifest (default none); no effect on results.
         experiments: the steps to run, in order (a list of mappings, each with a ``kind``; required).
+        run: how the run uses the machine (``run.memory_budget``), :class:`RunSettings`.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
@@ -71,6 +98,7 @@ class RunConfig(StrictModel):
     seed: int = 0
     description: Optional[str] = None
     experiments: list[Experiment]
+    run: RunSettings = Field(default_factory=RunSettings)
 
 
 _RETIRED = re.compile(r"^(?:(?P<field>[\w.]+)(?:\[(?P<i>\d+)\])?: )?'(?P<old>[^']+)' was renamed to .*$")

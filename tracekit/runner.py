@@ -51,13 +51,14 @@ import torch
 import yaml
 
 from .config import RunConfig
+from .core.budget import current_budget, memory_budget
 from .core import signals
 from .core.errors import ConfigError, OutputError, TracekitError
 from .core.io import atomic_write, jsonable, write_json
 from .inputs import input_files
 from .model.architectures import architecture_name
 from .model.info import HookedModel, load_model_info
-from .model.load import bos_info, load_model, model_fingerprint
+from .model.load import bos_info, load_model, model_device, model_fingerprint
 from .model.spec import run_device
 from .model.state import state_of
 from .pipeline import PendingStep, Resolution, resolve
@@ -130,6 +131,7 @@ def environment(config: RunConfig, model: HookedModel | None = None) -> dict:
         "platform": platform.platform(),
         "host": socket.gethostname(),
         "seed": config.seed,
+        "run": config.run.model_dump(mode="json"),
         "model": config.model.model_dump(mode="json"),
         "dtype": config.model.dtype,
         "cuda_available": torch.cuda.is_available(),
@@ -425,7 +427,7 @@ def resolved_config(config: RunConfig) -> dict:
     """The content of ``config.resolved.yaml`` at the start of a run (a step with references keeps
     them until it runs; :meth:`_Run.record` then puts the values in)."""
     return jsonable({"model": config.model.model_dump(mode="json"), "seed": config.seed,
-                     "description": config.description,
+                     "run": config.run.model_dump(mode="json"), "description": config.description,
                      "experiments": [s.model_dump(mode="json") for s in config.experiments]})
 
 
@@ -494,7 +496,10 @@ class _Run:
             step = res.step
         seed_everything(self.config.seed)
         kw = {"inputs": self.prepared[index]} if index in self.prepared and not pending else {}
-        result = step.run(model, progress=self.progress, check=pending, **kw)
+        with memory_budget(self.config.run.memory_budget):
+            budget = current_budget(model_device(model))
+            self.env.setdefault("memory_budget", {})[name] = budget.as_dict()
+            result = step.run(model, progress=self.progress, check=pending, **kw)
         _save_step(result, self.run_dir / name, self.log, self.figures)
         self.summaries[name] = result.summary()
         self.env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)

@@ -111,3 +111,13 @@ class SteeringError(TracekitError, ValueError):
 
 
 __all__ += ["PatchscopeError", "SteeringError"]
+
+
+
+class MemoryBudgetError(TracekitError, MemoryError):
+    """A run that does not fit its memory budget (one row, position or layer needs more than
+    ``run.memory_budget`` allows), or a budget that cannot be read. The message says how much is
+    needed and which setting to change (:mod:`tracekit.core.budget`)."""
+
+
+__all__ += ["MemoryBudgetError"]

@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from jaxtyping import Float, Int
 
+from ..core.budget import is_oom, run_chunked
 from ..errors import PatchingError
 from ..model.info import HookedModel
 from ..model.load import model_device
@@ -172,39 +173,6 @@ def _pre_adapter(mod, a, k, fn, i):
 # ---------------------------------------------------------------------------------------------
 # Batching, memory.
 # ---------------------------------------------------------------------------------------------
-
-def is_oom(e: BaseException) -> bool:
-    """An out-of-memory error (CUDA's ``OutOfMemoryError`` or a RuntimeError saying so)."""
-    oom_cls = getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_cls is not None and isinstance(e, oom_cls):
-        return True
-    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
-
-
-def run_chunked(fn: Callable[[slice], None], n: int, batch_size: int, align: int = 1) -> int:
-    """Call ``fn(slice)`` over ``range(n)`` in chunks; on an out-of-memory error halve the chunk
-    (keeping it a multiple of ``align``) and retry the same chunk. Returns the final chunk size.
-
-    Raises:
-        torch.OutOfMemoryError: the OOM error itself when a chunk of ``align`` rows does not fit.
-    """
-    bs = max(align, (int(batch_size) // align) * align)
-    i = 0
-    while i < n:
-        sl = slice(i, min(n, i + bs))
-        try:
-            fn(sl)
-        except Exception as e:  # re-raised unless out of memory
-            if not is_oom(e) or bs <= align:
-                raise
-            bs = max(align, ((bs // 2) // align) * align)
-            log.warning("patching: out of memory, halving the batch to %d variants and retrying", bs)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            continue
-        i = sl.stop
-    return bs
-
 
 def auto_batch_size(model: HookedModel, seq_len: int, budget_fraction: float = 0.3, cap: int = 512) -> int:
     """Variants per replay batch that fit in ``budget_fraction`` of free memory (CUDA: free device

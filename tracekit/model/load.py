@@ -252,6 +252,9 @@ def _bridge_spelling(hf_model) -> None:
 
 
     archs = list(getattr(hf_model.config, "architectures", None) or [])
+    if not archs:  # a config read from a GGUF file names no architectures: the class is the answer
+        archs = [type(hf_model).__name__]
+        hf_model.config.architectures = archs
     if archs and archs[0] not in SUPPORTED_ARCHITECTURES:
         for tl_name, hf_name in ALIASES.items():
             if hf_name == archs[0] and tl_name in SUPPORTED_ARCHITECTURES:

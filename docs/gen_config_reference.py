@@ -155,7 +155,7 @@ def model_section(cls: type, title: str, missing: list[str], common: bool) -> li
 
 def generate() -> tuple[str, list[str]]:
     """The reference page's Markdown and the undocumented fields (``Class.field``)."""
-    from tracekit.config import RunConfig
+    from tracekit.config import RunConfig, RunSettings
     from tracekit.experiments import REGISTRY
     from tracekit.model.spec import ModelSpec
 
@@ -166,7 +166,8 @@ def generate() -> tuple[str, list[str]]:
            "with a `kind`). Unknown keys are errors; non-finite floats are refused.", ""]
     out += model_section(RunConfig, "Run config (top level)", missing, common=False)
     out += model_section(ModelSpec, "Model spec (`model:`)", missing, common=False)
-    seen: set = {RunConfig, ModelSpec}
+    out += model_section(RunSettings, "Run settings (`run:`)", missing, common=False)
+    seen: set = {RunConfig, ModelSpec, RunSettings}
     nested: list[type] = []
     for kind in sorted(REGISTRY):
         cls = REGISTRY[kind]

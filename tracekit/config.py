@@ -38,7 +38,16 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationError, WrapValidator, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+)
 from pydantic_core import PydanticUndefined
 
 from .core import paths

@@ -51,8 +51,8 @@ import torch
 import yaml
 
 from .config import RunConfig
-from .core.budget import current_budget, memory_budget
 from .core import signals
+from .core.budget import current_budget, memory_budget
 from .core.errors import ConfigError, OutputError, TracekitError
 from .core.io import atomic_write, jsonable, write_json
 from .inputs import input_files

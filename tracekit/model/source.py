@@ -249,6 +249,20 @@ def _tokenizer_for(spec: ModelSpec, src: _Source):
     return _load_tokenizer(src.path)
 
 
+def _name_architecture(cfg) -> None:
+    """A config read from a GGUF file names no ``architectures``: name the causal-LM class
+    ``transformers`` builds for its ``model_type`` (``gemma3_text`` -> ``Gemma3ForCausalLM``), as the
+    loaded model's class does (:func:`tracekit.model.load.wrap_hf_model`), so that a config-only
+    check finds the same architecture. Configs that name one are left alone."""
+    if getattr(cfg, "architectures", None):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None) or "")
+    if isinstance(name, str):
+        cfg.architectures = [name]
+
+
 def _load_config_and_tokenizer(spec: ModelSpec):
     """``(hf config, tokenizer, bridge name)`` of a spec, without reading weights."""
     from transformers import AutoConfig
@@ -257,6 +271,7 @@ def _load_config_and_tokenizer(spec: ModelSpec):
     if src.kind == "gguf":
         cached = _cached_gguf_config(Path(src.path), spec)
         if cached is not None:
+            _name_architecture(cached[0])
             return cached + (src.bridge_name,)
     tok = _tokenizer_for(spec, src)
     if src.kind == "random":
@@ -275,6 +290,8 @@ def _load_config_and_tokenizer(spec: ModelSpec):
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot read the config of model {spec.name!r}: {type(e).__name__}: {e}") from e
 
+    if src.kind == "gguf":
+        _name_architecture(cfg)
     check_loadable(architecture_name(cfg))
     return cfg, tok, src.bridge_name
 

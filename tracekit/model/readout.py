@@ -336,14 +336,19 @@ def readout_chunk(model: HookedModel, n: int, *, what: str, cap: Optional[int] =
 
 
 @torch.no_grad()
-def chunked_log_probs(readout: Readout, flat: Float[torch.Tensor, "n d_model"], sl: slice
+def chunked_log_probs(readout: Readout, flat: Float[torch.Tensor, "n d_model"], sl: slice,
+                      translate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                       ) -> Float[torch.Tensor, "r d_vocab"]:
-    """``readout.log_probs(flat[sl])``, with a chunk shorter than :data:`MIN_READOUT_ROWS` (the last
-    of several) padded with copies of its last row, so each row gets the bits it gets in a bigger
+    """``readout.log_probs(translate(flat[sl]))`` (``translate``: e.g. a tuned lens' translator;
+    None: the vectors as they are), with a chunk shorter than :data:`MIN_READOUT_ROWS` (the last of
+    several) padded with copies of its last row, so each row gets the bits it gets in a bigger
     chunk. Raises nothing."""
     x = flat[sl]
     r = x.shape[0]
-    if 0 < r < MIN_READOUT_ROWS and r < flat.shape[0]:
+    pad = 0 < r < MIN_READOUT_ROWS and r < flat.shape[0]
+    if pad:
         x = torch.cat([x, x[-1:].expand(MIN_READOUT_ROWS - r, -1)])
-        return readout.log_probs(x)[:r]
-    return readout.log_probs(x)
+    if translate is not None:
+        x = translate(x)
+    lp = readout.log_probs(x)
+    return lp[:r] if pad else lp

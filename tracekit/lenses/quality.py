@@ -27,12 +27,19 @@ import pandas as pd
 import torch
 
 from .. import plotting
+from ..core.budget import bytes_of, chunk_rows, run_chunked
 from ..corpus import Window, window_batches
 from ..fastpath import residual_stream
 from ..logit_lens import lens_points
 from ..model.info import HookedModel
-from ..core.budget import bytes_of, chunk_rows, run_chunked
-from ..model.readout import MIN_READOUT_ROWS, Readout, chunked_log_probs, forward_row_bytes, readout_bytes, readout_chunk
+from ..model.readout import (
+    MIN_READOUT_ROWS,
+    Readout,
+    chunked_log_probs,
+    forward_row_bytes,
+    readout_bytes,
+    readout_chunk,
+)
 from .patchscope import patchscope_lens_log_probs
 from .tuned import TunedLens
 

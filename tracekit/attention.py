@@ -449,7 +449,7 @@ def read_layers(model: HookedModel, batch: Batch, layers: Sequence[int], kinds: 
         names = [hook(k, L) for L in layers[sl] for k in kinds]
         got: dict[str, torch.Tensor] = {}
 
-        def keep(act, hook=None):
+        def keep(act, hook):
             got[hook.name] = act.detach()
             if len(got) == len(names):
                 raise _AllRead

@@ -5,6 +5,8 @@ a budget below one unit is refused before the forward pass, naming the setting t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -40,7 +42,8 @@ def readout_calls(monkeypatch):
 @pytest.mark.parametrize("which", ["gpt2", "llama-perturbed-raw"])
 def test_logit_lens_chunked_equals_unchunked(which, readout_calls):
     model = make_tiny("gpt2") if which == "gpt2" else make_perturbed("llama", process_weights=False)
-    kw = dict(targets=" Paris", foils=" Rome", track=[" the", " of"], position="all", top_k=5, batch_size=8)
+    kw: dict[str, Any] = dict(targets=" Paris", foils=" Rome", track=[" the", " of"], position="all", top_k=5,
+                              batch_size=8)
     full = logit_lens(model, PROMPTS, **kw)
     n_vectors = max(readout_calls)  # unbudgeted: one readout of every (hidden state, position)
     naive = n_vectors * readout_bytes(model)
@@ -232,6 +235,7 @@ def test_patchscope_batches_capped_exactly():
         small = patchscope(model, ids, [-1, -3, 4], [0, 1, 2, 3], top_k=3, n_generate=2, batch_size=16, log_probs=True)
         assert patchscope_batch_size(model, len(IDENTITY), 16, True) == 4
     # every patch runs the same target prompt (no padding), so smaller batches give the same bits
+    assert full.log_probs is not None and small.log_probs is not None
     assert torch.equal(full.log_probs, small.log_probs) and torch.equal(full.generated, small.generated)
     assert torch.equal(full.topk_probs, small.topk_probs)
     with tracekit.memory_budget("64KiB"), pytest.raises(MemoryBudgetError, match="patchscope"):

@@ -185,7 +185,7 @@ def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequenc
                     sampled.append((group[b], p, fin[g].cpu(), int(nxt[s + g]), base + s + g))
             for name in dense:
                 for h in range(H):
-                    tr = (lambda v, h=h: tuned.transform(v, h)) if name == "tuned" and tuned is not None else None
+                    tr = (lambda v, h=h, tl=tuned: tl.transform(v, h)) if name == "tuned" and tuned is not None else None
                     lp = chunked_log_probs(readout, x[h], sl, tr)
                     stats[name][h, :, sl] = torch.stack(_row_stats(fin, lp, nxt[sl]))
 

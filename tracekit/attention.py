@@ -1,3 +1,4 @@
+# Over 600 lines (reason): one engine for every attention reading (patterns, head scores, query rows, full patterns) and the memory-budgeted layer reads they share; the head-scoring half can move to attention_scores.py.
 """Attention heads: who attends to what, and what kind of head it is.
 
 Engine of the ``attention_pattern`` and ``head_scan`` kinds (:mod:`tracekit.experiments.attention`).

@@ -1,3 +1,4 @@
+# Over 600 lines (reason): one engine for every attention reading (patterns, head scores, query rows, full patterns) and the memory-budgeted layer reads they share; the head-scoring half can move to attention_scores.py.
 """Attention heads: who attends to what, and what kind of head it is.
 
 Engine of the ``attention_pattern`` and ``head_scan`` kinds (:mod:`tracekit.experiments.attention`).
@@ -52,7 +53,6 @@ from .tokens import (
     pad_ids,
     pad_rows,
     parse_position,
-    run_with_cache,
     str_tokens,
     tokenize,
 )
@@ -60,7 +60,7 @@ from .tokens import (
 __all__ = ["AttentionError", "LayerAttention", "attention_pattern", "resolve_position", "classify_heads",
            "repeated_random_tokens", "check_repeated_length", "head_scores", "pattern_scores", "check_heads", "check_layer", "HEAD_LABELS",
            "POSITION_FORMS", "QueryAttention", "query_attention", "label_query_rows", "head_stats",
-           "full_patterns"]
+           "full_patterns", "read_layers", "layer_chunk", "attention_batch_size"]
 
 HEAD_LABELS = ("self", "first", "previous", "spread", "content")
 #: The position forms attention accepts for the query position.
@@ -128,16 +128,20 @@ def resolve_position(model: HookedModel, prompt: str, position: Union[PositionSp
 
 @torch.no_grad()
 def attention_pattern(model: HookedModel, prompt: str, layer: int) -> LayerAttention:
-    """Scores and weights of every head of ``layer`` on ``prompt`` (one forward pass; caches only
-    ``hook_attn_scores`` and ``hook_pattern`` of that layer).
+    """Scores and weights of every head of ``layer`` on ``prompt`` (one forward pass that keeps only
+    ``hook_attn_scores`` and ``hook_pattern`` of that layer and stops after it: no ``[pos, vocab]``
+    logits).
 
     Raises:
         AttentionError: unknown layer.
+        MemoryBudgetError: the layer's ``[head, pos, pos]`` patterns and the forward pass do not fit
+            ``run.memory_budget`` (:func:`read_layers`).
     """
     L = check_layer(model, layer)
     names = [hook("head_scores", L), hook("head_pattern", L)]
     batch = tokenize(model, [prompt])
-    _, cache = run_with_cache(model, batch, names)
+    cache: dict[str, torch.Tensor] = {}
+    read_layers(model, batch, [L], ("head_scores", "head_pattern"), cache.update, what="attention pattern")
     return LayerAttention(str_tokens(model, batch.ids[0]), L, cache[names[0]][0].float().cpu(),
                             cache[names[1]][0].float().cpu())
 
@@ -278,20 +282,31 @@ def head_scores(model: HookedModel, seq_len: int = 40, n_seqs: int = 4, seed: in
         DataFrame ``layer, head_idx, prev_token_score, induction_score, tl_prev_token_score,
         tl_induction_score`` (attention probabilities in [0, 1]).
 
+    Memory: the ``[rows, head, pos, pos]`` patterns are read a chunk of layers at a time under the
+    memory budget (:func:`read_layers`); the scores do not depend on the chunk.
+
     Raises:
         AttentionError: sequences longer than the model's context, or an unknown layer.
+        MemoryBudgetError: one layer's patterns and the forward pass do not fit ``run.memory_budget``.
     """
     check_repeated_length(model, seq_len)
     layers = list(range(int(model.cfg.n_layers))) if layers is None else [check_layer(model, L, "layers") for L in layers]
     batch, half = repeated_random_tokens(model, seq_len, n_seqs, seed)
-    names = [hook("head_pattern", L) for L in layers]
-    _, cache = run_with_cache(model, batch, names)
+    per: dict[tuple[int, int], np.ndarray] = {}  # (row, layer) -> [head, 4]; a retried chunk overwrites
+
+    def consume(cache: dict[str, torch.Tensor]) -> None:
+        for name, pat in cache.items():
+            L = int(name.split(".")[1])
+            for b in range(batch.size):
+                per[(b, L)] = pattern_scores(pat[b].float().cpu(), batch.tokens[b].cpu(), half)
+
+    read_layers(model, batch, layers, ("head_pattern",), consume, what="head scores",
+                fix="lower seq_len or n_seqs")
     rows = []
     acc: dict = {}
-    for b in range(batch.size):
-        toks = batch.tokens[b].cpu()
+    for b in range(batch.size):  # summed over rows in row order, as one pass over every layer did
         for L in layers:
-            sc = pattern_scores(cache[hook("head_pattern", L)][b].float().cpu(), toks, half)
+            sc = per[(b, L)]
             for h in range(sc.shape[0]):
                 acc.setdefault((L, h), np.zeros(4))
                 acc[(L, h)] += sc[h]
@@ -378,6 +393,100 @@ def _forward_until_read(model: HookedModel, batch: Batch, hooks: list, names: li
             pass
 
 
+def layer_chunk(model: HookedModel, batch: Batch, n_layers_read: int, n_kinds: int = 1, what: str = "attention patterns",
+                fix: str = "shorten the prompts or read fewer layers") -> int:
+    """How many layers' ``[batch, head, pos, pos]`` attention tensors to keep from one forward pass.
+
+    One layer costs ``n_kinds`` tensors of ``[batch, n_heads, pos, pos]`` in the model's dtype plus
+    a float32 copy each (what the callers read); the forward pass of the batch
+    (:func:`tracekit.model.readout.forward_row_bytes` per row, stopped after the last layer read, so
+    without logits) is held besides.
+
+    Raises:
+        MemoryBudgetError: one layer (plus the forward pass) does not fit ``run.memory_budget``.
+    """
+    from .core.budget import bytes_of, chunk_rows
+    from .model.load import model_device
+    from .model.readout import forward_row_bytes
+
+    b, T = int(batch.tokens.shape[0]), int(batch.tokens.shape[1])
+    heads = int(model.cfg.n_heads)
+    dt = getattr(model.cfg, "dtype", None)
+    dt = dt if isinstance(dt, torch.dtype) else torch.float32
+    per_layer = n_kinds * (bytes_of(b, heads, T, T, dtype=dt) + bytes_of(b, heads, T, T))
+    return chunk_rows(per_layer, max(1, n_layers_read), what=what, device=model_device(model),
+                      fixed=b * forward_row_bytes(model, T), unit=f"layer ({b} rows x {T} tokens)", fix=fix)
+
+
+def read_layers(model: HookedModel, batch: Batch, layers: Sequence[int], kinds: Sequence[str],
+                consume: Callable[[dict[str, torch.Tensor]], None], what: str = "attention patterns",
+                fix: str = "shorten the prompts or read fewer layers") -> int:
+    """Read whole ``[batch, head, q, k]`` attention tensors of ``layers`` a chunk of layers at a time.
+
+    Each chunk is one forward pass of ``batch`` that keeps the hooks ``kinds`` (e.g.
+    ``head_pattern``, ``head_scores``) of its layers and stops after the last of them (no logits);
+    ``consume`` gets ``{hook name: tensor}`` per chunk (the model's dtype, its device). Chunks come
+    from :func:`layer_chunk` under the memory budget and run through
+    :func:`tracekit.core.budget.run_chunked` (an out-of-memory error halves the chunk and retries
+    it, so ``consume`` must overwrite, not add). A layer's tensors are those of one forward pass over
+    every layer (the same operations).
+
+    Returns:
+        The chunk size used (layers per forward pass).
+
+    Raises:
+        MemoryBudgetError: one layer does not fit ``run.memory_budget`` (before any forward pass).
+        HookError: a hook missing on this architecture, or one that never fired.
+    """
+    from .core.budget import run_chunked
+    from .hooks import check_hooks, enabled_hooks, fwd_hooks
+    from .tokens import forward_kwargs
+
+    layers = list(layers)
+    check_hooks(model, [hook(k, L) for L in layers for k in kinds], "hooks")
+    chunk = layer_chunk(model, batch, len(layers), len(kinds), what, fix)
+
+    def one(sl: slice) -> None:
+        names = [hook(k, L) for L in layers[sl] for k in kinds]
+        got: dict[str, torch.Tensor] = {}
+
+        def keep(act, hook):
+            got[hook.name] = act.detach()
+            if len(got) == len(names):
+                raise _AllRead
+
+        with enabled_hooks(model, names), fwd_hooks(model, [(n, keep) for n in names]):
+            try:
+                model(batch.tokens, **forward_kwargs(batch))
+            except _AllRead:
+                pass
+        missing = [n for n in names if n not in got]
+        if missing:
+            raise HookError(f"hooks: {missing} never fired in the forward pass")
+        consume(got)
+
+    return run_chunked(one, len(layers), chunk, what=what)
+
+
+def attention_batch_size(model: HookedModel, ids: Sequence[Sequence[int]], batch_size: int, keep_per_row: int = 0,
+                         what: str = "attention rows", fix: str = "shorten the prompts") -> int:
+    """Rows per forward pass: ``batch_size`` capped by the memory budget. One row costs its forward
+    pass at the longest row's length (:func:`tracekit.model.readout.forward_row_bytes`, stopped
+    before the logits) plus ``keep_per_row`` bytes kept from it. Under a budget the rows run in
+    smaller padded batches (padded less, so the numbers can differ in float32 rounding).
+
+    Raises:
+        MemoryBudgetError: one row does not fit ``run.memory_budget`` (before any forward pass).
+    """
+    from .core.budget import chunk_rows
+    from .model.load import model_device
+    from .model.readout import forward_row_bytes
+
+    T = max((len(x) for x in ids), default=1)
+    return chunk_rows(forward_row_bytes(model, T) + int(keep_per_row), max(1, int(batch_size)), what=what,
+                      device=model_device(model), unit=f"row ({T} tokens)", fix=fix)
+
+
 def _read_query_rows(model: HookedModel, batch: Batch, names: list[str], qpad: torch.Tensor, kidx: torch.Tensor,
                      head_t: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{hook name: [b, head, kb]}``: each pattern/score hook's query row (padded index ``qpad``)
@@ -444,7 +553,7 @@ def query_attention(model: HookedModel, ids: Sequence[Sequence[int]], query_pos:
         query_pos: each row's query position, an index into its own ids (0 <= q < len).
         layers: block indices (``all``/None: every block; negative from the end).
         heads: query-head indices (``all``/None: every head).
-        batch_size: rows per forward pass.
+        batch_size: rows per forward pass (capped by the memory budget: :func:`attention_batch_size`).
         scores: also read ``hook_attn_scores`` (pre-softmax scores, ``q.k / sqrt(d_head)``).
         progress: called with the number of rows done after each batch.
         field: config field quoted in errors.
@@ -457,6 +566,7 @@ def query_attention(model: HookedModel, ids: Sequence[Sequence[int]], query_pos:
             that do not match. HookError: a pattern hook missing on this architecture.
         TokenizationError: rows of different lengths on an architecture that cannot batch them
             (run with ``batch_size: 1``).
+        MemoryBudgetError: one row's forward pass does not fit ``run.memory_budget``.
 
     Source: TransformerLens ``run_with_cache(names_filter=...)`` of ``hook_pattern`` narrowed to
     the query row (as :func:`tracekit.fastpath.residual_stream` narrows residual reads); the
@@ -483,6 +593,7 @@ def query_attention(model: HookedModel, ids: Sequence[Sequence[int]], query_pos:
     K = int(qs.max()) + 1
     out = {k: torch.full((n, len(Ls), len(Hs), K), float("nan")) for k in kinds}
     order = sorted(range(n), key=lambda i: (len(ids[i]), i))
+    batch_size = attention_batch_size(model, ids, batch_size, 8 * len(names) * len(Hs) * K, "query attention")
     for sl in chunks(n, batch_size):
         rows = order[sl]
         batch = pad_rows(model, [ids[i] for i in rows], field)
@@ -513,10 +624,12 @@ def full_patterns(model: HookedModel, ids: Sequence[Sequence[int]], pairs: Seque
                   field: str = "prompts") -> dict[tuple[int, int], list[Float[torch.Tensor, "q k"]]]:
     """The full causal pattern ``[len, len]`` (query x key, the row's own positions) of some
     ``(layer, head)`` pairs on each row, in one batched forward pass per ``batch_size`` rows that
-    stops after the last layer read.
+    stops after the last layer read (``batch_size`` capped by the memory budget:
+    :func:`attention_batch_size`, counting the ``[pos, pos]`` patterns kept per row and pair).
 
     Raises:
         AttentionError: an unknown layer or head. TokenizationError: as :func:`tracekit.tokens.pad_rows`.
+        MemoryBudgetError: one row does not fit ``run.memory_budget``.
     """
     from .hooks import check_hooks
 
@@ -527,6 +640,9 @@ def full_patterns(model: HookedModel, ids: Sequence[Sequence[int]], pairs: Seque
     names = [hook("head_pattern", L) for L in layers]
     check_hooks(model, names, "hooks")
     out: dict[tuple[int, int], list] = {p: [None] * len(ids) for p in pairs}
+    T = max((len(x) for x in ids), default=1)
+    batch_size = attention_batch_size(model, ids, batch_size, 8 * len(pairs) * T * T, "full attention patterns",
+                                      "shorten the prompts or show fewer heads")
     for sl in chunks(len(ids), batch_size):
         rows = list(range(len(ids)))[sl]
         batch = pad_rows(model, [ids[i] for i in rows], field)

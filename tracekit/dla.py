@@ -76,7 +76,7 @@ from .tokens import (
 
 __all__ = ["AttributionError", "LogitTarget", "resolve_target", "check_layers", "POSITION_FORMS",
            "DLA_POSITION_FORMS", "as_position", "row_positions", "row_targets", "DirectAttribution",
-           "logit_attribution", "identity_tolerance"]
+           "logit_attribution", "identity_tolerance", "dla_batch_size"]
 
 #: The position forms direct logit attribution and neuron attribution accept on prompts (the
 #: target and position helpers live in :mod:`tracekit.dataset.targets`, re-exported here).
@@ -343,6 +343,8 @@ def logit_attribution(
             architecture and which identity).
         MethodRefused: a block without attention heads / MLP writes (SSM layers), or MLP neurons
             asked for on a mixture-of-experts MLP.
+        MemoryBudgetError: one row's forward pass does not fit ``run.memory_budget``
+            (``batch_size`` is capped by it: :func:`dla_batch_size`).
     """
     # Long (reason): input normalisation (strings, per-row lists, a prepared dataset) then the batched loop; the input half is the piece to share with neuron_contributions.
     # inputs: per row its ids, prompt text, row id, LogitTarget and read position (index into its ids)
@@ -381,6 +383,34 @@ def logit_attribution(
             raise AttributionError(f"read_at[{i}]: {q} is not an index into row {row_ids[i]}'s {len(seq)} tokens")
     return _attribute(model, texts, all_ids, row_ids, tgts, [int(q) for q in pos_of], neuron_layers,
                       batch_size, check_atol)
+
+
+def dla_batch_size(model: HookedModel, all_ids: Sequence[Sequence[int]], n_hooks: int, batch_size: int,
+                   neurons: bool = False) -> int:
+    """Rows per forward pass of direct logit attribution: ``batch_size`` capped by the memory budget.
+
+    One row costs its forward pass at the longest row's length
+    (:func:`tracekit.model.readout.forward_row_bytes`) plus the hooks kept at its one attributed
+    position (``n_hooks`` vectors of ``max(d_model, d_mlp)`` floats with ``neurons``, else
+    ``max(d_model, n_heads x d_head)``) and two vocabulary readouts (the logit and the
+    pre-transform logit). Under a budget rows run in smaller padded batches (padded less: the
+    numbers can differ in float32 rounding).
+
+    Raises:
+        MemoryBudgetError: one row does not fit ``run.memory_budget`` (before any forward pass).
+    """
+    from .core.budget import bytes_of, chunk_rows
+    from .model.load import model_device
+    from .model.readout import forward_row_bytes, readout_bytes
+
+    cfg = model.cfg
+    T = max((len(x) for x in all_ids), default=1)
+    width = max(int(cfg.d_model), int(getattr(cfg, "n_heads", 1)) * int(getattr(cfg, "d_head", 1) or 1))
+    if neurons:
+        width = max(width, int(getattr(cfg, "d_mlp", None) or 4 * int(cfg.d_model)))
+    per_row = forward_row_bytes(model, T) + bytes_of(n_hooks, width)
+    return chunk_rows(per_row, max(1, int(batch_size)), what="direct logit attribution", device=model_device(model),
+                      fixed=2 * readout_bytes(model), unit=f"row ({T} tokens)", fix="shorten the prompts")
 
 
 def _attribute(model: HookedModel, texts: Sequence[str], all_ids: Sequence[Sequence[int]], row_ids: Sequence[int],
@@ -429,7 +459,7 @@ def _attribute(model: HookedModel, texts: Sequence[str], all_ids: Sequence[Seque
                                 "through something these parts do not see; no numbers are returned.")
 
     out: list[DirectAttribution] = []
-    size = max(1, int(batch_size))
+    size = dla_batch_size(model, all_ids, len(names), batch_size, bool(nl))
     for s in range(0, len(all_ids), size):
         batch = pad_rows(model, all_ids[s:s + size])
         ps = [batch.offsets[b] + pos_of[s + b] for b in range(batch.size)]  # each row's own padded index

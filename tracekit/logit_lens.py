@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 
+from .core.budget import bytes_of, chunk_rows, run_chunked
 from .core.errors import DatasetError, TokenizationError
 from .core.sites import hook
 from .dataset import PreparedDataset, per_row_values
@@ -71,7 +72,7 @@ from .tokens import (
 )
 
 __all__ = ["LayerConvention", "LensPoint", "lens_points", "PromptLens", "logit_lens", "landmarks",
-           "emergence_hidden_state", "LENS_POSITIONS"]
+           "emergence_hidden_state", "LENS_POSITIONS", "lens_batch_size"]
 
 LayerConvention = Literal["hidden_states", "resid_post", "resid_pre"]
 #: Position forms the lens accepts (``name``: a dataset's named position, e.g. ``END``).
@@ -176,25 +177,35 @@ class PromptLens:
 
 
 def _readout(model: HookedModel, resid: Float[torch.Tensor, "... d_model"], target: Int[torch.Tensor, "..."],
-             foil: Int[torch.Tensor, "..."], track_ids: Sequence[int], top_k: int, chunk_rows: int = 512
-             ) -> dict[str, torch.Tensor]:
+             foil: Int[torch.Tensor, "..."], track_ids: Sequence[int], top_k: int, chunk_rows: Optional[int] = None,
+             fixed: int = 0) -> dict[str, torch.Tensor]:
     """Every statistic of the lens for residual vectors, each with its own target / foil id.
 
     The same formulas as :func:`tracekit.fastpath.lens_readout` (``Readout(model).log_probs`` in
     float32, ``exp``, ``topk`` on the probabilities, rank = 1 + tokens with a strictly larger
     log-prob), plus each vector's own target and foil gathered from the same log-softmax.
 
+    Memory: ``[chunk, d_vocab]`` float32 readouts, ``chunk`` vectors at a time
+    (:func:`tracekit.model.readout.readout_chunk`: at most 512 or ``chunk_rows``, fewer when the
+    memory budget says so; rows are independent, so any chunk gives the same numbers), run through
+    :func:`tracekit.core.budget.run_chunked` (an out-of-memory error halves the chunk).
+
     Args:
         resid: ``[..., d_model]`` residual vectors.
         target, foil: ``[...]`` each vector's target / foil id (-1: none).
         track_ids: ``[K]`` ids read on every vector.
+        chunk_rows: the most vectors read at once (default 512).
+        fixed: bytes held anyway while reading (the batch's residuals), for the budget.
 
     Returns:
         CPU tensors: ``target_log_prob`` / ``foil_log_prob`` ``[...]`` (NaN where the id is -1),
         ``target_rank`` ``[...]`` (0 where -1), ``track_log_prob`` / ``track_rank`` ``[..., K]``,
         ``entropy`` ``[...]``, ``top_prob`` / ``top_id`` ``[..., k]``.
+
+    Raises:
+        MemoryBudgetError: one group of vectors' readout does not fit the memory budget.
     """
-    from .model.readout import Readout
+    from .model.readout import MIN_READOUT_ROWS, Readout, chunked_log_probs, readout_chunk
 
     readout = Readout(model)
     lead = resid.shape[:-1]
@@ -209,9 +220,12 @@ def _readout(model: HookedModel, resid: Float[torch.Tensor, "... d_model"], targ
            "track_log_prob": torch.empty(n, len(t)), "track_rank": torch.empty(n, len(t), dtype=torch.long),
            "entropy": torch.empty(n), "top_prob": torch.empty(n, k), "top_id": torch.empty(n, k, dtype=torch.long)}
     has_t, has_f = bool((tgt >= 0).any()), bool((fl >= 0).any())
-    step = max(1, int(chunk_rows))
-    for s in range(0, n, step):
-        lp = readout.log_probs(flat[s:s + step])  # [r, vocab], float32
+    step = readout_chunk(model, n, what="logit lens readout", cap=512 if chunk_rows is None else int(chunk_rows),
+                         fixed=fixed, fix="read fewer positions (position: last, or a short list) or hidden states")
+
+    def one(sl: slice) -> None:
+        s = sl.start
+        lp = chunked_log_probs(readout, flat, sl)  # [r, vocab], float32
         r = len(lp)
         probs = lp.exp()
         out["entropy"][s:s + r] = -(probs * lp).sum(-1).cpu()
@@ -235,6 +249,8 @@ def _readout(model: HookedModel, resid: Float[torch.Tensor, "... d_model"], targ
             for j in range(len(t)):  # int32 counts: half the time of a bool -> int64 sum over the vocabulary
                 out["track_rank"][s:s + r, j] = ((lp > t_lp[:, j:j + 1]).sum(-1, dtype=torch.int32) + 1).cpu()
         del lp, probs
+
+    run_chunked(one, n, step, align=MIN_READOUT_ROWS if step >= MIN_READOUT_ROWS else 1, what="logit lens readout")
     return {key: v.reshape(*lead, *v.shape[1:]) for key, v in out.items()}
 
 
@@ -289,7 +305,7 @@ def logit_lens(
             with the positions read, not the prompt's length.
         layer_convention: which hidden states are read (module docstring).
         top_k: top tokens kept per read.
-        batch_size: rows per forward pass.
+        batch_size: rows per forward pass (capped by the memory budget: :func:`lens_batch_size`).
         progress: optional callable receiving the number of rows finished.
         track: tokens (strings or ids) read on every row (the old "list of targets").
         foils: each row's contrasting token, like ``targets``.
@@ -309,6 +325,12 @@ def logit_lens(
             range, a prompt longer than the context.
         DatasetError: a ``targets``/``foils`` list of another length than the rows (the message
             names ``track``), targets given beside a dataset, a named position a row lacks.
+        MemoryBudgetError: one row's forward pass, or one group of vectors' readout, does not fit
+            ``run.memory_budget`` (raised before the forward pass).
+
+    Memory: the ``[hidden states, positions, vocabulary]`` readout is never held whole: vectors are
+    read out in chunks under the memory budget (:mod:`tracekit.core.budget`) and only the
+    statistics above are kept; a chunked readout equals an unchunked one exactly.
     """
     # Long (reason): input normalisation (strings, ids, a prepared dataset; targets, foils, track) then one batched readout loop; the normalisation is the piece to share with dla.logit_attribution.
     data: Optional[PreparedDataset] = prompts if isinstance(prompts, PreparedDataset) else None
@@ -370,6 +392,39 @@ def logit_lens(
                          top_k, batch_size, progress, translator)
 
 
+def lens_batch_size(model: HookedModel, ids_list: Sequence[Sequence[int]], row_reads: Sequence[Sequence[int]],
+                    n_hooks: int, batch_size: int, top_k: int = 10) -> int:
+    """Rows per forward pass of the lens: ``batch_size``, capped by the memory budget.
+
+    One row costs its forward pass at the longest row's length
+    (:func:`tracekit.model.readout.forward_row_bytes`) plus the residuals kept (``[hooks, reads,
+    d_model]`` at the most positions any row reads) and its results (top-k ids and probabilities and
+    a few statistics per read); one group of readout vectors
+    (:func:`tracekit.model.readout.readout_chunk`) is counted as held besides. Under a budget the
+    cap lowers ``batch_size``; rows then run in smaller padded batches, which is the only change
+    (the same rows, padded less, can differ in the last bits of float32 rounding).
+
+    Raises:
+        MemoryBudgetError: one row does not fit (before any forward pass); the message names
+            ``run.memory_budget`` and the prompt length / positions read.
+    """
+    from .model.readout import MIN_READOUT_ROWS, forward_row_bytes, readout_bytes
+
+    T = max(len(x) for x in ids_list)
+    n_read = max(len(r) for r in row_reads)
+    d = int(model.cfg.d_model)
+    dt = getattr(model.cfg, "dtype", None)
+    keep = bytes_of(n_hooks, n_read, d, dtype=dt if isinstance(dt, torch.dtype) else torch.float32)
+    results = n_hooks * n_read * (12 * max(1, int(top_k)) + 64)
+    per_row = forward_row_bytes(model, T) + keep + results
+    group = readout_bytes(model) * min(MIN_READOUT_ROWS, n_hooks * n_read)
+    from .model.load import model_device
+
+    return chunk_rows(per_row, max(1, int(batch_size)), what="logit lens forward", device=model_device(model),
+                      fixed=group, unit=f"row ({T} tokens, {n_read} positions read)",
+                      fix="shorten the prompts or read fewer positions (position: last, or a short list)")
+
+
 def _translate(resid: torch.Tensor, points: Sequence[LensPoint], translator) -> torch.Tensor:
     """``resid`` ``[hooks, ...]`` with ``translator`` applied to each read hidden state but the last
     (``n_layers``: the model's own output, read as it is, as the tuned lens does)."""
@@ -387,6 +442,7 @@ def _lens_batches(model: HookedModel, ids_list, texts, row_reads, tgt, fl, track
 
     H = len(points)
     out: list[PromptLens] = []
+    batch_size = lens_batch_size(model, ids_list, row_reads, len(read_hooks), batch_size, top_k)
     for sl in chunks(len(ids_list), batch_size):
         rows = list(range(len(ids_list)))[sl]
         batch = pad_rows(model, [ids_list[i] for i in rows])
@@ -401,7 +457,7 @@ def _lens_batches(model: HookedModel, ids_list, texts, row_reads, tgt, fl, track
         foil = torch.tensor([-1 if fl[i] is None else fl[i] for i in rows], dtype=torch.long)
         shape = resid.shape[:-1]  # [hooks, b, n_read]
         r = _readout(model, resid, own[None, :, None].expand(shape), foil[None, :, None].expand(shape), track_ids,
-                     top_k)
+                     top_k, fixed=resid.element_size() * resid.numel())
         for b, i in enumerate(rows):
             n = len(reads[b])
             lens = {k: v[:H, b, :n] for k, v in r.items()}

@@ -66,6 +66,38 @@ class _LastRow:
     weights: torch.Tensor
 
 
+class _Read(Exception):
+    """Raised by the last hook read to end a forward pass early (no logits)."""
+
+
+def _forward_keeping(model: HookedModel, batch, names: Sequence[str], keep, what: str) -> None:
+    """One forward pass of the one-prompt ``batch`` with ``keep(act, hook)`` on each of ``names``,
+    ended after the last of them fires (the ``[pos, vocab]`` logits of a long prompt, 2 GB for
+    2,048 tokens of Gemma 3, are never computed). Refused first when the forward pass does not fit
+    the memory budget (:func:`tracekit.model.readout.forward_row_bytes`; ``keep`` holds one query
+    row or a small window). Raises MemoryBudgetError."""
+    from .core.budget import chunk_rows
+    from .model.load import model_device
+    from .model.readout import forward_row_bytes
+
+    T = int(batch.tokens.shape[1])
+    chunk_rows(forward_row_bytes(model, T), 1, what=what, device=model_device(model), unit=f"prompt ({T} tokens)",
+               fix="shorten the prompt")
+    seen: set = set()
+
+    def fn(act, hook):
+        keep(act, hook)
+        seen.add(hook.name)
+        if len(seen) == len(set(names)):
+            raise _Read
+
+    with enabled_hooks(model, names), fwd_hooks(model, [(n, fn) for n in names]):
+        try:
+            model(batch.tokens)
+        except _Read:
+            pass
+
+
 @torch.no_grad()
 def _attention(model: HookedModel, prompt: str, layers: Sequence[int]) -> list:
     """Every layer's attention *from the last position* (``.tokens``, ``.layer``, ``.scores`` and
@@ -82,8 +114,7 @@ def _attention(model: HookedModel, prompt: str, layers: Sequence[int]) -> list:
     def keep(act, hook):
         got[hook.name] = act[0, :, q:q + 1, : q + 1].detach().float().cpu().clone()  # not a view of [h, q, k]
 
-    with enabled_hooks(model, names), fwd_hooks(model, [(n, keep) for n in names]):
-        model(batch.tokens)
+    _forward_keeping(model, batch, names, keep, "trace report attention")
     toks = token_texts(model, batch.ids[0])
     return [_LastRow(toks, L, got[hook("head_scores", L)], got[hook("head_pattern", L)])
             for L in layers]
@@ -110,8 +141,7 @@ def _head_patterns(model: HookedModel, prompt: str, heads: Sequence[tuple[int, i
     def keep(act, hook):
         got[hook.name] = act[0, :, lo:n, lo:n].detach().float().cpu().clone()
 
-    with enabled_hooks(model, names), fwd_hooks(model, [(nm, keep) for nm in names]):
-        model(batch.tokens)
+    _forward_keeping(model, batch, names, keep, "trace report head patterns")
     toks = token_texts(model, batch.ids[0])
     frames = []
     for L, H in heads:
@@ -558,6 +588,9 @@ def token_trace(
         TokenizationError: target/foil not one token, prompt too long.
         AttentionError: bad head.
         AttributionError: an architecture whose residual stream is not embed + attention + MLP.
+        MemoryBudgetError: the prompt's forward pass (or the lens readout of its last positions)
+            does not fit ``run.memory_budget``; the attention sections keep one query row and stop
+            before the logits, the lens reads chunks of vectors (:mod:`tracekit.core.budget`).
     """
     # Long (reason): one section of the report per block, in report order; each block is a few engine calls on the same cached run.
     import time

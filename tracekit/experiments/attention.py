@@ -26,13 +26,13 @@ from typing import Literal, Optional, Union
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
-from ..attention import check_layer, check_repeated_length, classify_heads, head_scores, query_attention
+from ..attention import check_layer, check_repeated_length, classify_heads, head_scores, query_attention, read_layers
 from ..attention_tables import query_tables
 from ..core.errors import AttentionError, DatasetError, TokenizationError
 from ..core.sites import check_heads, check_layers, hook
 from ..dataset import DatasetSpec, PreparedDataset
 from ..model.info import HookedModel
-from ..tokens import Position, PositionSpec, pad_ids, parse_position, run_with_cache
+from ..tokens import Position, PositionSpec, pad_ids, parse_position
 from .attention_tables import AttentionPatternResult, HeadScanResult
 from .base import (
     Experiment,
@@ -384,10 +384,16 @@ class HeadScan(Experiment):
             rows = []
             for pi, ids in zip(inputs.row_ids, inputs.ids):
                 batch = pad_ids(model, [ids])  # one prompt: no padding
-                _, cache = run_with_cache(model, batch, [hook("head_pattern", L) for L in layers])
+                labs: dict[str, pd.DataFrame] = {}  # per layer; the [1, head, pos, pos] patterns are read a chunk
+                # of layers at a time under the memory budget and dropped once labelled
+
+                def label(got: dict, labs=labs) -> None:
+                    for k, v in got.items():
+                        labs[k] = classify_heads(v[0].float().cpu(), None, self.dominance, self.spread_entropy)
+
+                read_layers(model, batch, layers, ("head_pattern",), label, what="head scan labels")
                 for L in layers:
-                    lab = classify_heads(cache[hook("head_pattern", L)][0].float().cpu(), None,
-                                         self.dominance, self.spread_entropy)
+                    lab = labs[hook("head_pattern", L)]
                     rows.append(lab.rename(columns=LABEL_RENAMES).assign(prompt_idx=pi, row_id=pi, layer=L))
             tables["labels"] = pd.concat(rows, ignore_index=True)
         return HeadScanResult(self, tables, {"layers": layers})

@@ -86,7 +86,7 @@ from ..patching.setters import Site
 from ..tokens import check_length, encode, pad_ids
 
 __all__ = ["IDENTITY_PROMPT", "PatchscopeOutput", "patchscope", "patchscope_lens_log_probs", "hidden_state_hook",
-           "target_tokens"]
+           "target_tokens", "patchscope_batch_size"]
 
 #: The paper's identity prompt (section 4.1): few-shot "repeat the token", patched at its last token.
 IDENTITY_PROMPT = "cat -> cat; 1135 -> 1135; hello -> hello; ?"
@@ -237,8 +237,10 @@ def patchscope(
         target_position: the target token overwritten (index into the target ids; -1 = last).
         top_k: top next-token ids kept.
         n_generate: tokens generated greedily with the patch in place (0: distribution only).
-        batch_size: patches per batch, or ``auto`` (from free memory).
-        log_probs: also return the full ``[H, P, vocab]`` log-probabilities.
+        batch_size: patches per batch, or ``auto`` (from free memory); capped by the memory budget
+            (:func:`patchscope_batch_size`).
+        log_probs: also return the full ``[H, P, vocab]`` log-probabilities (``H x P x vocab``
+            floats: the caller asks for few positions).
 
     Returns:
         :class:`PatchscopeOutput`.
@@ -250,6 +252,7 @@ def patchscope(
             step runs ``len(target) + n_generate - 1`` positions; :func:`tracekit.model.context.check_generation`).
         MethodRefused: a model whose blocks read token-dependent inputs besides the residual stream
             (module docstring), or one whose verification refused patchscope.
+        MemoryBudgetError: one patch does not fit ``run.memory_budget`` (before any forward pass).
     """
     n_layers = int(model.cfg.n_layers)
     src = [int(t) for t in source_ids]
@@ -272,6 +275,8 @@ def patchscope(
     require(model, "patchscope")
     k = min(int(top_k), int(model.cfg.d_vocab))
     H, P = len(hs), len(pos)
+    bs = auto_batch_size(model, len(tgt) + max(0, int(n_generate) - 1)) if batch_size == "auto" else int(batch_size)
+    bs = patchscope_batch_size(model, len(tgt) + max(0, int(n_generate) - 1), bs, log_probs)
 
     # one forward of the source: [H, P, d] hidden states
     uniq = sorted(set(hs))
@@ -289,7 +294,6 @@ def patchscope(
     layer = torch.tensor([t_hs[r // P] for r in range(V)])
     job = PatchJob(_SITE, layer, {"pos": torch.full((V,), t_pos)}, torch.zeros(V, dtype=torch.long),
                    {h: vectors for h in set(t_hs)}, torch.arange(V))
-    bs = auto_batch_size(model, len(tgt) + max(0, int(n_generate) - 1)) if batch_size == "auto" else int(batch_size)
     vocab = int(model.cfg.d_vocab)
 
     def metric(logits: torch.Tensor, _rows: torch.Tensor) -> torch.Tensor:
@@ -308,6 +312,33 @@ def patchscope(
     return PatchscopeOutput(
         hs, pos, t_hs, tgt, t_pos, top_i.reshape(H, P, k), top_p.reshape(H, P, k),
         generated.reshape(H, P, -1), vals[:, 2 * k:].reshape(H, P, vocab) if log_probs else None)
+
+
+def patchscope_batch_size(model: HookedModel, n_tokens: int, batch_size: int, log_probs: bool = False) -> int:
+    """Patches per batch: ``batch_size`` capped by the memory budget. One patch costs a forward pass
+    of the target prompt (``n_tokens``: the longest generation step) with its ``[tokens, vocab]``
+    logits (:func:`tracekit.model.readout.forward_row_bytes`), the readout of its last token
+    (:func:`tracekit.model.readout.readout_bytes`) and, with ``log_probs``, the ``[vocab]``
+    log-probabilities kept. Every patch runs the same target prompt (no padding); a capped batch is
+    a multiple of :data:`tracekit.model.readout.MIN_READOUT_ROWS` when it can be (batches of 1-3
+    patches read the last token through another matmul kernel: the same numbers to ~2e-6).
+
+    Raises:
+        MemoryBudgetError: one patch does not fit ``run.memory_budget`` (before any forward pass).
+    """
+    from ..core.budget import bytes_of, chunk_rows
+    from ..model.readout import forward_row_bytes, readout_bytes
+
+    per = forward_row_bytes(model, n_tokens, logits=True) + readout_bytes(model) + (
+        bytes_of(int(model.cfg.d_vocab)) if log_probs else 0)
+    from ..model.readout import MIN_READOUT_ROWS
+
+    want = max(1, int(batch_size))
+    got = chunk_rows(per, want, what="patchscope", device=model_device(model),
+                     unit=f"patch ({n_tokens} target tokens)", fix="shorten the target prompt or lower n_generate")
+    if got < want and got >= MIN_READOUT_ROWS:  # whole groups: the last token's readout has the bits of a big batch
+        got -= got % MIN_READOUT_ROWS
+    return got
 
 
 def _patch_hook(act, hook, rows: torch.Tensor, pos: int, vectors: torch.Tensor):

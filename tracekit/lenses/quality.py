@@ -27,15 +27,23 @@ import pandas as pd
 import torch
 
 from .. import plotting
+from ..core.budget import bytes_of, chunk_rows, run_chunked
 from ..corpus import Window, window_batches
 from ..fastpath import residual_stream
 from ..logit_lens import lens_points
 from ..model.info import HookedModel
-from ..model.readout import Readout
+from ..model.readout import (
+    MIN_READOUT_ROWS,
+    Readout,
+    chunked_log_probs,
+    forward_row_bytes,
+    readout_bytes,
+    readout_chunk,
+)
 from .patchscope import patchscope_lens_log_probs
 from .tuned import TunedLens
 
-__all__ = ["LENSES", "quality_table", "quality_figure", "QUALITY_COLUMNS"]
+__all__ = ["LENSES", "quality_table", "quality_figure", "QUALITY_COLUMNS", "quality_batch_size"]
 
 #: The lenses the table knows, in display order.
 LENSES = ("logit", "tuned", "patchscope")
@@ -49,9 +57,10 @@ class _Acc:
         self.s = np.zeros((H, 5))
 
     def add(self, h: int, fin: torch.Tensor, lp: torch.Tensor, nxt: torch.Tensor) -> None:
-        kl = (fin.exp() * (fin - lp)).sum(-1).double()
-        ce = -lp.gather(1, nxt[:, None])[:, 0].double()
-        top = (lp.argmax(-1) == fin.argmax(-1)).double()
+        self.add_rows(h, *_row_stats(fin, lp, nxt))
+
+    def add_rows(self, h: int, kl: torch.Tensor, ce: torch.Tensor, top: torch.Tensor) -> None:
+        """Add per-row float64 KL, cross-entropy and top-1 agreement ``[N]``."""
         self.s[h] += [float(kl.sum()), float((kl * kl).sum()), float(ce.sum()), float(top.sum()), len(kl)]
 
     def rows(self, lens: str) -> list[dict]:
@@ -63,6 +72,14 @@ class _Acc:
             out.append({"lens": lens, "hidden_state": h, "kl": mean, "kl_se": float(np.sqrt(var / n)),
                         "cross_entropy": ce / n, "top1_agreement": top / n, "n_tokens": int(self.s[h, 4])})
         return out
+
+
+def _row_stats(fin: torch.Tensor, lp: torch.Tensor, nxt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row ``[N]`` (float64): KL(final || lens), next-token cross-entropy, top-1 agreement."""
+    kl = (fin.exp() * (fin - lp)).sum(-1).double()
+    ce = -lp.gather(1, nxt[:, None])[:, 0].double()
+    top = (lp.argmax(-1) == fin.argmax(-1)).double()
+    return kl, ce, top
 
 
 def _eval_rows(batch, group: Sequence[Window], resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -82,6 +99,25 @@ def _eval_rows(batch, group: Sequence[Window], resid: torch.Tensor) -> tuple[tor
     return torch.cat(xs, 1), torch.tensor(nxt, dtype=torch.long, device=resid.device), where
 
 
+def quality_batch_size(model: HookedModel, windows: Sequence[Window], n_hidden: int, batch_size: int) -> int:
+    """Windows per forward pass: ``batch_size`` capped by the memory budget. One window costs its
+    forward pass (:func:`tracekit.model.readout.forward_row_bytes`) plus its ``[hidden states,
+    tokens, d_model]`` residuals kept; one readout group is counted as held besides.
+
+    Raises:
+        MemoryBudgetError: one window does not fit (before any forward pass).
+    """
+    from ..model.load import model_device
+
+    if not windows:
+        return max(1, int(batch_size))
+    T = max(len(w.ids) for w in windows)
+    per = forward_row_bytes(model, T) + 2 * bytes_of(n_hidden, T, int(model.cfg.d_model))
+    return chunk_rows(per, max(1, int(batch_size)), what="lens quality forward", device=model_device(model),
+                      fixed=readout_bytes(model, extra_vocab=4) * MIN_READOUT_ROWS, unit=f"window ({T} tokens)",
+                      fix="shorten the windows")
+
+
 @torch.no_grad()
 def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequence[str] = ("logit", "tuned"),
                   tuned: Optional[TunedLens] = None, patchscope_positions: int = 16, seed: int = 0,
@@ -98,8 +134,9 @@ def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequenc
         tuned: the tuned lens (required when ``tuned`` is listed).
         patchscope_positions: positions scored by Patchscope (a seeded sample of the scored positions).
         seed: seeds the Patchscope sample.
-        batch_size: windows per forward pass.
-        chunk_rows: positions read out at once (bounds the ``[rows, vocab]`` memory).
+        batch_size: windows per forward pass (capped by the memory budget: :func:`quality_batch_size`).
+        chunk_rows: the most positions read out at once (fewer under the memory budget; the sums
+            are always taken over groups of ``chunk_rows`` rows, so the table does not depend on it).
         patchscope_target: the Patchscope target prompt (None: its default identity prompt).
         patchscope_batch_size: Patchscope's batch size (``auto`` or an int).
         progress: optional callable receiving the number of windows done.
@@ -109,6 +146,8 @@ def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequenc
 
     Raises:
         ValueError: an unknown lens, or ``tuned`` listed without a lens.
+        MemoryBudgetError: one window's forward pass or one group of readouts does not fit
+            ``run.memory_budget``.
     """
     bad = [x for x in lenses if x not in LENSES]
     if bad or ("tuned" in lenses and tuned is None):
@@ -123,26 +162,41 @@ def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequenc
     if "patchscope" in lenses and n_scored:
         k = min(int(patchscope_positions), n_scored)
         pick = {int(i) for i in np.random.default_rng(seed).choice(n_scored, size=k, replace=False)}
-    sampled: list[tuple[Window, int, torch.Tensor, int]] = []  # window, token index, final log-probs, next id
+    sampled: list[tuple[Window, int, torch.Tensor, int, int]] = []  # window, token index, final log-probs, next id, row
     offset = 0
-    for batch, group in window_batches(model, windows, batch_size=batch_size):
+    for batch, group in window_batches(model, windows, batch_size=quality_batch_size(model, windows, H, batch_size)):
         resid = residual_stream(model, batch, hooks)  # [H, b, pos, d]
         x, nxt, where = _eval_rows(batch, group, resid)
         del resid
-        for s in range(0, x.shape[1], chunk_rows):
-            sl = slice(s, s + chunk_rows)
-            fin = readout.log_probs(x[H - 1, sl])
+        N = x.shape[1]
+        # per-row statistics, computed `step` vectors at a time under the memory budget, then summed in
+        # groups of `chunk_rows` rows whatever the step (so the sums do not depend on the budget)
+        stats = {name: torch.empty(H, 3, N, dtype=torch.float64) for name in dense}
+        step = readout_chunk(model, N, what="lens quality readout", cap=chunk_rows, fixed=x.element_size() * x.numel(),
+                             per_row=readout_bytes(model, extra_vocab=4),
+                             fix="lower eval.n_tokens or the window length") if N else 1
+
+        def one(sl: slice, x=x, nxt=nxt, where=where, group=group, stats=stats, base=offset) -> None:
+            s = sl.start
+            fin = chunked_log_probs(readout, x[H - 1], sl)
             for g in range(len(fin)):
-                if offset + s + g in pick:
+                if base + s + g in pick and not any(t[4] == base + s + g for t in sampled):
                     b, p = where[s + g]
-                    sampled.append((group[b], p, fin[g].cpu(), int(nxt[s + g])))
+                    sampled.append((group[b], p, fin[g].cpu(), int(nxt[s + g]), base + s + g))
             for name in dense:
                 for h in range(H):
-                    xh = x[h, sl]
-                    if name == "tuned" and tuned is not None:
-                        xh = tuned.transform(xh, h)
-                    acc[name].add(h, fin, readout.log_probs(xh), nxt[sl])
-        offset += x.shape[1]
+                    tr = (lambda v, h=h, tl=tuned: tl.transform(v, h)) if name == "tuned" and tuned is not None else None
+                    lp = chunked_log_probs(readout, x[h], sl, tr)
+                    stats[name][h, :, sl] = torch.stack(_row_stats(fin, lp, nxt[sl]))
+
+        if N:
+            run_chunked(one, N, step, align=MIN_READOUT_ROWS if step >= MIN_READOUT_ROWS else 1,
+                        what="lens quality readout")
+        for s in range(0, N, chunk_rows):
+            for name in dense:
+                for h in range(H):
+                    acc[name].add_rows(h, *stats[name][h, :, s:s + chunk_rows].unbind(0))
+        offset += N
         if progress is not None:
             progress(len(group))
     if sampled:
@@ -154,7 +208,7 @@ def quality_table(model: HookedModel, windows: Sequence[Window], lenses: Sequenc
 def _patchscope(model: HookedModel, sampled, acc: _Acc, H: int, target, batch_size) -> None:
     """Score the Patchscope readout at the sampled positions (grouped by window: one call each)."""
     by_window: dict[int, list] = {}
-    for w, p, fin, nxt in sampled:
+    for w, p, fin, nxt, _ in sorted(sampled, key=lambda t: t[4]):
         by_window.setdefault(w.window, []).append((w, p, fin, nxt))
     for items in by_window.values():
         w = items[0][0]

@@ -31,6 +31,14 @@ The final norm's weight, bias and centring are *measured* by calling the module
 (:func:`tracekit.model.norms.measure_norm`), so ``(1 + w)`` norms (Gemma, Nemotron), parameter-free and
 bias-free LayerNorms, and weight-processed (folded) norms are read as the forward pass applies them.
 
+Memory (``run.memory_budget``, :mod:`tracekit.core.budget`): a readout holds ``[rows, d_vocab]``
+tensors (262,144 floats = 1 MiB per row on Gemma 3), so every engine that reads out many vectors
+asks :func:`readout_chunk` how many rows to read at once and :func:`chunked_log_probs` reads them;
+:func:`forward_row_bytes` estimates what one row of a forward pass holds. On the CPU the
+unembedding matmul gives each row the same bits for any chunk of at least :data:`MIN_READOUT_ROWS`
+rows (1-3 rows take another kernel), so chunks are whole groups of that many rows and a shorter
+last chunk is padded to it: a chunked readout equals an unchunked one exactly.
+
 Units: ``logits`` are unnormalised; ``log_probs`` are natural-log probabilities; ``probs`` sum to 1.
 In compatibility mode with ``process_weights`` the unembedding is centred (except under a soft-cap,
 where TransformerLens leaves it), which shifts every logit of a position by the same constant:
@@ -45,13 +53,23 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from jaxtyping import Float
 
+from ..core.budget import bytes_of, chunk_rows
 from .norms import AffineNorm, _eps, measure_norm
 from .state import state_of
 
 if TYPE_CHECKING:  # only for the annotations: model.info imports the loader (a cycle at run time)
     from .info import HookedModel
 
-__all__ = ["Readout", "OutputTransform", "output_transform", "output_transform_fn"]
+__all__ = ["Readout", "OutputTransform", "output_transform", "output_transform_fn", "READOUT_TEMPS",
+           "MIN_READOUT_ROWS", "readout_bytes", "readout_chunk", "forward_row_bytes", "chunked_log_probs"]
+
+#: float32 ``[d_vocab]`` vectors one row's readout holds at its peak: the logits (and their float32
+#: copy or transformed copy), the log-softmax and its internal temporary, the probabilities and a
+#: product or comparison over the vocabulary (a generous count).
+READOUT_TEMPS = 6
+#: Rows per readout group: on the CPU (MKL) a matmul of 1-3 rows takes another kernel than one of
+#: 4 or more, whose rows all get the same bits; chunks are whole groups (the last padded).
+MIN_READOUT_ROWS = 4
 
 
 def _attr(obj, name):
@@ -257,3 +275,80 @@ class Readout:
     def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:
         """The unembedding matrix (in the model's processed basis)."""
         return self.model.W_U
+
+
+def readout_bytes(model: HookedModel, extra_vocab: int = 0) -> int:
+    """Bytes one residual vector's vocabulary readout holds at its peak: :data:`READOUT_TEMPS`
+    (+ ``extra_vocab``) float32 ``[d_vocab]`` vectors, plus its ``[d_model]`` input and norm output.
+    Raises nothing."""
+    cfg = model.cfg
+    return bytes_of(READOUT_TEMPS + int(extra_vocab), int(cfg.d_vocab)) + bytes_of(4, int(cfg.d_model))
+
+
+def forward_row_bytes(model: HookedModel, n_tokens: int, logits: bool = False) -> int:
+    """Bytes one row of ``n_tokens`` tokens holds at the peak of a forward pass, in the model's dtype:
+    the residual stream and a few ``[tokens, d_model]`` activations of one block (6), its MLP hidden
+    activations (3 ``[tokens, d_mlp]``: gate, up, product), its attention scores, pattern and mask
+    (3 ``[heads, tokens, tokens]``), and with ``logits`` the ``[tokens, d_vocab]`` logits in float32
+    and a copy. Blocks run one at a time, so this does not grow with the number of layers; the
+    weights are not counted (the budget is a share of the memory free once they are loaded).
+    Raises nothing."""
+    cfg = model.cfg
+    d = int(cfg.d_model)
+    d_mlp = int(getattr(cfg, "d_mlp", None) or 4 * d)
+    heads = int(getattr(cfg, "n_heads", 1) or 1)
+    dtype = getattr(cfg, "dtype", None)
+    dt = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    T = max(1, int(n_tokens))
+    out = bytes_of(T, 6 * d + 3 * d_mlp, dtype=dt) + bytes_of(3 * heads, T, T, dtype=dt)
+    if logits:
+        out += bytes_of(2, T, int(cfg.d_vocab))
+    return out
+
+
+def readout_chunk(model: HookedModel, n: int, *, what: str, cap: Optional[int] = None, fixed: int = 0,
+                  per_row: Optional[int] = None, fix: Optional[str] = None) -> int:
+    """How many of ``n`` vectors to read out at once under the memory budget: a multiple of
+    :data:`MIN_READOUT_ROWS` (or ``n``), at most ``cap``.
+
+    Args:
+        n: vectors to read. what: the engine, for messages. cap: the engine's own chunk limit
+            (e.g. 512), kept so results under a large budget are those of before.
+        fixed: bytes held anyway while reading (e.g. the batch's residuals).
+        per_row: bytes per vector (default :func:`readout_bytes`).
+        fix: what else could be changed, for the refusal message.
+
+    Raises:
+        MemoryBudgetError: one group of :data:`MIN_READOUT_ROWS` vectors (plus ``fixed``) does not
+            fit the budget.
+    """
+    from .load import model_device
+
+    g = MIN_READOUT_ROWS
+    per = int(per_row if per_row is not None else readout_bytes(model))
+    n = max(1, int(n))
+    groups = chunk_rows(per * min(g, n), -(-n // g), what=what, device=model_device(model), fixed=fixed,
+                        unit=f"group of {min(g, n)} vectors" if n > 1 else "vector", fix=fix)
+    c = min(n, groups * g)
+    if cap is not None:
+        c = min(c, max(g, (int(cap) // g) * g) if int(cap) >= g else int(cap))
+    return max(1, c)
+
+
+@torch.no_grad()
+def chunked_log_probs(readout: Readout, flat: Float[torch.Tensor, "n d_model"], sl: slice,
+                      translate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                      ) -> Float[torch.Tensor, "r d_vocab"]:
+    """``readout.log_probs(translate(flat[sl]))`` (``translate``: e.g. a tuned lens' translator;
+    None: the vectors as they are), with a chunk shorter than :data:`MIN_READOUT_ROWS` (the last of
+    several) padded with copies of its last row, so each row gets the bits it gets in a bigger
+    chunk. Raises nothing."""
+    x = flat[sl]
+    r = x.shape[0]
+    pad = 0 < r < MIN_READOUT_ROWS and r < flat.shape[0]
+    if pad:
+        x = torch.cat([x, x[-1:].expand(MIN_READOUT_ROWS - r, -1)])
+    if translate is not None:
+        x = translate(x)
+    lp = readout.log_probs(x)
+    return lp[:r] if pad else lp

@@ -38,6 +38,7 @@ from ..steering import (
     check_vector,
     dose_response,
     file_vector,
+    forward_batch,
     generate,
     mean_difference,
     probe_vector,
@@ -496,6 +497,7 @@ def _first(model: HookedModel, g) -> str:
 def _clean(model: HookedModel, rows: list[SteerRow], batch_size: int) -> np.ndarray:
     """Each row's target probability without any hook (the reference alpha 0 must equal)."""
     out = []
+    batch_size = forward_batch(model, [len(r.ids) for r in rows], batch_size, "steering clean run")
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
         batch = pad_rows(model, [r.ids for r in chunk], "prompts")

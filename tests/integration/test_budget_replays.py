@@ -26,6 +26,7 @@ from tracekit.circuits.faithfulness import circuit_bytes, evaluate_circuits, top
 from tracekit.circuits.graph import build_graph, upstream_hooks
 from tracekit.circuits.paths import path_patch, path_patch_bytes
 from tracekit.core.budget import MemoryBudgetError, bytes_of, format_bytes
+from tracekit.dataset.pairs import PromptPair
 from tracekit.steering import SteerRow, dose_response, sequence_bytes
 from tracekit.tokens import encode, single_token_id
 
@@ -133,7 +134,7 @@ def test_batched_activation_patch_under_a_tiny_budget(model):
 
 
 def test_patching_kind_under_a_tiny_budget(model):
-    pairs = [{"clean": c, "corrupted": x, "target": t, "foil": f} for c, x, t, f in PAIRS]
+    pairs = [PromptPair(clean=c, corrupted=x, target=t, foil=f) for c, x, t, f in PAIRS]
     kind = tk.ActivationPatching(pairs=pairs, sites=["resid_pre", "attn_out"], metrics=["logit_diff"])
     with one_thread():
         ref = kind.run(model, progress=False)

@@ -34,13 +34,21 @@ import torch
 from jaxtyping import Bool, Float
 
 from .. import metrics as M
+from ..core.budget import bytes_of
 from ..core.sites import hook
 from ..errors import CircuitError
 from ..hooks import enabled_hooks
 from ..model.info import HookedModel
 from ..model.load import model_device
-from ..core.budget import bytes_of
-from ..patching.engine import CachedRun, cache_run, check_replay_fits, replay_chunk, replay_row_bytes, run_chunked, tensor_bytes
+from ..patching.engine import (
+    CachedRun,
+    cache_run,
+    check_replay_fits,
+    replay_chunk,
+    replay_row_bytes,
+    run_chunked,
+    tensor_bytes,
+)
 from ..patching.request import check_pairs, length_groups
 from .graph import Graph, build_graph, check_separable, head_writes, receiver_hooks, upstream_hooks
 from .paths import replay

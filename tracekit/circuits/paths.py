@@ -34,12 +34,12 @@ import torch
 from jaxtyping import Float
 
 from .. import metrics as M
+from ..core.budget import bytes_of
 from ..core.sites import hook
 from ..errors import CircuitError
 from ..hooks import enabled_hooks
 from ..model.info import HookedModel
 from ..model.load import model_device
-from ..core.budget import bytes_of
 from ..patching.engine import (
     CachedRun,
     cache_run,

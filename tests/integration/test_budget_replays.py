@@ -142,6 +142,8 @@ def test_patching_kind_under_a_tiny_budget(model):
             got = kind.run(model, progress=False)
     for name in ("main", "baselines"):
         assert ref.tables[name].equals(got.tables[name]), name
+    small = got.summary()["chunks"]["activation patching replay"]["variants"]
+    assert small[0] <= 12 and ref.summary()["chunks"]["activation patching replay"]["variants"][0] > small[0]
 
 
 def test_run_chunked_still_halves_on_out_of_memory_under_a_budget(model, monkeypatch):

@@ -106,7 +106,9 @@ class CachedRun:
         A single row is run as two (a copy appended, dropped after the block; hooks see both):
         TransformerLens' attention multiplies head-transposed views, which for one row take
         another matmul path (another summation order) than for several, so without the copy a
-        variant's result would depend on how many rows share its replay batch."""
+        variant's result would depend on how many rows share its replay batch. (A chunk of one row
+        therefore costs two rows' block activations: within the x4 temporaries that
+        :func:`replay_row_bytes` counts.)"""
         single = x.shape[0] == 1
         if single:
             x, rows = torch.cat([x, x]), torch.cat([rows, rows])

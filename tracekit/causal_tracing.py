@@ -68,7 +68,16 @@ from .model.info import HookedModel
 from .model.load import model_device
 from .model.readout import Readout
 from .model.state import state_of
-from .patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
+from .patching.engine import (
+    CachedRun,
+    cache_run,
+    check_replay_fits,
+    readout_last,
+    replay_chunk,
+    replay_row_bytes,
+    run_chunked,
+    tensor_bytes,
+)
 from .tokens import encode, pad_ids, run_with_cache, str_tokens, tokenizer_of
 
 __all__ = ["KINDS", "CATEGORIES", "PREFIX_TOLERANCE", "NOISE_CALIBRATIONS", "Restoration", "RestoredProbs",
@@ -319,6 +328,8 @@ class RestoredProbs:
         p_restored: ``[restoration, sample]`` ``p(target)`` with each restoration, per noise draw.
         replayed: ``[restoration]`` False where the restoration was taken as the identity (only
             positions before the subject, see the module docstring).
+        batch_size: replay rows per batch used (``run.memory_budget`` and ``batch_size``, after
+            any out-of-memory halving).
     """
 
     target_id: int
@@ -326,6 +337,7 @@ class RestoredProbs:
     p_corrupted: Float[torch.Tensor, " sample"]
     p_restored: Float[torch.Tensor, "restoration sample"]
     replayed: torch.Tensor
+    batch_size: int = 0
 
 
 def _noise_pre_hook(module, args, kwargs, subj, noise):
@@ -423,7 +435,7 @@ def _replay(model: HookedModel, run: CachedRun, rests: Sequence[Restoration], ch
         for h in handles:
             h.remove()
     assert x is not None
-    return Readout(model).logits(x[:, -1:, :])[:, 0].float()
+    return readout_last(model, x)
 
 
 def _check_inputs(model: HookedModel, ids: Sequence[int], subject_positions: Sequence[int], n_samples: int, kinds: Sequence[str]
@@ -468,7 +480,9 @@ def trace_restorations(
         target_id: the token whose probability is read; default the clean run's top-1 (ROME).
         n_samples: noise draws (rows of the corrupted run).
         seed: the noise generator's seed (:func:`subject_noise`).
-        batch_size: replay rows per batch, or ``auto`` (:func:`tracekit.patching.engine.auto_batch_size`).
+        batch_size: replay rows per batch at most, or ``auto``: what ``run.memory_budget`` allows
+            (the cached run fixed, :func:`tracekit.patching.engine.replay_row_bytes` per row), at
+            most 512.
         skip_prefix: restorations at positions before the first subject token only are taken as the
             identity when the cached run shows those states unaffected (see the module docstring).
         progress: called with the number of replay rows finished.
@@ -481,6 +495,8 @@ def trace_restorations(
             restoration layer or position out of range.
         MethodRefused: a model without ``hook_mlp_out`` / ``hook_attn_out`` for an ``mlp`` / ``attn``
             restoration (:func:`tracekit.model.architectures.require`).
+        MemoryBudgetError: the cached run of ``1 + n_samples`` rows plus one replay row does not fit
+            ``run.memory_budget`` (before the cached run is made).
     """
     n_layers = int(model.cfg.n_layers)
     _check_inputs(model, ids, subject_positions, n_samples, sorted({r.kind for r in restorations}) or ["resid"])
@@ -490,6 +506,8 @@ def trace_restorations(
             raise ConfigError(f"restoration {r}: layers must be in 0..{n_layers - 1} and positions in 0..{len(ids) - 1}")
     noise = subject_noise(n_samples, len(subject_positions), int(model.cfg.d_model), noise_std, seed)
     names = sorted({hook(_SITE[r.kind], L) for r in restorations if r.kind != "resid" for L in r.layers})
+    check_replay_fits(model, n_samples + 1, len(ids), names, what="causal tracing replay", unit="replay row",
+                      fix="lower n_samples or shorten the prompt")
     run = _corrupted_run(model, ids, subject_positions, noise, names)
     probs = torch.softmax(Readout(model).logits(run.resid[n_layers][:, -1:, :])[:, 0].float(), -1)
     tid = int(probs[0].argmax()) if target_id is None else int(target_id)
@@ -505,8 +523,9 @@ def trace_restorations(
         progress(len(restorations) * n_samples - len(todo))
     hd = model.hook_dict  # resolved once: the bridge rebuilds it on every access
     hook_points = {n: hd[n] for n in names}
-    if batch_size == "auto":
-        batch_size = auto_batch_size(model, len(ids))
+    bs = replay_chunk(model, replay_row_bytes(model, len(ids)), len(todo), what="causal tracing replay",
+                      fixed=tensor_bytes(run), batch_size=batch_size, unit="replay row",
+                      fix="lower n_samples or shorten the prompt")
 
     def do(sl: slice) -> None:
         chunk = [(i, s) for _, i, s in todo[sl]]
@@ -516,8 +535,8 @@ def trace_restorations(
         if progress:
             progress(len(chunk))
 
-    run_chunked(do, len(todo), int(batch_size))
-    return RestoredProbs(tid, p_clean, p_corr, out, replay)
+    used = run_chunked(do, len(todo), bs, what="causal tracing replay") if todo else bs
+    return RestoredProbs(tid, p_clean, p_corr, out, replay, int(used))
 
 
 @dataclass
@@ -536,6 +555,8 @@ class CausalTrace:
         p_corrupted_by_sample: ``[sample]`` on each corrupted run.
         p_restored_by_sample: ``[kind, layer, position, sample]`` with the clean state restored at
             (layer, position) (a window around ``layer`` for ``mlp`` / ``attn``).
+        replayed: ``[kind, layer, position]`` False where the restoration was taken as the identity.
+        batch_size: replay rows per batch used (:attr:`RestoredProbs.batch_size`).
     """
 
     ids: tuple[int, ...]
@@ -552,6 +573,7 @@ class CausalTrace:
     p_corrupted_by_sample: Float[torch.Tensor, " sample"]
     p_restored_by_sample: Float[torch.Tensor, "kind layer pos sample"]
     replayed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    batch_size: int = 0
 
     @property
     def p_corrupted(self) -> float:
@@ -622,7 +644,7 @@ def causal_trace(
         noise_std: the noise's standard deviation in residual-stream units (overrides ``noise``).
         n_samples: seeded noise draws (ROME: 10), the same for every restoration.
         seed: the noise's seed.
-        batch_size: replay rows per batch, or ``auto``.
+        batch_size: replay rows per batch at most, or ``auto`` (what ``run.memory_budget`` allows).
         skip_prefix: take restorations before the first subject token as the identity (see
             :func:`trace_restorations`).
         progress: called with the number of replay rows finished.
@@ -637,6 +659,7 @@ def causal_trace(
         ConfigError: ``window < 1``, ``n_samples < 1``, a negative noise, an unknown kind, bad subject
             positions, an unknown ``noise_calibration``.
         MethodRefused: no ``hook_mlp_out`` / ``hook_attn_out`` where those kinds are asked for.
+        MemoryBudgetError: as :func:`trace_restorations`.
     """
     n_layers = int(model.cfg.n_layers)
     kinds = tuple(kinds)
@@ -656,4 +679,5 @@ def causal_trace(
     return CausalTrace(tuple(int(i) for i in ids), str_tokens(model, list(ids)), tuple(int(p) for p in subject_positions),
                        rp.target_id, str_tokens(model, [rp.target_id])[0], kinds, int(window), float(noise_std),
                        int(n_samples), int(seed), rp.p_clean, rp.p_corrupted,
-                       rp.p_restored.reshape(len(kinds), n_layers, P, n_samples), rp.replayed.reshape(len(kinds), n_layers, P))
+                       rp.p_restored.reshape(len(kinds), n_layers, P, n_samples), rp.replayed.reshape(len(kinds), n_layers, P),
+                       rp.batch_size)

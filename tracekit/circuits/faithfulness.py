@@ -27,25 +27,34 @@ evaluated). Intervals: percentile bootstrap over rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from jaxtyping import Bool, Float
 
 from .. import metrics as M
+from ..core.budget import bytes_of
 from ..core.sites import hook
 from ..errors import CircuitError
 from ..hooks import enabled_hooks
 from ..model.info import HookedModel
 from ..model.load import model_device
-from ..patching.engine import CachedRun, cache_run, run_chunked
+from ..patching.engine import (
+    CachedRun,
+    cache_run,
+    check_replay_fits,
+    replay_chunk,
+    replay_row_bytes,
+    run_chunked,
+    tensor_bytes,
+)
 from ..patching.request import check_pairs, length_groups
 from .graph import Graph, build_graph, check_separable, head_writes, receiver_hooks, upstream_hooks
 from .paths import replay
 from .writes import check_writes, stack_writes
 
-__all__ = ["ABLATIONS", "CircuitRun", "circuit_from_edges", "circuit_from_nodes", "evaluate_circuits",
+__all__ = ["ABLATIONS", "CircuitRun", "circuit_bytes", "circuit_from_edges", "circuit_from_nodes", "evaluate_circuits",
            "faithfulness_measures", "top_k_circuits"]
 
 #: How edges outside a circuit are ablated.
@@ -55,13 +64,16 @@ ABLATIONS = ("corrupted", "mean", "zero", "resample")
 @dataclass
 class CircuitRun:
     """What :func:`evaluate_circuits` returns: ``values [circuits, rows, n_metrics]``, the clean and
-    corrupted runs ``[rows, n_metrics]``, the metric names and the ablation."""
+    corrupted runs ``[rows, n_metrics]``, the metric names, the ablation and per length group the
+    circuits per replay batch used (``batch_sizes``: ``run.memory_budget`` and ``max_bytes``, after
+    any out-of-memory halving)."""
 
     values: Float[torch.Tensor, "circuits rows n_metrics"]
     clean: Float[torch.Tensor, "rows n_metrics"]
     corrupted: Float[torch.Tensor, "rows n_metrics"]
     metrics: list[str]
     ablation: str
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 def circuit_from_edges(graph: Graph, edges: Sequence[str], field: str = "edges") -> torch.Tensor:
@@ -148,8 +160,9 @@ def evaluate_circuits(model: HookedModel, clean_ids: Sequence[Sequence[int]], co
         metrics: metric names.
         ablation: ``corrupted``, ``mean``, ``resample`` or ``zero``.
         seed: the ``resample`` draw's seed.
-        max_bytes: memory for the per-row write differences of one replay batch (circuits are
-            evaluated in chunks that fit; out-of-memory halves the chunk).
+        max_bytes: memory for the per-row write differences of one replay batch (a cap: circuits
+            are evaluated in chunks that fit it and ``run.memory_budget``, :func:`circuit_bytes`;
+            out-of-memory halves the chunk).
 
     From prepared rows: ``evaluate_circuits(model, **single_target_args(rows, "circuit evaluation"), circuits=...)``
     (:func:`tracekit.patching.request.single_target_args`).
@@ -160,6 +173,8 @@ def evaluate_circuits(model: HookedModel, clean_ids: Sequence[Sequence[int]], co
     Raises:
         CircuitError: an unknown ablation, a ``mean``/``resample`` population under 2 rows.
         MethodRefused: writes that are not separable.
+        MemoryBudgetError: a length group's cached run, writes and one circuit do not fit
+            ``run.memory_budget`` (before that group's cached run is made).
     """
     if ablation not in ABLATIONS:
         raise CircuitError(f"ablation: {ablation!r}; use one of {list(ABLATIONS)}")
@@ -173,12 +188,17 @@ def evaluate_circuits(model: HookedModel, clean_ids: Sequence[Sequence[int]], co
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
     notin = (graph.mask[None] & ~circuits.bool()).float()  # [C, n_down, n_up]
+    batch_sizes: list[int] = []
     with enabled_hooks(model, receiver_hooks(graph) + upstream_hooks(graph)):
         for n_pos, members in length_groups([len(c) for c in clean_ids]):
             midx, g = torch.tensor(members), len(members)
             if ablation in ("mean", "resample") and g < 2:
                 raise CircuitError(f"ablation: {ablation} needs at least 2 rows of the same token length; the row(s) "
                                     f"{members} are the only ones of {n_pos} tokens (use corrupted or zero)")
+            per_circuit, writes = circuit_bytes(model, graph, g, n_pos)
+            check_replay_fits(model, 2 * g, n_pos, upstream_hooks(graph), what="circuit evaluation replay",
+                              per_unit=per_circuit, extra=writes + tensor_bytes(notin), unit="circuit",
+                              fix="give fewer or shorter rows")
             toks = torch.tensor([clean_ids[i] for i in members] + [corrupted_ids[i] for i in members], device=dev)
             run = cache_run(model, toks, upstream_hooks(graph))
             half = {k: v[:g] for k, v in run.acts.items()}, {k: v[g:] for k, v in run.acts.items()}
@@ -200,7 +220,9 @@ def evaluate_circuits(model: HookedModel, clean_ids: Sequence[Sequence[int]], co
             else:
                 w_abl = torch.zeros_like(w_clean)
             per = g * n_pos * len(graph.upstream) * int(model.cfg.d_model) * 4 * 2
-            chunk = max(1, int(max_bytes // per))
+            chunk = replay_chunk(model, per_circuit, C, what="circuit evaluation replay",
+                                 fixed=tensor_bytes(run, w_clean, w_abl, notin), batch_size=max(1, int(max_bytes // per)),
+                                 unit="circuit", fix="give fewer or shorter rows")
 
             def do(sl: slice, run=run, w_abl=w_abl, inputs=inputs, g=g, midx=midx):
                 cs = list(range(C))[sl]
@@ -209,8 +231,25 @@ def evaluate_circuits(model: HookedModel, clean_ids: Sequence[Sequence[int]], co
                 vals = M.compute_metrics(list(metrics), logits, inputs.rows(rows)).float().cpu()
                 values[sl.start:sl.stop][:, midx] = vals.reshape(len(cs), g, -1)
 
-            run_chunked(do, C, chunk)
-    return CircuitRun(values, clean_v, corr_v, list(metrics), ablation)
+            batch_sizes.append(run_chunked(do, C, chunk, what="circuit evaluation replay"))
+    return CircuitRun(values, clean_v, corr_v, list(metrics), ablation, batch_sizes)
+
+
+def circuit_bytes(model: HookedModel, graph: Graph, g: int, seq_len: int) -> tuple[int, int]:
+    """``(bytes of one circuit, bytes of the writes)`` of :func:`evaluate_circuits` on a group of
+    ``g`` rows of ``seq_len`` tokens.
+
+    One circuit is ``g`` replay rows, each: a replay row
+    (:func:`tracekit.patching.engine.replay_row_bytes`), its write differences ``D`` ``[n_up,
+    seq_len, d_model]``, the largest receiver correction and its permuted copy ``2 x [seq_len,
+    n_heads, d_model]``, the ablated writes it reads ``[n_up, seq_len, d_model]`` and its circuit's
+    ``[n_down, n_up]`` mask, all float32. The writes (fixed beside the cached run): the clean and the
+    ablated upstream writes, ``2 x [g, seq_len, n_up, d_model]`` float32.
+    """
+    d, n_up, n_down = int(model.cfg.d_model), len(graph.upstream), len(graph.downstream)
+    row = (replay_row_bytes(model, seq_len) + 2 * bytes_of(n_up, seq_len, d)
+           + 2 * bytes_of(seq_len, max(1, graph.n_heads), d) + bytes_of(n_down, n_up))
+    return g * row, 2 * bytes_of(g, seq_len, n_up, d)
 
 
 def _run_chunk(model: HookedModel, graph: Graph, run: CachedRun, notin: torch.Tensor, w_abl: torch.Tensor, g: int) -> torch.Tensor:
@@ -241,25 +280,31 @@ def _run_chunk(model: HookedModel, graph: Graph, run: CachedRun, notin: torch.Te
         out = torch.einsum("rvu,rupd->rvpd", rows_notin[:, sl, :n_up], D[:, :n_up])
         return out.permute(0, 2, 1, 3)
 
+    # the hooks read and write the first R rows of a batch: a single row runs with a copy appended
+    # (CachedRun.run_block)
     def sub(module, inputs, output, sl, n_up, squeeze):
         conv = getattr(module, "hook_conversion", None)
         act = conv.convert(output) if conv is not None else output
         corr = correction(sl, n_up)
-        act = act - (corr[:, :, 0] if squeeze else corr).to(act.dtype)
+        corr = (corr[:, :, 0] if squeeze else corr).to(act.dtype)
+        if act.shape[0] != R:
+            act = torch.cat([act[:R] - corr, act[R:]])
+        else:
+            act = act - corr
         return conv.revert(act) if conv is not None else act
 
     def grab_z(module, inputs, output, L):
         conv = getattr(module, "hook_conversion", None)
         z = conv.convert(output) if conv is not None else output
         u0 = 1 + L * (H + 1)
-        D[:, u0:u0 + H] = head_writes(model, L, z).permute(0, 2, 1, 3) - abl[pair, u0:u0 + H]
+        D[:, u0:u0 + H] = head_writes(model, L, z[:R]).permute(0, 2, 1, 3) - abl[pair, u0:u0 + H]
         return output
 
     def grab_mlp(module, inputs, output, L):
         conv = getattr(module, "hook_conversion", None)
         y = conv.convert(output) if conv is not None else output
         u = 1 + L * (H + 1) + H
-        D[:, u] = y.float() - abl[pair, u]
+        D[:, u] = y[:R].float() - abl[pair, u]
         return output
 
     def layer_hooks(L: int) -> list[tuple[str, Callable]]:

@@ -28,24 +28,33 @@ skipping), with hooks adding each row's own difference at its receivers. Every h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Float
 
 from .. import metrics as M
+from ..core.budget import bytes_of
 from ..core.sites import hook
 from ..errors import CircuitError
 from ..hooks import enabled_hooks
 from ..model.info import HookedModel
 from ..model.load import model_device
-from ..model.readout import Readout
-from ..patching.engine import CachedRun, auto_batch_size, cache_run, run_chunked
+from ..patching.engine import (
+    CachedRun,
+    cache_run,
+    check_replay_fits,
+    readout_last,
+    replay_chunk,
+    replay_row_bytes,
+    run_chunked,
+    tensor_bytes,
+)
 from ..patching.request import check_pairs, length_groups
 from .graph import Graph, build_graph, check_separable, receiver_hooks, upstream_hooks
 from .writes import check_writes, stack_writes
 
-__all__ = ["PathRun", "RECIPES", "path_patch", "replay", "receiver_hook"]
+__all__ = ["PathRun", "RECIPES", "path_patch", "path_patch_bytes", "replay", "receiver_hook"]
 
 #: Path-patching rules for receivers in several blocks (module docstring): ``wang`` (Wang et al.
 #: 2022: later receivers read the frozen base input plus the senders' difference) and ``live``.
@@ -61,6 +70,8 @@ class PathRun:
         clean, corrupted: ``[rows, n_metrics]`` the unpatched runs.
         metrics: metric names. senders / receivers: per variant the node names.
         recipe: the rule used for receivers in several blocks (``wang`` or ``live``).
+        batch_sizes: per length group, the variants per replay batch used (``run.memory_budget``
+            and ``batch_size``; after any out-of-memory halving).
     """
 
     values: Float[torch.Tensor, "variants rows n_metrics"]
@@ -70,6 +81,7 @@ class PathRun:
     senders: list[list[str]]
     receivers: list[list[str]]
     recipe: str = "wang"
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 def receiver_hook(graph: Graph, name: str) -> tuple[str, int | None, int]:
@@ -130,7 +142,7 @@ def replay(model: HookedModel, run: CachedRun, base_rows: torch.Tensor, start: i
                 h.remove()
     if final is not None:
         x = final(x)
-    return Readout(model).logits(x[:, -1:, :])[:, 0].float()
+    return readout_last(model, x)
 
 
 @torch.no_grad()
@@ -153,7 +165,8 @@ def path_patch(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted
         foil_ids: per row one foil token id (or None where the metric needs none).
         metrics: metric names (:mod:`tracekit.metrics`).
         mode: ``denoising`` (base = corrupted run, source = clean) or ``noising``.
-        batch_size: (variant, row) runs per replay batch, or ``auto``.
+        batch_size: (variant, row) runs per replay batch at most, or ``auto``: what
+            ``run.memory_budget`` allows (:func:`path_patch_bytes`), at most 512 rows.
         recipe: ``wang`` (default: a receiver in a later block than the variant's first receivers
             reads ``input_base + delta``, its input with every non-sender frozen, as in Wang et al.
             2022's run 2, and ARENA's / TransformerLens-based path patching) or ``live``
@@ -169,6 +182,8 @@ def path_patch(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted
         CircuitError: an unknown node, mode or recipe, a sender named twice in one variant, a receiver
             that reads before one of its senders writes.
         MethodRefused: a model whose writes are not separable.
+        MemoryBudgetError: a length group's cached run, writes and one variant do not fit
+            ``run.memory_budget`` (before that group's cached run is made).
     """
     if mode not in ("denoising", "noising"):
         raise CircuitError(f"mode: {mode!r}; use denoising or noising")
@@ -188,12 +203,17 @@ def path_patch(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted
     clean_v, corr_v = torch.zeros(n, len(metrics)), torch.zeros(n, len(metrics))
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
+    batch_sizes: list[int] = []
+    cache_hooks = list(dict.fromkeys(upstream_hooks(graph) + base_hooks))
     with enabled_hooks(model, receiver_hooks(graph) + upstream_hooks(graph)):
         for n_pos, members in length_groups([len(c) for c in clean_ids]):
             midx = torch.tensor(members)
             g = len(members)
+            per_variant, writes = path_patch_bytes(model, graph, g, n_pos, V)
+            check_replay_fits(model, 2 * g, n_pos, cache_hooks, what="path patching replay", per_unit=per_variant,
+                              extra=writes, fix="give fewer or shorter rows")
             toks = torch.tensor([corrupted_ids[i] for i in members] + [clean_ids[i] for i in members], device=dev)
-            run = cache_run(model, toks, list(dict.fromkeys(upstream_hooks(graph) + base_hooks)))
+            run = cache_run(model, toks, cache_hooks)
             half = {k: v[:g] for k, v in run.acts.items()}, {k: v[g:] for k, v in run.acts.items()}
             check_writes(model, graph, half[1], half[0], "path patching")
             inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev),
@@ -204,7 +224,9 @@ def path_patch(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted
             base_off = 0 if mode == "denoising" else g
             d_write = (w_clean - w_corr) if mode == "denoising" else (w_corr - w_clean)  # [g, pos, n_up, d]
             deltas = torch.stack([d_write[:, :, s].sum(2) for s in send_idx])  # [V, g, pos, d]
-            bs = auto_batch_size(model, n_pos) if batch_size == "auto" else int(batch_size)
+            chunk = replay_chunk(model, per_variant, V, what="path patching replay",
+                                 fixed=tensor_bytes(run, w_corr, w_clean, d_write, deltas), batch_size=batch_size,
+                                 rows_per_unit=g, fix="give fewer or shorter rows")
 
             def do(sl: slice, deltas=deltas, run=run, inputs=inputs, base_off=base_off, g=g, midx=midx):
                 vs = list(range(V))[sl]
@@ -213,9 +235,24 @@ def path_patch(model: HookedModel, clean_ids: Sequence[Sequence[int]], corrupted
                 vals = M.compute_metrics(list(metrics), logits, inputs.rows(rows.to(logits.device))).float().cpu()
                 values[sl.start:sl.stop][:, midx] = vals.reshape(len(vs), g, -1)
 
-            run_chunked(do, V, max(1, bs // g))
+            batch_sizes.append(run_chunked(do, V, chunk, what="path patching replay"))
     return PathRun(values, clean_v, corr_v, list(metrics), [list(s) for s in senders],
-                   [[r for r in rs] for rs in recv], recipe)
+                   [[r for r in rs] for rs in recv], recipe, batch_sizes)
+
+
+def path_patch_bytes(model: HookedModel, graph: Graph, g: int, seq_len: int, n_variants: int) -> tuple[int, int]:
+    """``(bytes of one variant, bytes of the writes)`` of :func:`path_patch` on a group of ``g``
+    rows of ``seq_len`` tokens with ``n_variants`` variants.
+
+    One variant is ``g`` replay rows (:func:`tracekit.patching.engine.replay_row_bytes` each) plus
+    per row four ``[seq_len, d_model]`` float32 copies of its difference (the hooks' selections and
+    the frozen inputs). The writes (a fixed cost beside the cached run): the clean and corrupted
+    upstream writes and their difference, ``3 x [g, seq_len, n_up, d_model]``, and the senders'
+    summed differences ``[n_variants, g, seq_len, d_model]``, all float32.
+    """
+    d, n_up = int(model.cfg.d_model), len(graph.upstream)
+    per = g * (replay_row_bytes(model, seq_len) + 4 * bytes_of(seq_len, d))
+    return per, 3 * bytes_of(g, seq_len, n_up, d) + bytes_of(n_variants, g, seq_len, d)
 
 
 def _check_variants(graph: Graph, senders: Sequence[Sequence[str]], receivers: Sequence[Sequence[str]]) -> tuple[list[list[int]], list[list[str]]]:

@@ -149,6 +149,7 @@ class CausalTracingResult(Result):
             "embedding_std_n_tokens": self.meta.get("embedding_std_n_tokens"),
             "target_by_row": [str(x) for x in rows["target"]],
             "target_source_by_row": [str(x) for x in rows["target_source"]],
+            "chunks": self.meta.get("chunks"),
         }
         for col in ("p_clean", "p_corrupted", "total_effect"):
             s[f"{col}_by_row"] = [float(x) for x in rows[col]]
@@ -383,6 +384,7 @@ class CausalTracing(Experiment):
         total = sum(len(self.kinds) * n_layers * len(e.ids) * self.n_samples for e in data.examples)
         bar = tqdm(total=total, desc="causal tracing", disable=not progress, leave=False)
         effects, recs, cat_parts = [], [], []
+        batch_sizes: list[int] = []  # per row, replay rows per batch (run.memory_budget)
         try:
             for e, subj, text, tid in zip(data.examples, inputs.subjects, inputs.subject_texts, inputs.target_ids):
                 tr = causal_trace(model, e.ids, subj, tid, tuple(self.kinds), self.window, noise_std=noise_std,
@@ -406,6 +408,7 @@ class CausalTracing(Experiment):
                                                            "p_restored": pr[ki, :, q], "indirect_effect": ie[ki, :, q]}))
                 rec["tokens"] = tr.tokens
                 recs.append(rec)
+                batch_sizes.append(int(tr.batch_size))
         finally:
             bar.close()
         tables = {"effects": pd.concat(effects, ignore_index=True), "rows": row_frame(data, recs),
@@ -417,6 +420,7 @@ class CausalTracing(Experiment):
                 "embedding_std_over": scale.population if scale else None,
                 "embedding_std_n_tokens": scale.n_tokens if scale else None,
                 "n_layers": n_layers, "dataset": dataset_meta(data),
+                "chunks": {"causal tracing replay": {"rows": batch_sizes}},
                 "noise_site": "blocks.0.hook_resid_pre at the subject positions",
                 "embedding_std_of": "blocks.0.hook_resid_pre minus hook_pos_embed where the model has a learned "
                                     "position embedding (the token embedding as it enters the stream), at the tokens "

@@ -183,6 +183,7 @@ class Circuit(CircuitRowsExperiment):
                        "ci_high": None if meas["ci_high"] is None else float(meas["ci_high"][j])},
             "circuit_heads": heads, "circuit_mlps": mlps,
             "circuit_edges": list(circuit_df["edge"].head(50)),
+            "chunks": {"circuit evaluation replay": {"circuits": list(run.batch_sizes)}},
         }
         rows = self._rows_table(inputs, run.clean[:, 0].numpy(), run.corrupted[:, 0].numpy())
         rows[f"empty_{self.metric}"] = m_empty

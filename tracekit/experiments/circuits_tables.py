@@ -45,7 +45,7 @@ class CircuitResult(Result):
     table_names = ("curve", "circuit", "scores", "rows")
     summary_keys = ("level", "method", "ig_rule", "ablation", "n_rows", "n_candidates", "n_graph_edges", "mean_clean",
                     "mean_corrupted", "mean_empty", "full_faithfulness", "cpr", "cmd", "cpr_ci", "cmd_ci", "threshold",
-                    "chosen", "circuit_heads", "circuit_mlps", "circuit_edges")
+                    "chosen", "circuit_heads", "circuit_mlps", "circuit_edges", "chunks")
     null_reasons = {"ig_rule": "the scores were not computed with eap_ig in this step (method eap or atp, a circuit "
                                "listed by hand, or scores.edges_file: that step's summary has its ig_rule)",
                     "cpr_ci": "one row, bootstrap: 0, or a circuit listed by hand",

@@ -159,7 +159,7 @@ class ActivationPatchingResult(Result):
                     "clean_logit_diff_by_row", "corrupted_logit_diff_by_row", "correct_by_row",
                     "share_rows_correct", "flagged_rows", "n_rows_flagged", "n_rows_unflagged",
                     "metrics_with_flagged_mean", "baseline_population", "ranked_by", "top_sites", "top_sites_families",
-                    "top_resid_sites", "top_by_site")
+                    "top_resid_sites", "top_by_site", "chunks")
     table_names = ("main", "rows", "baselines", "tokens")
     #: First in the notebook display (``_repr_html_``).
     headline_keys = ("n_rows", "main_metric", "ranked_by", "mean_clean", "mean_corrupted", "share_rows_correct",
@@ -320,6 +320,7 @@ class ActivationPatchingResult(Result):
             top = self.top_sites(k=3, intervention=str(d), site=str(s))
             by[f"{d}/{s}"] = [rec(r) for r in T.records(top)]
         out["top_by_site"] = by
+        out["chunks"] = self.meta.get("chunks")
         return out
 
     def report(self) -> str:
@@ -536,7 +537,8 @@ class PatchingSpec(RowSource, Experiment):
                 "positions": list(inputs.position_names) or None,
                 "positions_auto": inputs.positions_auto,
                 "has_corrupted": inputs.has_corrupted,
-                "dataset": {"source": inputs.data.source, "dropped": dict(inputs.data.dropped), "n_rows": n}}
+                "dataset": {"source": inputs.data.source, "dropped": dict(inputs.data.dropped), "n_rows": n},
+                "chunks": {"activation patching replay": {"variants": list(out.batch_sizes)}}}
         if {"mean", "resample"} & set(modes):
             meta["baseline_population"] = {"source": inputs.population_source, "size": out.population_size,
                                            "min_mean": P.MIN_MEAN_POPULATION,

@@ -47,7 +47,7 @@ class PathPatchingResult(Result):
     main_table = "main"
     table_names = ("main", "rows")
     summary_keys = ("mode", "recipe", "metric", "n_rows", "receivers", "n_variants", "skipped", "mean_clean", "mean_corrupted",
-                    "effects")
+                    "effects", "chunks")
 
     def summary(self) -> dict:
         df = self.tables["main"]
@@ -57,7 +57,7 @@ class PathPatchingResult(Result):
         m = self.config.metric
         return {"mode": self.config.mode, "recipe": self.config.recipe, "metric": m, "n_rows": int(len(rows)),
                 "receivers": list(self.meta["receivers"]), "n_variants": int(len(mean)),
-                "skipped": list(self.meta.get("skipped", [])),
+                "skipped": list(self.meta.get("skipped", [])), "chunks": self.meta.get("chunks"),
                 "mean_clean": float(column(rows, f"clean_{m}").mean()),
                 "mean_corrupted": float(column(rows, f"corrupted_{m}").mean()),
                 "effects": [{"senders": r["senders"], "mean_delta": round(float(r["delta"]), 6),
@@ -216,7 +216,8 @@ class PathPatching(CircuitRowsExperiment):
             df[col] = df[col].astype("Int64")
         tables = {"main": df, "rows": self._rows_table(inputs, c, x)}
         return PathPatchingResult(self, tables, {"receivers": recv, "skipped": skipped, "recipe": run.recipe,
-                                                 "variants": ["+".join(v) for v in variants]})
+                                                 "variants": ["+".join(v) for v in variants],
+                                                 "chunks": {"path patching replay": {"variants": run.batch_sizes}}})
 
 
 def _refuse_repeats(field: str, items, why: str = "list each once") -> None:

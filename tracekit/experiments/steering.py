@@ -38,6 +38,7 @@ from ..steering import (
     check_vector,
     dose_response,
     file_vector,
+    forward_batch,
     generate,
     mean_difference,
     probe_vector,
@@ -203,7 +204,9 @@ class SteeringResult(Result):
     (vector minus the best control, target prob), ``beats_random_by_alpha``; at the largest alpha:
     ``top_alpha``, ``top_alpha_mean_target_prob``, ``top_alpha_random_max_target_prob``; with ``generate``:
     ``generation_alpha``, ``generated_row_ids`` and, aligned with them, ``steered_text_by_row``,
-    ``unsteered_text_by_row``, ``steered_first_token_by_row``, ``unsteered_first_token_by_row``.
+    ``unsteered_text_by_row``, ``steered_first_token_by_row``, ``unsteered_first_token_by_row``;
+    ``chunks`` (``{"steering dose-response": {"sequences": n}}``: sequences per forward pass used,
+    what ``run.memory_budget`` allowed at most ``batch_size``).
     """
 
     config: "Steering"
@@ -238,7 +241,8 @@ class SteeringResult(Result):
              "random_logit_diff_max_by_alpha": by_alpha(rnd, "logit_diff", "max"),
              "effect_vs_random_max_by_alpha": [None if m is None else x - m for x, m in zip(p, r_max)],
              "beats_random_by_alpha": [None if m is None else bool(x > m) for x, m in zip(p, r_max)],
-             "top_alpha": alphas[top], "top_alpha_mean_target_prob": p[top], "top_alpha_random_max_target_prob": r_max[top]}
+             "top_alpha": alphas[top], "top_alpha_mean_target_prob": p[top], "top_alpha_random_max_target_prob": r_max[top],
+             "chunks": self.meta.get("chunks")}
         gen = self.tables.get("generations")
         if gen is not None and len(gen):
             s.update({"generation_alpha": float(gen.iloc[0]["alpha"]),
@@ -463,7 +467,8 @@ class Steering(RowTargetsExperiment):
                 "alpha0_max_abs_error": float(np.max(np.abs(a0 - clean))) if len(a0) else None,
                 "metric": "logit(target) - logit(foil)" if has_foil else "logit(target)",
                 "controls": "seeded standard Gaussian directions, normalised, then scaled to exactly the vector's norm",
-                "steered_positions": [list(a) for a in inputs.at], "steer_generated": inputs.generated}
+                "steered_positions": [list(a) for a in inputs.at], "steer_generated": inputs.generated,
+                "chunks": {"steering dose-response": {"sequences": int(dr.batch_size)}}}
         return SteeringResult(self, tables, meta, {"vector": v.clone(), "random_directions": dr.directions[1:].clone()})
 
     def _generations(self, model: HookedModel, inputs: SteeringInputs, v: torch.Tensor, hook: str) -> pd.DataFrame:
@@ -496,6 +501,7 @@ def _first(model: HookedModel, g) -> str:
 def _clean(model: HookedModel, rows: list[SteerRow], batch_size: int) -> np.ndarray:
     """Each row's target probability without any hook (the reference alpha 0 must equal)."""
     out = []
+    batch_size = forward_batch(model, [len(r.ids) for r in rows], batch_size, "steering clean run")
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
         batch = pad_rows(model, [r.ids for r in chunk], "prompts")

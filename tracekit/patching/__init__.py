@@ -64,8 +64,11 @@ engine is fast and still exact:
    *staircase*: rows join the batch at the block where their patch happens;
 4. **no-op patches are not run**: a variant whose patched value is bit-identical to the value it
    replaces gets the cached run's metric directly (``skip_unchanged``);
-5. batch size adapts to free memory (``batch_size="auto"``); an out-of-memory error halves the
-   batch and retries (:func:`run_chunked`).
+5. the batch holds what ``run.memory_budget`` allows (:func:`replay_chunk`: the cached run is a
+   fixed cost, :func:`replay_row_bytes` per variant; a run whose cached run and one variant do not
+   fit is refused before the cached run is made); an int ``batch_size`` caps it; an out-of-memory
+   error halves the batch and retries (:func:`run_chunked`). Results do not depend on the batch:
+   a replay runs a single row as two and reads out at least :data:`MIN_READOUT_ROWS` rows.
 
 Every hook the engine adds is removed in a ``finally`` (out-of-memory, ``KeyboardInterrupt``, a
 metric that raises): no call leaves a hook on the model.

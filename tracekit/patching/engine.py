@@ -6,6 +6,12 @@ layer-skipping replays of every patched variant (the staircase), with out-of-mem
 * :func:`patch_rows` runs :class:`PatchJob` s: bit-exact no-op variants take the cached run's
   metric, the rest are sorted by start layer and replayed in chunks (:func:`run_chunked`,
   :func:`auto_batch_size`), each chunk as a staircase (``_replay``) whose hooks are always removed.
+
+Memory: the chunk is what ``run.memory_budget`` allows (:func:`tracekit.core.budget.chunk_rows`)
+given :func:`replay_row_bytes` per variant and the cached run's bytes as a fixed cost
+(:func:`cached_run_bytes` before it exists, :func:`tensor_bytes` after); an explicit
+``batch_size`` caps it. The replay engines of :mod:`tracekit.circuits` and
+:mod:`tracekit.causal_tracing` size their chunks with the same two estimates.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, cast
 import torch
 from jaxtyping import Float, Int
 
-from ..core.budget import is_oom, run_chunked
+from ..core.budget import MemoryBudgetError, bytes_of, chunk_rows, is_oom, run_chunked
 from ..errors import PatchingError
 from ..model.info import HookedModel
 from ..model.load import model_device
@@ -34,7 +40,9 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("tracekit.patching")
 
-__all__ = ["CachedRun", "PatchJob", "auto_batch_size", "cache_run", "is_oom", "patch_hook", "patch_rows", "run_chunked"]
+__all__ = ["AUTO_CAP", "CachedRun", "MIN_READOUT_ROWS", "MemoryBudgetError", "PatchJob", "auto_batch_size",
+           "cache_run", "cached_run_bytes", "check_replay_fits", "is_oom", "patch_hook", "patch_rows", "readout_last", "replay_chunk",
+           "replay_row_bytes", "run_chunked", "tensor_bytes"]
 
 
 def _strip_cache(x):
@@ -93,10 +101,21 @@ class CachedRun:
     def run_block(self, model: HookedModel, i: int, x: Float[torch.Tensor, "b pos d_model"],
                   rows: torch.Tensor) -> Float[torch.Tensor, "b pos d_model"]:
         """Block ``i`` of ``model`` on residual ``x`` (block input), with the extra arguments of the
-        cached rows ``rows`` (one per row of ``x``): the replay step every replay engine shares."""
+        cached rows ``rows`` (one per row of ``x``): the replay step every replay engine shares.
+
+        A single row is run as two (a copy appended, dropped after the block; hooks see both):
+        TransformerLens' attention multiplies head-transposed views, which for one row take
+        another matmul path (another summation order) than for several, so without the copy a
+        variant's result would depend on how many rows share its replay batch. (A chunk of one row
+        therefore costs two rows' block activations: within the x4 temporaries that
+        :func:`replay_row_bytes` counts.)"""
+        single = x.shape[0] == 1
+        if single:
+            x, rows = torch.cat([x, x]), torch.cat([rows, rows])
         a, kw = self.block_call(i, rows)
         out = cast(Any, model).blocks[i](x, *a, **kw)  # a loaded bridge's block (not in HookedModel)
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        return out[:1] if single else out
 
     def varying_inputs(self, rows_a: torch.Tensor, rows_b: torch.Tensor) -> list[str]:
         """Block call arguments other than the residual stream that differ between two row sets
@@ -174,25 +193,172 @@ def _pre_adapter(mod, a, k, fn, i):
 # Batching, memory.
 # ---------------------------------------------------------------------------------------------
 
-def auto_batch_size(model: HookedModel, seq_len: int, budget_fraction: float = 0.3, cap: int = 512) -> int:
-    """Variants per replay batch that fit in ``budget_fraction`` of free memory (CUDA: free device
-    memory; CPU: available RAM). The estimate per variant row is generous (activations of one block
-    incl. attention patterns and MLP hidden, x4 for temporaries)."""
-    cfg = model.cfg
-    dev = model_device(model)
-    d_mlp = int(getattr(cfg, "d_mlp", None) or 4 * cfg.d_model)
-    per_tok = 6 * cfg.d_model + 3 * d_mlp + 3 * cfg.n_heads * seq_len
-    per_row = 4 * 4 * seq_len * per_tok + 4 * cfg.d_vocab  # float32 bytes, x4 temporaries, + final logits
-    try:
-        if dev.type == "cuda":
-            free = torch.cuda.mem_get_info(dev)[0]
-        else:
-            import psutil
+#: Most variants per replay batch that ``batch_size: auto`` chooses (the budget may allow more).
+AUTO_CAP = 512
 
-            free = psutil.virtual_memory().available
-    except Exception:  # noqa: BLE001
-        free = 2 * 1024**3
-    return int(max(1, min(cap, budget_fraction * free // per_row)))
+#: Rows the final readout is run on at least: MKL's float32 GEMM sums a call of 1-3 rows in
+#: another order than a larger one, so without this a variant's logits would depend on how many
+#: variants shared its chunk (padding rows are copies of the first, dropped after the readout).
+MIN_READOUT_ROWS = 4
+
+
+def readout_last(model: HookedModel, x: Float[torch.Tensor, "rows pos d_model"]) -> Float[torch.Tensor, "rows d_vocab"]:
+    """The logits at the last position of final residuals ``x`` (float32, via :class:`Readout`),
+    computed on at least :data:`MIN_READOUT_ROWS` rows so that a row's logits do not depend on how
+    many rows it is read out with."""
+    last = x[:, -1:, :]
+    b = int(last.shape[0])
+    if 0 < b < MIN_READOUT_ROWS:
+        last = torch.cat([last, last[:1].expand(MIN_READOUT_ROWS - b, -1, -1)])
+    return Readout(model).logits(last)[:b, 0].float()
+
+
+def _widths(model: HookedModel) -> tuple[int, int, int, int, int]:
+    """``(d_model, d_mlp, n_heads, n_kv_heads, d_head)`` of ``model.cfg``."""
+    cfg = model.cfg
+    d = int(cfg.d_model)
+    heads = int(getattr(cfg, "n_heads", 0) or 1)
+    kv = int(getattr(cfg, "n_key_value_heads", None) or heads)
+    d_head = int(getattr(cfg, "d_head", None) or max(1, d // heads))
+    d_mlp = int(getattr(cfg, "d_mlp", None) or 4 * d)
+    return d, d_mlp, heads, kv, d_head
+
+
+def replay_row_bytes(model: HookedModel, seq_len: int) -> int:
+    """Bytes one replay row (one patched variant of one prompt) needs while a staircase runs.
+
+    Counts, in float32 (generous for half-precision models): one block's activations of the row,
+    per token the residual in/out and the attention and MLP inputs/outputs (``4 x d_model``), the
+    queries, keys, values and ``z`` (``(2 n_heads + 2 n_kv_heads) x d_head``), the MLP hidden
+    (``3 x d_mlp``: gate, up, activation) and the attention scores and pattern
+    (``3 x n_heads x seq_len``), times 4 for temporaries (a patch hook's clone, the block's own);
+    plus the readout at the last position only, ``[d_vocab]`` float32 times 4 (the model dtype's
+    logits, the float copy, the metric's log-softmax and its temporaries). A staircase keeps only
+    each row's current residual, not every layer's: the block inputs of the other layers are the
+    cached run's (a fixed cost, :func:`cached_run_bytes`).
+
+    Args:
+        model: the hooked model (its ``cfg`` widths and ``d_vocab``).
+        seq_len: the prompts' token length.
+
+    Returns:
+        Bytes (an int).
+    """
+    d, d_mlp, heads, kv, d_head = _widths(model)
+    T = max(1, int(seq_len))
+    per_tok = 4 * d + (2 * heads + 2 * kv) * d_head + 3 * d_mlp + 3 * heads * T
+    return 4 * bytes_of(T, per_tok) + 4 * bytes_of(int(model.cfg.d_vocab))
+
+
+def cached_run_bytes(model: HookedModel, n: int, seq_len: int, hook_names: Sequence[str] = ()) -> int:
+    """Bytes :func:`cache_run` needs for ``n`` prompts of ``seq_len`` tokens, before it runs.
+
+    Counts: the block inputs it keeps, ``(n_layers + 1) x [n, seq_len, d_model]``; each named
+    activation at its widest (``[n, seq_len, max(d_model, d_mlp, n_heads x d_head, n_heads x seq_len)]``);
+    the last-position logits ``[n, d_vocab]``; and the forward pass's own transient: its full logits
+    ``[n, seq_len, d_vocab]`` (the model returns every position's; with a 262k vocabulary this is the
+    largest term) and one block's activations of ``n`` rows (:func:`replay_row_bytes`). All in float32.
+
+    Args:
+        model: the hooked model.
+        n: prompts in the run (both halves of a paired run).
+        seq_len: their token length.
+        hook_names: the activations kept (:attr:`CachedRun.acts`).
+
+    Returns:
+        Bytes (an int).
+    """
+    d, d_mlp, heads, _, d_head = _widths(model)
+    T, L, V = max(1, int(seq_len)), int(model.cfg.n_layers), int(model.cfg.d_vocab)
+    widest = max(d, d_mlp, heads * d_head, heads * T)
+    return (bytes_of(L + 1, n, T, d) + len(set(hook_names)) * bytes_of(n, T, widest) + bytes_of(n, V)
+            + bytes_of(n, T, V) + n * replay_row_bytes(model, T))
+
+
+def tensor_bytes(*objs: Any) -> int:
+    """Bytes of the distinct tensor storages in ``objs`` (tensors, lists, tuples, dicts, a
+    :class:`CachedRun`, a :class:`PatchJob`, nested): what a cached run or a job's sources hold."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack = list(objs)
+    while stack:
+        o = stack.pop()
+        if torch.is_tensor(o):
+            st = o.untyped_storage()
+            key = (str(o.device), int(st.data_ptr()))
+            if key not in seen:
+                seen.add(key)
+                total += int(st.nbytes())
+        elif isinstance(o, dict):
+            stack += list(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack += list(o)
+        elif isinstance(o, (CachedRun, PatchJob)):
+            stack += list(vars(o).values())
+    return total
+
+
+def replay_chunk(model: HookedModel, per_unit: int, n: int, *, what: str, fixed: int = 0,
+                 batch_size: int | str = "auto", rows_per_unit: int = 1, unit: str = "variant",
+                 fix: str | None = None) -> int:
+    """Units (variants, circuits, restorations x draws) per replay batch under ``run.memory_budget``.
+
+    ``batch_size`` ``auto``: what the budget allows (:func:`tracekit.core.budget.chunk_rows`), at
+    most :data:`AUTO_CAP` rows; an int: that many rows at most (the user's cap), fewer if the budget
+    says so. A unit is ``rows_per_unit`` replay rows (``batch_size`` counts rows).
+
+    Args:
+        model: the hooked model (its device).
+        per_unit: bytes of one unit (e.g. ``rows_per_unit x`` :func:`replay_row_bytes`).
+        n: units to run.
+        what: the engine, for messages.
+        fixed: bytes held whatever the chunk (the cached run, the writes).
+        batch_size: ``auto`` or rows per batch.
+        rows_per_unit: replay rows per unit.
+        unit: what one unit is, for messages.
+        fix: another way out, for the message.
+
+    Returns:
+        Units per batch (1 .. max(1, n)).
+
+    Raises:
+        MemoryBudgetError: one unit plus ``fixed`` needs more than the budget (before any replay).
+    """
+    fix = fix or "give fewer rows of that length"
+    budget_units = chunk_rows(per_unit, max(1, int(n)), what=what, device=model_device(model), fixed=fixed,
+                              unit=unit, fix=fix)
+    cap_rows = AUTO_CAP if batch_size == "auto" else max(1, int(batch_size))
+    return max(1, min(budget_units, cap_rows // max(1, int(rows_per_unit))))
+
+
+def check_replay_fits(model: HookedModel, n: int, seq_len: int, hook_names: Sequence[str] = (), *, what: str,
+                      per_unit: int | None = None, extra: int = 0, unit: str = "variant",
+                      fix: str | None = None) -> None:
+    """Refuse, before the cached run is made, a replay whose cached run (:func:`cached_run_bytes` of
+    ``n`` prompts of ``seq_len`` tokens) plus ``extra`` fixed bytes plus one unit (``per_unit``,
+    default :func:`replay_row_bytes`) does not fit ``run.memory_budget``.
+
+    Raises:
+        MemoryBudgetError: naming ``what``, the bytes needed, the budget and ``run.memory_budget``.
+    """
+    chunk_rows(replay_row_bytes(model, seq_len) if per_unit is None else int(per_unit), 1, what=what,
+               device=model_device(model), fixed=cached_run_bytes(model, n, seq_len, hook_names) + int(extra),
+               unit=unit, fix=fix or "give fewer or shorter prompts")
+
+
+def auto_batch_size(model: HookedModel, seq_len: int, budget_fraction: float | None = None, cap: int = AUTO_CAP,
+                    fixed: int = 0, what: str = "activation patching replay") -> int:
+    """Variants per replay batch that fit the memory budget: ``run.memory_budget`` (or
+    ``budget_fraction`` of free memory when given: CUDA free device memory, CPU available RAM),
+    less ``fixed`` bytes, over :func:`replay_row_bytes` per variant; at most ``cap``.
+
+    Raises:
+        MemoryBudgetError: one variant plus ``fixed`` needs more than the budget.
+    """
+    budget = None if budget_fraction is None else f"{float(budget_fraction) * 100:g}%"
+    n = chunk_rows(replay_row_bytes(model, seq_len), max(1, int(cap)), what=what, device=model_device(model),
+                   fixed=fixed, budget=budget, unit="variant", fix="shorten the prompts")
+    return int(max(1, min(int(cap), n)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +390,9 @@ class PatchJob:
 
 
 def _unchanged(job: PatchJob, run: CachedRun, chunk: int = 256) -> torch.Tensor:
-    """[V] bool: the patch would write exactly the values already there (a no-op)."""
+    """[V] bool: the patch would write exactly the values already there (a no-op); compares
+    ``min(chunk, 256)`` variants at a time (two copies of one activation each: less than a replay row)."""
+    chunk = max(1, min(int(chunk), 256))
     out = torch.zeros(len(job), dtype=torch.bool)
     for L in job.layer.unique().tolist():
         sel = (job.layer == L).nonzero().flatten()
@@ -304,9 +472,8 @@ def _replay(model: HookedModel, run: CachedRun, jobs: list[PatchJob], rows: list
         for h in handles:
             h.remove()
     assert x is not None
-    logits = Readout(model).logits(x[:, -1:, :])[:, 0]
     # rows were appended in order of start layer, i.e. in the given order
-    return logits.float()
+    return readout_last(model, x)
 
 
 def patch_hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor, setter: Callable,
@@ -343,27 +510,41 @@ def patch_rows(
     batch_size: int | str = "auto",
     skip_unchanged: bool = True,
     progress: Callable[[int], None] | None = None,
+    stats: dict | None = None,
 ) -> list[torch.Tensor]:
     """Run every variant of every job with layer skipping and batching; return per job ``[V, M]``.
+
+    The replay batch holds what ``run.memory_budget`` allows (:func:`replay_chunk`: the cached
+    run and the jobs' sources are the fixed cost, :func:`replay_row_bytes` per variant); an int
+    ``batch_size`` caps it. Results do not depend on the batch size.
 
     Args:
         model: the hooked model the run was cached on.
         run: :func:`cache_run` output (must contain the activations of every job's hooks).
         jobs: :class:`PatchJob` s; variants of all jobs share batches.
         row_metric: ``(logits [R, d_vocab] at the last position, base_rows [R]) -> [R, M]``.
-        batch_size: variants per replay batch, or ``auto`` (:func:`auto_batch_size`).
+        batch_size: variants per replay batch at most, or ``auto`` (the budget's, at most
+            :data:`AUTO_CAP`).
         skip_unchanged: variants whose patch is a bit-exact no-op take the cached run's metric.
         progress: called with the number of variants finished.
+        stats: if given, ``stats["batch_size"]`` is set to the variants per batch used (after any
+            out-of-memory halving) and ``stats["replayed"]`` to the variants replayed.
 
     Returns:
         One float tensor ``[len(job), M]`` per job, on the CPU.
+
+    Raises:
+        MemoryBudgetError: the cached run and one variant do not fit ``run.memory_budget``
+            (before any replay).
     """
-    if batch_size == "auto":
-        batch_size = auto_batch_size(model, run.tokens.shape[1])
+    n_total = sum(len(j) for j in jobs)
+    bs = replay_chunk(model, replay_row_bytes(model, int(run.tokens.shape[1])), n_total,
+                      what="activation patching replay", fixed=tensor_bytes(run, *[j.source for j in jobs]),
+                      batch_size=batch_size, fix="give fewer or shorter prompts")
     results: list[torch.Tensor | None] = [None] * len(jobs)
     todo: list[tuple[int, int, int]] = []  # (start layer, job, variant)
     for j, job in enumerate(jobs):
-        skip = _unchanged(job, run) if skip_unchanged else torch.zeros(len(job), dtype=torch.bool)
+        skip = _unchanged(job, run, bs) if skip_unchanged else torch.zeros(len(job), dtype=torch.bool)
         if skip.any():
             idx = skip.nonzero().flatten()
             br = job.base_rows[idx.to(job.base_rows.device)].to(run.logits.device)
@@ -390,5 +571,7 @@ def patch_rows(
         if progress:
             progress(len(chunk))
 
-    run_chunked(do, len(todo), int(batch_size))
+    used = run_chunked(do, len(todo), bs, what="activation patching replay") if todo else bs
+    if stats is not None:
+        stats["batch_size"], stats["replayed"] = int(used), len(todo)
     return [r if r is not None else torch.zeros((0, 0)) for r in results]

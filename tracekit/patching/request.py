@@ -18,7 +18,7 @@ one cached run (:func:`tracekit.patching.engine.cache_run`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -125,6 +125,7 @@ class PatchRequest:
         positions: ``[n_pairs, k]`` per pair the token indices position-indexed sites are patched
             at (None: every position; :func:`check_positions`).
         index_rows: per site explicit index rows (``layer`` + the site's axes) to patch instead of every index.
+        batch_sizes: per length group run, the variants per replay batch used (set by the run).
     """
 
     sites: list[str]
@@ -141,6 +142,7 @@ class PatchRequest:
     progress: Callable[[int], None] | None = None
     positions: torch.Tensor | None = None
     index_rows: dict[str, pd.DataFrame] | None = None
+    batch_sizes: list[int] = field(default_factory=list)
 
     def site_layers(self, s: str) -> list[int]:
         """The layers site ``s`` is patched at (``neuron_layers`` for neuron sites)."""

@@ -7,7 +7,7 @@ their jobs with :func:`tracekit.patching.jobs.build_job` and run them with
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, TypedDict, Unpack, overload
 
@@ -23,7 +23,7 @@ from ..model.load import model_device
 from ..tokens import Batch
 from .ablation import _ablation_source, _population_acts, baseline_members, choose_baselines
 from .checks import _refuse_side_inputs, check_unpadded, require_sites, resolve_layers
-from .engine import CachedRun, PatchJob, cache_run, patch_rows
+from .engine import CachedRun, PatchJob, cache_run, check_replay_fits, patch_rows
 from .jobs import DIRECTIONS, build_job, site_index
 from .request import PatchRequest, check_pairs, check_positions, check_request, length_groups
 from .setters import (
@@ -95,6 +95,8 @@ class PatchingRun:
         jobs: one :class:`JobResult` per (length group, mode, site).
         lengths: each pair's token length.
         population_size: number of baseline prompts (``mean``/``resample``).
+        batch_sizes: per length group, the variants per replay batch used (``run.memory_budget``
+            and ``batch_size``; after any out-of-memory halving).
     """
 
     metrics: list[str]
@@ -103,6 +105,7 @@ class PatchingRun:
     jobs: list[JobResult]
     lengths: list[int]
     population_size: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +154,8 @@ def run_patching(
         baseline_ids: the baseline population of ``mean``/``resample`` ablations; default: the
             pairs' clean prompts. See :func:`baseline_members`.
         seed: seeds the ``resample`` draw.
-        batch_size: variants per replay batch, or ``auto``.
+        batch_size: variants per replay batch at most, or ``auto`` (what ``run.memory_budget``
+            allows; :func:`tracekit.patching.engine.replay_chunk`).
         skip_unchanged: bit-exact no-op patches take the cached run's value without replay.
         progress: called with the number of variants finished.
         positions: per pair ``k`` token indices (``0 .. len - 1``, BOS counted; the same ``k`` for
@@ -168,6 +172,8 @@ def run_patching(
             ``positions`` of another shape or out of a pair's range.
         MethodRefused: with a direction, on a model whose blocks read token-dependent inputs that
             bypass the residual stream, or a site the model's blocks do not have.
+        MemoryBudgetError: a length group's cached run plus one variant does not fit
+            ``run.memory_budget`` (before that group's cached run is made).
     """
     # Long (reason): groups of equal-length rows, each group's cached run and jobs, and the per-job results share the group's tensors; the body is already split into _group_jobs and build_job.
     clean_ids, corrupted_ids = check_pairs(clean_ids, corrupted_ids)
@@ -193,7 +199,8 @@ def run_patching(
             base, results = _run_group(model, req, toks, members, n_pos, hooks, pop_acts, dev)
             clean_vals[midx], corr_vals[midx] = base[:g], base[g:]
             out_jobs += results
-    return PatchingRun(req.metric_names, clean_vals, corr_vals, out_jobs, lengths, len(pop) if req.chosen else 0)
+    return PatchingRun(req.metric_names, clean_vals, corr_vals, out_jobs, lengths, len(pop) if req.chosen else 0,
+                       list(req.batch_sizes))
 
 
 def _run_group(model: HookedModel, req: PatchRequest, toks: torch.Tensor, members: list[int], n_pos: int, hooks: list[str],
@@ -205,13 +212,17 @@ def _run_group(model: HookedModel, req: PatchRequest, toks: torch.Tensor, member
         :class:`JobResult` per (mode, site)).
     """
     g = len(members)
+    check_replay_fits(model, 2 * g, n_pos, hooks, what="activation patching replay")
     run = cache_run(model, toks, hooks)
     if any(m in DIRECTIONS for m in req.modes):
         _refuse_side_inputs(model, run, torch.arange(g), torch.arange(g) + g)
     row_metric = _group_metric(req, run, torch.tensor(members), g, dev)
     base = row_metric(run.logits, torch.arange(2 * g, device=run.logits.device)).float().cpu()
     jobs, meta = _group_jobs(model, req, run, members, n_pos, pop_acts, dev)
-    results = patch_rows(model, run, jobs, row_metric, req.batch_size, req.skip_unchanged, progress=req.progress)
+    stats: dict = {}
+    results = patch_rows(model, run, jobs, row_metric, req.batch_size, req.skip_unchanged, progress=req.progress,
+                         stats=stats)
+    req.batch_sizes.append(int(stats["batch_size"]))
     chosen = None if req.positions is None else req.positions[torch.tensor(members)].tolist()
     return base, [JobResult(mode, site, idf, list(members), n_pos, vals, bn, bs,
                             chosen if "pos" in site.axes else None)
@@ -338,6 +349,8 @@ def batched_activation_patch(
     Raises:
         PatchingError: unknown site, padded or mismatched token batches, a bad ``source``, or a
             ``mean`` population that is too small.
+        MemoryBudgetError: the cached run plus one variant does not fit ``run.memory_budget``
+            (before the cached run is made).
     """
     site = _batched_site(activation_name, patch_setter)
     base_tokens = check_unpadded(model, base_tokens, "base_tokens")
@@ -348,6 +361,8 @@ def batched_activation_patch(
     idf_layers = sorted({int(x) for x in idf["layer"]})
     hooks = sorted({site.hook_name(L) for L in idf_layers})
     require_sites(model, [activation_name], idf_layers, idf_layers, None)
+    n_run = B if source_tokens is None else 2 * B
+    check_replay_fits(model, n_run, P_len, hooks, what="activation patching replay")
     with enabled_hooks(model, hooks):
         run, job = _batched_job(model, site, idf, base_tokens, source_tokens, source, hooks)
         (vals,) = patch_rows(model, run, [job], lambda lg, br: patching_metric(lg, br % B)[:, None],

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from ..core.errors import SteeringError
 from .apply import Steer, StepClock, steer
-from .dose import DoseResponse, SteerRow, dose_response
+from .dose import DoseResponse, SteerRow, dose_response, forward_batch, sequence_bytes
 from .generation import Generation, generate
 from .vectors import (
     SteeringVector,
@@ -51,4 +51,4 @@ from .vectors import (
 
 __all__ = ["SteeringError", "SteeringVector", "mean_difference", "probe_vector", "sae_vector", "file_vector",
            "check_vector", "random_directions", "StepClock", "Steer", "steer", "SteerRow", "DoseResponse",
-           "dose_response", "Generation", "generate"]
+           "dose_response", "forward_batch", "sequence_bytes", "Generation", "generate"]

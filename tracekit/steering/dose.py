@@ -9,14 +9,16 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..core.budget import bytes_of, run_chunked
 from ..core.errors import SteeringError
 from ..hooks import enabled_hooks, fwd_hooks
 from ..model.info import HookedModel
+from ..patching.engine import replay_chunk, replay_row_bytes
 from ..tokens import pad_rows
 from .apply import StepClock, _add_hook
 from .vectors import SteeringVector, check_vector, random_directions
 
-__all__ = ["SteerRow", "DoseResponse", "dose_response"]
+__all__ = ["SteerRow", "DoseResponse", "dose_response", "forward_batch", "sequence_bytes"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,33 @@ class DoseResponse:
             without a foil).
         directions: ``[1 + n_random, d]``: the vector then the random directions (float32).
         vector_norm: the vector's L2 norm (every random direction has it).
+        batch_size: sequences per forward pass used (``run.memory_budget`` and ``batch_size``,
+            after any out-of-memory halving).
     """
 
     table: pd.DataFrame
     directions: torch.Tensor
     vector_norm: float
+    batch_size: int = 0
+
+
+def sequence_bytes(model: HookedModel, seq_len: int) -> int:
+    """Bytes one sequence of ``seq_len`` tokens needs in a plain forward pass that returns every
+    position's logits: one block's activations and the last-position readout
+    (:func:`tracekit.patching.engine.replay_row_bytes`) plus the logits ``[seq_len, d_vocab]``
+    twice in float32 (the model's output and a temporary: the softcap, a dtype cast)."""
+    return replay_row_bytes(model, seq_len) + 2 * bytes_of(max(1, int(seq_len)), int(model.cfg.d_vocab))
+
+
+def forward_batch(model: HookedModel, lengths: Sequence[int], batch_size: int | str, what: str) -> int:
+    """Sequences per forward pass for prompts of ``lengths`` tokens: what ``run.memory_budget``
+    allows at :func:`sequence_bytes` of the longest each, at most ``batch_size`` (``auto``: 512).
+
+    Raises:
+        MemoryBudgetError: one sequence of the longest length does not fit (names ``what``).
+    """
+    return replay_chunk(model, sequence_bytes(model, max(lengths, default=1)), max(1, len(lengths)), what=what,
+                        batch_size=batch_size, unit="sequence", fix="shorten the prompts")
 
 
 def _check_rows(rows: Sequence[SteerRow], alphas: Sequence[float]) -> None:
@@ -116,7 +140,8 @@ def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[St
 
     Each row is steered at its own ``at`` positions and read at ``read_at`` on the model's own logits
     (output transform included). Alpha 0 adds exactly 0 (the clean run). Every (direction, alpha,
-    row) is one sequence of a batch of up to ``batch_size``.
+    row) is one sequence of a batch of up to ``batch_size``, fewer where ``run.memory_budget`` says
+    so (:func:`forward_batch`); each batch is padded to its longest row.
 
     Args:
         model: a hooked model.
@@ -126,7 +151,8 @@ def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[St
         alphas: multipliers (finite; at least one).
         n_random: random control directions (0: none).
         seed: the random directions' seed.
-        batch_size: sequences per forward pass (lower it if memory runs out).
+        batch_size: sequences per forward pass at most (the budget may choose fewer; an
+            out-of-memory error halves it).
 
     Returns:
         A :class:`DoseResponse`.
@@ -134,6 +160,7 @@ def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[St
     Raises:
         SteeringError: no rows, no alphas, a non-finite alpha, a row without steered positions, a
             position outside its row; as :func:`check_vector`.
+        MemoryBudgetError: one sequence of the longest row does not fit ``run.memory_budget``.
     """
     v = check_vector(model, vector, hook)
     _check_rows(rows, alphas)
@@ -142,8 +169,12 @@ def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[St
     norm = float(v.double().norm())
     directions = torch.cat([v[None, :], random_directions(n_random, v.shape[0], norm, seed)]) if n_random else v[None]
     jobs = [(k, float(a), r) for k in range(directions.shape[0]) for a in alphas for r in range(len(rows))]
-    recs: list[dict] = []
+    recs: list[dict] = [{} for _ in jobs]
+    bs = forward_batch(model, [len(rows[r].ids) for _, _, r in jobs], batch_size, "steering dose-response")
+
+    def do(sl: slice) -> None:
+        recs[sl] = _dose_batch(model, rows, jobs[sl], directions, hook)
+
     with enabled_hooks(model, [hook]):
-        for s in range(0, len(jobs), max(1, int(batch_size))):
-            recs += _dose_batch(model, rows, jobs[s:s + batch_size], directions, hook)
-    return DoseResponse(pd.DataFrame(recs), directions, norm)
+        used = run_chunked(do, len(jobs), bs, what="steering dose-response")
+    return DoseResponse(pd.DataFrame(recs), directions, norm, int(used))

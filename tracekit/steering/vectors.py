@@ -16,6 +16,7 @@ from ..core.errors import SteeringError  # defined in core.errors; this import p
 from ..core.sites import hook as site_hook
 from ..hooks import check_hooks, enabled_hooks, hook_layer
 from ..model.info import HookedModel
+from ..patching.engine import replay_chunk, replay_row_bytes
 from ..probing.directions import load_probe_directions
 from ..sae.load import LoadedSAE, load_sae
 from ..sae.spec import SAESpec, hook_width
@@ -98,6 +99,10 @@ def _reads(model: HookedModel, ids: Sequence[Sequence[int]], hook: str, read_pos
     """One activation per prompt at ``hook``: the last token's, or the mean over its tokens (BOS not counted)."""
     layer = hook_layer(hook)
     out = []
+    # activations up to the hook only (no logits): one block's of each prompt, replay_row_bytes
+    batch_size = replay_chunk(model, replay_row_bytes(model, max((len(x) for x in ids), default=1)), len(ids),
+                              what="steering vector reads", batch_size=batch_size, unit="prompt",
+                              fix="shorten the prompts")
     for s in range(0, len(ids), batch_size):
         chunk = [list(x) for x in ids[s:s + batch_size]]
         batch = pad_rows(model, chunk, "vector.positive")
@@ -122,13 +127,14 @@ def mean_difference(model: HookedModel, positive_ids: Sequence[Sequence[int]], n
         hook: TransformerLens hook read (``blocks.6.hook_resid_pre``).
         read_position: ``last`` (each prompt's last token) or ``mean`` (mean over its tokens, BOS
             excluded when prepended).
-        batch_size: prompts per forward pass.
+        batch_size: prompts per forward pass at most (fewer where ``run.memory_budget`` says so).
 
     Returns:
         A :class:`SteeringVector` (``hook`` set), computed in float64 and stored as float32.
 
     Raises:
         SteeringError: an empty set or an unknown ``read_position``. HookError: an unknown hook.
+        MemoryBudgetError: one prompt does not fit ``run.memory_budget``.
     """
     if not positive_ids or not negative_ids:
         raise SteeringError("vector.positive / vector.negative: give at least one prompt in each set")

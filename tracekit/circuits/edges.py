@@ -32,7 +32,7 @@ Identity (exact, any model): the scores of all edges out of ``u`` add up to the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -40,15 +40,16 @@ import torch
 from jaxtyping import Float
 
 from .. import metrics as M
+from ..core.budget import chunk_rows, run_chunked
 from ..errors import CircuitError
 from ..model.info import HookedModel
 from ..model.load import model_device
 from ..patching.request import check_pairs, length_groups
-from .gradients import LEAF_HOOK, GradPass, gradient_pass
+from .gradients import LEAF_HOOK, GradPass, gradient_pass, hook_bytes, pass_bytes
 from .graph import Graph, build_graph, check_separable, downstream_hooks, upstream_hooks
 from .writes import check_writes, stack_reads, stack_writes
 
-__all__ = ["EdgeScores", "edge_attribution", "ig_alphas", "METHODS", "IG_RULES", "SIGN_CONVENTION"]
+__all__ = ["EdgeScores", "edge_attribution", "edge_row_bytes", "ig_alphas", "METHODS", "IG_RULES", "SIGN_CONVENTION"]
 
 #: Edge methods.
 METHODS = ("eap", "eap_ig")
@@ -99,6 +100,9 @@ class EdgeScores:
         clean, corrupted: ``[rows]`` the metric on the clean and corrupted runs.
         method, mode, metric, ig_steps: how they were computed.
         ig_rule: the interpolation rule of ``eap_ig`` (:func:`ig_alphas`; None for ``eap``).
+        chunks: the chunk sizes the memory budget chose: ``rows`` (per length group, rows per
+            chunk) and, for ``eap_ig``, ``ig_steps`` (per row chunk, interpolation steps per
+            backward pass).
     """
 
     graph: Graph
@@ -110,6 +114,7 @@ class EdgeScores:
     metric: str
     ig_steps: int
     ig_rule: str | None = None
+    chunks: dict = field(default_factory=dict)
 
     def mean(self) -> Float[torch.Tensor, "n_down n_up"]:
         return self.scores.mean(0)
@@ -151,7 +156,14 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
         method: ``eap`` or ``eap_ig``.
         ig_steps: interpolation steps of ``eap_ig`` (with ``ig_rule: left``, 1 = EAP).
         ig_rule: ``left`` (default, the ``eap`` package's), ``right`` or ``midpoint`` (:func:`ig_alphas`).
-        max_rows: rows x steps per backward pass of ``eap_ig`` (memory).
+        max_rows: rows x steps per backward pass of ``eap_ig`` (at most; the memory budget may
+            allow fewer).
+
+    Memory: rows of one length are processed in chunks, and ``eap_ig``'s interpolation steps in
+    passes of several steps, as many as the memory budget (``run.memory_budget``,
+    :func:`tracekit.core.budget.chunk_rows`; :func:`edge_row_bytes` is the estimate) allows;
+    every row's scores are computed on their own and the steps are added in order, so the result
+    does not depend on the chunks (tested). ``EdgeScores.chunks`` records the sizes chosen.
 
     From prepared rows: ``edge_attribution(model, **single_target_args(rows, "edge attribution"), ...)``
     (:func:`tracekit.patching.request.single_target_args`).
@@ -164,6 +176,8 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
         MethodRefused: a model whose writes are not separable (post-norms, residual multipliers,
             heads that do not add up to the attention output).
         PatchingError: rows of unequal clean/corrupted lengths.
+        MemoryBudgetError: one row (one interpolation step) needs more than the memory budget;
+            raised before any forward pass.
     """
     if method not in METHODS:
         raise CircuitError(f"method: {method!r} is not an edge method; use one of {list(METHODS)}")
@@ -181,21 +195,68 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
     clean_v, corr_v = torch.zeros(n), torch.zeros(n)
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
-    for _, members in length_groups([len(c) for c in clean_ids]):
+    groups = length_groups([len(c) for c in clean_ids])
+    # every group's row chunk first: a row that does not fit refuses before any pass runs
+    plan = [_plan(model, graph, n_pos, len(members), method, dev) for n_pos, members in groups]
+    chunks: dict = {"rows": [], "ig_steps": []}
+    for (_, members), (rows_chunk, held, per_pass) in zip(groups, plan):
         midx = torch.tensor(members)
-        clean = torch.tensor([clean_ids[i] for i in members], device=dev)
-        corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
         inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev))
-        s, c, x = _group_scores(model, graph, clean, corr, inputs, metric, mode, method, alphas, max_rows)
-        scores[midx], clean_v[midx], corr_v[midx] = s, c, x
+
+        def do(sl: slice, members=members, inputs=inputs, held=held, per_pass=per_pass) -> None:
+            idx = torch.tensor(members[sl])
+            clean = torch.tensor([clean_ids[i] for i in members[sl]], device=dev)
+            corr = torch.tensor([corrupted_ids[i] for i in members[sl]], device=dev)
+            sub = inputs.rows(torch.arange(sl.start, sl.stop, device=inputs.target.device))
+            s, c, x, steps = _group_scores(model, graph, clean, corr, sub, metric, mode, method, alphas, max_rows,
+                                           held, per_pass)
+            scores[idx], clean_v[idx], corr_v[idx] = s, c, x
+            chunks["ig_steps"].append(steps)
+
+        done = run_chunked(do, len(members), rows_chunk, what=f"edge attribution ({method})")
+        chunks["rows"].append(done)
     ig = method == "eap_ig"
+    if not ig:
+        del chunks["ig_steps"]
     return EdgeScores(graph, scores, clean_v, corr_v, method, mode, metric, ig_steps if ig else 0,
-                      ig_rule if ig else None)
+                      ig_rule if ig else None, chunks)
+
+
+def edge_row_bytes(model: HookedModel, graph: Graph, n_pos: int) -> tuple[int, int]:
+    """``(held, per_pass)``: bytes one row of ``n_pos`` tokens holds throughout :func:`edge_attribution`
+    and bytes one row needs in one gradient pass (per interpolation step for ``eap_ig``).
+
+    ``held`` counts both runs' recorded upstream activations, the float32 ``[pos, n_up, d_model]``
+    write difference with the two stacks it is made of and the einsum's copy, four float32
+    ``[pos, n_down, d_model]`` tensors (the stacked reads, the IG sum, one step's reads, the
+    einsum's copy) and the ``[n_down, n_up]`` scores twice. ``per_pass``:
+    :func:`tracekit.circuits.gradients.pass_bytes` with a backward pass, plus the activations and
+    gradients recorded at the downstream hooks."""
+    up = sum(hook_bytes(model, h, n_pos) for h in upstream_hooks(graph))
+    down = sum(hook_bytes(model, h, n_pos) for h in downstream_hooks(graph))
+    f32 = 4 * int(n_pos) * int(model.cfg.d_model)
+    n_up, n_down = len(graph.upstream), len(graph.downstream)
+    held = 2 * up + 4 * f32 * n_up + 4 * f32 * n_down + 2 * 4 * n_up * n_down
+    return held, pass_bytes(model, n_pos) + 2 * down
+
+
+def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, dev: torch.device
+          ) -> tuple[int, int, int]:
+    """``(rows per chunk, held bytes per row, bytes per row and step)`` of one length group.
+
+    Raises:
+        MemoryBudgetError: one row (with one interpolation step) does not fit the budget."""
+    held, per_pass = edge_row_bytes(model, graph, n_pos)
+    fix = "shorten the prompts"
+    rows = chunk_rows(held + per_pass, g, what=f"edge attribution ({method})", device=dev, unit="row", fix=fix)
+    return rows, held, per_pass
 
 
 def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: torch.Tensor,
-                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], max_rows: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], max_rows: int,
+                  held: int, per_pass: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Scores ``[g, n_down, n_up]``, clean and corrupted metrics ``[g]`` of rows of equal length,
+    and the interpolation steps per backward pass (0 for ``eap``)."""
     up = upstream_hooks(graph)
     pc = gradient_pass(model, clean, up)
     inputs.clean_log_probs = torch.log_softmax(pc.logits, -1)
@@ -210,22 +271,27 @@ def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: t
     if method == "eap":
         gp = gradient_pass(model, base, down, [lambda lg: M.METRICS[metric](lg, inputs)])
         grad = stack_reads(graph, gp.grads[0])
+        per = 0
     else:
-        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas,
-                         max_rows, down)
+        g = base.shape[0]
+        per = max(1, max_rows // g)  # steps per pass, as many as max_rows allows and the budget too
+        per = min(per, chunk_rows(g * per_pass, len(alphas), what=f"edge attribution ({method})",
+                                  device=base.device, fixed=g * held, unit="interpolation step"))
+        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas, per, down)
     sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
     score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731
-    return sc.cpu(), score(pc.logits), score(px.logits)
+    return sc.cpu(), score(pc.logits), score(px.logits), per
 
 
 def _ig_grads(model: HookedModel, graph: Graph, base: torch.Tensor, src_resid0: torch.Tensor, inputs: M.MetricInputs, metric: str, alphas: list[float],
-              max_rows: int, down: list[str]) -> torch.Tensor:
+              per: int, down: list[str]) -> torch.Tensor:
     """Downstream input gradients averaged over the runs interpolating block 0's input from the
-    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`)."""
+    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`),
+    ``per`` steps per backward pass. The steps are added one by one in order, so the sum does not
+    depend on ``per`` (nor on how the rows were chunked)."""
     g = base.shape[0]
     steps = len(alphas)
     total = None
-    per = max(1, max_rows // g)  # steps per pass
     for s0 in range(0, steps, per):
         ks = list(range(s0, min(steps, s0 + per)))
         a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
@@ -238,7 +304,8 @@ def _ig_grads(model: HookedModel, graph: Graph, base: torch.Tensor, src_resid0: 
 
         gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
         r = stack_reads(graph, gp.grads[0])
-        r = r.reshape(len(ks), g, *r.shape[1:]).sum(0)
-        total = r if total is None else total + r
+        r = r.reshape(len(ks), g, *r.shape[1:])
+        for j in range(len(ks)):
+            total = r[j] if total is None else total + r[j]
     assert total is not None
     return total / steps

@@ -59,7 +59,8 @@ def _same_edges(a, b):
 def test_edge_attribution_chunked_equals_unchunked(arch, method):
     m = make_perturbed(arch)
     clean, corr, tgt, foil = _pairs()
-    held, per_pass = E.edge_row_bytes(m, build_graph(m), 8)
+    steps = 5 if method == "eap_ig" else 0
+    _, held, per_pass, _ = E._plan(m, build_graph(m), 8, 4, method, steps, 64, torch.device("cpu"))
     budget = int(2.2 * (held + per_pass))  # two rows of the longer group (and of the shorter one)
     naive = 4 * (held + 5 * per_pass)  # one length group, its 5 steps in one pass (the unbudgeted run)
     assert 3 * budget < naive
@@ -76,10 +77,11 @@ def test_edge_attribution_chunked_equals_unchunked(arch, method):
 
 def test_eap_ig_steps_chunked_equals_unchunked():
     """The rows fit, the interpolation steps do not: passes of 2, 2 and 1 steps, the same scores
-    (the steps are added in order whatever the passes)."""
+    (the steps are stacked and summed in the same blocks whatever the passes)."""
     m = make_perturbed("gpt2")
     clean, corr, tgt, foil = _pairs(lengths=(8,) * 4)
-    held, per_pass = E.edge_row_bytes(m, build_graph(m), 8)
+    _, held, per_pass, block = E._plan(m, build_graph(m), 8, 4, "eap_ig", 5, 64, torch.device("cpu"))
+    assert block == 5
     ref = E.edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=5)
     with tracekit.memory_budget(4 * held + 2 * 4 * per_pass + 1000):
         got = E.edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=5)
@@ -98,7 +100,7 @@ def test_edge_attribution_one_row_chunks_gqa():
     m = make_perturbed("llama")
     assert m.cfg.n_key_value_heads == 2 and m.cfg.n_heads == 4
     clean, corr, tgt, foil = _pairs(lengths=(8, 8, 8))
-    held, per_pass = E.edge_row_bytes(m, build_graph(m), 8)
+    _, held, per_pass, _ = E._plan(m, build_graph(m), 8, 3, "eap_ig", 2, 64, torch.device("cpu"))
     ref = E.edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=2, ig_rule="midpoint")
     with tracekit.memory_budget(int(1.1 * (held + per_pass))):
         got = E.edge_attribution(m, clean, corr, tgt, foil, method="eap_ig", ig_steps=2, ig_rule="midpoint")

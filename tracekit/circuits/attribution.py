@@ -180,20 +180,21 @@ def attribution_patch(
 
 
 def atp_row_bytes(model: HookedModel, req: PatchRequest, hooks: Sequence[str], n_pos: int, qk_fix: bool) -> int:
-    """Bytes one row of ``n_pos`` tokens needs in :func:`attribution_patch`: two gradient passes
-    (:func:`tracekit.circuits.gradients.pass_bytes`), both runs' recorded activations and one
+    """Bytes one row of ``n_pos`` tokens needs in :func:`attribution_patch`: one gradient pass at a
+    time (:func:`tracekit.circuits.gradients.pass_bytes`; the clean run's graph is freed by its
+    backward pass before the corrupted run starts), both runs' recorded activations and one
     gradient per metric at every hook (:func:`tracekit.circuits.gradients.hook_bytes`; the QK fix's
     pattern, score, q and k hooks included), three float32 copies of the largest hook for the
     ``(a_src - a_base) * grad`` product, the clean run's log-probabilities, the estimates
-    (``[index rows, metrics]``, at most one per hook element) and, with the QK fix, a cached run of both halves (block inputs)
-    and a block replay's cross scores in float64."""
+    (``[index rows, metrics]``, at most one per hook element) and, with the QK fix, a cached run of
+    both halves (block inputs) and a block replay's cross scores in float64."""
     names = list(hooks) + _qk_hooks(req, qk_fix)
     per_hook = [hook_bytes(model, h, n_pos) for h in names]
     n_m = len(req.metric_names)
     e = max(1, hook_bytes(model, "x", 1) // int(model.cfg.d_model))
     biggest = max(per_hook, default=0) * 4 // e
     estimates = sum(per_hook) * 4 // e * len(req.modes) * n_m
-    need = 2 * pass_bytes(model, n_pos) + 2 * (1 + n_m) * sum(per_hook) + 3 * biggest
+    need = pass_bytes(model, n_pos) + 2 * (1 + n_m) * sum(per_hook) + 3 * biggest
     need += 4 * int(model.cfg.d_vocab) + estimates
     if _qk_hooks(req, qk_fix):
         need += 2 * (int(model.cfg.n_layers) + 1) * hook_bytes(model, "resid", n_pos) * 2

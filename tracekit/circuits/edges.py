@@ -162,8 +162,9 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
     Memory: rows of one length are processed in chunks, and ``eap_ig``'s interpolation steps in
     passes of several steps, as many as the memory budget (``run.memory_budget``,
     :func:`tracekit.core.budget.chunk_rows`; :func:`edge_row_bytes` is the estimate) allows;
-    every row's scores are computed on their own and the steps are added in order, so the result
-    does not depend on the chunks (tested). ``EdgeScores.chunks`` records the sizes chosen.
+    every row's scores are computed on their own and the steps are summed in the same blocks
+    (``max_rows // rows of the group`` steps) whatever the passes, so the result does not depend
+    on the chunks (tested). ``EdgeScores.chunks`` records the sizes chosen.
 
     From prepared rows: ``edge_attribution(model, **single_target_args(rows, "edge attribution"), ...)``
     (:func:`tracekit.patching.request.single_target_args`).
@@ -197,18 +198,18 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
     groups = length_groups([len(c) for c in clean_ids])
     # every group's row chunk first: a row that does not fit refuses before any pass runs
-    plan = [_plan(model, graph, n_pos, len(members), method, dev) for n_pos, members in groups]
+    plan = [_plan(model, graph, n_pos, len(members), method, len(alphas), max_rows, dev) for n_pos, members in groups]
     chunks: dict = {"rows": [], "ig_steps": []}
-    for (_, members), (rows_chunk, held, per_pass) in zip(groups, plan):
+    for (_, members), (rows_chunk, held, per_pass, block) in zip(groups, plan):
         midx = torch.tensor(members)
         inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev))
 
-        def do(sl: slice, members=members, inputs=inputs, held=held, per_pass=per_pass) -> None:
+        def do(sl: slice, members=members, inputs=inputs, held=held, per_pass=per_pass, block=block) -> None:
             idx = torch.tensor(members[sl])
             clean = torch.tensor([clean_ids[i] for i in members[sl]], device=dev)
             corr = torch.tensor([corrupted_ids[i] for i in members[sl]], device=dev)
             sub = inputs.rows(torch.arange(sl.start, sl.stop, device=inputs.target.device))
-            s, c, x, steps = _group_scores(model, graph, clean, corr, sub, metric, mode, method, alphas, max_rows,
+            s, c, x, steps = _group_scores(model, graph, clean, corr, sub, metric, mode, method, alphas, block,
                                            held, per_pass)
             scores[idx], clean_v[idx], corr_v[idx] = s, c, x
             chunks["ig_steps"].append(steps)
@@ -240,23 +241,30 @@ def edge_row_bytes(model: HookedModel, graph: Graph, n_pos: int) -> tuple[int, i
     return held, pass_bytes(model, n_pos) + 2 * down
 
 
-def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, dev: torch.device
-          ) -> tuple[int, int, int]:
-    """``(rows per chunk, held bytes per row, bytes per row and step)`` of one length group.
+def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, steps: int, max_rows: int,
+          dev: torch.device) -> tuple[int, int, int, int]:
+    """``(rows per chunk, held bytes per row, bytes per row and step, IG steps summed together)`` of
+    one length group of ``g`` rows. The block of steps is ``max_rows // g`` (the steps one backward
+    pass took before the budget), whatever the chunks, so the sum over steps is the same; each row
+    holds the block's stacked reads.
 
     Raises:
         MemoryBudgetError: one row (with one interpolation step) does not fit the budget."""
     held, per_pass = edge_row_bytes(model, graph, n_pos)
-    fix = "shorten the prompts"
+    block = max(1, min(steps, max_rows // g)) if steps else 0
+    if block > 1:
+        held += (block - 1) * 4 * int(n_pos) * int(model.cfg.d_model) * len(graph.downstream)
+    fix = "shorten the prompts" + (", or lower max_rows" if block > 1 else "")
     rows = chunk_rows(held + per_pass, g, what=f"edge attribution ({method})", device=dev, unit="row", fix=fix)
-    return rows, held, per_pass
+    return rows, held, per_pass, block
 
 
 def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: torch.Tensor,
-                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], max_rows: int,
+                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], block: int,
                   held: int, per_pass: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Scores ``[g, n_down, n_up]``, clean and corrupted metrics ``[g]`` of rows of equal length,
-    and the interpolation steps per backward pass (0 for ``eap``)."""
+    and the interpolation steps per backward pass (0 for ``eap``); ``block``: steps summed together
+    (:func:`_ig_grads`)."""
     up = upstream_hooks(graph)
     pc = gradient_pass(model, clean, up)
     inputs.clean_log_probs = torch.log_softmax(pc.logits, -1)
@@ -274,38 +282,44 @@ def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: t
         per = 0
     else:
         g = base.shape[0]
-        per = max(1, max_rows // g)  # steps per pass, as many as max_rows allows and the budget too
-        per = min(per, chunk_rows(g * per_pass, len(alphas), what=f"edge attribution ({method})",
-                                  device=base.device, fixed=g * held, unit="interpolation step"))
-        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas, per, down)
+        per = min(block, chunk_rows(g * per_pass, len(alphas), what=f"edge attribution ({method})",
+                                    device=base.device, fixed=g * held, unit="interpolation step"))
+        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas, block, per, down)
     sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
     score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731
     return sc.cpu(), score(pc.logits), score(px.logits), per
 
 
 def _ig_grads(model: HookedModel, graph: Graph, base: torch.Tensor, src_resid0: torch.Tensor, inputs: M.MetricInputs, metric: str, alphas: list[float],
-              per: int, down: list[str]) -> torch.Tensor:
+              block: int, per: int, down: list[str]) -> torch.Tensor:
     """Downstream input gradients averaged over the runs interpolating block 0's input from the
-    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`),
-    ``per`` steps per backward pass. The steps are added one by one in order, so the sum does not
-    depend on ``per`` (nor on how the rows were chunked)."""
+    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`).
+
+    The steps are summed in blocks of ``block`` (``max_rows // rows of the length group``: one
+    backward pass each when nothing is chunked) and the blocks' sums added in order; each block's
+    steps run ``per`` at a time (the memory budget's choice, at most ``block``) and are stacked
+    before the block is summed, so the sum is the same whatever ``per`` and the row chunks."""
     g = base.shape[0]
     steps = len(alphas)
     total = None
-    for s0 in range(0, steps, per):
-        ks = list(range(s0, min(steps, s0 + per)))
-        a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
-        toks = base.repeat(len(ks), 1)
-        src = src_resid0.repeat(len(ks), 1, 1)
-        rows = inputs.rows(torch.arange(g).repeat(len(ks)))
+    for b0 in range(0, steps, block):
+        b1 = min(steps, b0 + block)
+        parts = []
+        for s0 in range(b0, b1, per):
+            ks = list(range(s0, min(b1, s0 + per)))
+            a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
+            toks = base.repeat(len(ks), 1)
+            src = src_resid0.repeat(len(ks), 1, 1)
+            rows = inputs.rows(torch.arange(g).repeat(len(ks)))
 
-        def leaf(x, a=a, src=src):
-            return x + a[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
+            def leaf(x, a=a, src=src):
+                return x + a[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
 
-        gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
-        r = stack_reads(graph, gp.grads[0])
-        r = r.reshape(len(ks), g, *r.shape[1:])
-        for j in range(len(ks)):
-            total = r[j] if total is None else total + r[j]
+            gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
+            r = stack_reads(graph, gp.grads[0])
+            parts.append(r.reshape(len(ks), g, *r.shape[1:]))
+            del gp
+        r = (parts[0] if len(parts) == 1 else torch.cat(parts)).sum(0)
+        total = r if total is None else total + r
     assert total is not None
     return total / steps

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 
 from .. import metrics as M
-from ..core.budget import chunk_rows, run_chunked
+from ..core.budget import chunk_rows, current_budget, run_chunked
 from ..core.sites import hook
 from ..errors import CircuitError
 from ..model.info import HookedModel
@@ -151,8 +151,9 @@ def attribution_patch(
     hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
     groups = length_groups(lengths)
     # every group's row chunk first: a row that does not fit refuses before any pass runs
+    budget = current_budget(dev).bytes  # resolved once for every group
     plan = [chunk_rows(atp_row_bytes(model, req, hooks, n_pos, qk_fix), len(members), what="attribution patching",
-                       device=dev, unit="row", fix="shorten the prompts, or ask fewer sites or metrics")
+                       device=dev, unit="row", fix="shorten the prompts, or ask fewer sites or metrics", budget=budget)
             for n_pos, members in groups]
     for (n_pos, members), rows_chunk in zip(groups, plan):
         midx = torch.tensor(members)

@@ -40,7 +40,7 @@ import torch
 from jaxtyping import Float
 
 from .. import metrics as M
-from ..core.budget import chunk_rows, run_chunked
+from ..core.budget import chunk_rows, current_budget, run_chunked
 from ..errors import CircuitError
 from ..model.info import HookedModel
 from ..model.load import model_device
@@ -197,8 +197,11 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
     groups = length_groups([len(c) for c in clean_ids])
-    # every group's row chunk first: a row that does not fit refuses before any pass runs
-    plan = [_plan(model, graph, n_pos, len(members), method, len(alphas), max_rows, dev) for n_pos, members in groups]
+    # the budget resolved once (an ``auto`` budget measured later would count this run's own tensors
+    # against it), then every group's row chunk: a row that does not fit refuses before any pass runs
+    budget = current_budget(dev).bytes
+    plan = [_plan(model, graph, n_pos, len(members), method, len(alphas), max_rows, dev, budget)
+            for n_pos, members in groups]
     chunks: dict = {"rows": [], "ig_steps": []}
     for (_, members), (rows_chunk, held, per_pass, block) in zip(groups, plan):
         midx = torch.tensor(members)
@@ -210,7 +213,7 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
             corr = torch.tensor([corrupted_ids[i] for i in members[sl]], device=dev)
             sub = inputs.rows(torch.arange(sl.start, sl.stop, device=inputs.target.device))
             s, c, x, steps = _group_scores(model, graph, clean, corr, sub, metric, mode, method, alphas, block,
-                                           held, per_pass)
+                                           held, per_pass, budget)
             scores[idx], clean_v[idx], corr_v[idx] = s, c, x
             chunks["ig_steps"].append(steps)
 
@@ -242,7 +245,7 @@ def edge_row_bytes(model: HookedModel, graph: Graph, n_pos: int) -> tuple[int, i
 
 
 def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, steps: int, max_rows: int,
-          dev: torch.device) -> tuple[int, int, int, int]:
+          dev: torch.device, budget: int | None = None) -> tuple[int, int, int, int]:
     """``(rows per chunk, held bytes per row, bytes per row and step, IG steps summed together)`` of
     one length group of ``g`` rows. The block of steps is ``max_rows // g`` (the steps one backward
     pass took before the budget), whatever the chunks, so the sum over steps is the same; each row
@@ -255,13 +258,15 @@ def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, ste
     if block > 1:
         held += (block - 1) * 4 * int(n_pos) * int(model.cfg.d_model) * len(graph.downstream)
     fix = "shorten the prompts" + (", or lower max_rows" if block > 1 else "")
-    rows = chunk_rows(held + per_pass, g, what=f"edge attribution ({method})", device=dev, unit="row", fix=fix)
+    rows = chunk_rows(held + per_pass, g, what=f"edge attribution ({method})", device=dev, unit="row", fix=fix,
+                      budget=budget)
     return rows, held, per_pass, block
 
 
 def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: torch.Tensor,
                   inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], block: int,
-                  held: int, per_pass: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                  held: int, per_pass: int, budget: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Scores ``[g, n_down, n_up]``, clean and corrupted metrics ``[g]`` of rows of equal length,
     and the interpolation steps per backward pass (0 for ``eap``); ``block``: steps summed together
     (:func:`_ig_grads`)."""
@@ -283,7 +288,7 @@ def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: t
     else:
         g = base.shape[0]
         per = min(block, chunk_rows(g * per_pass, len(alphas), what=f"edge attribution ({method})",
-                                    device=base.device, fixed=g * held, unit="interpolation step"))
+                                    device=base.device, fixed=g * held, unit="interpolation step", budget=budget))
         grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas, block, per, down)
     sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
     score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731

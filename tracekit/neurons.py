@@ -50,7 +50,7 @@ import torch
 from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
-from .circuits.gradients import hook_bytes, pass_bytes
+from .circuits.gradients import balanced_chunk, hook_bytes, pass_bytes
 from .core.budget import chunk_rows
 from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width, norm_hook
 from .corpus import iter_documents, token_windows, window_batches
@@ -263,7 +263,8 @@ class _Rows:
 
 def rows_per_pass(model: HookedModel, batch_size: int, n: int, n_pos: int, what: str, extra_per_row: int = 0) -> int:
     """Rows per forward pass: ``batch_size``, or fewer where the memory budget
-    (``run.memory_budget``, :func:`tracekit.core.budget.chunk_rows`) allows fewer.
+    (``run.memory_budget``, :func:`tracekit.core.budget.chunk_rows`) allows fewer (then evened
+    out over a batch, :func:`tracekit.circuits.gradients.balanced_chunk`).
 
     A row counts :func:`tracekit.circuits.gradients.pass_bytes` of a forward pass without
     gradients over ``n_pos`` tokens (its logits ``[pos, d_vocab]`` included) plus
@@ -275,7 +276,8 @@ def rows_per_pass(model: HookedModel, batch_size: int, n: int, n_pos: int, what:
     per = pass_bytes(model, max(1, int(n_pos)), backward=False) + int(extra_per_row)
     fits = chunk_rows(per, max(1, int(n)), what=what, device=model_device(model), unit="row",
                       fix="shorten the prompts")
-    return max(1, min(int(batch_size), fits))
+    size = max(1, min(int(batch_size), fits))
+    return size if size >= int(batch_size) else balanced_chunk(size, min(int(batch_size), max(1, int(n))))
 
 
 def _rows(model: HookedModel, prompts, target, foil, position, read_at: Optional[Sequence[int]], need_target: bool = True) -> _Rows:

@@ -52,7 +52,7 @@ from ..patching.jobs import DIRECTIONS, site_index
 from ..patching.request import PatchRequest, check_pairs, check_positions, check_request, length_groups
 from ..patching.run import JobResult, PatchingRun
 from ..patching.setters import SITES, Site
-from .gradients import gradient_pass, hook_bytes, pass_bytes
+from .gradients import balanced_chunk, gradient_pass, hook_bytes, pass_bytes
 from .qk import qk_fixed
 
 __all__ = ["atp_row_bytes", "attribution_patch", "reduce_site"]
@@ -152,8 +152,9 @@ def attribution_patch(
     groups = length_groups(lengths)
     # every group's row chunk first: a row that does not fit refuses before any pass runs
     budget = current_budget(dev).bytes  # resolved once for every group
-    plan = [chunk_rows(atp_row_bytes(model, req, hooks, n_pos, qk_fix), len(members), what="attribution patching",
-                       device=dev, unit="row", fix="shorten the prompts, or ask fewer sites or metrics", budget=budget)
+    plan = [balanced_chunk(chunk_rows(atp_row_bytes(model, req, hooks, n_pos, qk_fix), len(members),
+                                      what="attribution patching", device=dev, unit="row", budget=budget,
+                                      fix="shorten the prompts, or ask fewer sites or metrics"), len(members))
             for n_pos, members in groups]
     for (n_pos, members), rows_chunk in zip(groups, plan):
         midx = torch.tensor(members)

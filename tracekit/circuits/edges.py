@@ -45,7 +45,7 @@ from ..errors import CircuitError
 from ..model.info import HookedModel
 from ..model.load import model_device
 from ..patching.request import check_pairs, length_groups
-from .gradients import LEAF_HOOK, GradPass, gradient_pass, hook_bytes, pass_bytes
+from .gradients import LEAF_HOOK, GradPass, balanced_chunk, gradient_pass, hook_bytes, pass_bytes
 from .graph import Graph, build_graph, check_separable, downstream_hooks, upstream_hooks
 from .writes import check_writes, stack_reads, stack_writes
 
@@ -260,7 +260,7 @@ def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, ste
     fix = "shorten the prompts" + (", or lower max_rows" if block > 1 else "")
     rows = chunk_rows(held + per_pass, g, what=f"edge attribution ({method})", device=dev, unit="row", fix=fix,
                       budget=budget)
-    return rows, held, per_pass, block
+    return balanced_chunk(rows, g), held, per_pass, block
 
 
 def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: torch.Tensor,

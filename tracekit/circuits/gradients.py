@@ -26,7 +26,7 @@ from ..hooks import enabled_hooks, fwd_hooks
 from ..model.checks import model_dtype
 from ..model.info import HookedModel
 
-__all__ = ["GradPass", "gradient_pass", "LEAF_HOOK", "hook_bytes", "pass_bytes"]
+__all__ = ["GradPass", "gradient_pass", "LEAF_HOOK", "balanced_chunk", "hook_bytes", "pass_bytes"]
 
 #: The hook whose value is made the graph's leaf (the embeddings entering block 0).
 LEAF_HOOK = hook("resid_pre", 0)
@@ -153,3 +153,13 @@ def pass_bytes(model: HookedModel, n_pos: int, backward: bool = True) -> int:
     if not backward:
         return (2 * block + 2 * T * d + logits) * e + 4 * V * 4
     return ((L + 2) * block + 4 * T * d + 2 * logits) * e + 4 * V * 4
+
+
+def balanced_chunk(chunk: int, n: int) -> int:
+    """The chunk size that splits ``n`` units into as many chunks as ``chunk`` would, evened out
+    (``chunk=14, n=15`` -> 8: chunks of 8 and 7, not 14 and 1). A one-row pass runs some models'
+    kernels differently from a batch (last-bit differences), so a chunk of one row is left only
+    when the budget allows no more."""
+    chunk, n = max(1, int(chunk)), max(1, int(n))
+    k = -(-n // chunk)
+    return -(-n // k)

@@ -50,6 +50,8 @@ import torch
 from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
+from .circuits.gradients import balanced_chunk, hook_bytes, pass_bytes
+from .core.budget import chunk_rows
 from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width, norm_hook
 from .corpus import iter_documents, token_windows, window_batches
 from .dataset import PreparedDataset
@@ -66,6 +68,7 @@ from .errors import AttributionError, TokenizationError
 from .hooks import check_hooks, enabled_hooks
 from .model.architectures import require
 from .model.info import HookedModel
+from .model.load import model_device
 from .model.readout import Readout
 from .model.writepath import write_path
 from .tokens import (
@@ -84,6 +87,7 @@ from .tokens import (
 from .units import (
     VERBS,
     UnitEdit,
+    batch_parts,
     canonical_verb,
     intervene,
     output_metrics,
@@ -97,7 +101,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttributionError", "parse_neuron", "NeuronBasis", "neuron_contributions", "value_logits", "value_readout",
-    "KeyReadout", "key_readout", "neuron_intervention", "neuron_interventions", "random_neurons", "output_metrics",
+    "KeyReadout", "key_readout", "neuron_intervention", "neuron_interventions", "rows_per_pass", "random_neurons", "output_metrics",
     "prompt_means", "INTERVENE_AT",
 ]
 
@@ -257,6 +261,25 @@ class _Rows:
     n_bos: list[int]
 
 
+def rows_per_pass(model: HookedModel, batch_size: int, n: int, n_pos: int, what: str, extra_per_row: int = 0) -> int:
+    """Rows per forward pass: ``batch_size``, or fewer where the memory budget
+    (``run.memory_budget``, :func:`tracekit.core.budget.chunk_rows`) allows fewer (then evened
+    out over a batch, :func:`tracekit.circuits.gradients.balanced_chunk`).
+
+    A row counts :func:`tracekit.circuits.gradients.pass_bytes` of a forward pass without
+    gradients over ``n_pos`` tokens (its logits ``[pos, d_vocab]`` included) plus
+    ``extra_per_row`` bytes (what the caller keeps per row: cached activations, a second run's
+    logits).
+
+    Raises:
+        MemoryBudgetError: one row does not fit (names the setting to change)."""
+    per = pass_bytes(model, max(1, int(n_pos)), backward=False) + int(extra_per_row)
+    fits = chunk_rows(per, max(1, int(n)), what=what, device=model_device(model), unit="row",
+                      fix="shorten the prompts")
+    size = max(1, min(int(batch_size), fits))
+    return size if size >= int(batch_size) else balanced_chunk(size, min(int(batch_size), max(1, int(n))))
+
+
 def _rows(model: HookedModel, prompts, target, foil, position, read_at: Optional[Sequence[int]], need_target: bool = True) -> _Rows:
     """Prompt strings (tokenized here) or a :class:`PreparedDataset` (used as prepared) as :class:`_Rows`.
 
@@ -410,7 +433,8 @@ def key_readout(
         corpus: ``None``/``"stdlib"`` (offline default), a text/JSONL file, a directory, or a list.
         top_n: contexts per neuron.
         seq_len: window length (BOS included).
-        batch_size: windows per forward pass.
+        batch_size: windows per padded batch; the memory budget may run a batch's forward pass in
+            parts (:func:`rows_per_pass`, :func:`tracekit.units.batch_parts`: the same numbers).
         max_tokens: the cap on text tokens read (None: the whole corpus).
         signs: per neuron, ``+1`` ranks by the largest activation, ``-1`` by the most negative
             (SwiGLU activations can be negative). Default all ``+1``.
@@ -419,6 +443,7 @@ def key_readout(
 
     Raises:
         AttributionError: bad neuron spec. CorpusError: unreadable corpus.
+        MemoryBudgetError: one window does not fit the memory budget.
     """
     specs = [parse_neuron(model, n) for n in neurons]
     if not specs:
@@ -429,6 +454,10 @@ def key_readout(
     windows: dict[int, Window] = {}
     wins = token_windows(model, iter_documents(corpus, jsonl_field=jsonl_field), seq_len=seq_len, max_tokens=max_tokens)
     bar = tqdm(total=max_tokens, desc="key readout", unit="tok", disable=not progress, leave=False)
+
+    deepest = max(L for L, _ in specs)
+    kept = len(bases) * hook_bytes(model, hook("neuron", deepest), seq_len)
+    size = rows_per_pass(model, batch_size, batch_size, seq_len, "neuron key readout", kept)
 
     def batches():
         for batch, group in window_batches(model, wins, batch_size):
@@ -444,7 +473,7 @@ def key_readout(
         bar.update(int(valid.sum()))
 
     found = top_contexts(model, [(bases[L], n) for L, n in specs], batches(), top_n=top_n, signs=signs or None,
-                         on_batch=after_batch, field="neurons")
+                         on_batch=after_batch, field="neurons", rows_per_pass=size)
     bar.close()
     rows = []
     for j, (L, n) in enumerate(specs):
@@ -472,31 +501,40 @@ def prompt_means(model: HookedModel, prompts: Union[Sequence[str], PreparedDatas
         prompts: prompt strings (tokenized here) or a :class:`tracekit.dataset.PreparedDataset`
             (its prepared ids; nothing is tokenized again).
         neurons: ``(layer, neuron)`` pairs or ``"L.N"`` strings.
-        batch_size: rows per forward pass (padded; the attention mask keeps rows independent).
+        batch_size: rows per padded batch (the attention mask keeps rows independent; the memory
+            budget may run a batch in parts, :func:`rows_per_pass`: the same numbers).
 
     Returns:
         ``{(layer, neuron): mean activation}`` (activation units), over every text token of every row.
 
     Raises:
         AttributionError: bad neuron spec.
+        MemoryBudgetError: one row does not fit the memory budget.
     """
     specs = [parse_neuron(model, n) for n in neurons]
     layers = sorted({L for L, _ in specs})
     rows = _rows(model, prompts, None, None, "last", None, need_target=False)
     sums = torch.zeros(len(specs), dtype=torch.float64)
     count = 0
-    size = max(1, int(batch_size))
-    for s in range(0, len(rows.ids), size):
-        batch = pad_rows(model, rows.ids[s:s + size])
-        _, cache = run_with_cache(model, batch, [hook("neuron", L) for L in layers])
+    n_pos = max((len(r) for r in rows.ids), default=1)
+    kept = len(layers) * hook_bytes(model, hook("neuron", layers[0]), n_pos) if layers else 0
+    size = rows_per_pass(model, batch_size, len(rows.ids), n_pos, "neuron prompt means", kept)  # rows per pass
+    step = max(1, int(batch_size))
+    for s in range(0, len(rows.ids), step):
+        batch = pad_rows(model, rows.ids[s:s + step])
+        acts: list[list[torch.Tensor]] = [[] for _ in specs]
+        for _, part in batch_parts(batch, size):  # the budget's parts of the padded batch: the same numbers
+            _, cache = run_with_cache(model, part, [hook("neuron", L) for L in layers])
+            for j, (L, n) in enumerate(specs):
+                acts[j].append(cache[hook("neuron", L)][..., n])
+            del cache
         mask = batch.attention_mask.bool().clone()
         for b in range(batch.size):
             o = batch.offsets[b]
             mask[b, o:o + rows.n_bos[s + b]] = False
-        for j, (L, n) in enumerate(specs):
-            sums[j] += cache[hook("neuron", L)][..., n].double()[mask].sum().cpu()
+        for j in range(len(specs)):
+            sums[j] += torch.cat(acts[j]).double()[mask].sum().cpu()
         count += int(mask.sum())
-        del cache
     return {(L, n): float(sums[j] / max(1, count)) for j, (L, n) in enumerate(specs)}
 
 
@@ -684,6 +722,8 @@ def neuron_interventions(
         read_at: or the rows' resolved read indices into their own ids (BOS counted).
         clean_metrics: the ``clean`` dicts of an earlier call on the same rows (one per row), to skip
             the clean forward passes (ignored with ``freeze_downstream``).
+        batch_size: rows per padded batch (the memory budget may run a batch in parts,
+            :func:`rows_per_pass`, :func:`tracekit.units.batch_parts`: the same numbers).
 
     Returns:
         One ``{"clean", "patched", "delta"}`` dict per row (:func:`tracekit.units.output_metrics`:
@@ -693,6 +733,7 @@ def neuron_interventions(
         AttributionError: bad neuron spec, ``mode``, ``intervene_at``, non-finite values / means,
             target/foil beside a dataset, a row without a target.
         TokenizationError: a position not in a prompt.
+        MemoryBudgetError: one row does not fit the memory budget (before any forward pass).
     """
     edits, layers = _neuron_edits(model, neurons, mode, means, factor, value, intervene_at)
     rows = _rows(model, prompts, target, foil, position, read_at)
@@ -704,15 +745,21 @@ def neuron_interventions(
             raise TokenizationError(f"position: {q} is not an index into row {rows.row_ids[i]}'s {len(seq)} tokens")
     freeze = _direct_path_freeze(model, layers) if freeze_downstream else ()
     out: list[dict] = []
-    size = max(1, int(batch_size))
-    for s in range(0, n, size):
-        batch = pad_rows(model, rows.ids[s:s + size])
+    n_pos = max((len(r) for r in rows.ids), default=1)
+    # kept per row: the clean run's logits beside the patched run's, and the frozen activations
+    kept = int(model.cfg.d_vocab) * n_pos * 4 + sum(hook_bytes(model, h, n_pos) for h in freeze)
+    size = rows_per_pass(model, batch_size, n, n_pos, "neuron interventions", kept)
+    step = max(1, int(batch_size))
+    for s in range(0, n, step):
+        batch = pad_rows(model, rows.ids[s:s + step])
         ps = [batch.offsets[b] + rows.read_at[s + b] for b in range(batch.size)]
         if intervene_at == "position":
             where = torch.zeros(batch.tokens.shape, dtype=torch.bool)
             where[torch.arange(batch.size), torch.tensor(ps)] = True
         else:
             where = batch.attention_mask.bool().cpu()
-        cm = None if clean_metrics is None else clean_metrics[s:s + size]
-        out += _intervene_rows(model, edits, batch, ps, rows.targets[s:s + size], where, freeze, cm)
+        for sl, part in batch_parts(batch, size):  # the budget's parts of the padded batch: the same numbers
+            cm = None if clean_metrics is None else clean_metrics[s + sl.start:s + sl.stop]
+            out += _intervene_rows(model, edits, part, ps[sl], rows.targets[s + sl.start:s + sl.stop], where[sl],
+                                   freeze, cm)
     return out

@@ -69,7 +69,7 @@ from .tokens import Batch, forward_kwargs, run_with_cache, token_texts
 
 __all__ = ["UnitError", "UnitBasis", "VERBS", "RETIRED_VERBS", "VERB_PARAM", "canonical_verb", "new_activations",
            "steer_vector", "UnitEdit", "intervene", "output_metrics", "random_units", "hook_values", "RunningTop",
-           "TopContexts", "top_contexts", "vocab_readout", "Verb", "verb_key", "InterventionVerbs",
+           "TopContexts", "top_contexts", "vocab_readout", "BatchPart", "batch_parts", "Verb", "verb_key", "InterventionVerbs",
            "INTERVENTION_COLUMNS", "intervention_row", "intervention_summary", "intervention_text"]
 
 #: The intervention verbs, one set for every basis.
@@ -511,6 +511,34 @@ def hook_values(model: HookedModel, batch: Batch, names: list[str], stop_at_laye
     return {n: cache[n] for n in names}
 
 
+@dataclass
+class BatchPart(Batch):
+    """Some rows of a padded :class:`tracekit.tokens.Batch`, at the batch's padded width, given
+    the attention mask exactly when the whole batch was (``masked``): each row is computed as in
+    the whole batch, so a batch run part by part gives the whole batch's numbers."""
+
+    masked: bool = False
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.masked
+
+
+def batch_parts(batch: Batch, size: int) -> list[tuple[slice, Batch]]:
+    """``batch`` cut into parts of ``size`` rows: ``[(rows, part)]`` (the batch itself when it has
+    at most ``size`` rows). Used to run a padded batch in the chunks the memory budget allows
+    (:func:`tracekit.core.budget.chunk_rows`) without changing its padding."""
+    n, size = batch.size, max(1, int(size))
+    if size >= n:
+        return [(slice(0, n), batch)]
+    out: list[tuple[slice, Batch]] = []
+    for s in range(0, n, size):
+        sl = slice(s, min(n, s + size))
+        out.append((sl, BatchPart(batch.tokens[sl], batch.attention_mask[sl], batch.lengths[sl], batch.padding_side,
+                                  batch.ids[sl], masked=batch.needs_mask)))
+    return out
+
+
 class RunningTop:
     """The running top ``top_n`` (value, window, position) of each of ``n`` units over batches;
     ties ordered by window, then position (exact ties happen when two windows share a prefix), so
@@ -573,7 +601,7 @@ def top_contexts(model: HookedModel, reads: Sequence[tuple[UnitBasis, int]],
                  batches: Iterable[tuple[Batch, Sequence[int], Bool[torch.Tensor, "batch pos"]]], *, top_n: int = 10,
                  signs: Optional[Sequence[float]] = None, positive_only: bool = False, keep_rows: bool = False,
                  on_batch: Optional[Callable[[TopContexts, torch.Tensor, torch.Tensor], None]] = None,
-                 field: str = "units") -> TopContexts:
+                 field: str = "units", rows_per_pass: Optional[int] = None) -> TopContexts:
     """Top-activating tokens of some units over a stream of batches (Geva et al. 2021's key readout;
     SAE feature dashboards, Bricken et al. 2023). Memory is bounded: only the running top ``top_n``
     per unit is kept; the forward pass stops after the deepest hook read.
@@ -586,6 +614,9 @@ def top_contexts(model: HookedModel, reads: Sequence[tuple[UnitBasis, int]],
         keep_rows: keep each ranked window's activations (``TopContexts.rows``).
         on_batch: called after each batch with the :class:`TopContexts` so far, the batch's
             ``[batch, pos, n]`` activations (0 where not valid) and its ``valid`` mask.
+        rows_per_pass: run each batch's forward pass in parts of this many rows
+            (:func:`batch_parts`; the memory budget's choice); the batch's activations are put
+            back together before anything is ranked or summed, so the result is the same.
 
     Raises:
         UnitError: no reads, or signs of the wrong length. HookError: a basis' hook is unknown.
@@ -603,9 +634,13 @@ def top_contexts(model: HookedModel, reads: Sequence[tuple[UnitBasis, int]],
     stop = None if any(L is None for L in layers) else max(L for L in layers if L is not None) + 1
     out = TopContexts(RunningTop(len(reads), top_n), sg, torch.zeros(len(reads), dtype=torch.float64))
     for batch, wins, valid in batches:
-        cache = hook_values(model, batch, names, stop)
-        acts_of = {n: bases[n].activations(cache[n]) for n in names}
-        acts = torch.stack([acts_of[b.hook][..., u].float().cpu() for b, u in reads], -1)  # [B, P, N]
+        parts = []
+        for _, part in batch_parts(batch, rows_per_pass or batch.size):
+            cache = hook_values(model, part, names, stop)
+            acts_of = {n: bases[n].activations(cache[n]) for n in names}
+            parts.append(torch.stack([acts_of[b.hook][..., u].float().cpu() for b, u in reads], -1))  # [b, P, N]
+            del cache, acts_of
+        acts = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, P, N]
         valid = valid.bool().cpu()
         masked = acts * valid[..., None]
         out.sums += masked.sum((0, 1)).double()
@@ -620,7 +655,6 @@ def top_contexts(model: HookedModel, reads: Sequence[tuple[UnitBasis, int]],
                     for w in out.top.windows[j][torch.isfinite(out.top.values[j])].tolist()}
             out.rows = {key: (masked[here[key[1]], :, key[0]] if key[1] in here else out.rows[key]) for key in live}
         out.n_windows += len(wins)
-        del cache
     return out
 
 

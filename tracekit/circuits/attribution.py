@@ -41,6 +41,7 @@ import pandas as pd
 import torch
 
 from .. import metrics as M
+from ..core.budget import chunk_rows, current_budget, run_chunked
 from ..core.sites import hook
 from ..errors import CircuitError
 from ..model.info import HookedModel
@@ -51,10 +52,10 @@ from ..patching.jobs import DIRECTIONS, site_index
 from ..patching.request import PatchRequest, check_pairs, check_positions, check_request, length_groups
 from ..patching.run import JobResult, PatchingRun
 from ..patching.setters import SITES, Site
-from .gradients import gradient_pass
+from .gradients import balanced_chunk, gradient_pass, hook_bytes, pass_bytes
 from .qk import qk_fixed
 
-__all__ = ["attribution_patch", "reduce_site"]
+__all__ = ["atp_row_bytes", "attribution_patch", "reduce_site"]
 
 
 def reduce_site(site: Site, prod: torch.Tensor) -> torch.Tensor:
@@ -119,10 +120,16 @@ def attribution_patch(
     ``attribution_patch(model, **paired_args(rows), sites=..., modes=..., metrics=...)``,
     :func:`tracekit.patching.request.paired_args`).
 
+    Memory: the rows of one length run in chunks of as many rows as the memory budget allows
+    (``run.memory_budget``, :func:`tracekit.core.budget.chunk_rows`; :func:`atp_row_bytes` is the
+    estimate); each row's estimates are computed on their own, so the result does not depend on
+    the chunks (tested).
+
     Returns:
         :class:`tracekit.patching.PatchingRun` of estimates.
 
     Raises:
+        MemoryBudgetError: one row needs more than the memory budget (before any forward pass).
         PatchingError: as :func:`tracekit.patching.run_patching`.
         CircuitError: an ablation mode.
         MethodRefused: ``qk_fix`` on a model whose ``hook_attn_scores`` is not the softmax's input.
@@ -142,17 +149,59 @@ def attribution_patch(
     corr_vals = torch.full((n, len(req.metric_names)), float("nan"))
     out_jobs: list[JobResult] = []
     hooks = sorted({SITES[s].hook_name(L) for s in req.sites for L in req.site_layers(s)})
-    for n_pos, members in length_groups(lengths):
+    groups = length_groups(lengths)
+    # every group's row chunk first: a row that does not fit refuses before any pass runs
+    budget = current_budget(dev).bytes  # resolved once for every group
+    plan = [balanced_chunk(chunk_rows(atp_row_bytes(model, req, hooks, n_pos, qk_fix), len(members),
+                                      what="attribution patching", device=dev, unit="row", budget=budget,
+                                      fix="shorten the prompts, or ask fewer sites or metrics"), len(members))
+            for n_pos, members in groups]
+    for (n_pos, members), rows_chunk in zip(groups, plan):
         midx = torch.tensor(members)
-        clean = torch.tensor([clean_ids[i] for i in members], device=dev)
-        corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
-        base_vals, jobs = _group(model, req, clean, corr, midx, n_pos, hooks, qk_fix, dev)
-        clean_vals[midx], corr_vals[midx] = base_vals
-        out_jobs += [JobResult(mode, site, idf, list(members), n_pos, vals, None, None,
+        full: list = []
+
+        def do(sl: slice, members=members, n_pos=n_pos, full=full) -> None:
+            sub = torch.tensor(members[sl])
+            clean = torch.tensor([clean_ids[i] for i in members[sl]], device=dev)
+            corr = torch.tensor([corrupted_ids[i] for i in members[sl]], device=dev)
+            base_vals, jobs = _group(model, req, clean, corr, sub, n_pos, hooks, qk_fix, dev)
+            clean_vals[sub], corr_vals[sub] = base_vals
+            if not full:  # the group's tables [index rows, rows, metrics], filled chunk by chunk
+                full += [(mode, site, idf, torch.empty(len(idf), len(members), vals.shape[-1]))
+                         for mode, site, idf, vals in jobs]
+            for (_, _, idf, dst), (_, _, _, vals) in zip(full, jobs):
+                dst[:, sl] = vals.reshape(len(idf), len(sub), -1)
+
+        run_chunked(do, len(members), rows_chunk, what="attribution patching")
+        out_jobs += [JobResult(mode, site, idf, list(members), n_pos, vals.reshape(len(idf) * len(members), -1),
+                               None, None,
                                None if req.positions is None or "pos" not in site.axes
                                else req.positions[midx].tolist())
-                     for mode, site, idf, vals in jobs]
+                     for mode, site, idf, vals in full]
     return PatchingRun(req.metric_names, clean_vals, corr_vals, out_jobs, lengths, 0)
+
+
+def atp_row_bytes(model: HookedModel, req: PatchRequest, hooks: Sequence[str], n_pos: int, qk_fix: bool) -> int:
+    """Bytes one row of ``n_pos`` tokens needs in :func:`attribution_patch`: one gradient pass at a
+    time (:func:`tracekit.circuits.gradients.pass_bytes`; the clean run's graph is freed by its
+    backward pass before the corrupted run starts), both runs' recorded activations and one
+    gradient per metric at every hook (:func:`tracekit.circuits.gradients.hook_bytes`; the QK fix's
+    pattern, score, q and k hooks included), three float32 copies of the largest hook for the
+    ``(a_src - a_base) * grad`` product, the clean run's log-probabilities, the estimates
+    (``[index rows, metrics]``, at most one per hook element) and, with the QK fix, a cached run of
+    both halves (block inputs) and a block replay's cross scores in float64."""
+    names = list(hooks) + _qk_hooks(req, qk_fix)
+    per_hook = [hook_bytes(model, h, n_pos) for h in names]
+    n_m = len(req.metric_names)
+    e = max(1, hook_bytes(model, "x", 1) // int(model.cfg.d_model))
+    biggest = max(per_hook, default=0) * 4 // e
+    estimates = sum(per_hook) * 4 // e * len(req.modes) * n_m
+    need = pass_bytes(model, n_pos) + 2 * (1 + n_m) * sum(per_hook) + 3 * biggest
+    need += 4 * int(model.cfg.d_vocab) + estimates
+    if _qk_hooks(req, qk_fix):
+        need += 2 * (int(model.cfg.n_layers) + 1) * hook_bytes(model, "resid", n_pos) * 2
+        need += 2 * 8 * int(model.cfg.n_heads) * int(n_pos) ** 2 + pass_bytes(model, n_pos, backward=False)
+    return need
 
 
 def _group(model: HookedModel, req: PatchRequest, clean: torch.Tensor, corr: torch.Tensor, midx: torch.Tensor,

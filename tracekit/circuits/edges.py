@@ -32,7 +32,7 @@ Identity (exact, any model): the scores of all edges out of ``u`` add up to the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -40,15 +40,16 @@ import torch
 from jaxtyping import Float
 
 from .. import metrics as M
+from ..core.budget import chunk_rows, current_budget, run_chunked
 from ..errors import CircuitError
 from ..model.info import HookedModel
 from ..model.load import model_device
 from ..patching.request import check_pairs, length_groups
-from .gradients import LEAF_HOOK, GradPass, gradient_pass
+from .gradients import LEAF_HOOK, GradPass, balanced_chunk, gradient_pass, hook_bytes, pass_bytes
 from .graph import Graph, build_graph, check_separable, downstream_hooks, upstream_hooks
 from .writes import check_writes, stack_reads, stack_writes
 
-__all__ = ["EdgeScores", "edge_attribution", "ig_alphas", "METHODS", "IG_RULES", "SIGN_CONVENTION"]
+__all__ = ["EdgeScores", "edge_attribution", "edge_row_bytes", "ig_alphas", "METHODS", "IG_RULES", "SIGN_CONVENTION"]
 
 #: Edge methods.
 METHODS = ("eap", "eap_ig")
@@ -99,6 +100,9 @@ class EdgeScores:
         clean, corrupted: ``[rows]`` the metric on the clean and corrupted runs.
         method, mode, metric, ig_steps: how they were computed.
         ig_rule: the interpolation rule of ``eap_ig`` (:func:`ig_alphas`; None for ``eap``).
+        chunks: the chunk sizes the memory budget chose: ``rows`` (per length group, rows per
+            chunk) and, for ``eap_ig``, ``ig_steps`` (per row chunk, interpolation steps per
+            backward pass).
     """
 
     graph: Graph
@@ -110,6 +114,7 @@ class EdgeScores:
     metric: str
     ig_steps: int
     ig_rule: str | None = None
+    chunks: dict = field(default_factory=dict)
 
     def mean(self) -> Float[torch.Tensor, "n_down n_up"]:
         return self.scores.mean(0)
@@ -151,7 +156,15 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
         method: ``eap`` or ``eap_ig``.
         ig_steps: interpolation steps of ``eap_ig`` (with ``ig_rule: left``, 1 = EAP).
         ig_rule: ``left`` (default, the ``eap`` package's), ``right`` or ``midpoint`` (:func:`ig_alphas`).
-        max_rows: rows x steps per backward pass of ``eap_ig`` (memory).
+        max_rows: rows x steps per backward pass of ``eap_ig`` (at most; the memory budget may
+            allow fewer).
+
+    Memory: rows of one length are processed in chunks, and ``eap_ig``'s interpolation steps in
+    passes of several steps, as many as the memory budget (``run.memory_budget``,
+    :func:`tracekit.core.budget.chunk_rows`; :func:`edge_row_bytes` is the estimate) allows;
+    every row's scores are computed on their own and the steps are summed in the same blocks
+    (``max_rows // rows of the group`` steps) whatever the passes, so the result does not depend
+    on the chunks (tested). ``EdgeScores.chunks`` records the sizes chosen.
 
     From prepared rows: ``edge_attribution(model, **single_target_args(rows, "edge attribution"), ...)``
     (:func:`tracekit.patching.request.single_target_args`).
@@ -164,6 +177,8 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
         MethodRefused: a model whose writes are not separable (post-norms, residual multipliers,
             heads that do not add up to the attention output).
         PatchingError: rows of unequal clean/corrupted lengths.
+        MemoryBudgetError: one row (one interpolation step) needs more than the memory budget;
+            raised before any forward pass.
     """
     if method not in METHODS:
         raise CircuitError(f"method: {method!r} is not an edge method; use one of {list(METHODS)}")
@@ -181,21 +196,80 @@ def edge_attribution(model: HookedModel, clean_ids: Sequence[Sequence[int]], cor
     clean_v, corr_v = torch.zeros(n), torch.zeros(n)
     tgt = torch.tensor([[int(t)] for t in target_ids])
     foil = None if foil_ids is None else torch.tensor([[int(f)] for f in foil_ids])
-    for _, members in length_groups([len(c) for c in clean_ids]):
+    groups = length_groups([len(c) for c in clean_ids])
+    # the budget resolved once (an ``auto`` budget measured later would count this run's own tensors
+    # against it), then every group's row chunk: a row that does not fit refuses before any pass runs
+    budget = current_budget(dev).bytes
+    plan = [_plan(model, graph, n_pos, len(members), method, len(alphas), max_rows, dev, budget)
+            for n_pos, members in groups]
+    chunks: dict = {"rows": [], "ig_steps": []}
+    for (_, members), (rows_chunk, held, per_pass, block) in zip(groups, plan):
         midx = torch.tensor(members)
-        clean = torch.tensor([clean_ids[i] for i in members], device=dev)
-        corr = torch.tensor([corrupted_ids[i] for i in members], device=dev)
         inputs = M.MetricInputs(tgt[midx].to(dev), None if foil is None else foil[midx].to(dev))
-        s, c, x = _group_scores(model, graph, clean, corr, inputs, metric, mode, method, alphas, max_rows)
-        scores[midx], clean_v[midx], corr_v[midx] = s, c, x
+
+        def do(sl: slice, members=members, inputs=inputs, held=held, per_pass=per_pass, block=block) -> None:
+            idx = torch.tensor(members[sl])
+            clean = torch.tensor([clean_ids[i] for i in members[sl]], device=dev)
+            corr = torch.tensor([corrupted_ids[i] for i in members[sl]], device=dev)
+            sub = inputs.rows(torch.arange(sl.start, sl.stop, device=inputs.target.device))
+            s, c, x, steps = _group_scores(model, graph, clean, corr, sub, metric, mode, method, alphas, block,
+                                           held, per_pass, budget)
+            scores[idx], clean_v[idx], corr_v[idx] = s, c, x
+            chunks["ig_steps"].append(steps)
+
+        done = run_chunked(do, len(members), rows_chunk, what=f"edge attribution ({method})")
+        chunks["rows"].append(done)
     ig = method == "eap_ig"
+    if not ig:
+        del chunks["ig_steps"]
     return EdgeScores(graph, scores, clean_v, corr_v, method, mode, metric, ig_steps if ig else 0,
-                      ig_rule if ig else None)
+                      ig_rule if ig else None, chunks)
+
+
+def edge_row_bytes(model: HookedModel, graph: Graph, n_pos: int) -> tuple[int, int]:
+    """``(held, per_pass)``: bytes one row of ``n_pos`` tokens holds throughout :func:`edge_attribution`
+    and bytes one row needs in one gradient pass (per interpolation step for ``eap_ig``).
+
+    ``held`` counts both runs' recorded upstream activations, the float32 ``[pos, n_up, d_model]``
+    write difference with the two stacks it is made of and the einsum's copy, four float32
+    ``[pos, n_down, d_model]`` tensors (the stacked reads, the IG sum, one step's reads, the
+    einsum's copy) and the ``[n_down, n_up]`` scores twice. ``per_pass``:
+    :func:`tracekit.circuits.gradients.pass_bytes` with a backward pass, plus the activations and
+    gradients recorded at the downstream hooks."""
+    up = sum(hook_bytes(model, h, n_pos) for h in upstream_hooks(graph))
+    down = sum(hook_bytes(model, h, n_pos) for h in downstream_hooks(graph))
+    f32 = 4 * int(n_pos) * int(model.cfg.d_model)
+    n_up, n_down = len(graph.upstream), len(graph.downstream)
+    held = 2 * up + 4 * f32 * n_up + 4 * f32 * n_down + 2 * 4 * n_up * n_down
+    return held, pass_bytes(model, n_pos) + 2 * down
+
+
+def _plan(model: HookedModel, graph: Graph, n_pos: int, g: int, method: str, steps: int, max_rows: int,
+          dev: torch.device, budget: int | None = None) -> tuple[int, int, int, int]:
+    """``(rows per chunk, held bytes per row, bytes per row and step, IG steps summed together)`` of
+    one length group of ``g`` rows. The block of steps is ``max_rows // g`` (the steps one backward
+    pass took before the budget), whatever the chunks, so the sum over steps is the same; each row
+    holds the block's stacked reads.
+
+    Raises:
+        MemoryBudgetError: one row (with one interpolation step) does not fit the budget."""
+    held, per_pass = edge_row_bytes(model, graph, n_pos)
+    block = max(1, min(steps, max_rows // g)) if steps else 0
+    if block > 1:
+        held += (block - 1) * 4 * int(n_pos) * int(model.cfg.d_model) * len(graph.downstream)
+    fix = "shorten the prompts" + (", or lower max_rows" if block > 1 else "")
+    rows = chunk_rows(held + per_pass, g, what=f"edge attribution ({method})", device=dev, unit="row", fix=fix,
+                      budget=budget)
+    return balanced_chunk(rows, g), held, per_pass, block
 
 
 def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: torch.Tensor,
-                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], max_rows: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  inputs: M.MetricInputs, metric: str, mode: str, method: str, alphas: list[float], block: int,
+                  held: int, per_pass: int, budget: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Scores ``[g, n_down, n_up]``, clean and corrupted metrics ``[g]`` of rows of equal length,
+    and the interpolation steps per backward pass (0 for ``eap``); ``block``: steps summed together
+    (:func:`_ig_grads`)."""
     up = upstream_hooks(graph)
     pc = gradient_pass(model, clean, up)
     inputs.clean_log_probs = torch.log_softmax(pc.logits, -1)
@@ -210,35 +284,47 @@ def _group_scores(model: HookedModel, graph: Graph, clean: torch.Tensor, corr: t
     if method == "eap":
         gp = gradient_pass(model, base, down, [lambda lg: M.METRICS[metric](lg, inputs)])
         grad = stack_reads(graph, gp.grads[0])
+        per = 0
     else:
-        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas,
-                         max_rows, down)
+        g = base.shape[0]
+        per = min(block, chunk_rows(g * per_pass, len(alphas), what=f"edge attribution ({method})",
+                                    device=base.device, fixed=g * held, unit="interpolation step", budget=budget))
+        grad = _ig_grads(model, graph, base, ps.acts[LEAF_HOOK], inputs, metric, alphas, block, per, down)
     sc = torch.einsum("gpud,gpvd->gvu", d_write, grad) * graph.mask[None].float()
     score = lambda lg: M.METRICS[metric](lg, inputs).float().cpu()  # noqa: E731
-    return sc.cpu(), score(pc.logits), score(px.logits)
+    return sc.cpu(), score(pc.logits), score(px.logits), per
 
 
 def _ig_grads(model: HookedModel, graph: Graph, base: torch.Tensor, src_resid0: torch.Tensor, inputs: M.MetricInputs, metric: str, alphas: list[float],
-              max_rows: int, down: list[str]) -> torch.Tensor:
+              block: int, per: int, down: list[str]) -> torch.Tensor:
     """Downstream input gradients averaged over the runs interpolating block 0's input from the
-    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`)."""
+    base run's (on ``base``'s tokens) to ``src_resid0`` at each of ``alphas`` (:func:`ig_alphas`).
+
+    The steps are summed in blocks of ``block`` (``max_rows // rows of the length group``: one
+    backward pass each when nothing is chunked) and the blocks' sums added in order; each block's
+    steps run ``per`` at a time (the memory budget's choice, at most ``block``) and are stacked
+    before the block is summed, so the sum is the same whatever ``per`` and the row chunks."""
     g = base.shape[0]
     steps = len(alphas)
     total = None
-    per = max(1, max_rows // g)  # steps per pass
-    for s0 in range(0, steps, per):
-        ks = list(range(s0, min(steps, s0 + per)))
-        a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
-        toks = base.repeat(len(ks), 1)
-        src = src_resid0.repeat(len(ks), 1, 1)
-        rows = inputs.rows(torch.arange(g).repeat(len(ks)))
+    for b0 in range(0, steps, block):
+        b1 = min(steps, b0 + block)
+        parts = []
+        for s0 in range(b0, b1, per):
+            ks = list(range(s0, min(b1, s0 + per)))
+            a = torch.tensor([alphas[k] for k in ks], device=src_resid0.device).repeat_interleave(g)
+            toks = base.repeat(len(ks), 1)
+            src = src_resid0.repeat(len(ks), 1, 1)
+            rows = inputs.rows(torch.arange(g).repeat(len(ks)))
 
-        def leaf(x, a=a, src=src):
-            return x + a[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
+            def leaf(x, a=a, src=src):
+                return x + a[:, None, None].to(x.dtype) * (src.to(x.dtype) - x)
 
-        gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
-        r = stack_reads(graph, gp.grads[0])
-        r = r.reshape(len(ks), g, *r.shape[1:]).sum(0)
+            gp = gradient_pass(model, toks, down, [lambda lg, rows=rows: M.METRICS[metric](lg, rows)], leaf_fn=leaf)
+            r = stack_reads(graph, gp.grads[0])
+            parts.append(r.reshape(len(ks), g, *r.shape[1:]))
+            del gp
+        r = (parts[0] if len(parts) == 1 else torch.cat(parts)).sum(0)
         total = r if total is None else total + r
     assert total is not None
     return total / steps

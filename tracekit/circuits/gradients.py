@@ -6,6 +6,10 @@ one leaf, the residual stream entering block 0 (``blocks.0.hook_resid_pre``, opt
 an interpolation for integrated gradients), so no parameter ever gets a ``.grad`` and nothing is
 left on the model (every hook is removed in a ``finally``; the kinds run inside
 :func:`tracekit.hooks.state_guard` as well).
+
+Memory: :func:`pass_bytes` and :func:`hook_bytes` estimate what one row of a pass holds, so the
+engines built on it (AtP, EAP, EAP-IG) choose their row chunks from the memory budget
+(:func:`tracekit.core.budget.chunk_rows`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from jaxtyping import Float, Int
 
 from ..core.sites import hook
 from ..hooks import enabled_hooks, fwd_hooks
+from ..model.checks import model_dtype
 from ..model.info import HookedModel
 
-__all__ = ["GradPass", "gradient_pass", "LEAF_HOOK"]
+__all__ = ["GradPass", "gradient_pass", "LEAF_HOOK", "balanced_chunk", "hook_bytes", "pass_bytes"]
 
 #: The hook whose value is made the graph's leaf (the embeddings entering block 0).
 LEAF_HOOK = hook("resid_pre", 0)
@@ -98,3 +103,63 @@ def gradient_pass(model: HookedModel, tokens: Int[torch.Tensor, "rows pos"], hoo
             m.sum().backward(retain_graph=k + 1 < len(metric_fns))
     values = torch.stack(vals, -1) if vals else torch.zeros(tokens.shape[0], 0)
     return GradPass(acts, grads, last.detach(), values.float())
+
+
+def _dims(model: HookedModel) -> tuple[int, int, int, int, int, int, int, int]:
+    """``(n_layers, d_model, n_heads, n_kv_heads, d_head, d_mlp, d_vocab, bytes per element)``."""
+    cfg = model.cfg
+    d, H = int(cfg.d_model), int(cfg.n_heads)
+    Hkv = int(getattr(cfg, "n_key_value_heads", None) or H)
+    dh = int(getattr(cfg, "d_head", None) or d // H)
+    dm = int(getattr(cfg, "d_mlp", None) or 4 * d)
+    e = torch.empty((), dtype=model_dtype(model)).element_size()
+    return int(cfg.n_layers), d, H, Hkv, dh, dm, int(cfg.d_vocab), e
+
+
+def hook_bytes(model: HookedModel, name: str, n_pos: int) -> int:
+    """Bytes of one row's activation at hook ``name`` over ``n_pos`` positions, in the model's
+    dtype (an attention pattern / score ``[head, pos, pos]``; a per-head ``q/k/v/z`` ``[pos, head,
+    d_head]``; a split q/k/v input or a head result ``[pos, head, d_model]``; an MLP's hidden
+    ``[pos, d_mlp]``; anything else ``[pos, d_model]``)."""
+    _, d, H, _, dh, dm, _, e = _dims(model)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("hook_pattern", "hook_attn_scores"):
+        n = H * n_pos * n_pos
+    elif leaf in ("hook_q", "hook_k", "hook_v", "hook_z", "hook_rot_q", "hook_rot_k"):
+        n = n_pos * H * dh
+    elif leaf in ("hook_q_input", "hook_k_input", "hook_v_input", "hook_result"):
+        n = n_pos * H * d
+    elif ".mlp." in name and leaf in ("hook_pre", "hook_post", "hook_pre_linear"):
+        n = n_pos * dm
+    else:
+        n = n_pos * d
+    return n * e
+
+
+def pass_bytes(model: HookedModel, n_pos: int, backward: bool = True) -> int:
+    """A generous estimate of the bytes one row of ``n_pos`` tokens needs while a forward pass
+    (``backward=False``: one block's temporaries live at a time) or a forward + backward pass of
+    :func:`gradient_pass` runs, not counting the recorded hooks (:func:`hook_bytes`).
+
+    Counts, in the model's dtype: per block the residual-stream tensors (~12 ``[pos, d_model]``),
+    q/k/v/z and their rotations (``[pos, head, d_head]``), three ``[head, pos, pos]`` score/pattern tensors and five
+    ``[pos, d_mlp]`` MLP tensors; the logits ``[pos, d_vocab]`` (and their gradient); with
+    ``backward`` every block's tensors are kept for the backward pass, plus two blocks' worth of
+    gradients (the block being backpropagated)."""
+    L, d, H, Hkv, dh, dm, V, e = _dims(model)
+    T = int(n_pos)
+    block = 12 * T * d + 2 * T * dh * (3 * H + 2 * Hkv) + 3 * H * T * T + 5 * T * dm
+    logits = T * V
+    if not backward:
+        return (2 * block + 2 * T * d + logits) * e + 4 * V * 4
+    return ((L + 2) * block + 4 * T * d + 2 * logits) * e + 4 * V * 4
+
+
+def balanced_chunk(chunk: int, n: int) -> int:
+    """The chunk size that splits ``n`` units into as many chunks as ``chunk`` would, evened out
+    (``chunk=14, n=15`` -> 8: chunks of 8 and 7, not 14 and 1). A one-row pass runs some models'
+    kernels differently from a batch (last-bit differences), so a chunk of one row is left only
+    when the budget allows no more."""
+    chunk, n = max(1, int(chunk)), max(1, int(n))
+    k = -(-n // chunk)
+    return -(-n // k)

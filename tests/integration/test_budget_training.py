@@ -12,12 +12,12 @@ A budget below one row is refused with ``MemoryBudgetError`` before any forward 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import tracekit
-from tracekit.activations import ActivationStore, prompt_rows, write_store
-from tracekit.activations import chunking
+from tracekit.activations import ActivationStore, chunking, prompt_rows, write_store
 from tracekit.core.errors import MemoryBudgetError
 
 PROMPTS = ["The capital of France is", "The capital city of Japan, as everyone knows, is", "In the capital",
@@ -28,11 +28,15 @@ HOOKS = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.1.mlp.ho
 
 @pytest.fixture
 def chunks(monkeypatch):
-    """Counts the chunks every engine runs: ``calls[what]`` = the number of ``fn(slice)`` calls."""
+    """Counts the chunks every engine runs: ``calls[what]`` = the number of ``fn(slice)`` calls of the
+    batches that were split (a batch run in one pass is not counted)."""
     calls: dict[str, int] = {}
     real = chunking.run_chunked
 
     def counting(fn, n, chunk, align=1, what="tracekit"):
+        if chunk >= n:  # one pass: not chunked
+            return real(fn, n, chunk, align, what)
+
         def counted(sl):
             calls[what] = calls.get(what, 0) + 1
             fn(sl)
@@ -47,15 +51,15 @@ def _store(model, path, position="all", **kw):
                        source={"kind": "prompts"}, batch_size=4, shard_mb=0.004, **kw)
 
 
-@pytest.mark.parametrize("position, budget", [("all", "200KiB"), ("last", "120KiB"), ("mean", "200KiB")])
+@pytest.mark.parametrize("position, budget", [("all", "300KiB"), ("last", "200KiB"), ("mean", "300KiB")])
 def test_store_write_chunked_equals_unchunked_byte_for_byte(tiny_model, tmp_path, chunks, position, budget):
     _store(tiny_model, tmp_path / "free", position)
     assert not chunks
     # one row (up to 13 tokens) needs ~90 KiB (last) to ~130 KiB (all, mean: every token read), a
-    # write batch of 4 rows 0.35-0.5 MiB: 1-2 rows per forward pass
+    # write batch of 4 rows 0.35-0.5 MiB: 2 rows per forward pass
     with tracekit.memory_budget(budget):
         _store(tiny_model, tmp_path / "tight", position)
-    assert chunks["activation store write"] >= 4  # 2 write batches, each in 2 or more forward passes
+    assert chunks["activation store write"] >= 2  # the longer write batch in forward passes of 2 rows
     a, b = ActivationStore(tmp_path / "free"), ActivationStore(tmp_path / "tight")
     assert [s["sha256"] for s in a.manifest["shards"]] == [s["sha256"] for s in b.manifest["shards"]]
     assert len(a.manifest["shards"]) > 1
@@ -69,3 +73,130 @@ def test_store_write_refuses_a_row_that_does_not_fit(tiny_gpt2, tmp_path):
     msg = str(e.value)
     assert "activation store write" in msg and "run.memory_budget" in msg and "shorten the rows" in msg
     assert not list((tmp_path / "st").glob("shard-*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# SAE decomposition (sae_features) and SAE training
+
+
+SAE_PROMPTS = ["The capital of France is the city of", "Paris is in", "In Paris the capital", "Rome is the capital of",
+               "The city of", "Our capital", "France and Paris, as everyone knows, and", "A"]
+
+
+def _sae_features(model, d):
+    from tracekit import SAEFeatures
+
+    return SAEFeatures(sae={"path": str(d)}, prompts=SAE_PROMPTS, target=" Paris", foil=" London", top_k=4,
+                       batch_size=8).run(model, progress=False)
+
+
+def test_sae_decomposition_chunked_equals_unchunked(tiny_gpt2, tmp_path, chunks):
+    from test_sae import make_sae_dir
+
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre", arch="topk", d_sae=64)
+    free = _sae_features(tiny_gpt2, d)
+    assert "SAE feature decomposition" not in chunks
+    # one row (<= 10 tokens) keeps its graph and logits (~7 MiB: the 50k vocabulary) for the backward
+    # pass; the batch of 8 rows needs ~56 MiB
+    with tracekit.memory_budget("20MiB"):
+        tight = _sae_features(tiny_gpt2, d)
+    assert chunks["SAE feature decomposition"] == 4
+    assert set(free.tables) == set(tight.tables)
+    for name in free.tables:
+        assert free.tables[name].equals(tight.tables[name]), name
+    with tracekit.memory_budget("1MiB"), pytest.raises(MemoryBudgetError, match="SAE feature decomposition"):
+        _sae_features(tiny_gpt2, d)
+
+
+TRAIN = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "training_tokens": 1024, "dataset_tokens": 512,
+         "eval_tokens": 128, "context_size": 32, "train_batch_size_tokens": 128}
+
+
+def test_sae_training_under_a_budget_gives_the_same_sae(tiny_gpt2, tmp_path, monkeypatch, chunks):
+    from safetensors.torch import load_file
+
+    from tracekit.sae import SAETrainSpec, train_sae
+    from tracekit.sae.train import training_bytes
+
+    spec = SAETrainSpec(**TRAIN)
+    need = training_bytes(spec, 64, 32)
+    assert need < 1.5 * 2 ** 20  # one optimiser step (SAELens' buffer included) fits the budget below
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "free"))
+    d_free, hit, _ = train_sae(tiny_gpt2, spec)
+    assert not hit and "SAE training activations" not in chunks
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "tight"))
+    # one 32-token window's forward pass ~0.27 MiB; a batch of 16 windows ~4.3 MiB
+    with tracekit.memory_budget("1.5MiB"):
+        d_tight, hit, _ = train_sae(tiny_gpt2, spec)
+    assert not hit and chunks["SAE training activations"] >= 3
+    a, b = load_file(str(d_free / "sae_weights.safetensors")), load_file(str(d_tight / "sae_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "refused"))
+    with tracekit.memory_budget("512KiB"), pytest.raises(MemoryBudgetError, match="SAE training") as e:
+        train_sae(tiny_gpt2, spec)
+    assert "train_batch_size_tokens" in str(e.value)
+    assert not (tmp_path / "refused" / "saes").exists() or not any((tmp_path / "refused" / "saes").iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# tuned lens
+
+
+LENS = {"train_tokens": 1024, "seq_len": 128, "epochs": 1, "batch_tokens": 4, "held_out_tokens": 0, "lr": 3e-3,
+        "batch_size": 8, "cache": False}
+
+
+def test_tuned_lens_residual_cache_chunked_equals_unchunked(tiny_llama, tmp_path, chunks):
+    from tracekit.lenses.train import TunedLensSpec, cache_residuals, split_windows
+
+    spec = TunedLensSpec(**LENS)
+    wins = split_windows(tiny_llama, spec.corpus, "train", 600, 40)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    free = cache_residuals(tiny_llama, wins, tmp_path / "a", batch_size=8)
+    with tracekit.memory_budget("1MiB"):  # one 40-token window ~0.4 MiB, the batch of 8 ~3 MiB
+        tight = cache_residuals(tiny_llama, wins, tmp_path / "b", batch_size=8)
+    assert chunks["tuned lens residual cache"] >= 2 * len(wins) // 8
+    assert np.array_equal(free.acts, tight.acts) and np.array_equal(free.next_ids, tight.next_ids)
+
+
+def test_tuned_lens_training_under_a_budget_gives_the_same_lens(tiny_gpt2, chunks):
+    from tracekit.lenses.train import TunedLensSpec, train_tuned_lens, training_bytes
+
+    spec = TunedLensSpec(**LENS)
+    assert training_bytes(tiny_gpt2, spec, False) < 6 * 2 ** 20  # one step (4 tokens x 50k vocabulary)
+    free = train_tuned_lens(tiny_gpt2, spec)
+    assert "tuned lens residual cache" not in chunks
+    # one 128-token window ~1.8 MiB (attention grows with its square); a batch of 8 ~15 MiB
+    with tracekit.memory_budget("6MiB"):
+        tight = train_tuned_lens(tiny_gpt2, spec)
+    assert chunks["tuned lens residual cache"] >= 2 * free.record["train_windows"] // 8
+    a, b = free.layer_translators.state_dict(), tight.layer_translators.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert free.record["train_kl"] == tight.record["train_kl"]
+    with tracekit.memory_budget("2MiB"), pytest.raises(MemoryBudgetError, match="tuned lens training") as e:
+        train_tuned_lens(tiny_gpt2, spec)
+    assert "batch_tokens" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# probing extraction
+
+
+@pytest.mark.parametrize("position", ["last", "all", "mean"])
+def test_probing_extraction_chunked_equals_unchunked(tiny_model, chunks, position):
+    from tracekit.probing import extract_activations
+
+    with extract_activations(tiny_model, PROMPTS, HOOKS, position, batch_size=8) as free:
+        want = {h: free.get(h) for h in HOOKS}
+        rows, positions = free.rows, free.positions
+    assert "probing extraction" not in chunks
+    # one prompt (<= 13 tokens) with its logits ~5 MiB (the 50k vocabulary); the batch ~40 MiB
+    with tracekit.memory_budget("10MiB"), extract_activations(tiny_model, PROMPTS, HOOKS, position,
+                                                              batch_size=8) as tight:
+        assert np.array_equal(rows, tight.rows) and np.array_equal(positions, tight.positions)
+        for h in HOOKS:
+            assert torch.equal(want[h], tight.get(h)), h
+    assert chunks["probing extraction"] >= 4
+    with tracekit.memory_budget("1MiB"), pytest.raises(MemoryBudgetError, match="probing extraction"):
+        extract_activations(tiny_model, PROMPTS, HOOKS, position, batch_size=8)

@@ -1,5 +1,9 @@
 """Training a tuned lens on cached activations, and the cache of trained lenses.
 
+Over 600 lines (reason): the training spec, its data (corpus split, residual cache, store), the
+loop, its memory-budget estimates and the lens cache share one cache key and one record; split,
+each piece would import the others' private helpers.
+
 Data: corpus documents (:func:`tracekit.corpus.iter_documents`; default the offline ``stdlib``
 corpus) are split **by document** into training and held-out text, deterministically
 (:func:`document_split`: a document -- paragraphs sharing a topic/docstring owner count as one -- is

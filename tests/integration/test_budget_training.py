@@ -200,3 +200,29 @@ def test_probing_extraction_chunked_equals_unchunked(tiny_model, chunks, positio
     assert chunks["probing extraction"] >= 4
     with tracekit.memory_budget("1MiB"), pytest.raises(MemoryBudgetError, match="probing extraction"):
         extract_activations(tiny_model, PROMPTS, HOOKS, position, batch_size=8)
+
+
+def test_cache_activations_cli_obeys_run_memory_budget(tmp_path, capsys):
+    """``tracekit cache-activations`` runs its steps under the config's ``run.memory_budget`` (as the
+    runner does): a budget below one row is refused (exit 2) naming the setting, before any shard."""
+    import argparse
+
+    import yaml
+
+    from helpers import GPT2_BPE, tiny_overrides
+    from tracekit.activations_cli import add_commands, main
+
+    model = {"name": "gpt2", "random_init": True, "tokenizer": GPT2_BPE, "config_overrides": tiny_overrides("gpt2"),
+             "device": "cpu"}
+    step = {"kind": "activations", "path": str(tmp_path / "st"), "hooks": ["blocks.0.hook_resid_post"],
+            "prompts": PROMPTS, "position": "all"}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": model, "run": {"memory_budget": "4KiB"}, "experiments": [step]}))
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="cmd"))
+    assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress"])) == 2
+    err = capsys.readouterr().err
+    assert "activation store write: one row needs" in err and "run.memory_budget" in err
+    assert not list((tmp_path / "st").glob("shard-*"))
+    assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress", "--set", "run.memory_budget=auto"])) == 0
+    assert list((tmp_path / "st").glob("shard-*"))

@@ -226,3 +226,25 @@ def test_cache_activations_cli_obeys_run_memory_budget(tmp_path, capsys):
     assert not list((tmp_path / "st").glob("shard-*"))
     assert main(p.parse_args(["cache-activations", str(cfg), "--no-progress", "--set", "run.memory_budget=auto"])) == 0
     assert list((tmp_path / "st").glob("shard-*"))
+
+
+def test_sae_feature_contexts_chunked_equal_unchunked(tiny_gpt2, tmp_path, monkeypatch):
+    from test_sae import make_sae_dir
+
+    import tracekit.sae.dashboard as dash
+    from tracekit.sae import SAESpec, _corpus_windows, load_sae
+
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre", arch="topk", d_sae=64)
+    h = load_sae(SAESpec(path=str(d)), tiny_gpt2)
+    wins = _corpus_windows(tiny_gpt2, "stdlib", 32, 0, 512, "corpus")
+    assert len(wins) >= 16
+    free = dash.top_activating_contexts(tiny_gpt2, h, [0, 5, 9], wins, top_n=4, batch_size=8)
+    passes = []
+    real = dash.row_slice
+    monkeypatch.setattr(dash, "row_slice", lambda batch, sl: passes.append(sl.stop - sl.start) or real(batch, sl))
+    # one 32-token window with its logits ~13 MiB (the 50k vocabulary); a batch of 8 ~105 MiB
+    with tracekit.memory_budget("30MiB"):
+        tight = dash.top_activating_contexts(tiny_gpt2, h, [0, 5, 9], wins, top_n=4, batch_size=8)
+    assert len(passes) >= 4 * (len(wins) // 8) and max(passes) == 2  # passes of 2 windows
+    assert free[0].equals(tight[0])
+    assert free[1].keys() == tight[1].keys() and all(np.array_equal(free[1][f], tight[1][f]) for f in free[1])

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from .config import load_config
+from .core.budget import memory_budget
 from .core.errors import ConfigError, TracekitError
 from .model.load import load_model
 from .runner import check_config, seed_everything
@@ -56,7 +57,8 @@ def main(args) -> int:
         for i, s in enumerate(steps):
             seed_everything(config.seed)
             kw = {"inputs": prepared[i]} if i in prepared else {}
-            result = s.run(model, progress=not args.no_progress, check=False, **kw)
+            with memory_budget(config.run.memory_budget):  # as the runner sets it around each step
+                result = s.run(model, progress=not args.no_progress, check=False, **kw)
             print(result.report())
     except TracekitError as e:
         print(f"error: {e}", file=sys.stderr)

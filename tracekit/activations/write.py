@@ -52,6 +52,7 @@ from ..core.locks import acquire, holder_pid, release
 from ..hooks import check_hooks, enabled_hooks, fwd_hooks
 from ..model.info import HookedModel
 from ..tokens import Batch, forward_kwargs, pad_rows
+from .chunking import F32, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from .store import (
     FORMAT,
     MANIFEST,
@@ -138,6 +139,42 @@ def _read_batch(model: HookedModel, batch: Batch, rows: Sequence[StoreRow], hook
         a = a.reshape(a.shape[0], -1)
         out[h] = (a if dtype is None else a.to(dtype)).cpu().contiguous()
     return out
+
+
+def _read_chunked(model: HookedModel, group: list[StoreRow], hooks: Sequence[str], dtype: Optional[torch.dtype]
+                  ) -> dict[str, torch.Tensor]:
+    """:func:`_read_batch` of one write batch (``batch_size`` rows, padded together) under the memory
+    budget: its rows in chunks of the size the budget allows (each chunk padded to the batch's
+    width: :func:`tracekit.activations.chunking.row_slice`), so the examples equal the unchunked
+    pass's byte for byte and the shards, their boundaries and the plan do not depend on the budget.
+
+    The estimate per row: the forward pass (:func:`~tracekit.activations.chunking.forward_row_bytes`;
+    no logits when every hook is a block hook, as the pass stops after the last one) plus the read
+    examples twice (the gathered copy and its dtype cast). The shard being filled (``shard_mb``) is
+    the store's output, bounded by ``shard_mb``, and not counted.
+
+    Raises:
+        MemoryBudgetError: one row does not fit the budget (before its forward pass).
+    """
+    batch = pad_rows(model, [list(r.ids) for r in group], "rows")
+    width = int(batch.tokens.shape[1])
+    stop = all(h.startswith("blocks.") for h in hooks)
+    n_read = max(len(r.read) for r in group)
+    hook_elems = sum(int(model.cfg.d_model) if h.endswith(("resid_pre", "resid_mid", "resid_post")) else
+                     max(int(model.cfg.d_model), int(getattr(model.cfg, "d_mlp", 0) or 0)) for h in hooks)
+    per_row = forward_row_bytes(model, width, logits=not stop) + 2 * F32 * n_read * hook_elems
+    chunk = forward_chunk_size(model, len(group), per_row, what="activation store write",
+                               fix="shorten the rows (prompts, corpus.seq_len) or store fewer hooks")
+    if chunk >= len(group):
+        return _read_batch(model, batch, group, hooks, dtype)
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+
+    def run(sl: slice) -> None:
+        parts[sl.start] = _read_batch(model, row_slice(batch, sl), group[sl], hooks, dtype)
+
+    forward_chunks(run, len(group), chunk, "activation store write")
+    got = [parts[k] for k in sorted(parts)]
+    return {h: torch.cat([p[h] for p in got], 0) for h in hooks}
 
 
 def _segments(rows: Sequence[StoreRow]) -> list[int]:
@@ -383,7 +420,7 @@ def _write_shards(model: HookedModel, rows: Iterable[StoreRow], hooks: list[str]
     store_dtype = DTYPES[dtype]
 
     def compute(group: list[StoreRow]) -> None:
-        parts = _read_batch(model, pad_rows(model, [list(r.ids) for r in group], "rows"), group, hooks, store_dtype)
+        parts = _read_chunked(model, group, hooks, store_dtype)
         if man["shapes"] is None:
             man["shapes"] = {h: [int(parts[h].shape[1])] for h in hooks}
             per_ex = sum(int(t.shape[1]) * t.element_size() for t in parts.values())

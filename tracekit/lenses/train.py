@@ -1,5 +1,9 @@
 """Training a tuned lens on cached activations, and the cache of trained lenses.
 
+Over 600 lines (reason): the training spec, its data (corpus split, residual cache, store), the
+loop, its memory-budget estimates and the lens cache share one cache key and one record; split,
+each piece would import the others' private helpers.
+
 Data: corpus documents (:func:`tracekit.corpus.iter_documents`; default the offline ``stdlib``
 corpus) are split **by document** into training and held-out text, deterministically
 (:func:`document_split`: a document -- paragraphs sharing a topic/docstring owner count as one -- is
@@ -47,6 +51,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from ..activations.chunking import check_fits, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..activations.store import MANIFEST, ActivationStore, StoreError
 from ..core.cachedir import remove_stale_temps
 from ..core.errors import ConfigError, CorpusError
@@ -219,8 +224,17 @@ def cache_residuals(model: HookedModel, windows: Sequence[Window], folder: Path,
         batch_size: windows per forward pass.
         progress: optional callable receiving the number of windows done.
 
+    Memory budget (``run.memory_budget``): each batch of ``batch_size`` windows runs in chunks of
+    windows the budget allows (padded to the batch's width: the residuals do not depend on it). The
+    estimate per window: its forward pass without logits
+    (:func:`tracekit.activations.chunking.forward_row_bytes`) plus ``[n_layers + 1, pos, d_model]``
+    read twice (the stacked hooks and the float32 copy). The cache file is on disk (memory-mapped).
+
     Returns:
         The :class:`ResidualCache` (tokens in window order).
+
+    Raises:
+        MemoryBudgetError: one window does not fit the budget, before its forward pass.
     """
     n_layers = int(model.cfg.n_layers)
     hooks = [p.hook for p in lens_points(n_layers, "hidden_states")]
@@ -228,18 +242,28 @@ def cache_residuals(model: HookedModel, windows: Sequence[Window], folder: Path,
     acts = np.lib.format.open_memmap(folder / "residuals.npy", mode="w+", dtype=np.float32,
                                      shape=(n_layers + 1, n, int(model.cfg.d_model)))
     next_ids = np.full(n, -1, dtype=np.int64)
-    at = 0
+    starts = np.cumsum([0] + [len(w.ids) - w.n_prefix for w in windows])
+    done = 0
+    H, d = n_layers + 1, int(model.cfg.d_model)
     for batch, group in window_batches(model, windows, batch_size=batch_size):
-        resid = residual_stream(model, batch, hooks)  # [H, b, pos, d]
-        for b, w in enumerate(group):
-            idx = batch.real_index(b)[w.n_prefix:]
-            k = len(idx)
-            acts[:, at:at + k] = resid[:, b, idx.to(resid.device)].float().cpu().numpy()
-            next_ids[at:at + k - 1] = np.asarray(w.ids[w.n_prefix + 1:], dtype=np.int64)
-            at += k
+        T = int(batch.tokens.shape[1])
+        per_row = forward_row_bytes(model, T, logits=False) + 2 * 4 * H * T * d  # + [H, pos, d] and its copy
+        chunk = forward_chunk_size(model, batch.size, per_row, what="tuned lens residual cache",
+                                   fix="lower tuned.seq_len")
+
+        def run(sl: slice, batch=batch, group=group, first=done) -> None:
+            resid = residual_stream(model, row_slice(batch, sl), hooks)  # [H, rows, pos, d]
+            for j, w in enumerate(group[sl]):
+                b = sl.start + j
+                idx = batch.real_index(b)[w.n_prefix:]
+                at, k = int(starts[first + b]), len(idx)
+                acts[:, at:at + k] = resid[:, j, idx.to(resid.device)].float().cpu().numpy()
+                next_ids[at:at + k - 1] = np.asarray(w.ids[w.n_prefix + 1:], dtype=np.int64)
+
+        forward_chunks(run, batch.size, chunk, "tuned lens residual cache")
+        done += len(group)
         if progress is not None:
             progress(len(group))
-        del resid
     acts.flush()
     return ResidualCache(acts, next_ids)
 
@@ -343,6 +367,19 @@ def store_tokens(model: HookedModel, spec: TunedLensSpec, field: str = "tuned") 
                        file_sha256(store.path / MANIFEST, memo=False))
 
 
+def training_bytes(model: HookedModel, spec: TunedLensSpec, held_out: bool = True) -> int:
+    """Estimated bytes one training step holds whatever the budget (its batch is the user's
+    ``batch_tokens``, never split, so the lens does not depend on the budget), float32: the final
+    and the lens' log-probabilities with the loss' temporaries and gradient
+    (``6 x batch_tokens x d_vocab``), the translators with their gradients and Adam's moments
+    (``5 x n_layers x (d_model^2 + d_model)``); with held-out tokens, the held-out evaluation's
+    ``4 x min(256, held_out_tokens) x d_vocab`` when larger (:func:`held_out_kl`'s batch)."""
+    vocab, d, L = int(model.cfg.d_vocab), int(model.cfg.d_model), int(model.cfg.n_layers)
+    step = 6 * spec.batch_tokens * vocab
+    held = 4 * min(256, spec.held_out_tokens) * vocab if held_out else 0
+    return 4 * (max(step, held) + 5 * L * (d * d + d))
+
+
 def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[np.ndarray]:
     perm = torch.randperm(n, generator=gen).numpy()
     for s in range(0, n, size):
@@ -436,9 +473,15 @@ def train_tuned_lens(model: HookedModel, spec: TunedLensSpec, progress: bool = F
         counts, time, per-hidden-state training KL (last epoch) and held-out KL of the logit lens
         (``held_out_kl_logit``) and of the tuned lens (``held_out_kl``), in nats.
 
+    Memory budget (``run.memory_budget``): only the forward passes that cache the residuals are
+    chunked (:func:`cache_residuals`); the optimiser's batches are ``batch_tokens`` tokens whatever
+    the budget, so for a given seed the lens is the same under any budget. A budget below one
+    training step (:func:`training_bytes`) is refused before the model runs.
+
     Raises:
         CorpusError: the corpus is too small for ``train_tokens`` / ``held_out_tokens``.
         StoreError: a store that cannot be used (:func:`store_tokens`).
+        MemoryBudgetError: one training step or one window's forward pass does not fit the budget.
     """
     if stored is None and spec.store is not None:
         stored = store_tokens(model, spec, field)
@@ -453,6 +496,8 @@ def train_tuned_lens(model: HookedModel, spec: TunedLensSpec, progress: bool = F
             return stored.residuals(model, part, folder)
         return cache_residuals(model, wins, folder, spec.batch_size)
 
+    check_fits(model, training_bytes(model, spec, bool(held_w)), what="tuned lens training", unit="optimiser step",
+               fix=f"lower {field}.batch_tokens (it changes the lens) or {field}.held_out_tokens")
     lens = TunedLens.from_model(model, bias=spec.bias)
     t0 = time.time()
     params = [p for p in cast(Any, model).parameters()]  # a loaded bridge's parameters

@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from jaxtyping import Float
 
+from ..activations.chunking import forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..activations.store import ActivationStore
 from ..core.sites import BLOCK_HOOKS, SITE_TABLE, check_layers, hook
 from ..errors import ProbingError
 from ..hooks import check_hooks, hook_layer
 from ..model.info import HookedModel
-from ..tokens import Position, chunks, encode, parse_position, run_with_cache, tokenize
+from ..tokens import Batch, Position, chunks, encode, parse_position, run_with_cache, tokenize
 
 __all__ = ["SITES", "EMBEDDING_HOOK", "POSITION_FORMS_PROBING", "probe_hooks", "row_positions",
            "Activations", "extract_activations"]
@@ -296,11 +297,18 @@ def extract_activations(
         :class:`Activations` with ``n_examples`` = ``n_rows`` (``all``: the number of read tokens).
         Values are float32 ``[n_examples, d]`` per hook (head-resolved hooks flattened).
 
+    Memory budget (``run.memory_budget``): each batch of ``batch_size`` prompts runs in chunks of
+    prompts the budget allows (padded to the batch's width: the values do not depend on it). The
+    estimate per prompt: its forward pass with logits
+    (:func:`tracekit.activations.chunking.forward_row_bytes`) plus the cached hooks
+    (``[pos, d]`` each). What is kept (in memory up to ``max_memory_mb``, else on disk) is the result.
+
     Raises:
         HookError: an unknown hook (or one that never fires).
         TokenizationError: a bad position spec, a ``token:``/``field:`` string missing from a prompt,
             a prompt longer than the context.
         ProbingError: no texts.
+        MemoryBudgetError: one prompt does not fit the memory budget, before its forward pass.
     """
     # Long (reason): a context manager whose setup, batched reads and cleanup (scratch folder, hooks) must stay in one frame.
     from ..scratch import scratch_dir
@@ -337,35 +345,27 @@ def extract_activations(
             bar = stack.enter_context(tqdm(total=len(texts), desc="activations", leave=False))
         for sl in chunks(len(texts), batch_size):
             batch = tokenize(model, texts[sl])
-            _, cache = run_with_cache(model, batch, hooks)
-            offs = batch.offsets
-            b_idx, p_idx, seg = [], [], []  # gather indices; seg groups tokens for 'mean'
             for b in range(batch.size):
                 r = sl.start + b
                 ps = pos_all[r]
-                for p in ps:
-                    b_idx.append(b)
-                    p_idx.append(offs[b] + p)
                 if kind == "all":
                     rows += [r] * len(ps)
                     positions += ps
-                    seg += list(range(len(seg), len(seg) + len(ps)))
                 else:
                     rows.append(r)
                     positions.append(-1 if kind == "mean" else ps[0])
-                    seg += [b] * len(ps)
-            bi = torch.tensor(b_idx, device=batch.tokens.device)
-            pi = torch.tensor(p_idx, device=batch.tokens.device)
-            parts = {}
-            for h in hooks:
-                a = cache[h][bi, pi].float()
-                if kind == "mean":
-                    sg = torch.tensor(seg, device=a.device)
-                    s = torch.zeros(batch.size, *a.shape[1:], device=a.device).index_add_(0, sg, a)
-                    cnt = torch.bincount(sg, minlength=batch.size).clamp(min=1).float()
-                    a = s / cnt.reshape(-1, *([1] * (a.ndim - 1)))
-                parts[h] = a.reshape(a.shape[0], -1).cpu()
-            del cache
+            T = int(batch.tokens.shape[1])
+            per_row = forward_row_bytes(model, T) + 4 * T * sum(dims.values())  # + the cached hooks
+            step = forward_chunk_size(model, batch.size, per_row, what="probing extraction",
+                                      fix="shorten the prompts or probe fewer layers / sites")
+            got: dict[int, dict[str, torch.Tensor]] = {}
+
+            def run(sub: slice, batch=batch, first=sl.start, got=got) -> None:
+                got[sub.start] = _read_rows(model, row_slice(batch, sub), hooks, pos_all[first + sub.start:
+                                                                                            first + sub.stop], kind)
+
+            forward_chunks(run, batch.size, step, "probing extraction")
+            parts = {h: torch.cat([got[k][h] for k in sorted(got)], 0) for h in hooks}
             if writer is not None:
                 writer.add(parts)
             else:
@@ -383,6 +383,37 @@ def extract_activations(
             return Activations(hooks, np.array(rows), np.array(positions), None, writer.dir, writer.files,
                                scratch=scratch)
         return Activations(hooks, np.array(rows), np.array(positions), {h: torch.cat(v, 0) for h, v in mem.items()})
+
+
+def _read_rows(model: HookedModel, batch: Batch, hooks: Sequence[str], pos: Sequence[Sequence[int]], kind: str
+               ) -> dict[str, torch.Tensor]:
+    """One forward pass of ``batch`` (rows with read positions ``pos``, BOS counted): per hook,
+    ``[n_examples, d]`` float32 on the CPU (``mean``: one example per row)."""
+    _, cache = run_with_cache(model, batch, hooks)
+    offs = batch.offsets
+    b_idx, p_idx, seg = [], [], []  # gather indices; seg groups tokens for 'mean'
+    for b in range(batch.size):
+        ps = pos[b]
+        for p in ps:
+            b_idx.append(b)
+            p_idx.append(offs[b] + p)
+        if kind == "all":
+            seg += list(range(len(seg), len(seg) + len(ps)))
+        else:
+            seg += [b] * len(ps)
+    bi = torch.tensor(b_idx, device=batch.tokens.device)
+    pi = torch.tensor(p_idx, device=batch.tokens.device)
+    parts = {}
+    for h in hooks:
+        a = cache[h][bi, pi].float()
+        if kind == "mean":
+            sg = torch.tensor(seg, device=a.device)
+            s = torch.zeros(batch.size, *a.shape[1:], device=a.device).index_add_(0, sg, a)
+            cnt = torch.bincount(sg, minlength=batch.size).clamp(min=1).float()
+            a = s / cnt.reshape(-1, *([1] * (a.ndim - 1)))
+        parts[h] = a.reshape(a.shape[0], -1).cpu()
+    del cache
+    return parts
 
 
 def _hook_dims(model: HookedModel, hooks: Sequence[str]) -> dict[str, int]:

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..activations.chunking import forward_chunk_size, forward_row_bytes, row_slice
 from ..model.info import HookedModel
 from ..tokens import pad_ids, str_tokens
 from ..units import top_contexts, vocab_readout
@@ -60,6 +61,14 @@ def top_activating_contexts(model: HookedModel, handle: LoadedSAE, features: Seq
     """The corpus tokens on which each feature is most active (padding and special tokens excluded;
     :func:`tracekit.units.top_contexts` over :class:`SAEBasis`, ties by window then position).
 
+    Memory budget (``run.memory_budget``): each batch of ``batch_size`` windows is read in chunks of
+    windows the budget allows (padded to the batch's width, so the activations, the ranking and the
+    histograms do not depend on it); per window: its forward pass with logits
+    (:func:`tracekit.activations.chunking.forward_row_bytes`) plus ``3 x [pos, d_sae]`` float32.
+
+    Raises:
+        MemoryBudgetError: one window does not fit the budget, before its forward pass.
+
     Returns:
         ``(contexts, hist)``: ``contexts`` rows ``feature, rank, activation, window, position,
         token, context`` plus ``tokens`` / ``token_acts`` (JSON lists: the context's tokens and the
@@ -78,7 +87,13 @@ def top_activating_contexts(model: HookedModel, handle: LoadedSAE, features: Seq
         for s in range(0, len(windows), step):
             batch = pad_ids(model, [list(w) for w in windows[s:s + batch_size]])
             ok = batch.attention_mask.bool().cpu() & ~torch.isin(batch.tokens.cpu(), special)
-            yield batch, list(range(s, s + batch.size)), ok
+            T = int(batch.tokens.shape[1])
+            per_row = forward_row_bytes(model, T) + 3 * 4 * T * int(handle.d_sae)  # + [pos, d_sae] acts, masked
+            chunk = forward_chunk_size(model, batch.size, per_row, what="SAE feature contexts",
+                                       fix="lower dashboards.seq_len")
+            for c in range(0, batch.size, chunk):  # rows padded to the batch's width: same activations
+                sl = slice(c, min(batch.size, c + chunk))
+                yield row_slice(batch, sl), list(range(s + sl.start, s + sl.stop)), ok[sl]
 
     def density(found, masked, valid):
         for j, f in enumerate(feats):

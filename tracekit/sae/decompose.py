@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Float
 
+from ..activations.chunking import forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..core.errors import SAEError, TokenizationError
 from ..core.sites import hook as site_hook
 from ..dla import LogitTarget, resolve_target
@@ -337,8 +338,16 @@ def feature_decompositions(model: HookedModel, handle: LoadedSAE, ids: Sequence[
         One :class:`FeatureDecomposition` per row (``acts``: ``[pos, d_sae]`` over the row's own
         tokens; logits for ``direct`` / ``total``), in input order.
 
+    Memory budget (``run.memory_budget``): each batch of ``batch_size`` rows runs as chunks of rows
+    the budget allows (each padded to the batch's width, so every row's numbers are those of the
+    unchunked batch). The estimate per row: a forward pass whose every block autograd keeps, with
+    the logits and their gradient (:func:`tracekit.activations.chunking.forward_row_bytes`), plus,
+    once, the SAE terms of the row being read (``8 x [pos, d_sae]`` float32). The returned ``acts``
+    (``[pos, d_sae]`` per row) are the result and not counted.
+
     Raises:
         TokenizationError: lists of different lengths, a read position outside its row.
+        MemoryBudgetError: one row does not fit the budget, before its forward pass.
     """
     n = len(ids)
     if len(targets) != n or len(read_at) != n or (prompts is not None and len(prompts) != n):
@@ -349,7 +358,6 @@ def feature_decompositions(model: HookedModel, handle: LoadedSAE, ids: Sequence[
             raise TokenizationError(f"position: {q} is out of range for row {i}'s {len(seq)} tokens")
     special_ids = set(special_token_ids(model))
     readout = Readout(model)
-    f_in, f_out = site_hook("final_norm_in"), site_hook("final_norm_out")
     out: list[FeatureDecomposition] = []
     size = max(1, int(batch_size))
     for s in range(0, n, size):
@@ -360,29 +368,54 @@ def feature_decompositions(model: HookedModel, handle: LoadedSAE, ids: Sequence[
         # causal model (the pads come after every real token, which never attends to them)
         if len({len(r) for r in rows}) > 1:
             refuse_padding(model, "prompts")
-        batch = pad_ids(model, rows, "right")
-        ps = [batch.offsets[b] + int(read_at[s + b]) for b in range(batch.size)]
-        store, ms = _metric_backward(model, handle, batch, ps, targets[s:s + size])
-        x = store["x"]
-        grads = x.grad.detach()
-        for b, seq in enumerate(rows):
-            i, p = s + b, int(read_at[s + b])
-            real = batch.real_index(b)
-            special = [int(t) in special_ids for t in seq]
-            grad = _flat(handle, grads[b, real][None])[0].float()
-            terms = sae_terms(handle, x.detach()[b, real][None])
-            totals = _total_attribution(terms, grad, special)
-            sigma = float("nan")
-            if f_in in store and f_out in store:  # the final norm's scale in this row's run
-                sigma = float(run_sigma(readout.final_norm, store[f_in][b, ps[b]], store[f_out][b, ps[b]]))
-            direct = _direct_attribution(model, handle, terms, readout, sigma, p, targets[i], special[p])
-            err = terms.error[0].float()
-            xf = terms.x[0].float()
-            out.append(FeatureDecomposition(
-                prompt=prompts[i] if prompts is not None else "".join(str_tokens(model, seq)),
-                tokens=str_tokens(model, seq), ids=list(seq), position=p, special=special,
-                acts=terms.acts[0].float().detach().cpu(), error_norm=err.norm(dim=-1).cpu(),
-                x_norm=xf.norm(dim=-1).cpu(), metric=float(ms[b]), label=targets[i].label,
-                final_scale=1.0 / sigma, **direct, **totals))
-        del store, x, grads
+        full = pad_ids(model, rows, "right")
+        width = int(full.tokens.shape[1])
+        d_sae = int(handle.sae.cfg.d_sae)
+        per_row = forward_row_bytes(model, width, logits=True, grad_layers=int(model.cfg.n_layers))
+        chunk = forward_chunk_size(model, full.size, per_row, fixed=8 * 4 * width * d_sae,
+                                   what="SAE feature decomposition",
+                                   fix="shorten the prompts (each row's [pos, d_sae] terms are held while it is read)")
+        done: dict[int, list[FeatureDecomposition]] = {}
+
+        def run(sl: slice, s=s, rows=rows, full=full, done=done) -> None:
+            done[sl.start] = _decompose_rows(model, handle, row_slice(full, sl), rows[sl], s + sl.start, targets,
+                                             read_at, prompts, special_ids, readout)
+
+        forward_chunks(run, full.size, chunk, "SAE feature decomposition")
+        for k in sorted(done):
+            out += done[k]
+    return out
+
+
+def _decompose_rows(model: HookedModel, handle: LoadedSAE, batch: Batch, rows: list[list[int]], s: int,
+                    targets: Sequence[LogitTarget], read_at: Sequence[int], prompts: Sequence[str] | None,
+                    special_ids: set, readout: Readout) -> list[FeatureDecomposition]:
+    """One forward + backward pass of ``batch`` (rows ``s .. s + len(rows)`` of the call, padded on the
+    right) and each row's :class:`FeatureDecomposition`."""
+    f_in, f_out = site_hook("final_norm_in"), site_hook("final_norm_out")
+    out: list[FeatureDecomposition] = []
+    ps = [batch.offsets[b] + int(read_at[s + b]) for b in range(batch.size)]
+    store, ms = _metric_backward(model, handle, batch, ps, targets[s:s + batch.size])
+    x = store["x"]
+    grads = x.grad.detach()
+    for b, seq in enumerate(rows):
+        i, p = s + b, int(read_at[s + b])
+        real = batch.real_index(b)
+        special = [int(t) in special_ids for t in seq]
+        grad = _flat(handle, grads[b, real][None])[0].float()
+        terms = sae_terms(handle, x.detach()[b, real][None])
+        totals = _total_attribution(terms, grad, special)
+        sigma = float("nan")
+        if f_in in store and f_out in store:  # the final norm's scale in this row's run
+            sigma = float(run_sigma(readout.final_norm, store[f_in][b, ps[b]], store[f_out][b, ps[b]]))
+        direct = _direct_attribution(model, handle, terms, readout, sigma, p, targets[i], special[p])
+        err = terms.error[0].float()
+        xf = terms.x[0].float()
+        out.append(FeatureDecomposition(
+            prompt=prompts[i] if prompts is not None else "".join(str_tokens(model, seq)),
+            tokens=str_tokens(model, seq), ids=list(seq), position=p, special=special,
+            acts=terms.acts[0].float().detach().cpu(), error_norm=err.norm(dim=-1).cpu(),
+            x_norm=xf.norm(dim=-1).cpu(), metric=float(ms[b]), label=targets[i].label,
+            final_scale=1.0 / sigma, **direct, **totals))
+    del store, x, grads
     return out

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..activations.chunking import check_fits, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..compat import require_sae_lens
 from ..core.cachedir import clear_dir, dir_entries, remove_stale_temps, sizes_match
 from ..core.errors import SAEError
@@ -98,7 +99,15 @@ def _cache_activations(model: HookedModel, hook: str, windows: list[list[int]], 
     as a ``datasets`` dataset in SAELens' cached-activations format (one row per window: a
     ``[context_size, d_in]`` array named after the hook, plus ``token_ids``), so SAELens' trainer
     can take several passes over them without re-running the model. The forward pass stops at the
-    hook. Windows must all have the same length and no padding."""
+    hook. Windows must all have the same length and no padding.
+
+    Memory: each batch of ``batch_size`` windows runs in chunks of windows the memory budget allows
+    (:mod:`tracekit.activations.chunking`; the activations do not depend on it); the cached
+    activations themselves (``[n_windows, context_size, d_in]`` float32: SAELens' dataset) are held
+    whole, as SAELens' ``Dataset.from_dict`` needs them.
+
+    Raises:
+        MemoryBudgetError: one window's forward pass does not fit the budget."""
     import datasets  # lazy: datasets is heavy
     from datasets import Array2D, Dataset, Features, Sequence, Value
 
@@ -106,10 +115,21 @@ def _cache_activations(model: HookedModel, hook: str, windows: list[list[int]], 
     it = range(0, len(windows), batch_size)
     if progress:
         it = tqdm(it, desc=f"activations at {hook}", unit="batch")
+    width = hook_width(model, hook) or int(model.cfg.d_model)
     for i in it:
         batch = pad_ids(model, windows[i:i + batch_size])
-        act = residual_stream(model, batch, [hook])[0]
-        chunks.append(act.reshape(act.shape[0], act.shape[1], -1).float().cpu().numpy())
+        T = int(batch.tokens.shape[1])
+        per_row = forward_row_bytes(model, T, logits=False) + 3 * 4 * T * width  # + the read, its float copy, numpy
+        chunk = forward_chunk_size(model, batch.size, per_row, what="SAE training activations",
+                                   fix="lower sae.train.context_size")
+        parts: dict[int, np.ndarray] = {}
+
+        def run(sl: slice, batch=batch, parts=parts) -> None:
+            act = residual_stream(model, row_slice(batch, sl), [hook])[0]
+            parts[sl.start] = act.reshape(act.shape[0], act.shape[1], -1).float().cpu().numpy()
+
+        forward_chunks(run, batch.size, chunk, "SAE training activations")
+        chunks += [parts[k] for k in sorted(parts)]
     acts = np.concatenate(chunks)
     del chunks
     feats = Features({hook: Array2D(shape=tuple(acts.shape[1:]), dtype="float32"),
@@ -124,6 +144,20 @@ def _cache_activations(model: HookedModel, hook: str, windows: list[list[int]], 
     finally:
         if bars:
             datasets.enable_progress_bars()
+
+
+def training_bytes(t: SAETrainSpec, width: int, d_sae: int) -> int:
+    """Estimated bytes SAELens' training holds, whatever the budget (the optimiser's batches are the
+    user's, so they are never split): the SAE's parameters with their gradients and Adam's two
+    moments (``4 x (2 d_in d_sae + d_sae + d_in)``), one training batch's activations and their
+    gradients (``4 x train_batch_size_tokens x (d_sae + d_in)``: input, pre-activations,
+    activations, reconstruction) and SAELens' shuffled activation buffer (``n_batches_in_buffer x 8
+    windows x context_size x d_in``, twice: it is refilled while mixing), float32."""
+    n_buffer = max(4, math.ceil(2 * t.train_batch_size_tokens / t.context_size))
+    params = 2 * width * d_sae + d_sae + width
+    batch = t.train_batch_size_tokens * (d_sae + width)
+    buffer = 2 * n_buffer * 8 * t.context_size * width
+    return 4 * (4 * params + 4 * batch + buffer)
 
 
 def _sae_lens_interrupts() -> tuple[type[BaseException], ...]:
@@ -292,9 +326,16 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
     With ``t.store``, the activations are read from that activation store
     (:mod:`tracekit.sae.store`) instead of running the model; the SAE is the same.
 
+    Memory budget (``run.memory_budget``): only the forward passes that produce the activations are
+    chunked (rows of each batch of windows); SAELens' batches are the user's
+    (``train_batch_size_tokens``), so for a given seed the trained SAE is the same whatever the
+    budget. A budget below one optimiser step is refused before anything runs.
+
     Raises:
         SAEError: the hook cannot be read, the corpus is too small, or SAELens is not installed
             (:func:`tracekit.compat.require_sae_lens`).
+        MemoryBudgetError: one optimiser step (:func:`training_bytes`) or one window's forward pass
+            does not fit the memory budget (``run.memory_budget``), before the model runs.
         ConfigError: ``context_size`` longer than the model's context (before anything runs).
         StoreError: ``t.store`` cannot stand in for the model (another model, not packed corpus
             windows of ``context_size``, another corpus, no such hook, too few windows).
@@ -322,6 +363,8 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
         raise SAEError(f"{field}.hook: cannot tell the width of hook {t.hook!r}; train on a residual, attn_out, "
                        "mlp_out or mlp.hook_post hook")
     d_sae = t.d_sae or width * t.expansion_factor
+    check_fits(model, training_bytes(t, width, d_sae), what="SAE training", unit="optimiser step",
+               fix=f"lower {field}.train_batch_size_tokens or {field}.d_sae / expansion_factor (they change the SAE)")
     if wins is None:
         wins, n_tok, n_held = _training_windows(model, t, field)
     spec = model_spec_of(model)

@@ -12,7 +12,7 @@ warm-up, with its working memory (peak RSS polled every 2 ms minus the RSS befor
   wrapped HF model called directly (the bridge's own per-module overhead left out);
   ``run_with_cache``: every hook cached;
 * ``lens``: ``tracekit.LogitLens`` (last position, every hidden state); ``trace``, ``patching``
-  (resid_pre, last 8 positions), ``atp`` (attribution patching, head_out + resid_pre) and
+  (resid_pre at the last position of the first and last blocks: 2 replays), ``atp`` (attribution patching, head_out + resid_pre) and
   ``backward`` (an attribution-style pass: gradients of the logit difference at every block's
   resid_pre, all positions) with ``--kinds``.
 
@@ -54,15 +54,16 @@ def hf_folder(model_name: str) -> Path:
     return entry_path(gguf_cache_key(path, torch.float32)[0])
 
 
-def timed(fn, repeats: int) -> tuple[float, int]:
-    """``(best seconds, largest working memory in bytes)`` of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
+def timed(fn, long, short, repeats: int) -> tuple[float, int]:
+    """``(best seconds, largest working memory in bytes)`` of ``fn(long)`` over ``repeats`` runs after
+    one warm-up ``fn(short)`` (lazy imports and hook wiring; a short input keeps it cheap)."""
+    fn(short)
     best, work = float("inf"), 0
     for _ in range(repeats):
         gc.collect()
         with Peak("cpu") as m:
             t = time.perf_counter()
-            fn()
+            fn(long)
             best = min(best, time.perf_counter() - t)
         work = max(work, m.work)
     return best, work
@@ -89,12 +90,14 @@ def main(argv=None) -> int:
     model = tk.load_model(a.model if "gemma" not in a.model else GEMMA_GGUF)
     prompt = model.tokenizer.decode(filler_ids(model, a.tokens - 7)) + "\nThe capital of France is"
     tokens = model.to_tokens(prompt)
+    short_prompt = model.tokenizer.decode(filler_ids(model, 16)) + "\nThe capital of France is"
+    short = model.to_tokens(short_prompt)
     T = tokens.shape[1]
     print(f"model {a.model} tokens {T} threads {torch.get_num_threads()}", flush=True)
     res: dict[str, dict] = {}
 
-    def show(name: str, fn) -> None:
-        s, w = timed(fn, a.repeats)
+    def show(name: str, fn, long=tokens, shorter=short) -> None:
+        s, w = timed(fn, long, shorter, a.repeats)
         res[name] = {"seconds": round(s, 3), "work_mib": round(w / 2**20, 1)}
         print(f"{name:18s} {s:8.3f} s  working memory {w / 2**20:8.1f} MiB", flush=True)
 
@@ -105,41 +108,53 @@ def main(argv=None) -> int:
               for impl in ("sdpa", "eager")}
     with torch.no_grad():
         for impl, m in hf.items():
-            show(f"hf_{impl}", lambda m=m: m(tokens, output_hidden_states=True))
-        show("bridge_forward", lambda: model(tokens))
+            show(f"hf_{impl}", lambda t, m=m: m(t, output_hidden_states=True))
+        show("bridge_forward", lambda t: model(t))
         inner = model.original_model
-        show("bridge_no_hooks", lambda: inner(tokens, output_hidden_states=True))
-        show("run_with_cache", lambda: model.run_with_cache(tokens))
+        show("bridge_no_hooks", lambda t: inner(t, output_hidden_states=True))
+        show("run_with_cache", lambda t: model.run_with_cache(t))
     kinds = a.kinds.split(",")
-    row = {"prompt": prompt, "target": " Paris", "foil": " Rome",
-           "corrupted": prompt[: -len("France is")] + "Italy is"}
-    ds = {"dataset": {"rows": [row]}}
-    if "lens" in kinds:
-        show("lens", lambda: tk.LogitLens(prompts=[prompt], target=" Paris").run(model, progress=False))
-    if "trace" in kinds:
-        show("trace", lambda: tk.TokenTrace(**ds, key_max_tokens=128, top_neurons=2, key_contexts=1,
-                                            n_samples=1).run(model, progress=False))
-    if "patching" in kinds:
-        show("patching", lambda: tk.ActivationPatching(**ds, sites=["resid_pre"], directions=["denoising"],
-                                                       positions=list(range(-8, 0))).run(model, progress=False))
-    if "atp" in kinds:
-        show("atp", lambda: tk.AttributionPatching(**ds, sites=["head_out", "resid_pre"],
-                                                   verify={"enabled": False}).run(model, progress=False))
+    from tracekit.experiments.base import REGISTRY
+
+    def ds(text: str) -> dict:
+        return {"dataset": {"rows": [{"prompt": text, "target": " Paris", "foil": " Rome",
+                                      "corrupted": text[: -len("France is")] + "Italy is"}]}}
+
+    configs = {
+        "lens": {"kind": "logit_lens", "target": " Paris"},
+        "trace": {"kind": "token_trace", "key_max_tokens": 128, "top_neurons": 2,
+                  "key_contexts": 1, "n_samples": 1},
+        "patching": {"kind": "activation_patching", "sites": ["resid_pre"], "directions": ["denoising"],
+                     "positions": [-1], "layers": [0, -1]},
+        "atp": {"kind": "attribution_patching", "sites": ["head_out", "resid_pre"], "verify": {"enabled": False}},
+    }
+    for name, cfg in configs.items():
+        if name not in kinds:
+            continue
+        kind = cfg["kind"]
+        source = (lambda text: {"prompts": [text]}) if kind == "logit_lens" else ds
+
+        def run_kind(text: str, kind: str = kind, cfg: dict = cfg, source=source) -> None:
+            REGISTRY[kind].model_validate({**cfg, **source(text)}).run(model, progress=False)
+
+        show(name, run_kind, prompt, short_prompt)
     if "backward" in kinds:
         names = [f"blocks.{i}.hook_resid_pre" for i in range(model.cfg.n_layers)]
         p_id, r_id = model.to_single_token(" Paris"), model.to_single_token(" Rome")
 
-        def backward():
+        def backward(toks):
             acts = {}
 
             def keep(act, hook):
+                if not act.requires_grad:  # the first: a leaf every later activation depends on
+                    act = act.detach().requires_grad_(True)
                 act.retain_grad()
                 acts[hook.name] = act
                 return act
 
             with torch.enable_grad():
                 model.zero_grad(set_to_none=True)
-                logits = model.run_with_hooks(tokens, fwd_hooks=[(n, keep) for n in names])
+                logits = model.run_with_hooks(toks, fwd_hooks=[(n, keep) for n in names])
                 (logits[0, -1, p_id] - logits[0, -1, r_id]).backward()
             return [acts[n].grad for n in names]
 

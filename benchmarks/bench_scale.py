@@ -65,16 +65,20 @@ KINDS: dict[str, str] = {
 
 #: What the method must cost: growth exponent per (kind, axis). rows: batched kinds are linear.
 #: length: one forward is linear at these lengths (attention's T^2 FLOPs are small next to the MLPs
-#: below T ~ 8 d_model); kinds that keep [T x T] patterns, or replay once per position (patching every
-#: position, causal tracing's restore at every (layer, position)), are quadratic. model: linear in
+#: below T ~ 8 d_model); kinds that keep [T x T] patterns, or replay once per position (causal
+#: tracing's restore at every (layer, position)), are quadratic. The ladder's activation patching
+#: patches resid_pre at two named positions (SUBJ, END): a fixed number of replays, linear. model: linear in
 #: parameters. The trace report reads one row: rows do not apply.
 EXPECTED: dict[str, dict[str, float]] = {k: {"rows": 1.0, "length": 1.0, "model": 1.0} for k in KINDS}
-for _k in ("attention_pattern", "activation_patching", "causal_tracing"):
+for _k in ("attention_pattern", "causal_tracing"):
     EXPECTED[_k]["length"] = 2.0
 EXPECTED["token_trace"]["rows"] = 0.0
 #: Kinds that replay once per position (quadratic in length): their length ladder stops here (at
 #: 2,048 tokens, activation patching every resid_pre position is 30 x 2,048 forwards of 2,048 tokens).
-LENGTH_CAP = {"activation_patching": 256, "causal_tracing": 256}
+LENGTH_CAP = {"causal_tracing": 256}
+#: Per-kind ladders where the common one is out of reach on 2 CPU cores (``--quick`` only): causal
+#: tracing replays every (layer, position) of every row (30 x 15 forwards of 15 tokens per row).
+QUICK_LADDER = {"causal_tracing": {"rows": [1, 2, 4], "length": [8, 16, 32]}}
 #: Growth beyond the expected exponent tolerated before a kind is flagged.
 SLACK = 0.25
 #: Working memory below this is at the polling's resolution (allocator noise): such points are left
@@ -110,7 +114,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 LADDERS = {
-    "quick": {"rows": [8, 16, 32], "length": [16, 64, 256], "model": ["tiny-random", "smollm2-135m"]},
+    "quick": {"rows": [4, 8, 16], "length": [16, 64, 256], "model": ["tiny-random", "smollm2-135m"]},
     "full": {"rows": [8, 32, 128, 512], "length": [16, 64, 256, 1024, 2048],
              "model": ["smollm2-135m", "gemma3-270m", "smollm2-360m-random", "smollm2-1.7b-random",
                        "llama3.2-3b-random"]},
@@ -351,11 +355,12 @@ def kind_config(kind: str, rows: list[dict], store: str) -> dict:
         "direct_logit_attribution": {**ds, "position": "END"},
         "neuron_attribution": {**ds, "position": "END", "contexts": None, "ablation": None},
         "attention_pattern": {**ds, "query": "END", "keys": ["SUBJ"]},
-        "activation_patching": {**ds, "sites": ["resid_pre"], "directions": ["denoising"]},
+        "activation_patching": {**ds, "sites": ["resid_pre"], "directions": ["denoising"],
+                                "positions": ["SUBJ", "END"]},
         "attribution_patching": {**ds, "sites": ["head_out", "resid_pre"], "verify": {"enabled": False}},
         "edge_attribution": {**ds, "method": "eap_ig", "ig_steps": 2, "verify": {"enabled": False}},
         "path_patching": {**ds, "senders": ["a0.h*"], "receivers": ["logits"]},
-        "causal_tracing": {**ds, "subject": {"position": "SUBJ"}, "window": 2, "n_samples": 1},
+        "causal_tracing": {**ds, "subject": {"position": "SUBJ"}, "window": 2, "n_samples": 1, "kinds": ["resid"]},
         "activations": {**ds, "hooks": ["blocks.0.hook_resid_post"], "path": store, "overwrite": True},
         "sae_features": {**ds, "position": "END", "sae": {"train": TINY_SAE}, "top_k": 3},
         "token_trace": {**ds, "row": 0, "key_max_tokens": 128, "top_neurons": 2, "key_contexts": 1, "n_samples": 1},
@@ -464,9 +469,11 @@ def child(job: dict) -> int:
 # ----------------------------------------------------------------------------- parent
 
 
-def jobs_for(kinds: list[str], axes: list[str], ladder: dict, isolate: str) -> list[dict]:
+def jobs_for(kinds: list[str], axes: list[str], ladder: dict, isolate: str,
+             per_kind: Optional[dict] = None) -> list[dict]:
     """The children to start: one per point (``isolate='point'``), per (model, kind, axis)
-    (``'kind'``) or per model (``'model'``: every kind and axis on one loaded model)."""
+    (``'kind'``) or per model (``'model'``: every kind and axis on one loaded model); ``per_kind``:
+    a kind's own rows/length ladder (:data:`QUICK_LADDER`)."""
     tasks: list[tuple[str, dict]] = []  # (model, task)
     for axis in axes:
         for kind in kinds:
@@ -476,8 +483,9 @@ def jobs_for(kinds: list[str], axes: list[str], ladder: dict, isolate: str) -> l
                 tasks += [(m, {"kind": kind, "axis": axis, "points": [{"rows": BASE["rows"], "length": BASE["length"]}]})
                           for m in ladder["model"]]
                 continue
+            values = (per_kind or {}).get(kind, {}).get(axis, ladder[axis])
             pts = [{"rows": v if axis == "rows" else 1, "length": v if axis == "length" else BASE["length"]}
-                   for v in ladder[axis] if axis != "length" or v <= LENGTH_CAP.get(kind, v)]
+                   for v in values if axis != "length" or v <= LENGTH_CAP.get(kind, v)]
             tasks.append((BASE["model"], {"kind": kind, "axis": axis, "points": pts}))
     if isolate == "point":
         return [{"model": m, "tasks": [{**t, "points": [p]}]} for m, t in tasks for p in t["points"]]
@@ -573,6 +581,7 @@ def main(argv=None) -> int:
                     help="a fresh process per point (--full default), per (model, kind, axis), or per model "
                          "(--quick default: every kind and point on one loaded model)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per point (a child gets the sum + 120 s)")
+    ap.add_argument("--resume", action="store_true", help="keep the successful points of --out/points.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -599,15 +608,27 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     def report(p: dict) -> None:
+        points.append(p)
+        write_points(points, out)
         msg = (f"{p['seconds']:.2f}s work {p['work_bytes'] / 2**20:.0f}MiB tokens {p.get('tokens')}" if p["ok"]
                else p.get("error"))
         print(f"[{time.perf_counter() - t0:6.0f}s] {p['kind']:26s} {p['axis']:6s} {p['model']:20s} "
               f"rows {p['rows']:4d} len {p['length']:5d}: {msg}", flush=True)
 
-    for job in jobs_for(kinds, a.axes.split(","), ladder, isolate):
+    done = []
+    if a.resume and (out / "points.json").is_file():  # keep the measured points, run the others
+        done = [p for p in json.loads((out / "points.json").read_text()) if p.get("ok")]
+    have = {(p["model"], p["kind"], p["axis"], p["rows"], p["length"]) for p in done}
+    points += done
+    for job in jobs_for(kinds, a.axes.split(","), ladder, isolate, None if a.full else QUICK_LADDER):
+        for t in job["tasks"]:
+            t["points"] = [p for p in t["points"] if (job["model"], t["kind"], t["axis"], p["rows"], p["length"])
+                           not in have]
+        job["tasks"] = [t for t in job["tasks"] if t["points"]]
+        if not job["tasks"]:
+            continue
         job.update(device=a.device, budget=a.memory_budget, threads=a.threads)
-        points += run_job(job, a.timeout, report)
-        write_points(points, out)
+        run_job(job, a.timeout, report)
     exps, _, md, worst, over = summarize(points, out, budget_bytes)
     print(md)
     failed = [p for p in points if not p.get("ok")]

@@ -73,10 +73,12 @@ def test_what_fits_extrapolates_the_fits(bs):
 
 def test_job_plans(bs):
     ladder = {"rows": [8, 16], "length": [16, 512], "model": ["tiny-random", "smollm2-135m"]}
-    per_model = bs.jobs_for(["activation_patching", "token_trace"], ["rows", "length", "model"], ladder, "model")
+    per_model = bs.jobs_for(["causal_tracing", "token_trace"], ["rows", "length", "model"], ladder, "model")
     assert [j["model"] for j in per_model] == ["smollm2-135m", "tiny-random"]
     tasks = {(t["kind"], t["axis"]): t["points"] for t in per_model[0]["tasks"]}
     assert ("token_trace", "rows") not in tasks  # one row by design
-    assert [p["length"] for p in tasks["activation_patching", "length"]] == [16]  # capped (quadratic replays)
+    assert [p["length"] for p in tasks["causal_tracing", "length"]] == [16]  # capped (quadratic replays)
+    quick = bs.jobs_for(["causal_tracing"], ["rows"], ladder, "model", bs.QUICK_LADDER)
+    assert [p["rows"] for p in quick[0]["tasks"][0]["points"]] == bs.QUICK_LADDER["causal_tracing"]["rows"]
     per_point = bs.jobs_for(["logit_lens"], ["rows"], ladder, "point")
     assert len(per_point) == 2 and all(len(j["tasks"][0]["points"]) == 1 for j in per_point)

@@ -78,7 +78,8 @@ EXPECTED["token_trace"]["rows"] = 0.0
 LENGTH_CAP = {"causal_tracing": 256}
 #: Per-kind ladders where the common one is out of reach on 2 CPU cores (``--quick`` only): causal
 #: tracing replays every (layer, position) of every row (30 x 15 forwards of 15 tokens per row).
-QUICK_LADDER = {"causal_tracing": {"rows": [1, 2, 4], "length": [8, 16, 32]}}
+QUICK_LADDER = {"causal_tracing": {"rows": [1, 2, 4], "length": [8, 16, 32]},
+                "activation_patching": {"rows": [2, 4, 8]}}
 #: Growth beyond the expected exponent tolerated before a kind is flagged.
 SLACK = 0.25
 #: Working memory below this is at the polling's resolution (allocator noise): such points are left
@@ -171,6 +172,11 @@ def exponents(points: list[dict]) -> list[dict]:
     for p in points:
         if p.get("ok"):
             groups.setdefault((p["kind"], p["axis"]), []).append(p)
+    for p in points:  # the rows axis' base point is the model axis' point of the base model
+        if (p.get("ok") and p["axis"] == "rows" and p["rows"] == BASE["rows"] and p["length"] == BASE["length"]
+                and (p["kind"], "model") in groups
+                and not any(q["model"] == p["model"] for q in groups[p["kind"], "model"])):
+            groups[p["kind"], "model"].append({**p, "axis": "model"})
     for (kind, axis), pts in sorted(groups.items()):
         if axis == "model":
             f32 = [p for p in pts if p["dtype"] == "float32"]
@@ -474,19 +480,20 @@ def jobs_for(kinds: list[str], axes: list[str], ladder: dict, isolate: str,
     """The children to start: one per point (``isolate='point'``), per (model, kind, axis)
     (``'kind'``) or per model (``'model'``: every kind and axis on one loaded model); ``per_kind``:
     a kind's own rows/length ladder (:data:`QUICK_LADDER`)."""
-    tasks: list[tuple[str, dict]] = []  # (model, task)
-    for axis in axes:
-        for kind in kinds:
-            if EXPECTED[kind][axis] == 0.0:
-                continue
-            if axis == "model":
-                tasks += [(m, {"kind": kind, "axis": axis, "points": [{"rows": BASE["rows"], "length": BASE["length"]}]})
-                          for m in ladder["model"]]
+    tasks: list[tuple[str, dict]] = []  # (model, task): kind by kind (rows, then length), the model axis last
+    for kind in kinds:
+        for axis in axes:
+            if EXPECTED[kind][axis] == 0.0 or axis == "model":
                 continue
             values = (per_kind or {}).get(kind, {}).get(axis, ladder[axis])
             pts = [{"rows": v if axis == "rows" else 1, "length": v if axis == "length" else BASE["length"]}
                    for v in values if axis != "length" or v <= LENGTH_CAP.get(kind, v)]
             tasks.append((BASE["model"], {"kind": kind, "axis": axis, "points": pts}))
+    if "model" in axes:  # the base model's point is the rows axis' point where that axis runs it
+        tasks += [(m, {"kind": kind, "axis": "model", "points": [{"rows": BASE["rows"], "length": BASE["length"]}]})
+                  for kind in kinds for m in ladder["model"]
+                  if not (m == BASE["model"] and "rows" in axes and EXPECTED[kind]["rows"] != 0.0
+                          and BASE["rows"] in (per_kind or {}).get(kind, {}).get("rows", ladder["rows"]))]
     if isolate == "point":
         return [{"model": m, "tasks": [{**t, "points": [p]}]} for m, t in tasks for p in t["points"]]
     if isolate == "kind":
@@ -582,6 +589,7 @@ def main(argv=None) -> int:
                          "(--quick default: every kind and point on one loaded model)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per point (a child gets the sum + 120 s)")
     ap.add_argument("--resume", action="store_true", help="keep the successful points of --out/points.json")
+    ap.add_argument("--report-only", action="store_true", help="only fit and tabulate --out/points.json (with --resume)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -616,11 +624,12 @@ def main(argv=None) -> int:
               f"rows {p['rows']:4d} len {p['length']:5d}: {msg}", flush=True)
 
     done = []
-    if a.resume and (out / "points.json").is_file():  # keep the measured points, run the others
+    if (a.resume or a.report_only) and (out / "points.json").is_file():  # keep the measured points, run the others
         done = [p for p in json.loads((out / "points.json").read_text()) if p.get("ok")]
     have = {(p["model"], p["kind"], p["axis"], p["rows"], p["length"]) for p in done}
     points += done
-    for job in jobs_for(kinds, a.axes.split(","), ladder, isolate, None if a.full else QUICK_LADDER):
+    jobs = [] if a.report_only else jobs_for(kinds, a.axes.split(","), ladder, isolate, None if a.full else QUICK_LADDER)
+    for job in jobs:
         for t in job["tasks"]:
             t["points"] = [p for p in t["points"] if (job["model"], t["kind"], t["axis"], p["rows"], p["length"])
                            not in have]

@@ -88,8 +88,9 @@ RESOLUTION = 8 * 2**20
 MIN_FIT_BYTES = 32 * 2**20
 
 #: Models of the size axis: loader spec, dtype. ``random`` ones are built from the published
-#: config.json values (transformers' LlamaConfig + from_config, GPT-2 BPE tokenizer shipped with
-#: tracekit: the vocabulary is resized up to its 50,257 tokens where smaller).
+#: config.json values (transformers' LlamaConfig + from_config; transformers 5 spells ``rope_theta``
+#: and ``rope_scaling`` as ``rope_parameters``), with the GPT-2 BPE tokenizer shipped with tracekit
+#: (the vocabulary is resized up to its 50,257 tokens where smaller).
 _SMOL = dict(rms_norm_eps=1e-5, tie_word_embeddings=True, vocab_size=49152, max_position_embeddings=8192,
              hidden_act="silu", bos_token_id=1, eos_token_id=2)
 MODELS: dict[str, dict[str, Any]] = {
@@ -99,18 +100,21 @@ MODELS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"name": "smollm2-135m", "dtype": "float32"},
     "gemma3-270m": {"name": "gemma3-270m", "path": GEMMA_GGUF, "dtype": "float32"},
     "smollm2-360m-random": {"random": dict(_SMOL, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
-                                           num_attention_heads=15, num_key_value_heads=5, rope_theta=100000.0),
+                                           num_attention_heads=15, num_key_value_heads=5,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
                             "dtype": "float32"},
     "smollm2-1.7b-random": {"random": dict(_SMOL, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                                           num_attention_heads=32, num_key_value_heads=32, rope_theta=130000.0),
+                                           num_attention_heads=32, num_key_value_heads=32,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 130000.0}),
                             "dtype": "bfloat16"},
     "llama3.2-3b-random": {"random": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                                           num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                                           vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                                          rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu",
-                                          rope_scaling={"rope_type": "llama3", "factor": 32.0,
-                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 8192}),
+                                          tie_word_embeddings=True, hidden_act="silu",
+                                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                           "factor": 32.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 8192}),
                            "dtype": "bfloat16"},
 }
 

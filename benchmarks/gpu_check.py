@@ -428,7 +428,7 @@ def _halving_sweep(model, batch_size: int, n_rows: int):
                 records.append(record)
 
     h = _Catch()
-    lg = logging.getLogger("tracekit.patching")
+    lg = logging.getLogger("tracekit")  # the halving is logged by tracekit.core.budget (run_chunked): any tracekit.* logger
     lg.addHandler(h)
     try:
         out = tkp.batched_act_patch_resid_pre(model, corrupted, clean, lambda lg_, p: lg_[:, tgt] - lg_[:, foil],

@@ -91,7 +91,10 @@ MIN_FIT_BYTES = 32 * 2**20
 #: config.json values (transformers' LlamaConfig + from_config; transformers 5 spells ``rope_theta``
 #: and ``rope_scaling`` as ``rope_parameters``), with the GPT-2 BPE tokenizer shipped with tracekit
 #: (the vocabulary is resized up to its 50,257 tokens where smaller).
-_SMOL = dict(rms_norm_eps=1e-5, tie_word_embeddings=True, vocab_size=49152, max_position_embeddings=8192,
+#: SmolLM2's published vocabulary is 49,152; built at the GPT-2 tokenizer's 50,257 up front, because
+#: tracekit's random loader resizes with transformers' mean-resizing (a covariance over the embedding:
+#: over 10 minutes at d_model 2,048 on 2 cores).
+_SMOL = dict(rms_norm_eps=1e-5, tie_word_embeddings=True, vocab_size=50257, max_position_embeddings=8192,
              hidden_act="silu", bos_token_id=1, eos_token_id=2)
 MODELS: dict[str, dict[str, Any]] = {
     "tiny-random": {"random": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -357,9 +360,12 @@ def dataset_rows(model, rows: int, length: int) -> list[dict]:
     return out
 
 
-def kind_config(kind: str, rows: list[dict], store: str) -> dict:
-    """The config of ``kind`` over ``rows`` (a dataset); small settings, every engine's default path."""
+def kind_config(kind: str, rows: list[dict], store: str, sae_context: int = 32) -> dict:
+    """The config of ``kind`` over ``rows`` (a dataset); small settings, every engine's default path.
+    ``sae_context``: the tiny SAE's training context (it refuses longer prompts): the ladder's longest."""
     ds = {"dataset": {"rows": rows}}
+    sae = {**TINY_SAE, "context_size": sae_context, "training_tokens": max(TINY_SAE["training_tokens"], 2 * sae_context),
+           "train_batch_size_tokens": max(TINY_SAE["train_batch_size_tokens"], sae_context)}
     cfg: dict[str, dict] = {
         "logit_lens": {**ds, "position": "END"},
         "direct_logit_attribution": {**ds, "position": "END"},
@@ -372,7 +378,7 @@ def kind_config(kind: str, rows: list[dict], store: str) -> dict:
         "path_patching": {**ds, "senders": ["a0.h*"], "receivers": ["logits"]},
         "causal_tracing": {**ds, "subject": {"position": "SUBJ"}, "window": 2, "n_samples": 1, "kinds": ["resid"]},
         "activations": {**ds, "hooks": ["blocks.0.hook_resid_post"], "path": store, "overwrite": True},
-        "sae_features": {**ds, "position": "END", "sae": {"train": TINY_SAE}, "top_k": 3},
+        "sae_features": {**ds, "position": "END", "sae": {"train": sae}, "top_k": 3},
         "token_trace": {**ds, "row": 0, "key_max_tokens": 128, "top_neurons": 2, "key_contexts": 1, "n_samples": 1},
     }
     return {"kind": kind, **cfg[kind]}
@@ -456,9 +462,10 @@ def child(job: dict) -> int:
             try:
                 rows = dataset_rows(model, pt["rows"], pt["length"])
                 rec["tokens"] = len(encode(model, rows[0]["prompt"]))
-                exp = REGISTRY[kind].model_validate(kind_config(kind, rows, store))
+                ctx = job.get("sae_context", 32)
+                exp = REGISTRY[kind].model_validate(kind_config(kind, rows, store, ctx))
                 if kind not in warmed:  # lazy imports, the bridge's own hooks, an SAE's training: not timed
-                    small = REGISTRY[kind].model_validate(kind_config(kind, dataset_rows(model, 1, 16), store))
+                    small = REGISTRY[kind].model_validate(kind_config(kind, dataset_rows(model, 1, 16), store, ctx))
                     with tk.memory_budget(budget or "auto"):
                         small.run(model, progress=False)
                     warmed.add(kind)
@@ -640,7 +647,7 @@ def main(argv=None) -> int:
         job["tasks"] = [t for t in job["tasks"] if t["points"]]
         if not job["tasks"]:
             continue
-        job.update(device=a.device, budget=a.memory_budget, threads=a.threads)
+        job.update(device=a.device, budget=a.memory_budget, threads=a.threads, sae_context=max(ladder["length"]))
         run_job(job, a.timeout, report)
     exps, _, md, worst, over = summarize(points, out, budget_bytes)
     print(md)

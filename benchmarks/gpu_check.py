@@ -724,7 +724,7 @@ def check_scale(rep: Report, out: Path, budget: str | None, seconds: float = SCA
         if time.perf_counter() - t0 > seconds:
             skipped.append(job["model"])
             continue
-        job.update(device="cuda", budget=budget, threads=0)
+        job.update(device="cuda", budget=budget, threads=0, sae_context=max(bs.LADDERS["gpu"]["length"]))
         points += bs.run_job(job, SCALE_POINT_TIMEOUT)
     exps, _, _, worst, over = bs.summarize(points, out / "scale", parse_budget(budget)[0])
     for e in exps:

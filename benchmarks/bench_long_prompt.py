@@ -70,7 +70,7 @@ def timed(fn, long, short, repeats: int) -> tuple[float, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)

@@ -582,7 +582,7 @@ def plots(points: list[dict], out: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", default="results/scale")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="rows 8,16,32; lengths 16,64,256; tiny random + SmolLM2")

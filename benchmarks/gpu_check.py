@@ -24,6 +24,9 @@ Sections (each check is one record: status ``pass`` | ``fail`` | ``error`` | ``s
 * ``ray``: a 2-point sweep on Ray with one GPU actor (needs ``ray`` and CUDA).
 * ``timing``: logit lens (prompts/s), residual-stream patching vs TransformerLens' one-at-a-time
   ``get_act_patch_resid_pre`` (``benchmarks/bench_patching.py``), SAE training tokens/s.
+* ``scale``: the scale ladder (``benchmarks/bench_scale.py``, ladder ``gpu``) on CUDA under
+  ``--memory-budget`` (default 20GiB), at most :data:`SCALE_SECONDS`: growth exponents per kind and
+  axis and the "what fits on 24 GB / 80 GB" table in ``DIR/scale/fits.md`` (docs/scaling.md).
 
 Output: ``--out DIR/gpu_check.json`` (machine, versions, tolerances, records) and
 ``DIR/gpu_check.md`` (one table). Exit status 1 when any check failed or raised.
@@ -31,6 +34,7 @@ Output: ``--out DIR/gpu_check.json`` (machine, versions, tolerances, records) an
     python benchmarks/gpu_check.py --out results/gpu_check              # tiny model, every device here
     python benchmarks/gpu_check.py --embedded --out results/gpu_check   # + SmolLM2-135M (the GPU run)
     python benchmarks/gpu_check.py --quick --out /tmp/gpu_check         # CI: tiny model, CPU float32 only
+    python benchmarks/gpu_check.py --sections scale --out results/gpu_check   # the scale ladder only (~8 min)
 """
 # Length (~770 lines, over the 600 guide): one self-contained script that a GPU day runs as is; a
 # third of it is the comparison tables and their logic, the piece to move out next (gpu_compare.py).
@@ -424,7 +428,7 @@ def _halving_sweep(model, batch_size: int, n_rows: int):
                 records.append(record)
 
     h = _Catch()
-    lg = logging.getLogger("tracekit.patching")
+    lg = logging.getLogger("tracekit")  # the halving is logged by tracekit.core.budget (run_chunked): any tracekit.* logger
     lg.addHandler(h)
     try:
         out = tkp.batched_act_patch_resid_pre(model, corrupted, clean, lambda lg_, p: lg_[:, tgt] - lg_[:, foil],
@@ -687,6 +691,56 @@ def run_timings(rep: Report, model_name: str, devices: list[str], tmp: Path) -> 
         _free()
 
 
+#: The scale section's wall-clock allowance (seconds): jobs not started by then are skipped, named.
+SCALE_SECONDS = 8 * 60
+#: Per measured point, in the scale section's children (seconds).
+SCALE_POINT_TIMEOUT = 90
+
+
+def check_scale(rep: Report, out: Path, budget: str | None, seconds: float = SCALE_SECONDS) -> None:
+    """The scale ladder on CUDA (``benchmarks/bench_scale.py``, ladder ``gpu``: rows 8/64/512, prompts of
+    16/256/2,048 tokens, SmolLM2-135M, Gemma 3 270M and random SmolLM2-1.7B / Llama 3.2 3B in
+    bfloat16), one child process per model, under the memory budget ``budget`` (default ``20GiB``,
+    so the "24 GB" row of the table is a run, not only a fit). Records: one per (kind, axis) with its
+    growth exponents (``fail`` when faster than the method must cost, bench_scale's SLACK), one for
+    the runs over the budget, one per failed point; writes ``out/scale/`` (points, exponents, the
+    "what fits on 24 GB / 80 GB" table ``fits.md``, plots). Without CUDA (or with ``--quick``): one
+    ``skip`` record with the reason (the CPU ladder is ``bench_scale.py --quick``)."""
+    where: dict[str, Any] = {"model": "ladder", "device": "cuda", "dtype": "float32+bfloat16"}
+    reason = cuda_reason()
+    if reason:
+        rep.add("scale", "ladder", "skip", f"{reason}; the CPU ladder: python benchmarks/bench_scale.py --quick",
+                **where)
+        return
+    import bench_scale as bs
+
+    from tracekit.core.budget import parse_budget
+
+    budget = budget or "20GiB"
+    t0 = time.perf_counter()
+    points: list[dict] = []
+    skipped: list[str] = []
+    for job in bs.jobs_for(list(bs.KINDS), ["rows", "length", "model"], bs.LADDERS["gpu"], "model"):
+        if time.perf_counter() - t0 > seconds:
+            skipped.append(job["model"])
+            continue
+        job.update(device="cuda", budget=budget, threads=0, sae_context=max(bs.LADDERS["gpu"]["length"]))
+        points += bs.run_job(job, SCALE_POINT_TIMEOUT)
+    exps, _, _, worst, over = bs.summarize(points, out / "scale", parse_budget(budget)[0])
+    for e in exps:
+        rep.add("scale", f"{e['kind']} / {e['axis']}", "fail" if e["flag"] else "pass",
+                f"time exponent {e['time_exponent']}, memory exponent {e['memory_exponent']}, expected "
+                f"{e['expected']}", **where, **e)
+    for p in points:
+        if not p.get("ok"):
+            rep.add("scale", f"{p['kind']} / {p['axis']}", "error", str(p.get("error"))[:400],
+                    **{**where, "model": p["model"]}, rows=p["rows"], length=p["length"])
+    rep.add("scale", "memory budget", "fail" if over else "pass",
+            f"{over} of {len(points)} runs over {budget}; worst excess exponent {worst:.2f}; "
+            f"table: {out / 'scale' / 'fits.md'}" + (f"; not started (time): {skipped}" if skipped else ""),
+            seconds=time.perf_counter() - t0, **where, over_budget=over, worst_excess_exponent=worst)
+
+
 # ---------------------------------------------------------------------------------------------
 # Main.
 # ---------------------------------------------------------------------------------------------
@@ -724,7 +778,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cpu-bf16", action="store_true", help="also bfloat16 on the CPU (slow on the embedded model; "
                     "on by default for the tiny model)")
     ap.add_argument("--kinds", default=None, help="comma-separated kinds (default: every registered kind)")
-    ap.add_argument("--sections", default="kinds,oom,devices,ray,timing", help="comma-separated sections to run")
+    ap.add_argument("--sections", default="kinds,oom,devices,ray,timing,scale", help="comma-separated sections to run")
+    ap.add_argument("--memory-budget", default=None, help="the scale section's run.memory_budget (default 20GiB)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return ap.parse_args(argv)
 
@@ -764,6 +819,8 @@ def main(argv=None) -> int:
             _guarded(rep, "devices", "devices", lambda: check_devices(rep))
         if "ray" in sections:
             _guarded(rep, "ray", "GPU actor", lambda: check_ray(rep, Path(tmp)))
+        if "scale" in sections:
+            _guarded(rep, "scale", "ladder", lambda: check_scale(rep, out, a.memory_budget))
     wall = time.perf_counter() - t0
     doc = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "wall_seconds": round(wall, 1),
            "args": vars(a), "machine": machine(), "tolerances": TOL, "compared": COMPARE, "invariants": INVARIANTS,

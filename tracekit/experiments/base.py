@@ -358,7 +358,7 @@ PRECISION: dict[str, PrecisionTolerance] = {
     "direct_logit_attribution": _P("components", ("contribution",), ("row_id", "position", "component"), 0.05,
                                    10, 0.8, "component contributions and their sum computed in float32 from the "
                                    "model-dtype activations (the sum identity's tolerance scales with the dtype)"),
-    "neuron_attribution": _P("neurons", ("mean_contribution",), ("layer", "neuron"), 0.05, 10, 0.7,
+    "neuron_attribution": _P("neurons", ("contribution",), ("row_id", "layer", "neuron"), 0.05, 10, 0.7,
                              "neuron contributions (activation x W_out x unembedding) computed in float32 from the "
                              "model-dtype activations"),
     "attention_pattern": _P("rows", ("weight",), ("row_id", "layer", "head_idx", "key"), 0.05, 5, 0.8,
@@ -373,8 +373,8 @@ PRECISION: dict[str, PrecisionTolerance] = {
                                "gradients (backward pass) at the model dtype; the metric and the products "
                                "(activation difference x gradient) in float32", False),
     "edge_attribution": _P("edges", ("score",), ("edge",), 0.10, 10, 0.7,
-                           "gradients (backward pass) and the write x gradient products at the model dtype "
-                           "(EAP-IG: every interpolation step); the metric in float32", False),
+                           "gradients from a backward pass at the model dtype (EAP-IG: at every interpolation "
+                           "step); the metric, the write differences and the write x gradient sums in float32", False),
     "path_patching": _P("main", ("effect", "value"), ("senders", "receivers", "scope", "pair"), 0.05, 5, 0.8,
                         _METRIC),
     "circuit": _P("curve", ("faithfulness",), ("circuit_size",), 0.10, 0, 0.0,

@@ -10,7 +10,9 @@ its key columns and the numeric columns compared; per kind and column the script
 * ``max_abs``: the largest ``|low - float32|`` over the rows (the column's units);
 * ``rel``: ``max_abs / max |float32|`` (scale-free; what the tolerance bounds);
 * ``top``: the share of the float32 run's top-k rows (by ``|value|`` of the first column) that are
-  also the low-precision run's top-k, and ``spearman``: the rank correlation of that column;
+  also the low-precision run's top-k (k at most the rows whose float32 value exceeds the allowed
+  error ``rel x scale``: a ranking of values all within the tolerance of zero is noise; ``-`` when
+  no row does), and ``spearman``: the rank correlation of that column (all rows);
 * ``PASS`` / ``FAIL`` against the tolerance (``rel`` of every column, the top-k share, and the same
   rows in both runs), ``SKIP`` for a kind with no numeric column (``activations``), ``ERROR`` for a
   kind that raised (its message).
@@ -131,6 +133,8 @@ def compare(kind: str, ref: dict, low: dict) -> dict:
     from tracekit.experiments.base import PRECISION
 
     tol = PRECISION[kind]
+    if "error" in ref and "error" in low and ref["error"] == low["error"] and "Refused" in ref["error"]:
+        return {"verdict": "REFUSED", "why": ref["error"]}  # by name, in both dtypes (not a precision result)
     if "error" in ref or "error" in low:
         return {"verdict": "ERROR", "why": ref.get("error") or low.get("error")}
     if not tol.columns:
@@ -140,17 +144,45 @@ def compare(kind: str, ref: dict, low: dict) -> dict:
     a, b = _keyed(ref["frame"], tol.keys), _keyed(low["frame"], tol.keys)
     common = a.index.intersection(b.index)
     out: dict[str, Any] = {"rows": len(a), "rows_low": len(b), "matched": len(common), "columns": {}}
-    ok = len(common) == len(a) == len(b)
     for c in tol.columns:
         x, y = _num(a, common, c).to_numpy(), _num(b, common, c).to_numpy()
         both = np.isfinite(x) & np.isfinite(y)
         nan_mismatch = int((np.isfinite(x) != np.isfinite(y)).sum())
         d = np.abs(x[both] - y[both])
         max_abs = float(d.max()) if d.size else 0.0
-        scale = float(np.abs(x[both]).max()) if both.any() else 0.0
-        rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-        out["columns"][c] = {"max_abs": max_abs, "scale": scale, "rel": rel, "nan_mismatch": nan_mismatch}
-        ok = ok and rel <= tol.rel and nan_mismatch == 0
+        max_ref = float(np.abs(x[both]).max()) if both.any() else 0.0
+        out["columns"][c] = {"max_abs": max_abs, "max_ref": max_ref, "nan_mismatch": nan_mismatch}
+    _rank(kind, a, b, common, out)
+    return verdict(kind, out)
+
+
+def verdict(kind: str, out: dict) -> dict:
+    """``out`` (one comparison) with each column's ``scale`` and ``rel`` and the verdict, against
+    the current :data:`PRECISION` row (so a saved ``--json`` can be re-judged: ``--recheck``)."""
+    from tracekit.experiments.base import PRECISION
+
+    tol = PRECISION[kind]
+    if out.get("verdict") in ("ERROR", "SKIP", "REFUSED"):
+        return out
+    ok = out["matched"] == out["rows"] == out["rows_low"]
+    for c in tol.columns:
+        col = out["columns"].get(c)
+        if col is None:  # measured before the column was named: not judged
+            ok = False
+            continue
+        col["scale"] = scale = max(col.get("max_ref", col.get("scale", 0.0)), tol.floor)
+        col["rel"] = rel = col["max_abs"] / scale if scale > 0 else (0.0 if col["max_abs"] == 0 else math.inf)
+        ok = ok and rel <= tol.rel and col["nan_mismatch"] == 0
+    if tol.top_k and "top_overlap" in out:
+        ok = ok and out["top_overlap"] >= tol.min_overlap
+    out["verdict"] = "PASS" if ok else "FAIL"
+    return out
+
+
+def _rank(kind: str, a: pd.DataFrame, b: pd.DataFrame, common: pd.Index, out: dict) -> None:
+    from tracekit.experiments.base import PRECISION
+
+    tol = PRECISION[kind]
     first = tol.columns[0]
     x, y = _num(a, common, first), _num(b, common, first)
     fin = np.isfinite(x.to_numpy()) & np.isfinite(y.to_numpy())
@@ -158,31 +190,49 @@ def compare(kind: str, ref: dict, low: dict) -> dict:
     if fin.sum() > 2:
         out["spearman"] = float(xf.rank().corr(yf.rank()))
     if tol.top_k:
-        k = min(tol.top_k, int(fin.sum()))
+        # only rows the float32 run resolves above the allowed error take part in the ranking: the order
+        # of values all within the tolerance of zero is noise at any precision below float32
+        noise = tol.rel * max(float(xf.abs().max()) if len(xf) else 0.0, tol.floor)
+        resolved = xf.abs() > noise
+        out["resolved_rows"] = int(resolved.sum())
+        k = min(tol.top_k, out["resolved_rows"])
         if k:
             ta = set(xf.abs().nlargest(k).index)
             tb = set(yf.abs().nlargest(k).index)
             out["top_k"] = k
             out["top_overlap"] = len(ta & tb) / k
-            ok = ok and out["top_overlap"] >= tol.min_overlap
-    out["verdict"] = "PASS" if ok else "FAIL"
-    return out
 
 
 def line(model: str, dtype: str, kind: str, r: dict, secs: tuple) -> str:
     from tracekit.experiments.base import PRECISION
 
     tol = PRECISION[kind]
-    if r["verdict"] in ("ERROR", "SKIP"):
+    if r["verdict"] in ("ERROR", "SKIP", "REFUSED"):
         return f"{model:13s} {dtype:8s} {kind:25s} {r['verdict']:5s} {r['why']}"
-    worst = max(r["columns"].items(), key=lambda kv: kv[1]["rel"])
+    judged = [(c, r["columns"][c]) for c in tol.columns if c in r["columns"]] or list(r["columns"].items())
+    worst = max(judged, key=lambda kv: kv[1].get("rel", math.inf))
     col, w = worst
     top = f"{r['top_overlap']:.2f}/{tol.min_overlap:.2f}@{r['top_k']}" if "top_overlap" in r else "-"
     sp = f"{r['spearman']:.3f}" if "spearman" in r else "-"
     rows = "" if r["matched"] == r["rows"] == r["rows_low"] else f" rows {r['matched']}/{r['rows']}/{r['rows_low']}"
     return (f"{model:13s} {dtype:8s} {kind:25s} {r['verdict']:5s} {col:18s} max_abs {w['max_abs']:.3g} "
-            f"rel {w['rel']:.3g} (tol {tol.rel:g}) top {top} spearman {sp} "
+            f"rel {w.get('rel', math.inf):.3g} (tol {tol.rel:g}) top {top} spearman {sp} "
             f"s {secs[0]}/{secs[1]}{rows}")
+
+
+def recheck(paths: list[str]) -> int:
+    """Print the verdicts of saved ``--json`` measurements against the current tolerances."""
+    n_fail = n_all = 0
+    for p in paths:
+        for r in json.loads(Path(p).read_text()):
+            if r.get("verdict") == "ERROR" and "Refused: " in str(r.get("why")):
+                r["verdict"] = "REFUSED"  # saved before REFUSED was told apart
+            r = verdict(r["kind"], r)
+            n_all += r["verdict"] not in ("SKIP", "REFUSED")
+            n_fail += r["verdict"] in ("FAIL", "ERROR")
+            print(line(r["model"], r["dtype"], r["kind"], r, tuple(r.get("seconds") or (None, None))))
+    print(f"precision_fail {n_fail} of {n_all}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16, float16")
     ap.add_argument("--kinds", default="", help="comma list (default: every kind)")
     ap.add_argument("--json", default="", help="write the measurements here")
+    ap.add_argument("--recheck", nargs="*", default=[], help="re-judge saved --json files against the current "
+                    "tolerances (no model run) and print the table")
     args = ap.parse_args(argv)
+    if args.recheck:
+        return recheck(args.recheck)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
@@ -231,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in kinds:
                     ref, low = runs["float32"][kind], runs[dtype][kind]
                     r = compare(kind, ref, low)
-                    n_all += r["verdict"] != "SKIP"
+                    n_all += r["verdict"] not in ("SKIP", "REFUSED")
                     n_fail += r["verdict"] in ("FAIL", "ERROR")
                     print(line(name, dtype, kind, r, (ref.get("seconds"), low.get("seconds"))), flush=True)
                     report.append({"model": name, "dtype": dtype, "kind": kind, **r,

@@ -93,8 +93,9 @@ def test_precision_note_only_below_float32():
     note = precision_note("edge_attribution", torch.float16)
     assert note is not None and note["dtype"] == "float16" and "compare with a float32 run" in note["sensitive"]
     assert note["tolerance"]["columns"] == ["score"]
-    patching = precision_note("activation_patching", torch.bfloat16)
-    assert patching is not None and "computed in float32" in patching["sensitive"]
+    dla = precision_note("direct_logit_attribution", torch.bfloat16)
+    assert dla is not None and "computed in float32" in dla["sensitive"]
+    assert "compare with a float32 run" not in dla["sensitive"]
     other = precision_note("a_kind_from_elsewhere", torch.bfloat16)
     assert other is not None and other["tolerance"] is None
 

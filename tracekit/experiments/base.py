@@ -315,8 +315,8 @@ class PrecisionTolerance:
         table: the result table compared.
         columns: its numeric columns compared (each checked on its own).
         keys: the columns that identify a row (the same rows in both runs).
-        rel: the largest allowed ``max |low - float32| / max |float32|`` over a column (scale-free:
-            units cancel).
+        rel: the largest allowed ``max |low - float32| / scale`` over a column, ``scale =
+            max(max |float32|, floor)`` (scale-free: units cancel).
         top_k: rows ranked by ``|columns[0]|``: how many of the float32 run's top rows are compared
             (0: not a ranking, no rank check).
         min_overlap: the smallest allowed share of the float32 top ``top_k`` rows that are also
@@ -325,6 +325,10 @@ class PrecisionTolerance:
         float32: True when tracekit computes that part in float32 (from the model-dtype
             activations or logits); False when it runs at the model's dtype (compare with a float32
             run before trusting small differences).
+        floor: the smallest scale a column is measured on, in its own units: 1 for effects
+            normalised by the clean - corrupted gap and for accuracies (their natural unit), 0.01 for
+            probabilities (a probability below 1% is read on a log scale, not to 5% of itself), 0
+            otherwise (the float32 run's largest value).
     """
 
     table: str
@@ -335,11 +339,12 @@ class PrecisionTolerance:
     min_overlap: float = 0.0
     sensitive: str = ""
     float32: bool = True
+    floor: float = 0.0
 
     def as_dict(self) -> dict:
         """The tolerance as a JSON-able dict (the ``precision`` summary key's ``tolerance``)."""
         return {"table": self.table, "columns": list(self.columns), "rel": self.rel, "top_k": self.top_k,
-                "min_overlap": self.min_overlap}
+                "min_overlap": self.min_overlap, "floor": self.floor}
 
 
 _P = PrecisionTolerance
@@ -354,7 +359,7 @@ _READOUT = "the readout's log-softmax computed in float32 from the model-dtype h
 #: of the column's scale; kinds that run gradients, training or sampled noise at the model's dtype
 #: allow more and say so in their ``precision`` summary key.
 PRECISION: dict[str, PrecisionTolerance] = {
-    "logit_lens": _P("main", ("prob",), ("row_id", "position", "hidden_state"), 0.05, 5, 0.8, _READOUT),
+    "logit_lens": _P("main", ("prob",), ("row_id", "position", "hidden_state"), 0.05, 5, 0.8, _READOUT, floor=0.01),
     "direct_logit_attribution": _P("components", ("contribution",), ("row_id", "position", "component"), 0.05,
                                    10, 0.8, "component contributions and their sum computed in float32 from the "
                                    "model-dtype activations (the sum identity's tolerance scales with the dtype)"),
@@ -365,35 +370,36 @@ PRECISION: dict[str, PrecisionTolerance] = {
                             "attention patterns (the model's own softmax) at the model dtype", False),
     "head_scan": _P("scores", ("induction_score", "prev_token_score"), ("layer", "head_idx"), 0.05, 5, 0.8,
                     "attention patterns (the model's own softmax) at the model dtype", False),
-    "activation_patching": _P("main", ("effect", "value"), ("scope", "intervention", "site", "layer", "position",
-                                                          "head_idx", "neuron", "pair", "metric"), 0.05, 10, 0.8,
-                              _METRIC),
-    "attribution_patching": _P("main", ("effect", "value"), ("scope", "intervention", "site", "layer", "position",
+    "activation_patching": _P("main", ("effect",), ("scope", "intervention", "site", "layer", "position",
+                                                   "head_idx", "neuron", "pair", "metric"), 0.05, 10, 0.8,
+                              "the patched forward passes at the model dtype (the metric in float32): an effect "
+                              "normalised by a small clean - corrupted gap carries that noise", False, floor=1.0),
+    "attribution_patching": _P("main", ("effect",), ("scope", "intervention", "site", "layer", "position",
                                                            "head_idx", "neuron", "pair", "metric"), 0.10, 10, 0.7,
                                "gradients (backward pass) at the model dtype; the metric and the products "
-                               "(activation difference x gradient) in float32", False),
+                               "(activation difference x gradient) in float32", False, floor=1.0),
     "edge_attribution": _P("edges", ("score",), ("edge",), 0.10, 10, 0.7,
                            "gradients from a backward pass at the model dtype (EAP-IG: at every interpolation "
                            "step); the metric, the write differences and the write x gradient sums in float32", False),
-    "path_patching": _P("main", ("effect", "value"), ("senders", "receivers", "scope", "pair"), 0.05, 5, 0.8,
-                        _METRIC),
+    "path_patching": _P("main", ("effect",), ("senders", "receivers", "scope", "pair"), 0.05, 5, 0.8,
+                        _METRIC, floor=1.0),
     "circuit": _P("curve", ("faithfulness",), ("circuit_size",), 0.10, 0, 0.0,
                   "candidate scores (AtP / EAP gradients) at the model dtype; faithfulness from the metric in "
-                  "float32", False),
+                  "float32", False, floor=1.0),
     "linear_probe": _P("main", ("accuracy",), ("site", "layer"), 0.10, 0, 0.0,
-                       "probe fit in float32 (float64 in scikit-learn) on the model-dtype activations upcast"),
+                       "probe fit in float32 (float64 in scikit-learn) on the model-dtype activations upcast",
+                       floor=1.0),
     "sae_features": _P("features", ("direct", "total", "activation"), ("row_id", "feature"), 0.10, 5, 0.6,
                        "SAE encoding and attribution of the model-dtype activations", False),
     "sae_eval": _P("metrics", ("mse", "explained_variance", "ce_loss_sae"), (), 0.25, 0, 0.0,
                    "SAE training and evaluation on model-dtype activations", False),
     "sae_train": _P("metrics", ("mse", "explained_variance", "ce_loss_sae"), (), 0.25, 0, 0.0,
                     "SAE training on model-dtype activations (a different optimisation path)", False),
-    "token_trace": _P("lens", ("prob",), ("hidden_state",), 0.05, 5, 0.8, _READOUT),
+    "token_trace": _P("lens", ("prob",), ("hidden_state",), 0.05, 5, 0.8, _READOUT, floor=0.01),
     "lens_quality": _P("quality", ("kl", "cross_entropy"), ("lens", "hidden_state"), 0.15, 0, 0.0,
                        "KL in float32; the tuned lens is trained on model-dtype activations", False),
-    "patchscope": _P("main", ("target_prob",), ("row_id", "hidden_state"), 0.05, 5, 0.8, _READOUT),
-    "steering": _P("dose_response", ("logit_diff", "target_prob"), ("direction", "draw", "alpha"), 0.05, 0, 0.0,
-                   _METRIC),
+    "patchscope": _P("main", ("target_prob",), ("row_id", "hidden_state"), 0.05, 5, 0.8, _READOUT, floor=0.01),
+    "steering": _P("dose_response", ("logit_diff",), ("direction", "draw", "alpha"), 0.05, 0, 0.0, _METRIC),
     "causal_tracing": _P("effects", ("indirect_effect",), ("row_id", "kind", "layer", "position"), 0.10, 5, 0.6,
                          "the noise added to the subject's embeddings at the model dtype; probabilities in float32",
                          False),

@@ -15,6 +15,15 @@ name           definition                                      units
 
 Zhang & Nanda 2023 ("Towards Best Practices of Activation Patching") recommend the logit
 difference; :func:`normalize` maps a metric so the clean run scores 1 and the corrupted run 0.
+
+Precision: every metric is computed in float32 whatever the model's dtype. The logits (and the
+clean run's log-probabilities of ``kl``) are upcast *before* any subtraction, log-softmax or sum,
+so a bfloat16 model's metric is the exact float32 computation on its bfloat16 logits: it is not
+quantised again by bfloat16's 8-bit mantissa (a logit of 14 is stored to steps of 0.0625; two
+bfloat16 logits subtracted in bfloat16 would round the difference to that step).
+Converting bfloat16 or float16 to float32 is exact, so gathering before upcasting (``logit_diff``)
+gives the same numbers as upcasting the whole ``[rows, d_vocab]`` tensor.
+docs/precision.md states what a low-precision run of each kind keeps (tolerances, measured).
 """
 
 from __future__ import annotations
@@ -32,28 +41,33 @@ __all__ = ["logit_diff", "target_prob", "target_log_prob", "kl_div", "normalize"
 
 def logit_diff(logits: Float[torch.Tensor, "rows d_vocab"], target: Int[torch.Tensor, "rows k"],
                foil: Int[torch.Tensor, "rows k"]) -> Float[torch.Tensor, " rows"]:
-    """Mean over the k target/foil pairs of logit(target) - logit(foil) (units: logits)."""
-    lg = logits.float()
-    return (lg.gather(-1, target) - lg.gather(-1, foil)).mean(-1)
+    """Mean over the k target/foil pairs of logit(target) - logit(foil) (units: logits), in float32:
+    the gathered logits are upcast before they are subtracted (a float32 ``[rows]`` tensor)."""
+    return (logits.gather(-1, target).float() - logits.gather(-1, foil).float()).mean(-1)
 
 
 def target_prob(logits: Float[torch.Tensor, "rows d_vocab"], target: Int[torch.Tensor, "rows k"]
                 ) -> Float[torch.Tensor, " rows"]:
-    """Mean over targets of the target's probability (in [0, 1])."""
+    """Mean over targets of the target's probability (in [0, 1]; log-softmax in float32)."""
     return torch.log_softmax(logits.float(), -1).gather(-1, target).exp().mean(-1)
 
 
 def target_log_prob(logits: Float[torch.Tensor, "rows d_vocab"], target: Int[torch.Tensor, "rows k"]
                     ) -> Float[torch.Tensor, " rows"]:
-    """Mean over targets of the target's natural-log probability (nats)."""
+    """Mean over targets of the target's natural-log probability (nats; log-softmax in float32)."""
     return torch.log_softmax(logits.float(), -1).gather(-1, target).mean(-1)
 
 
 def kl_div(logits: Float[torch.Tensor, "rows d_vocab"], ref_log_probs: Float[torch.Tensor, "rows d_vocab"]
            ) -> Float[torch.Tensor, " rows"]:
-    """KL(P_ref || P_logits) in nats, ``P_ref`` given as natural-log probabilities (the clean run)."""
+    """KL(P_ref || P_logits) in nats, ``P_ref`` given as natural-log probabilities (the clean run).
+
+    Both are upcast to float32 before the log-softmax, the subtraction and the sum over the
+    vocabulary (a ``[rows]`` float32 tensor), whatever dtype they come in.
+    """
     lp = torch.log_softmax(logits.float(), -1)
-    return (ref_log_probs.exp() * (ref_log_probs - lp)).sum(-1)
+    ref = ref_log_probs.float()
+    return (ref.exp() * (ref - lp)).sum(-1)
 
 
 @dataclass

@@ -28,9 +28,11 @@ To add a kind: subclass :class:`Experiment` and :class:`Result`, decorate the ex
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence, Union, cast
 
 import pandas as pd
+import torch
 from pydantic import Field, field_validator, model_validator
 
 from ..core.errors import DatasetError
@@ -39,6 +41,7 @@ from ..core.strict import Indices, OptionalPrompts, Prompts, StrictModel, retire
 from ..dataset import DatasetSpec, PreparedDataset, Rows, kind_rows, rows_from_prompts, target_rows
 from ..dataset.targets import DLA_POSITION_FORMS, LogitTarget, as_position
 from ..hooks import state_guard
+from ..model.checks import model_dtype
 from ..model.info import HookedModel
 from ..model.load import bos_info, load_model, model_fingerprint, model_spec_of
 from ..model.spec import ModelSpec
@@ -49,7 +52,7 @@ __all__ = ["REGISTRY", "RESULTS", "register", "as_model", "StrictModel", "Prompt
            "Expectation", "Experiment", "Result", "lookup", "jsonable", "MANIFEST", "retired_message",
            "RESERVED_NAMES", "encode_prompts", "kind_dataset", "check_dataset_fields", "DatasetSpec",
            "PreparedDataset", "Rows", "column", "subset", "RowTargetsExperiment", "RowInputs", "prompt_rows", "check_row_targets", "row_frame",
-           "dataset_meta"]
+           "dataset_meta", "PrecisionTolerance", "PRECISION", "precision_note"]
 
 
 def as_model(model: HookedModel | str | ModelSpec | dict | None) -> HookedModel:
@@ -185,6 +188,10 @@ class Experiment(StrictModel):
         result.meta.setdefault("model", spec.model_dump(mode="json"))
         result.meta.setdefault("tokenization", bos_info(model))
         result.meta.setdefault("model_fingerprint", model_fingerprint(model))
+        note = precision_note(self.kind, model_dtype(model))
+        if note is not None:
+            result.meta.setdefault("precision", note)
+            _summary_with_precision(result)
         return result
 
     def _run(self, model: HookedModel, inputs: Any, progress: bool = True) -> "Result":  # pragma: no cover - abstract
@@ -294,3 +301,149 @@ class RowInputs:
         """Each row's target (and foil) token ids."""
         return tuple(LogitTarget(str(e.row.target), int(cast(int, e.target_id)), e.row.foil, e.foil_id)
                      for e in self.data.examples)
+
+
+@dataclass(frozen=True)
+class PrecisionTolerance:
+    """What a kind keeps when its model runs in bfloat16 or float16 instead of float32 (one row of
+    :data:`PRECISION`; measured by ``benchmarks/bench_precision.py``, docs/precision.md).
+
+    The low-precision run and a float32 run of the same config on the same weights are compared on
+    the ``columns`` of the result's table ``table``, rows matched by ``keys``.
+
+    Attributes:
+        table: the result table compared.
+        columns: its numeric columns compared (each checked on its own).
+        keys: the columns that identify a row (the same rows in both runs).
+        rel: the largest allowed ``max |low - float32| / scale`` over a column, ``scale =
+            max(max |float32|, floor)`` (scale-free: units cancel).
+        top_k: rows ranked by ``|columns[0]|``: how many of the float32 run's top rows are compared
+            (0: not a ranking, no rank check).
+        min_overlap: the smallest allowed share of the float32 top ``top_k`` rows that are also
+            in the low-precision top ``top_k``.
+        sensitive: the part of the computation that low precision could make misleading.
+        float32: True when tracekit computes that part in float32 (from the model-dtype
+            activations or logits); False when it runs at the model's dtype (compare with a float32
+            run before trusting small differences).
+        floor: the smallest scale a column is measured on, in its own units: 1 for effects
+            normalised by the clean - corrupted gap and for accuracies (their natural unit), 0.01 for
+            probabilities (a probability below 1% is read on a log scale, not to 5% of itself), 0
+            otherwise (the float32 run's largest value).
+    """
+
+    table: str
+    columns: tuple[str, ...]
+    keys: tuple[str, ...]
+    rel: float
+    top_k: int = 0
+    min_overlap: float = 0.0
+    sensitive: str = ""
+    float32: bool = True
+    floor: float = 0.0
+
+    def as_dict(self) -> dict:
+        """The tolerance as a JSON-able dict (the ``precision`` summary key's ``tolerance``)."""
+        return {"table": self.table, "columns": list(self.columns), "rel": self.rel, "top_k": self.top_k,
+                "min_overlap": self.min_overlap, "floor": self.floor}
+
+
+_P = PrecisionTolerance
+_METRIC = "the metric (logit difference, log-softmax, KL) computed in float32 from the model-dtype logits"
+_READOUT = "the readout's log-softmax computed in float32 from the model-dtype hidden states"
+
+#: kind -> :class:`PrecisionTolerance`: every built-in kind's stated bfloat16 / float16 tolerance
+#: against a float32 run (float16 has 3 more mantissa bits than bfloat16 and is held to the same
+#: numbers). Stated from bfloat16's unit roundoff (2**-8 = 0.4% per operation, compounded over
+#: the layers), not fitted to the measurement; ``benchmarks/bench_precision.py`` checks them on the
+#: real models (docs/precision.md). Forward-only kinds whose metric is computed in float32 allow 5%
+#: of the column's scale; kinds that run gradients, training or sampled noise at the model's dtype
+#: allow more and say so in their ``precision`` summary key.
+PRECISION: dict[str, PrecisionTolerance] = {
+    "logit_lens": _P("main", ("prob",), ("row_id", "position", "hidden_state"), 0.05, 5, 0.8, _READOUT, floor=0.01),
+    "direct_logit_attribution": _P("components", ("contribution",), ("row_id", "position", "component"), 0.05,
+                                   10, 0.8, "component contributions and their sum computed in float32 from the "
+                                   "model-dtype activations (the sum identity's tolerance scales with the dtype)"),
+    "neuron_attribution": _P("neurons", ("contribution",), ("row_id", "layer", "neuron"), 0.05, 10, 0.7,
+                             "neuron contributions (activation x W_out x unembedding) computed in float32 from the "
+                             "model-dtype activations"),
+    "attention_pattern": _P("rows", ("weight",), ("row_id", "layer", "head_idx", "key"), 0.05, 5, 0.8,
+                            "attention patterns (the model's own softmax) at the model dtype", False),
+    "head_scan": _P("scores", ("induction_score", "prev_token_score"), ("layer", "head_idx"), 0.05, 5, 0.8,
+                    "attention patterns (the model's own softmax) at the model dtype", False),
+    "activation_patching": _P("main", ("effect",), ("scope", "intervention", "site", "layer", "position",
+                                                   "head_idx", "neuron", "pair", "metric"), 0.05, 10, 0.8,
+                              "the patched forward passes at the model dtype (the metric in float32): an effect "
+                              "normalised by a small clean - corrupted gap carries that noise", False, floor=1.0),
+    "attribution_patching": _P("main", ("effect",), ("scope", "intervention", "site", "layer", "position",
+                                                           "head_idx", "neuron", "pair", "metric"), 0.10, 10, 0.7,
+                               "gradients (backward pass) at the model dtype; the metric and the products "
+                               "(activation difference x gradient) in float32", False, floor=1.0),
+    "edge_attribution": _P("edges", ("score",), ("edge",), 0.10, 10, 0.7,
+                           "gradients from a backward pass at the model dtype (EAP-IG: at every interpolation "
+                           "step); the metric, the write differences and the write x gradient sums in float32", False),
+    "path_patching": _P("main", ("effect",), ("senders", "receivers", "scope", "pair"), 0.05, 5, 0.8,
+                        _METRIC, floor=1.0),
+    "circuit": _P("curve", ("faithfulness",), ("circuit_size",), 0.10, 0, 0.0,
+                  "candidate scores (AtP / EAP gradients) at the model dtype; faithfulness from the metric in "
+                  "float32", False, floor=1.0),
+    "linear_probe": _P("main", ("accuracy",), ("site", "layer"), 0.10, 0, 0.0,
+                       "probe fit in float32 (float64 in scikit-learn) on the model-dtype activations upcast",
+                       floor=1.0),
+    "sae_features": _P("features", ("direct", "total", "activation"), ("row_id", "feature"), 0.10, 5, 0.6,
+                       "SAE encoding and attribution of the model-dtype activations", False),
+    "sae_eval": _P("metrics", ("mse", "explained_variance", "ce_loss_sae"), (), 0.25, 0, 0.0,
+                   "SAE training and evaluation on model-dtype activations", False),
+    "sae_train": _P("metrics", ("mse", "explained_variance", "ce_loss_sae"), (), 0.25, 0, 0.0,
+                    "SAE training on model-dtype activations (a different optimisation path)", False),
+    "token_trace": _P("lens", ("prob",), ("hidden_state",), 0.05, 5, 0.8, _READOUT, floor=0.01),
+    "lens_quality": _P("quality", ("kl", "cross_entropy"), ("lens", "hidden_state"), 0.15, 0, 0.0,
+                       "KL in float32; the tuned lens is trained on model-dtype activations", False),
+    "patchscope": _P("main", ("target_prob",), ("row_id", "hidden_state"), 0.05, 5, 0.8, _READOUT, floor=0.01),
+    "steering": _P("dose_response", ("logit_diff",), ("direction", "draw", "alpha"), 0.05, 0, 0.0, _METRIC),
+    "causal_tracing": _P("effects", ("indirect_effect",), ("row_id", "kind", "layer", "position"), 0.10, 5, 0.6,
+                         "the noise added to the subject's embeddings at the model dtype; probabilities in float32",
+                         False),
+    "activations": _P("shards", (), ("file",), 0.0, 0, 0.0,
+                      "activations stored as the model computes them (at the store's dtype): compare with a float32 "
+                      "run", False),
+}
+
+_FLOAT32_OR_WIDER = (torch.float32, torch.float64)
+
+
+def precision_note(kind: str, dtype: torch.dtype) -> Optional[dict]:
+    """The ``precision`` summary key of a run of ``kind`` at ``dtype`` (None in float32 / float64).
+
+    Args:
+        kind: the kind's registry name (a kind outside :data:`PRECISION` gets a generic note).
+        dtype: the model's parameters' dtype.
+
+    Returns:
+        ``{"dtype": "bfloat16", "sensitive": "<what> computed in float32" | "<what> at the model
+        dtype: compare with a float32 run", "tolerance": {...} | None, "reference":
+        "docs/precision.md"}``; None for float32 and float64 models.
+    """
+    if dtype in _FLOAT32_OR_WIDER:
+        return None
+    name = str(dtype).replace("torch.", "")
+    tol = PRECISION.get(kind)
+    if tol is None:
+        sensitive = "not stated for this kind: compare with a float32 run"
+    elif tol.float32:
+        sensitive = tol.sensitive
+    else:
+        sensitive = f"{tol.sensitive}: compare with a float32 run before trusting small differences"
+    return {"dtype": name, "sensitive": sensitive, "tolerance": None if tol is None else tol.as_dict(),
+            "reference": "docs/precision.md"}
+
+
+def _summary_with_precision(result: Result) -> None:
+    """Make ``result.summary()`` carry ``result.meta["precision"]`` under the key ``precision``
+    (only when the kind's own summary has no such key; existing keys are left as they are)."""
+    own = result.summary
+
+    def summary() -> dict:
+        s = own()
+        return s if "precision" in s or "precision" not in result.meta else {**s, "precision": result.meta["precision"]}
+
+    result.summary = summary  # an instance attribute: this result only

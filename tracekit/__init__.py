@@ -30,6 +30,7 @@ from .core.kinds import package_exports
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they load on first use
     from .activations.store import ActivationStore
     from .config import RunConfig, load_config, parse_config
+    from .core.budget import memory_budget
     from .errors import (
         AttentionError,
         AttributionError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they
         ConfigError,
         CorpusError,
         HookError,
+        MemoryBudgetError,
         MethodRefused,
         ModelLoadError,
         OutputError,

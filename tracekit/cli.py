@@ -72,7 +72,7 @@ def _parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
     vf = sub.add_parser("verify", help="check tracekit's invariants on a model against plain transformers "
                                        "(a table, and verify.json)")
     vf.add_argument("model", nargs="?", default="smollm2-135m",
-                    help="hub id, local directory, .gguf file or smollm2-135m (default)")
+                    help="hub id, local directory, .gguf file, gemma3-270m, or smollm2-135m (default)")
     vf.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     vf.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     vf.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's own)")

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.attention_tables", "tracekit.neurons",
      "tracekit.neuron_tables", "tracekit.patching",
      "tracekit.circuits", "tracekit.lenses", "tracekit.steering", "tracekit.causal_tracing",
-     "tracekit.sae", "tracekit.probing", "tracekit.activations", "tracekit.trace", "tracekit.verify", "tracekit.results"),
+     "tracekit.sae", "tracekit.dictionaries", "tracekit.graphs", "tracekit.probing", "tracekit.activations", "tracekit.trace", "tracekit.verify", "tracekit.results"),
     ("tracekit.experiments",),
     ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep", "tracekit.export", "tracekit.activations_cli"),
     ("tracekit.cli", "tracekit.__main__", "tracekit"),  # the package root re-exports everything

@@ -1,5 +1,8 @@
 """File formats of sparse dictionaries, read and written without ``sae_lens`` or ``circuit_tracer``.
 
+Over 600 lines: two formats, each with its reader, writer and the checks that name the file and
+the fix, sharing one set of tensor checks; split, each half would import the other's helpers.
+
 * **SAELens directory** (:func:`load_saelens_dir`, :func:`save_saelens_dir`): ``cfg.json`` +
   ``sae_weights.safetensors``, every inference architecture SAELens 6.54 loads from disk except the
   two with their own maths (``temporal``, ``matching_pursuit``: refused by name): ``standard``,
@@ -133,7 +136,7 @@ def _assign(d: Dictionary, tensors: dict[str, torch.Tensor]) -> None:
 
 def _saelens_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """SAELens' ``handle_config_defaulting``: a pre-6.0 config brought to the 6.x layout."""
-    meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+    meta: dict[str, Any] = cfg["metadata"] if isinstance(cfg.get("metadata"), dict) else {}
     version = cfg.get("sae_lens_version") or meta.get("sae_lens_version")
     try:
         major = int(str(version).split(".")[0]) if version else 0

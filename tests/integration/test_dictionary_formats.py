@@ -55,6 +55,8 @@ CASES = [
     ("skip_transcoder", {"apply_b_dec_to_input": False, "d_out": D_OUT}, "blocks.1.ln2.hook_normalized"),
     ("jumprelu_transcoder", {"apply_b_dec_to_input": False, "d_out": D_OUT}, "blocks.1.ln2.hook_normalized"),
     ("jumprelu_skip_transcoder", {"apply_b_dec_to_input": False, "d_out": D_OUT}, "blocks.1.ln2.hook_normalized"),
+    ("transcoder", {"apply_b_dec_to_input": False, "d_out": D_OUT, "normalize_activations": "layer_norm"},
+     "blocks.1.ln2.hook_normalized"),
 ]
 IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items() if k != 'd_out')}" for a, kw, _ in CASES]
 
@@ -126,6 +128,22 @@ def test_saved_loads_in_saelens_equal(tmp_path, arch, kw, hook):
     for name, p in sae.state_dict().items():
         torch.testing.assert_close(back.state_dict()[name], p, atol=0, rtol=0)
     _compare(back, d, _inputs(arch, kw, seed=5))
+
+
+@needs_saelens
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_dtype_override_equals_saelens(tmp_path, dtype):
+    from sae_lens import SAE
+
+    sae = _saelens_sae("jumprelu", {}, "blocks.0.hook_resid_pre", seed=4)
+    sae.save_model(tmp_path / "s")
+    ref = SAE.load_from_disk(str(tmp_path / "s"), dtype=dtype)
+    d = load_saelens_dir(tmp_path / "s", dtype=dtype)
+    assert d.W_enc.dtype == getattr(torch, dtype)
+    x = _inputs("jumprelu", {})
+    with torch.no_grad():
+        torch.testing.assert_close(d.encode(x), ref.encode(x), atol=0, rtol=0)
+        torch.testing.assert_close(d(x), ref(x), atol=0, rtol=0)
 
 
 @needs_saelens

@@ -419,6 +419,7 @@ def test_transcoder_set_bad_files(tmp_path):
     d = Dictionary(4, 8, activation="gated", hook_in="blocks.0.mlp.hook_in", hook_out="blocks.0.hook_mlp_out", layer=0)
     with pytest.raises(SAEError, match="gated"):
         save_transcoder_set(DictionarySet({0: d}), tmp_path / "w1", model_name="m")
+    assert not (tmp_path / "w1").exists(), "a refused write leaves nothing behind"
     r = {i: Dictionary(4, 8, hook_in=f"blocks.{i}.mlp.hook_in", hook_out=f"blocks.{i}.hook_mlp_out", layer=i)
          for i in (0, 2)}
     with pytest.raises(SAEError, match="without gaps"):
@@ -426,3 +427,22 @@ def test_transcoder_set_bad_files(tmp_path):
     r[1] = Dictionary(4, 8, hook_in="blocks.1.ln2.hook_normalized", hook_out="blocks.1.hook_mlp_out", layer=1)
     with pytest.raises(SAEError, match="feature_input_hook"):
         save_transcoder_set(DictionarySet(r), tmp_path / "w3", model_name="m")
+
+
+def test_cross_format_saelens_to_circuit_tracer(tmp_path):
+    """A skip JumpReLU transcoder: SAELens directory -> Dictionary -> circuit-tracer set -> Dictionary, same maths."""
+    g = torch.Generator().manual_seed(21)
+    d = Dictionary(CT_IN, CT_SAE, CT_IN, activation="jumprelu", skip=True, hook_in="blocks.0.ln2.hook_normalized",
+                   hook_out="blocks.0.hook_mlp_out", layer=0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        assert d.threshold is not None
+        d.threshold.copy_(torch.rand(CT_SAE, generator=g) * 0.3)
+    via_saelens = load_saelens_dir(save_saelens_dir(d, tmp_path / "sl", model_name="m"))
+    cfg = save_transcoder_set(DictionarySet({0: via_saelens}), tmp_path / "ct", model_name="m")
+    back = load_transcoder_set(cfg)[0]
+    assert back.hook_in == d.hook_in and back.hook_out == d.hook_out and back.activation == "jumprelu"
+    x = torch.randn(6, CT_IN, generator=g)
+    torch.testing.assert_close(back(x), d(x), atol=0, rtol=0)
+    torch.testing.assert_close(back.encode(x), d.encode(x), atol=0, rtol=0)

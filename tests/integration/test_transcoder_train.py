@@ -18,9 +18,10 @@ from helpers import GPT2_BPE, ROOT, communicate_or_dump, make_perturbed, perturb
 from tracekit.activations import StoreError, corpus_rows, write_store
 from tracekit.core.errors import SAEError
 from tracekit.dictionaries import Dictionary, DictionarySet
+from tracekit.dictionaries.fit import DictTrainSettings, fit_dictionary
 from tracekit.dictionaries.quality import transcoder_quality
 from tracekit.dictionaries.spec import TranscoderSpec, TranscoderTrainSpec
-from tracekit.dictionaries.train import DictTrainSettings, fit_dictionary, load_transcoders, train_transcoders
+from tracekit.dictionaries.train import load_transcoders, train_transcoders
 
 TINY = dict(training_tokens=2048, dataset_tokens=1024, eval_tokens=256, context_size=32, train_batch_size_tokens=128,
             k=4, expansion_factor=2, checkpoint_every=4)
@@ -77,12 +78,12 @@ def test_trained_transcoders_beat_the_mean(llama, tmp_path):
 
 
 def test_jumprelu_and_skip_train(llama, tmp_path):
-    lt = load_transcoders(TranscoderSpec(train={**TINY, "architecture": "jumprelu", "skip": True, "layers": [1]}),
+    lt = load_transcoders(TranscoderSpec(train={**TINY, "architecture": "jumprelu", "skip": True, "layers": [0, 1]}),
                           llama, cache_dir=tmp_path)
     d = lt.dictionaries[1]
     assert d.activation == "jumprelu" and d.W_skip is not None and d.threshold is not None
     assert bool((d.threshold >= 0).all()) and float(d.W_skip.abs().sum()) > 0
-    assert lt.dictionaries.layers == [1]
+    assert lt.dictionaries.layers == [0, 1]
 
 
 def _synthetic(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,8 +187,8 @@ def _write(model, path: Path, hooks: list[str], t: TranscoderTrainSpec) -> None:
 
 
 def test_store_given_same_weights_and_refusals(llama, tmp_path):
-    t = TranscoderTrainSpec(**{**TINY, "layers": [0, 2]})
-    hooks = ["blocks.0.mlp.hook_in", "blocks.0.hook_mlp_out", "blocks.2.mlp.hook_in", "blocks.2.hook_mlp_out"]
+    t = TranscoderTrainSpec(**{**TINY, "layers": [0, 1]})
+    hooks = ["blocks.0.mlp.hook_in", "blocks.0.hook_mlp_out", "blocks.1.mlp.hook_in", "blocks.1.hook_mlp_out"]
     _write(llama, tmp_path / "store", hooks, t)
     own = load_transcoders(TranscoderSpec(train=t), llama, cache_dir=tmp_path / "c1")
     given = load_transcoders(TranscoderSpec(train=t.model_copy(update={"store": str(tmp_path / "store")})), llama,
@@ -197,7 +198,7 @@ def test_store_given_same_weights_and_refusals(llama, tmp_path):
     with pytest.raises(StoreError, match=r"transcoders\.train\.store.*another model"):
         train_transcoders(other, t.model_copy(update={"store": str(tmp_path / "store")}), cache_dir=tmp_path / "c3")
     _write(llama, tmp_path / "half", hooks[:3], t)
-    with pytest.raises(StoreError, match=r"transcoders\.train\.store.*blocks\.2\.hook_mlp_out"):
+    with pytest.raises(StoreError, match=r"transcoders\.train\.store.*blocks\.1\.hook_mlp_out"):
         train_transcoders(llama, t.model_copy(update={"store": str(tmp_path / "half")}), cache_dir=tmp_path / "c3")
     with pytest.raises(StoreError, match="context_size"):
         train_transcoders(llama, t.model_copy(update={"store": str(tmp_path / "store"), "context_size": 16}),

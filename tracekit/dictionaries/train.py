@@ -81,7 +81,7 @@ from .formats import load_transcoder_set, save_transcoder_set
 from .spec import TranscoderSpec, TranscoderTrainSpec, transcoder_hooks
 
 __all__ = ["TRAIN_VERSION", "DictTrainSettings", "LoadedTranscoders", "fit_dictionary", "load_transcoders",
-           "train_transcoders", "transcoder_cache_dir", "training_windows", "special_ids"]
+           "train_transcoders", "transcoder_cache_dir", "training_windows", "training_bytes", "special_ids"]
 
 #: Files of a cached transcoder set besides the per-layer weights (circuit-tracer's config, and
 #: tracekit's training record: the model's fingerprint, the training block, the figures).
@@ -263,6 +263,22 @@ def _cached(out: Path) -> Optional[dict]:
         return None
 
 
+def _width(model: HookedModel, hook: str) -> int:
+    """The width of a hook a transcoder reads or predicts (``d_mlp`` inside the MLP, else ``d_model``)."""
+    if hook.endswith(("mlp.hook_pre", "mlp.hook_post", "mlp.hook_pre_linear")):
+        return int(getattr(model.cfg, "d_mlp", 0) or model.cfg.d_model)
+    return int(model.cfg.d_model)
+
+
+def training_bytes(n_tokens: int, d_in: int, d_out: int, s: DictTrainSettings) -> int:
+    """Estimated bytes one layer's training holds: its data (``x``, ``y`` and their scaled copies),
+    the parameters with their gradients and Adam's two moments, and one batch's pre-activations,
+    activations and outputs with their gradients (float32, or float64 when training in it)."""
+    el = 8 if s.dtype == torch.float64 else 4
+    params = (d_in + d_out) * s.d_sae + s.d_sae + d_out + (d_in * d_out if s.skip else 0)
+    return el * (2 * n_tokens * (d_in + d_out) + 4 * params + 4 * s.batch * (s.d_sae + d_in + d_out))
+
+
 def _settings(t: TranscoderTrainSpec, layer: int, d_in: int) -> DictTrainSettings:
     return DictTrainSettings(activation=t.architecture, d_sae=t.d_sae_for(d_in), k=t.k,
                              steps=t.training_tokens // t.train_batch_size_tokens, batch=t.train_batch_size_tokens,
@@ -322,31 +338,32 @@ def train_transcoders(model: HookedModel, t: TranscoderTrainSpec, *, field: str 
 def _train_locked(model: HookedModel, t: TranscoderTrainSpec, layers: list[int], pairs: dict, hooks: list[str],
                   wins: list[list[int]], held: list[list[int]], root: Path, key: str, field: str, progress: bool,
                   store_sha: Optional[str]) -> dict:
+    n_ex = len(wins) * t.context_size
+    tok = np.asarray(wins, dtype=np.int64).reshape(-1)
+    keep = ~np.isin(tok, np.asarray(special_ids(model), dtype=np.int64))
+    n_keep = int(keep.sum())
+    dt = torch.float64 if t.dtype == "float64" else torch.float32
+    settings: dict[int, DictTrainSettings] = {}
+    for L in layers:  # refused before any forward pass: k above the width, a layer that does not fit the budget
+        d_in, d_out = (_width(model, h) for h in pairs[L])
+        settings[L] = s = _settings(t, L, d_in)
+        if s.activation == "topk" and (s.k or 0) > s.d_sae:
+            raise SAEError(f"{field}.k: {s.k} is more than the {s.d_sae} features of layer {L}; lower k or raise d_sae")
+        check_fits(model, training_bytes(n_keep, d_in, d_out, s), what="transcoder training", unit="layer",
+                   fix=f"lower {field}.dataset_tokens, train_batch_size_tokens or d_sae / expansion_factor")
     t0 = time.time()
     store_path = Path(t.store).expanduser() if t.store is not None else _own_store(model, t, hooks, wins, root, field,
                                                                                    progress)
     t_store = time.time() - t0
     partial = root / f".{key}.partial"
     partial.mkdir(parents=True, exist_ok=True)
-    n_ex = len(wins) * t.context_size
-    tok = np.asarray(wins, dtype=np.int64).reshape(-1)
-    keep = ~np.isin(tok, np.asarray(special_ids(model), dtype=np.int64))
-    n_keep = int(keep.sum())
-    dt = torch.float64 if t.dtype == "float64" else torch.float32
     per_layer: dict[str, dict] = {}
     dev = model_device(model)
     with open_training_store(model, store_path, hooks, wins, t.corpus, t.context_size, field) as store:
         for L in layers:
             h_in, h_out = pairs[L]
             d_in, d_out = store.width(h_in), store.width(h_out)
-            s = _settings(t, L, d_in)
-            if s.activation == "topk" and (s.k or 0) > s.d_sae:
-                raise SAEError(f"{field}.k: {s.k} is more than the {s.d_sae} features of layer {L}; lower k")
-            el = 4 if dt == torch.float32 else 8
-            need = el * (n_keep * (2 * (d_in + d_out)) + 4 * (d_in + d_out) * s.d_sae
-                         + 4 * s.batch * (s.d_sae + d_in + d_out))
-            check_fits(model, need, what="transcoder training", unit="layer",
-                       fix=f"lower {field}.dataset_tokens or d_sae / expansion_factor")
+            s = settings[L]
             done = partial / f"layer_{L}.pt"
             if done.is_file():
                 rec = torch.load(done, weights_only=False)

@@ -64,7 +64,7 @@ import torch
 
 from ..activations.chunking import check_fits
 from ..activations.rows import corpus_rows
-from ..activations.store import MANIFEST, ActivationStore, StoreError
+from ..activations.store import MANIFEST, ActivationStore, StoreError, model_identity
 from ..activations.write import write_store
 from ..core.cachedir import remove_stale_temps
 from ..core.errors import SAEError
@@ -209,7 +209,7 @@ def _own_store(model: HookedModel, t: TranscoderTrainSpec, hooks: list[str], win
     """Write (or resume, or find) the store of ``hooks`` over the training windows under ``root/stores``."""
     n_data = t.dataset_tokens or t.training_tokens
     source = _store_source(t.corpus, t.context_size, n_data)
-    blob = {"model": model_fingerprint(model), "hooks": hooks, "source": source}
+    blob = {"model": model_identity(model), "hooks": hooks, "source": source}  # the write plan's own identity
     key = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
     path = root / "stores" / key
     rows = corpus_rows(model, t.corpus, t.context_size, n_data, "all", corpus_field=f"{field}.corpus", packed=True,

@@ -363,3 +363,12 @@ def test_a_layer_over_the_budget_is_refused_before_the_store(llama, tmp_path):
     with tracekit.memory_budget("64KiB"), pytest.raises(MemoryBudgetError, match="transcoder training"):
         train_transcoders(llama, TranscoderTrainSpec(**TINY), cache_dir=tmp_path)
     assert not (tmp_path / "stores").exists()  # nothing written, no forward pass
+
+
+def test_models_differing_only_in_bos_get_their_own_stores(tmp_path):
+    """The trainer's own store is keyed by the whole model identity (BOS, basis, dtype), as the store's
+    write plan: the same weights loaded without BOS write another store instead of being refused."""
+    t = TranscoderTrainSpec(**{**TINY, "layers": [0]})
+    a, _, _ = train_transcoders(make_perturbed("llama", prepend_bos=True), t, cache_dir=tmp_path)
+    b, _, _ = train_transcoders(make_perturbed("llama", prepend_bos=False), t, cache_dir=tmp_path)
+    assert a != b and len(list((tmp_path / "stores").iterdir())) == 2

@@ -8,6 +8,13 @@ the model's ``hook_out``):
 * ``mse``: ``mean ||y - y_hat||^2 / d_out`` (per element, in ``hook_out`` units squared);
 * ``l0``: active features per token; ``dead_fraction``: features never active on these tokens.
 
+Special-token positions (BOS, EOS, PAD: ``exclude_ids``, by default the tokenizer's special ids) are
+left out, as they are left out of training (SAELens' ``exclude_special_tokens``): the BOS position
+carries the model's massive activations (in SmolLM2-135M, MLP outputs of norm ~1e2-1e3 at blocks 11
+and 28), which no transcoder trained on text predicts and which would dominate every sum. In the
+replacement model those positions keep the model's own MLP output (the attention sink stays as the
+model has it; circuit-tracer likewise leaves the BOS position out of its graphs).
+
 Whole replacement model: every covered MLP's output (``hook_out``) replaced at once by its
 transcoder's prediction from the *replacement* run's own ``hook_in`` (errors compound through the
 layers, as in Ameisen et al. 2025 / Dunefsky et al. 2024's "spliced-in" evaluation): next-token
@@ -22,7 +29,7 @@ depend on the chunking beyond float32 rounding.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -34,6 +41,7 @@ from ..hooks import enabled_hooks, fwd_hooks, state_guard
 from ..model.info import HookedModel
 from ..model.load import model_device
 from .dictionary import DictionarySet
+from .train import special_ids
 
 __all__ = ["transcoder_quality", "QUALITY_COLUMNS"]
 
@@ -54,7 +62,8 @@ def _as_tokens(tokens: Any, device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def transcoder_quality(model: HookedModel, dset: DictionarySet,
                        tokens: Int[torch.Tensor, "n_windows seq"] | Sequence[Sequence[int]],
-                       batch_size: int = 8) -> tuple[pd.DataFrame, dict]:
+                       batch_size: int = 8, exclude_ids: Optional[Sequence[int]] = None
+                       ) -> tuple[pd.DataFrame, dict]:
     """Per-layer FVU / MSE / L0 / dead features and the whole replacement model's CE and KL.
 
     Args:
@@ -63,11 +72,13 @@ def transcoder_quality(model: HookedModel, dset: DictionarySet,
         tokens: ``[n_windows, seq]`` token ids of equal-length windows (BOS included as the model
             prepends it; e.g. the held-out packed windows of the training), run as given.
         batch_size: windows per forward pass (further chunked under the memory budget).
+        exclude_ids: token ids whose positions are not measured nor replaced (default: the
+            tokenizer's special tokens, as in training).
 
     Returns:
         ``(per_layer, overall)``: ``per_layer`` has :data:`QUALITY_COLUMNS` (one row per layer);
         ``overall`` has ``ce_model``, ``ce_replacement``, ``ce_delta``, ``kl`` (nats per token),
-        ``fvu_mean``, ``l0_mean``, ``n_tokens``, ``n_predictions``.
+        ``fvu_mean``, ``l0_mean``, ``n_tokens`` (measured positions), ``n_predictions``.
 
     Raises:
         HookError: a transcoder's hook the model lacks.
@@ -78,6 +89,8 @@ def transcoder_quality(model: HookedModel, dset: DictionarySet,
     """
     dev = model_device(model)
     toks = _as_tokens(tokens, dev)
+    skip = torch.tensor(list(special_ids(model) if exclude_ids is None else exclude_ids), dtype=torch.long,
+                        device=dev)
     layers = dset.layers
     ins = {L: dset[L].hook_in for L in layers}
     outs = {L: dset[L].hook_out for L in layers}
@@ -100,9 +113,12 @@ def transcoder_quality(model: HookedModel, dset: DictionarySet,
     def keep_in(act: torch.Tensor, hook: Any) -> None:
         replaced[hook.name] = act
 
+    mask: list[torch.Tensor] = [torch.ones(1, 1, 1, dtype=torch.bool)]
+
     def make_out(L: int):
         def put(act: torch.Tensor, hook: Any) -> torch.Tensor:
-            return dset[L](replaced[ins[L]]).to(act.dtype).reshape(act.shape)
+            pred = dset[L](replaced[ins[L]]).to(act.dtype).reshape(act.shape)
+            return torch.where(mask[0], pred, act)
 
         return put
 
@@ -111,12 +127,15 @@ def transcoder_quality(model: HookedModel, dset: DictionarySet,
             batch = toks[s:s + chunk]
             got.clear()
             replaced.clear()
+            keep = ~torch.isin(batch, skip)  # [b, T]
+            mask[0] = keep[..., None]
             with fwd_hooks(model, [(h, save) for h in hooks]):
                 logits_m = model(batch)
             for L in layers:
                 d = dset[L]
-                x = got[ins[L]].reshape(-1, d.d_in)
-                y = got[outs[L]].reshape(-1, d.d_out).double()
+                rows = keep.reshape(-1)
+                x = got[ins[L]].reshape(-1, d.d_in)[rows]
+                y = got[outs[L]].reshape(-1, d.d_out)[rows].double()
                 feats = d.encode(x)
                 y_hat = (d.decode(feats) + (d.skip_out(x) if d.W_skip is not None else 0)).double()
                 a = acc[L]
@@ -125,7 +144,7 @@ def transcoder_quality(model: HookedModel, dset: DictionarySet,
                 a["syy"] += y.pow(2).sum(0).cpu()
                 a["l0"] += float((feats > 0).sum())
                 a["fired"] |= (feats > 0).any(0).cpu()
-            n_tok += int(batch.numel())
+            n_tok += int(keep.sum())
             rep_hooks = [(ins[L], keep_in) for L in layers] + [(outs[L], make_out(L)) for L in layers]
             with fwd_hooks(model, rep_hooks):
                 logits_r = model(batch)

@@ -350,8 +350,8 @@ class LocalReplacementModel:
             :class:`ReplacementRun`. Units: logits; the model's dtype for activations.
 
         Raises:
-            Nothing of its own; the caller's hooks and the model's errors propagate (every hook is
-            removed whatever is raised).
+            Exception: nothing of its own; the caller's hooks' and the model's errors propagate
+                (every hook is removed whatever is raised).
         """
         B = int(batch)
         m = self.model

@@ -127,7 +127,8 @@ class ReplacementRun:
     Attributes:
         logits: ``[batch, pos, d_vocab]`` the model's output logits (after its output transform);
             None when the run stopped at the final norm.
-        pre_logits: ``[batch, d_vocab]`` pre-transform logits at the last position.
+        pre_logits: ``[batch, d_vocab]`` pre-transform logits at the last position (``[batch, 0]`` in a
+            run with gradients).
         reads: ``layer -> [batch, pos, d_in]`` each dictionary's input (in the autograd graph when
             the run has gradients).
         final: ``[batch, pos, d_model]`` the final norm's output (in the graph likewise).
@@ -387,13 +388,13 @@ class LocalReplacementModel:
             a = af.acts
             if feature_scale is not None and L in feature_scale:
                 a = a * feature_scale[L].to(a)
-            a = a.expand(x.shape[0], -1)
+            a = a[None]  # [1, n_active]: the same for every copy unless features respond
             if linear_features is not None and L in linear_features:
                 mask = linear_features[L].to(a.device).float()
-                a = a + (af.pre_of(d, x) - af.pre) * mask
+                a = a + (af.pre_of(d, x) - af.pre) * mask  # [batch, n_active]
             W = d.W_dec.detach()[af.feat]  # [n_active, d_out]
-            writes = a.to(W.dtype)[..., None] * W  # [batch, n_active, d_out]
-            out = torch.zeros(x.shape[0], self.n_pos, W.shape[1], dtype=W.dtype, device=W.device)
+            writes = a.to(W.dtype)[..., None] * W  # [1 or batch, n_active, d_out]
+            out = torch.zeros(a.shape[0], self.n_pos, W.shape[1], dtype=W.dtype, device=W.device)
             out = out.index_add(1, af.pos, writes) + d.b_dec.detach()
             if d.W_skip is not None:
                 out = out + x.to(d.W_skip.dtype) @ d.W_skip.detach().T
@@ -438,8 +439,10 @@ class LocalReplacementModel:
             except _StopForward:
                 logits = None
         fin = final_holder["y"]
-        with torch.no_grad():
-            pre_logits = m.unembed(fin[:, -1:, :].detach())[:, 0].float()
+        pre_logits = torch.zeros(B, 0)
+        if not grad:  # a batch of backward rows needs no logits ([batch, d_vocab] would be large)
+            with torch.no_grad():
+                pre_logits = m.unembed(fin[:, -1:, :].detach())[:, 0].float()
         return ReplacementRun(logits.detach() if logits is not None else None, pre_logits, reads, fin, leaves)
 
     # -- identity ---------------------------------------------------------------------------

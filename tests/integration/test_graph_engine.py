@@ -265,10 +265,11 @@ def test_predicted_feature_effect_equals_measured_scaling(arch):
 # ------------------------------------------------------------------------------------------------
 def test_batched_equals_unbatched_and_budget_chunks():
     m = make_perturbed("llama")
-    dset = random_transcoders(m)
-    one = build_graph(m, dset, IDS, target=PARIS, batch_size=1)
-    many = build_graph(m, dset, IDS, target=PARIS)
-    seven = build_graph(m, dset, IDS, target=PARIS, batch_size=7)
+    dset = random_transcoders(m, d_sae=12)
+    ids = IDS[:5]
+    one = build_graph(m, dset, ids, target=PARIS, batch_size=1)
+    many = build_graph(m, dset, ids, target=PARIS)
+    seven = build_graph(m, dset, ids, target=PARIS, batch_size=7)
     assert one.settings["batch_size"] == 1 and many.settings["batch_size"] > 7
     assert one.settings["backward_passes"] > many.settings["backward_passes"]
     tol = 1e-6 * max(1.0, float(one.adjacency.abs().max()))  # matmul kernels differ in the last bits by batch size
@@ -276,9 +277,9 @@ def test_batched_equals_unbatched_and_budget_chunks():
         assert torch.allclose(one.adjacency, g.adjacency, atol=tol, rtol=0)
     per_row = many.settings["backward_row_bytes"]
     assert per_row > 0
-    fixed = 6 * 4 * m.cfg.n_layers * len(IDS) * m.cfg.d_model
+    fixed = 6 * 4 * m.cfg.n_layers * len(ids) * m.cfg.d_model
     with memory_budget(int(3.5 * per_row) + fixed):  # three rows per backward pass
-        chunked = build_graph(m, dset, IDS, target=PARIS)
+        chunked = build_graph(m, dset, ids, target=PARIS)
     assert chunked.settings["batch_size"] == 3
     assert torch.allclose(one.adjacency, chunked.adjacency, atol=tol, rtol=0)
     calls = {"n": 0}
@@ -292,7 +293,7 @@ def test_batched_equals_unbatched_and_budget_chunks():
 
     with memory_budget(per_row // 2), unittest.mock.patch.object(torch.autograd, "grad", counting):
         with pytest.raises(MemoryBudgetError, match="memory budget allows"):
-            build_graph(m, dset, IDS, target=PARIS)
+            build_graph(m, dset, ids, target=PARIS)
     assert calls["n"] == 0  # refused before any backward pass
 
 

@@ -371,3 +371,29 @@ def test_no_state_left_behind(monkeypatch):
     # and the model still gives its own logits
     g = build_graph(m, dset, IDS, target=PARIS)
     assert g.verification["logits_max_abs_error"] < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_other_input_sites(arch):
+    """``ln2.hook_normalized`` is read as the MLP input where it is the same tensor (else refused by
+    name); a transcoder on the residual (``hook_resid_mid``) is linear as it is."""
+    m = make_perturbed(arch)
+    base = random_transcoders(m)
+    ref = build_graph(m, base, IDS, target=PARIS)
+    norm_in = random_transcoders(m)
+    for L in norm_in.layers:
+        norm_in[L].hook_in = f"blocks.{L}.ln2.hook_normalized"
+    _, c = m.run_with_cache(IDS[None])
+    same = all(torch.equal(c[f"blocks.{L}.ln2.hook_normalized"], c[f"blocks.{L}.mlp.hook_in"]) for L in norm_in.layers)
+    if same:
+        g = build_graph(m, norm_in, IDS, target=PARIS)
+        assert torch.equal(g.adjacency, ref.adjacency)
+    else:
+        with pytest.raises(MethodRefused, match="ln2.hook_normalized"):
+            build_graph(m, norm_in, IDS, target=PARIS)
+    resid = random_transcoders(m)
+    for L in resid.layers:
+        resid[L].hook_in = f"blocks.{L}.hook_resid_mid"
+    g = build_graph(m, resid, IDS, target=PARIS)
+    assert g.verification["logits_max_abs_error"] < 1e-4
+    assert g.verification["completeness_max_abs_error"] < 1e-4

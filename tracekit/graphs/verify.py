@@ -292,7 +292,7 @@ def intervened_metric(model: HookedModel, dictionaries: DictionarySet, graph: At
     return out, base
 
 
-def _run_rows(model, dictionaries: DictionarySet, ids: torch.Tensor,
+def _run_rows(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor,
               rows: list[Optional[tuple[int, int, int, float]]], errors: dict[int, torch.Tensor]) -> torch.Tensor:
     B = len(rows)
     inputs: dict[int, torch.Tensor] = {}

@@ -15,9 +15,9 @@ import warnings
 
 import pytest
 import torch
+from test_graph_verify import IDS, PARIS, ROME, model_state, random_transcoders
 
 from helpers import make_perturbed
-from test_graph_verify import IDS, PARIS, ROME, model_state, random_transcoders
 from tracekit.core.errors import ConfigError
 from tracekit.graphs.attribution import build_graph
 from tracekit.graphs.heads import parse_head, qk_attribution, split_edges_by_head

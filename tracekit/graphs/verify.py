@@ -40,6 +40,12 @@ graph misses (attention and norms that move, features switching on or off).
 Source: Ameisen et al. 2025 (methods, "Validating with interventions"); circuit-tracer
 ``circuit_tracer/replacement_model.py`` (``feature_intervention`` with ``constrained_layers``
 holding errors fixed).
+
+**The frozen check** (``frozen`` column): the same intervention in the frozen local replacement
+model (:class:`tracekit.graphs.replacement.LocalReplacementModel`) with the graph's features
+linearised (:func:`frozen_changes`), where the graph is exact: ``frozen`` equals ``predicted`` to
+float error on every checked node, so a gap between ``predicted`` and ``measured`` is the model's
+nonlinearity, not a bug in the graph (``frozen_max_abs_miss`` says how exact).
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def predict_changes(graph: AttributionGraph, nodes: Int[torch.Tensor, " k"],
         deltas: ``[k]`` activation changes (feature units).
 
     Returns:
-        ``[k]`` float64 predicted changes of the metric (logit units).
+        ``[k]`` float64 predicted changes of the metric (logit units), computed in the adjacency's
+        dtype on its device (``k`` columns at a time: no copy of the adjacency).
 
     Raises:
         MethodRefused: the target or foil is not a logit node.
@@ -120,23 +127,22 @@ def predict_changes(graph: AttributionGraph, nodes: Int[torch.Tensor, " k"],
     nodes = torch.as_tensor(nodes, dtype=torch.long)
     if len(nodes) and (nodes.min() < 0 or nodes.max() >= graph.n_features):
         raise ValueError("predict_changes: every node must be a feature node (index < n_features)")
-    A = graph.adjacency.double()
-    act = graph.activations.double().to(A.device)
-    nf = graph.n_features
-    safe = torch.where(act == 0, torch.ones_like(act), act)
-    W_ff = A[:nf, :nf] / safe[None, :] * (act != 0)[None, :]  # feature <- feature, per unit of activation
-    W_lf = A[graph.logit_offset:, :nf] / safe[None, :] * (act != 0)[None, :]  # logit <- feature
-    E = torch.zeros(nf, len(nodes), dtype=torch.float64, device=A.device)
-    E[nodes.to(A.device), torch.arange(len(nodes), device=A.device)] = deltas.double().to(A.device)
+    A = graph.adjacency  # views only: no copy of the [n_nodes, n_nodes] matrix
+    nf, dev = graph.n_features, graph.adjacency.device
+    act = graph.activations.to(device=dev, dtype=A.dtype)
+    inv = torch.where(act == 0, torch.zeros_like(act), 1.0 / torch.where(act == 0, torch.ones_like(act), act))
+    A_ff, A_lf = A[:nf, :nf], A[graph.logit_offset:, :nf]  # feature <- feature, logit <- feature
+    E = torch.zeros(nf, len(nodes), dtype=A.dtype, device=dev)
+    E[nodes.to(dev), torch.arange(len(nodes), device=dev)] = deltas.to(device=dev, dtype=A.dtype)
     total, cur = E.clone(), E
     for _ in range(nf + 1):
-        cur = W_ff @ cur
+        cur = A_ff @ (cur * inv[:, None])  # W = A / a_source: per unit of the source's activation
         if not cur.any():
             break
         total += cur
     else:
         raise ValueError("predict_changes: the feature adjacency is not acyclic")
-    dl = W_lf @ total  # [n_logits, k]
+    dl = (A_lf @ (total * inv[:, None])).double()  # [n_logits, k]
     out = dl[t_node - graph.logit_offset]
     if f_node is not None:
         out = out - dl[f_node - graph.logit_offset]

@@ -200,3 +200,33 @@ def test_refusals():
         split_edges_by_head(m, ds, g, [(g.token_index(0), g.token_index(1))])
     with pytest.raises(ConfigError, match="logit"):
         split_edges_by_head(m, ds, g, [(g.logit_offset, g.logit_offset + 1)])
+    gz = build_graph(m, ds, IDS, target=PARIS, foil=ROME)  # zero_bos: BOS nodes have no edges
+    assert gz.settings["bos_zeroed"]
+    with pytest.raises(ConfigError, match="zero_bos"):
+        split_edges_by_head(m, ds, gz, [(gz.logit_offset, gz.token_index(0))])
+    with pytest.raises(ConfigError, match="zero_bos"):
+        split_edges_by_head(m, ds, gz, [(gz.logit_offset, gz.error_index(1, 0))])
+
+
+def test_no_state_left_when_raising(monkeypatch):
+    import tracekit.graphs.heads as heads_mod
+
+    m, ds, g = _setup("llama", False)
+    before = model_state(m)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(heads_mod, "_W_O", boom)  # raised inside the backward's autograd scope
+    with pytest.raises(RuntimeError, match="boom"):
+        split_edges_by_head(m, ds, g, _edges(g, [g.logit_offset], per=2))
+    assert model_state(m) == before
+
+    def raising_hooks(layers, q_hook, k_hook, store):
+        return [(f"blocks.{layers[0]}.attn.{q_hook}", boom)]  # raised inside a hooked forward pass
+
+    monkeypatch.setattr(heads_mod, "_grab_qk", raising_hooks)
+    with pytest.raises(RuntimeError, match="boom"):
+        qk_attribution(m, ds, g, ["L1H0"])
+    assert model_state(m) == before
+    assert all(p.grad is None for d in ds.dictionaries.values() for p in d.parameters())

@@ -109,6 +109,10 @@ def _lrm(model: HookedModel, dictionaries: DictionarySet, graph: AttributionGrap
 def _source_site(graph: AttributionGraph, lrm: LocalReplacementModel, s: int) -> tuple[Any, int, torch.Tensor, int]:
     """(leaf key, position, write vector, layer the write enters after: -1 for tokens) of source node ``s``."""
     kind = graph.node_type(s)
+    if kind in ("error", "token") and graph.settings.get("bos_zeroed") and (
+            (s - graph.error_offset) % graph.n_pos == 0 if kind == "error" else s == graph.token_offset):
+        raise ConfigError(f"source {node_label(graph, s)} sits at the BOS position, which the graph leaves out "
+                          "(zero_bos): its edges are 0 by construction; build the graph with zero_bos=False to split them")
     if kind == "feature":
         L, p, f = graph.features[s].tolist()
         d = lrm.dicts[L]
@@ -190,7 +194,8 @@ def split_edges_by_head(model: HookedModel, dictionaries: DictionarySet, graph: 
         sum to the edge (to float error).
 
     Raises:
-        ConfigError: a target that is a token or error node, a source that is a logit node.
+        ConfigError: a target that is a token or error node, a source that is a logit node or a
+            node at the BOS position of a graph built with ``zero_bos`` (its edges are 0 by construction).
         MethodRefused: an architecture with post-attention norms or without ``W_O``; what the
             replacement model refuses.
         MemoryBudgetError: one backward row does not fit the budget.

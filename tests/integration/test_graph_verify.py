@@ -24,7 +24,7 @@ from tracekit.dictionaries.dictionary import Dictionary, DictionarySet
 from tracekit.graphs.attribution import build_graph
 from tracekit.graphs.graph import AttributionGraph
 from tracekit.graphs.replacement import LocalReplacementModel
-from tracekit.graphs.verify import frozen_changes, predict_changes, verify_graph
+from tracekit.graphs.verify import TABLE_COLUMNS, frozen_changes, predict_changes, verification_frame, verify_graph
 
 IDS = torch.tensor([50256, 464, 3139, 286, 4881, 318, 257])  # BOS "The capital of France is a"
 PARIS, ROME = 6342, 10598
@@ -194,6 +194,9 @@ def test_real_model_with_exact_transcoders():
             assert math.isfinite(row[k])
         assert row["miss"] == pytest.approx(row["measured"] - row["predicted"], abs=1e-9)
         assert (int(g.features[row["node"], 0]), int(g.features[row["node"], 1])) == (row["layer"], row["pos"])
+    df = verification_frame(r)
+    assert list(df.columns) == list(TABLE_COLUMNS) and len(df) == 16
+    assert df["influence_rank"].is_monotonic_increasing
     # the top-k are the highest-influence feature nodes
     ranks = sorted(r_["influence_rank"] for r_ in tab if r_["checked_as"] == "top")
     assert ranks == list(range(1, 9))

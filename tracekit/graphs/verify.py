@@ -50,7 +50,7 @@ nonlinearity, not a bug in the graph (``frozen_max_abs_miss`` says how exact).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -67,11 +67,27 @@ from .graph import AttributionGraph
 from .prune import compute_node_influence, graph_scores, prune_graph
 from .replacement import LocalReplacementModel
 
-__all__ = ["MODES", "clean_errors", "frozen_changes", "intervened_metric", "predict_changes", "target_metric",
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["MODES", "TABLE_COLUMNS", "clean_errors", "frozen_changes", "verification_frame", "intervened_metric", "predict_changes", "target_metric",
            "verify_graph"]
 
 #: Interventions :func:`verify_graph` runs.
 MODES = ("ablate", "scale")
+#: Columns of the intervention table (:func:`verification_frame`), one row per checked feature node.
+TABLE_COLUMNS = ("node", "layer", "pos", "feature", "activation", "influence", "influence_rank", "checked_as",
+                 "predicted", "frozen", "measured", "miss")
+
+
+def verification_frame(result: dict[str, Any]) -> "pd.DataFrame":
+    """The intervention table of a :func:`verify_graph` result as a DataFrame (columns
+    :data:`TABLE_COLUMNS`, ordered by influence rank). Raises KeyError: not a verify_graph result."""
+    import pandas as pd
+
+    rows = result["intervention"]["table"]
+    df = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+    return df.sort_values("influence_rank", kind="stable").reset_index(drop=True)
 
 
 def target_metric(graph: AttributionGraph, logits: Float[torch.Tensor, "batch d_vocab"]) -> Float[torch.Tensor, " batch"]:

@@ -225,6 +225,7 @@ def _corpus_contexts(model: HookedModel, dictionaries: DictionarySet, by_layer: 
         raise AttributionError("corpus: no text to read feature contexts from; give a corpus or a store")
     special = torch.tensor(_special_ids(model), dtype=torch.long)
     width = sum(dictionaries[L].d_sae for L in by_layer)
+    deepest, n_layers = max(by_layer), int(model.cfg.n_layers)  # the pass stops after the deepest block read
     step = max(1, int(batch_size))
 
     def batches():
@@ -232,7 +233,7 @@ def _corpus_contexts(model: HookedModel, dictionaries: DictionarySet, by_layer: 
             batch = pad_ids(model, windows[s:s + step])
             ok = batch.attention_mask.bool().cpu() & ~torch.isin(batch.tokens.cpu(), special)
             T = int(batch.tokens.shape[1])
-            per_row = forward_row_bytes(model, T) + 3 * 4 * T * width
+            per_row = forward_row_bytes(model, T, logits=deepest + 1 >= n_layers) + 3 * 4 * T * width
             chunk = forward_chunk_size(model, batch.size, per_row, what="feature cards (corpus contexts)",
                                        fix="lower seq_len or give fewer nodes")
             for c in range(0, batch.size, chunk):

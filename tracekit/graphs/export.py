@@ -52,7 +52,7 @@ def process_token(token: str) -> str:
     return token.replace("\n", "⏎").replace("\t", "→").replace("\r", "↵")
 
 
-def _num(x: float) -> Optional[float]:
+def _num(x: Any) -> Optional[float]:
     x = float(x)
     return x if math.isfinite(x) else None
 

@@ -24,7 +24,7 @@ Source: circuit-tracer ``circuit_tracer/utils/create_graph_files.py`` (``create_
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -134,7 +134,7 @@ def graph_masks(graph: AttributionGraph, prune: Optional[PruneLike]
 
 
 def graph_tables(graph: AttributionGraph, prune: Optional[PruneLike] = None, *,
-                 edges: Literal["kept", "nonzero"] = "kept") -> tuple[pd.DataFrame, pd.DataFrame]:
+                 edges: str = "kept") -> tuple[pd.DataFrame, pd.DataFrame]:
     """The graph's nodes and edges as tables.
 
     Args:

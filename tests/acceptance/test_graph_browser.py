@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +30,16 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 #: Tokens that would break a page that does not escape (tags, entities, quotes, a script end, newline).
 NASTY = ["<bos>", "<b>bold</b>", " &amp; \"q\"", "</script><i>x", "\n'y'"]
 
+
+
+@dataclass
+class StandInPrune:
+    """What a PruneResult carries (tracekit.graphs.prune): masks and influence scores."""
+
+    node_mask: torch.Tensor
+    edge_mask: torch.Tensor
+    cumulative_scores: torch.Tensor
+    node_influence: torch.Tensor
 
 def _browser_or_skip():
     try:
@@ -70,7 +80,7 @@ def _graph() -> AttributionGraph:
 def _prune(graph: AttributionGraph):
     n = graph.n_nodes
     infl = torch.linspace(1.0, 0.1, n)
-    return SimpleNamespace(node_mask=torch.ones(n, dtype=torch.bool), edge_mask=graph.adjacency != 0,
+    return StandInPrune(node_mask=torch.ones(n, dtype=torch.bool), edge_mask=graph.adjacency != 0,
                            cumulative_scores=torch.cumsum(infl, 0) / infl.sum(), node_influence=infl)
 
 

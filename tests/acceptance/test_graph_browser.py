@@ -183,3 +183,37 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
         shutil.copy(tmp_path / "screenshot.png", Path(keep) / "graph_page.png")
+
+
+def test_real_tiny_graph_page_in_chromium(tmp_path):
+    """build_graph on a tiny model with a random transcoder set: the page renders, a click on the
+    most active feature shows its card (a corpus pass), nothing is clipped."""
+    from helpers import make_tiny
+    from tracekit.dictionaries.dictionary import Dictionary, DictionarySet
+    from tracekit.graphs.attribution import build_graph
+    from tracekit.graphs.cards import feature_cards
+    from tracekit.tokens import encode
+
+    _browser_or_skip()
+    model = make_tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    d = int(model.cfg.d_model)
+    dset = {}
+    for L in range(int(model.cfg.n_layers)):
+        t = Dictionary(d, 16, d, hook_in=f"blocks.{L}.mlp.hook_in", hook_out=f"blocks.{L}.hook_mlp_out", layer=L)
+        with torch.no_grad():
+            t.W_enc.copy_(torch.randn(d, 16, generator=g) / d ** 0.5)
+            t.W_dec.copy_(torch.randn(16, d, generator=g) / 4)
+        dset[L] = t
+    dset = DictionarySet(dset)
+    prompt = "The capital of France is"
+    graph = build_graph(model, dset, torch.tensor(encode(model, prompt)), prompt=prompt)
+    node = int(torch.argmax(graph.activations))
+    cards = feature_cards(model, dset, graph, [node], contexts=3, seq_len=16, max_tokens=96)
+    path = write_graph_html(graph, None, tmp_path / "graph.html", cards=cards)
+    out = _render(path, tmp_path / "screenshot.png", f"#n{node}")
+    assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
+    assert out["selected"] and out["hl"] and out["card"] and len(out["marks"]) == len(cards[node]["contexts"]) > 0
+    assert "Top activating contexts (corpus)" in out["panel"]
+    assert out["clipped"] == [] and out["too_wide"] == [], out
+    assert out["doc_width"] <= out["view_width"] and out["shot_height"] == out["doc_height"]

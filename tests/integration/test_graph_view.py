@@ -644,3 +644,48 @@ def test_cards_show_on_the_page_and_label_the_json(tiny_gpt2):
     assert by_id[node_ids(graph)[2]]["clerp"] == ""  # no card
     assert cards[0]["clerp"].startswith("→ ")
     json.dumps(cards, allow_nan=False)  # JSON-able as they are
+
+
+# ---------------------------------------------------------------------------------------------
+# a real graph (build_graph on a tiny model with a random transcoder set) through every output
+
+
+def _real_graph(model, dset, prompt="The capital of France is"):
+    from tracekit.graphs.attribution import build_graph
+    from tracekit.tokens import encode
+
+    return build_graph(model, dset, torch.tensor(encode(model, prompt)), prompt=prompt)
+
+
+def _prune_of(graph):
+    try:
+        from tracekit.graphs.prune import prune_graph  # type: ignore[import-not-found]
+    except ImportError:  # pruning lives on another branch until merged: keep everything
+        return None
+    return prune_graph(graph)
+
+
+def test_real_graph_tables_json_page_and_cards(tiny_gpt2, tmp_path):
+    model = tiny_gpt2
+    dset = _random_set(model, d_sae=32, seed=4)
+    graph = _real_graph(model, dset)
+    prune = _prune_of(graph)
+    nodes, edges = graph_tables(graph, prune)
+    assert len(nodes) == graph.n_nodes and nodes["node_id"].is_unique
+    adj = graph.adjacency
+    assert all(w == float(adj[t, s]) for s, t, w in zip(edges["source"], edges["target"], edges["weight"]))
+    assert len(edges) > 0
+    data = graph_json(graph, prune, slug="tiny-real")
+    Model.model_validate_json(json.dumps(data, allow_nan=False))
+    acts = {node_ids(graph)[i]: float(graph.activations[i]) for i in range(graph.n_features)}
+    for n in data["nodes"]:
+        if n["feature_type"] == "cross layer transcoder":
+            assert n["activation"] == acts[n["node_id"]]
+    feats = nodes.iloc[:graph.n_features]
+    order = np.argsort(-np.nan_to_num(feats["influence"].to_numpy(float), nan=0.0), kind="stable")[:3]
+    top = [int(i) for i in feats["node"].to_numpy()[order]]
+    cards = feature_cards(model, dset, graph, top, contexts=2, seq_len=16, max_tokens=96)
+    path = write_graph_html(graph, prune, tmp_path / "g.html", cards=cards)
+    page = _page_data(path.read_text(encoding="utf-8"))
+    assert set(page["cards"]) <= {str(i) for i in top}
+    assert {int(k) for k in page["nodes"]} >= set(range(graph.token_offset, graph.n_nodes))  # tokens and logits

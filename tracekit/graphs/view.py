@@ -63,7 +63,8 @@ def graph_layout(nodes: pd.DataFrame, n_pos: int, n_layers: int) -> dict[int, tu
     Args:
         nodes: rows of :func:`tracekit.graphs.tables.graph_tables`' nodes table (``node``, ``type``,
             ``layer``, ``position``, ``feature``).
-        n_pos / n_layers: the graph's sizes.
+        n_pos: the graph's prompt length.
+        n_layers: the graph's blocks.
 
     Returns:
         ``{node index: (x, y)}``. Raises nothing.

@@ -82,8 +82,9 @@ def graph_layout(nodes: pd.DataFrame, n_pos: int, n_layers: int) -> dict[int, tu
         k = len(cell)
         if typ_logit:
             step = min(_COL_W * 0.9 / max(1, k - 1), 26.0) if k > 1 else 0.0
-            step = max(step, 14.0)
-            xs = [cx + _COL_W * 0.35 - i * step for i in range(k)]
+            right = cx + _COL_W * 0.35
+            step = min(max(step, 14.0), (right - _LEFT - 8.0) / (k - 1)) if k > 1 else 0.0  # never left of the axis
+            xs = [right - i * step for i in range(k)]
         else:
             span = _COL_W * 0.84
             step = min(span / max(1, k - 1), 16.0) if k > 1 else 0.0

@@ -689,3 +689,24 @@ def test_real_graph_tables_json_page_and_cards(tiny_gpt2, tmp_path):
     page = _page_data(path.read_text(encoding="utf-8"))
     assert set(page["cards"]) <= {str(i) for i in top}
     assert {int(k) for k in page["nodes"]} >= set(range(graph.token_offset, graph.n_nodes))  # tokens and logits
+
+
+def test_layout_puts_layers_bottom_up_positions_left_to_right_inside_the_drawing():
+    from tracekit.graphs.view import _BOTTOM, _COL_W, _LEFT, _RIGHT, _ROW_H, _TOP, graph_layout
+
+    for graph in (toy_graph(), toy_graph(features=[[0, 0, 1], [1, 0, 2]], tokens=["<bos>"])):
+        nodes, _ = graph_tables(graph, None)
+        pos = graph_layout(nodes, graph.n_pos, graph.n_layers)
+        assert set(pos) == set(range(graph.n_nodes))
+        width = _LEFT + graph.n_pos * _COL_W + _RIGHT
+        height = _TOP + (graph.n_layers + 2) * _ROW_H + _BOTTOM
+        assert all(_LEFT <= x <= width - _RIGHT and _TOP <= y <= height - _BOTTOM for x, y in pos.values())
+        layer = dict(zip(nodes["node"].tolist(), nodes["layer"].tolist()))
+        where = dict(zip(nodes["node"].tolist(), nodes["position"].tolist()))
+        for a in pos:
+            for b in pos:
+                if layer[a] < layer[b]:
+                    assert pos[a][1] > pos[b][1]  # a lower layer is drawn lower (SVG y grows downwards)
+                if layer[a] == layer[b] and layer[a] < graph.n_layers and where[a] < where[b]:
+                    assert pos[a][0] < pos[b][0]  # left to right by position
+        assert len(set(pos.values())) == len(pos)  # no two nodes on the same spot

@@ -92,6 +92,20 @@ def _card(node: int) -> dict:
             "bottom_tokens": [{"token": " x\"y", "token_id": 9, "logit": -1.0}], "clerp": "→ ' <Paris>'"}
 
 
+def _verification(graph: AttributionGraph) -> dict:
+    """A verification dict shaped as tracekit.graphs.verify.verify_graph's (plus build_graph's checks)."""
+    rows = [{"node": i, "layer": L, "pos": p, "feature": f, "activation": 1.0, "influence": 0.5, "influence_rank": i,
+             "checked_as": "top" if i < 3 else "random", "predicted": -0.5 * i, "frozen": -0.5 * i,
+             "measured": -0.45 * i, "miss": 0.05 * i} for i, (L, p, f) in enumerate(graph.features.tolist())]
+    return {"logits_max_abs_error": 1.5e-6, "completeness_max_abs_error": 2e-5,
+            "intervention": {"mode": "ablate", "scale": 0.0, "metric": "logit difference ' <Paris>' - ' Beijing&'",
+                             "baseline_metric": 3.2, "table": rows,
+                             "summary": {"pearson": 0.99, "spearman": 1.0, "sign_agreement": 1.0,
+                                         "largest_errors": [{"node": 4, "miss": 0.2, "token": "</td><b>"}]}},
+            "scores": {"replacement": 0.81, "completeness": 0.93,
+                       "pruned": {"replacement": 0.7, "completeness": 0.9, "n_nodes": 20, "n_edges": 28}}}
+
+
 def _render(page_path: Path, shot: Path, click: str) -> dict:
     from playwright.sync_api import sync_playwright
 
@@ -136,6 +150,9 @@ def _render(page_path: Path, shot: Path, click: str) -> dict:
                     const hides = [st.overflowX, st.overflowY].some(o => o !== 'visible');
                     return hides && (e.scrollHeight > e.clientHeight + 1 || e.scrollWidth > e.clientWidth + 1);
                 }).map(e => e.tagName + (e.id ? '#' + e.id : '')),
+                vtables: [...document.querySelectorAll('table[data-table^="verification"]')].map(
+                    t => t.querySelectorAll('tbody tr').length),
+                scores: [...document.querySelectorAll('table[data-table="scores"] th')].map(t => t.textContent),
                 too_wide: [...document.querySelectorAll('table, svg#graph')].filter(
                     e => e.getBoundingClientRect().right > document.body.getBoundingClientRect().right + 1
                 ).map(e => e.dataset.table || e.id),
@@ -156,8 +173,7 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
     graph, target = _graph(), 4  # node 4: the layer-2 feature, inputs from features, a token and an error
     prune = _prune(graph)
     path = write_graph_html(graph, prune, tmp_path / "graph.html", cards={target: _card(target)},
-                            verification={"logits_max_abs_error": 1.5e-6, "scores": {"replacement": 0.8},
-                                          "interventions": [{"node": 4, "predicted": 0.5, "measured": 0.45}]})
+                            verification=_verification(graph))
     out = _render(path, tmp_path / "screenshot.png", f"#n{target}")
     assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
     nodes, edges = graph_tables(graph, prune)
@@ -175,6 +191,9 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
     assert out["card"] and out["marks"] == [" Paris&"]
     assert "Top activating contexts (store)" in out["panel"] and "<mark>" in out["panel"]
     assert "promotes" in out["panel"] and "\" <Paris>\"" in out["panel"]
+    # the verification: its scalars in the side panel, its two tables below the graph
+    assert out["vtables"] == [graph.n_features, 1]
+    assert {"logits_max_abs_error", "intervention.summary.spearman", "scores.pruned.replacement"} <= set(out["scores"])
     # nothing clipped, nothing wider than the page, the screenshot is the whole document
     assert out["clipped"] == [] and out["too_wide"] == [], out
     assert out["doc_width"] <= out["view_width"]

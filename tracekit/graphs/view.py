@@ -136,7 +136,7 @@ def _verification_parts(ver: Optional[dict]) -> tuple[list[tuple[str, str]], lis
         if isinstance(v, (int, np.integer)):
             return str(int(v))
         if isinstance(v, (float, np.floating)):
-            return f"{float(v):.4g}"
+            return f"{float(v) + 0.0:.4g}"  # + 0.0: no "-0"
         return str(v)
 
     def walk(prefix: str, v: Any) -> None:

@@ -171,6 +171,8 @@ class LocalReplacementModel:
         self.n_layers = int(cfg.n_layers)
         dev = next(iter(self.model.parameters())).device
         self.device = dev
+        self.arch = str(getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
+                        or type(model).__name__)
         self.tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).to(dev)
         self.n_pos = int(self.tokens.shape[1])
         self._check_dictionaries()
@@ -243,7 +245,7 @@ class LocalReplacementModel:
             xi, xo = cache.get(f"{n}.hook_in"), cache.get(f"{n}.hook_out")
             if xi is None or xo is None:
                 raise MethodRefused(f"attribution graph: the norm {n} did not fire its hook_in/hook_out, so its "
-                                    "scale cannot be frozen; this architecture is not supported.")
+                                    f"scale cannot be frozen; {self.arch} is not supported.")
             d = int(xi.shape[-1])
             norm = measure_norm(mod, d)
             if not norm.exact:
@@ -264,11 +266,17 @@ class LocalReplacementModel:
             p = cache.get(f"blocks.{L}.attn.hook_pattern")
             if p is None:
                 raise MethodRefused(f"attribution graph: block {L}'s attention pattern (blocks.{L}.attn.hook_pattern) "
-                                    "does not fire, so it cannot be frozen; this architecture is not supported.")
+                                    f"does not fire, so it cannot be frozen; {self.arch} is not supported.")
             self.patterns[L] = p
         if "hook_embed" not in cache:
             raise MethodRefused("attribution graph: hook_embed does not fire; the token nodes cannot be read.")
         self.embed = cache["hook_embed"][0]
+        for L in range(self.n_layers):
+            for hk in (self.read_hooks[L], self.write_hooks[L]):
+                if hk not in cache:
+                    raise MethodRefused(f"attribution graph: hook {hk!r} does not fire on this model, so the "
+                                        f"transcoder of layer {L} cannot be attached; {self.arch} is not supported.")
+        self._check_patterns_used()
         self.x_in: dict[int, torch.Tensor] = {}
         self.out_true: dict[int, torch.Tensor] = {}
         self.active: dict[int, ActiveFeatures] = {}
@@ -288,6 +296,32 @@ class LocalReplacementModel:
         final = next(s for s in self.norms if s.name == "ln_final")
         self.final_clean = final.y_clean
         self.pre_logits = self.model.unembed(final.y_clean)[0, -1].float()
+
+    @torch.no_grad()
+    def _check_patterns_used(self) -> None:
+        """A probe pass with every attention pattern zeroed: each block's ``attn.hook_z`` must then be
+        zero (the forward pass uses the hooked pattern; some bridges only report it, and freezing
+        it there would freeze nothing). Raises MethodRefused naming the blocks."""
+        z: dict[int, torch.Tensor] = {}
+
+        def zero(act, hook):
+            return torch.zeros_like(act)
+
+        def save(act, hook, L):
+            z[L] = act.detach()
+            return act
+
+        hooks: list[tuple[str, Callable]] = [(f"blocks.{L}.attn.hook_pattern", zero) for L in range(self.n_layers)]
+        hooks += [(f"blocks.{L}.attn.hook_z", _partial(save, L=L)) for L in range(self.n_layers)
+                  if f"blocks.{L}.attn.hook_z" in self.model.hook_dict]
+        with fwd_hooks(self.model, hooks):
+            self.model(self.tokens)
+        bad = [L for L in range(self.n_layers) if L not in z or bool(z[L].abs().max() > 0)]
+        if bad:
+            raise MethodRefused(
+                f"attribution graph: in blocks {bad} the forward pass does not use the hooked attention pattern "
+                "(blocks.L.attn.hook_pattern is only reported, or attn.hook_z does not fire), so the pattern "
+                f"cannot be frozen; {self.arch}'s bridge is not supported by the local replacement model.")
 
     # -- the replacement forward ------------------------------------------------------------
     def run(self, *, batch: int = 1, feature_scale: Optional[dict[int, torch.Tensor]] = None,
@@ -316,8 +350,8 @@ class LocalReplacementModel:
             :class:`ReplacementRun`. Units: logits; the model's dtype for activations.
 
         Raises:
-            Nothing of its own; the caller's hooks and the model's errors propagate (every hook is
-            removed whatever is raised).
+            Exception: nothing of its own; the caller's hooks' and the model's errors propagate
+                (every hook is removed whatever is raised).
         """
         B = int(batch)
         m = self.model

@@ -1,5 +1,10 @@
 """SAE engine (tracekit.sae) on tiny random models with tiny random SAEs in SAELens' format.
 
+The SAEs are written with SAELens' own ``save_model`` where SAELens imports (the default
+environment), else with tracekit's writer (:func:`tracekit.dictionaries.formats.save_saelens_dir`):
+every test here runs in both environments except those marked ``sae``, which compare with SAELens
+itself (its ``encode``/``decode``, its evals, its activation store).
+
 Numeric invariants run on ``perturbed_model`` (GPT-2 / Llama / tied Llama x processed / raw):
 splice with the error term == clean logits; a feature edit moves the activation by exactly
 (new - old) x its decoder row; features + error + bias (+ special tokens) == the activation's
@@ -14,6 +19,7 @@ import json
 import pytest
 import torch
 
+from tracekit.compat import sae_lens_status
 from tracekit.errors import SAEError
 from tracekit.model.load import model_fingerprint, model_spec_of
 from tracekit.sae import (
@@ -29,12 +35,47 @@ from tracekit.sae import (
 PROMPT = "The capital of France is the city of"
 
 
+#: Whether SAELens imports here (else the SAEs are written by tracekit's own SAELens-format writer).
+HAS_SAE_LENS = sae_lens_status(import_check=False) is None
+
+
+def save_sae(d, md: dict, weights: dict, arch: str = "standard", normalize: str = "none", k: int = 6):
+    """Write an SAE (``weights``: ``W_enc [d_in, d_sae]``, ``W_dec``, ``b_enc``, ``b_dec``; ``md``: SAELens
+    metadata) as a SAELens directory: with SAELens' ``save_model`` where it imports, else with
+    :func:`tracekit.dictionaries.formats.save_saelens_dir` (the same cfg.json fields: architecture,
+    ``apply_b_dec_to_input`` true, ``normalize_activations``, ``k``, metadata)."""
+    d_in, d_sae = weights["W_enc"].shape
+    if HAS_SAE_LENS:
+        from sae_lens import StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
+        from sae_lens.saes.sae import SAEMetadata
+
+        if arch == "topk":
+            sae = TopKSAE(TopKSAEConfig(d_in=d_in, d_sae=d_sae, k=k, normalize_activations=normalize,
+                                        metadata=SAEMetadata(**md)))
+        else:
+            sae = StandardSAE(StandardSAEConfig(d_in=d_in, d_sae=d_sae, normalize_activations=normalize,
+                                                metadata=SAEMetadata(**md)))
+    else:
+        from tracekit.dictionaries import Dictionary
+
+        sae = Dictionary(d_in, d_sae, activation="topk" if arch == "topk" else "relu", k=k if arch == "topk" else None,
+                         hook_in=md["hook_name"], apply_b_dec_to_input=True, normalize_activations=normalize,
+                         metadata={k_: v for k_, v in md.items() if k_ != "model_name"})
+    with torch.no_grad():
+        for name, w in weights.items():
+            getattr(sae, name).copy_(w)
+    if HAS_SAE_LENS:
+        sae.save_model(d)
+    else:
+        from tracekit.dictionaries.formats import save_saelens_dir
+
+        save_saelens_dir(sae, d, model_name=md["model_name"])
+    return d
+
+
 def make_sae_dir(tmp_path, model, hook, d_sae=48, arch="standard", seed=0, normalize="none", fingerprint=True,
                  **meta):
-    """A random SAELens SAE on ``hook`` saved with SAELens' own ``save_model`` (cfg.json + safetensors)."""
-    from sae_lens import StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
-    from sae_lens.saes.sae import SAEMetadata
-
+    """A random SAE on ``hook`` in SAELens' format (cfg.json + safetensors; :func:`save_sae`)."""
     d_in = int(model.cfg.d_model)
     spec = model_spec_of(model)
     md = {"hook_name": hook, "model_name": spec.name, "prepend_bos": bool(spec.prepend_bos), "context_size": 128,
@@ -42,22 +83,12 @@ def make_sae_dir(tmp_path, model, hook, d_sae=48, arch="standard", seed=0, norma
     if fingerprint:
         md["tracekit_fingerprint"] = model_fingerprint(model)
     md.update(meta)
-    if arch == "topk":
-        cfg = TopKSAEConfig(d_in=d_in, d_sae=d_sae, k=6, normalize_activations=normalize, metadata=SAEMetadata(**md))
-        sae = TopKSAE(cfg)
-    else:
-        cfg = StandardSAEConfig(d_in=d_in, d_sae=d_sae, normalize_activations=normalize, metadata=SAEMetadata(**md))
-        sae = StandardSAE(cfg)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # scale the encoder to the activation's size so a fair share of features fire
-        sae.W_enc.copy_(torch.randn(d_in, d_sae, generator=g) / d_in ** 0.5)
-        sae.W_dec.copy_(torch.randn(d_sae, d_in, generator=g) / d_in ** 0.5)
-        sae.b_dec.copy_(0.1 * torch.randn(d_in, generator=g))
-        sae.b_enc.copy_(0.2 * torch.randn(d_sae, generator=g))
-    d = tmp_path / f"sae-{arch}-{normalize}-{seed}"
-    sae.save_model(d)
-    return d
+    # scale the encoder to the activation's size so a fair share of features fire
+    weights = {"W_enc": torch.randn(d_in, d_sae, generator=g) / d_in ** 0.5,
+               "W_dec": torch.randn(d_sae, d_in, generator=g) / d_in ** 0.5,
+               "b_dec": 0.1 * torch.randn(d_in, generator=g), "b_enc": 0.2 * torch.randn(d_sae, generator=g)}
+    return save_sae(tmp_path / f"sae-{arch}-{normalize}-{seed}", md, weights, arch, normalize)
 
 
 def last_resid(model):
@@ -104,6 +135,7 @@ def test_missing_hook_name_is_an_error_naming_the_key(tmp_path, tiny_gpt2):
         load_sae(SAESpec(path=str(d)), tiny_gpt2)
 
 
+@pytest.mark.sae  # a SAELens pretrained release: SAELens' registry
 def test_release_offline_is_a_clear_error_without_waiting(tiny_gpt2, monkeypatch):
     import time
 
@@ -300,24 +332,16 @@ def test_intervention_ablate_steer(tmp_path, tiny_gpt2):
 def test_quality_hand_worked(tmp_path, tiny_gpt2):
     """An SAE whose decoder reproduces x exactly (identity dictionary, ReLU on +x and -x) has
     explained variance 1, mse 0, CE recovered 1, KL 0; L0 = number of non-zero coordinates."""
-    from sae_lens import StandardSAE, StandardSAEConfig
-    from sae_lens.saes.sae import SAEMetadata
-
     m = tiny_gpt2
     d = int(m.cfg.d_model)
     hook = "blocks.1.hook_resid_pre"
     spec = model_spec_of(m)
-    cfg = StandardSAEConfig(d_in=d, d_sae=2 * d + 1, metadata=SAEMetadata(
-        hook_name=hook, model_name=spec.name, prepend_bos=True, tracekit_fingerprint=model_fingerprint(m),
-        tracekit_process_weights=bool(spec.process_weights)))
-    sae = StandardSAE(cfg)
+    md = {"hook_name": hook, "model_name": spec.name, "prepend_bos": True, "tracekit_fingerprint": model_fingerprint(m),
+          "tracekit_process_weights": bool(spec.process_weights)}
     eye = torch.eye(d)
-    with torch.no_grad():
-        sae.W_enc.copy_(torch.cat([eye, -eye, torch.zeros(d, 1)], 1))
-        sae.W_dec.copy_(torch.cat([eye, -eye, torch.zeros(1, d)], 0))
-        sae.b_enc.zero_()
-        sae.b_dec.zero_()
-    sae.save_model(tmp_path / "id")
+    save_sae(tmp_path / "id", md, {"W_enc": torch.cat([eye, -eye, torch.zeros(d, 1)], 1),
+                                   "W_dec": torch.cat([eye, -eye, torch.zeros(1, d)], 0),
+                                   "b_enc": torch.zeros(2 * d + 1), "b_dec": torch.zeros(d)})
     h = load_sae(SAESpec(path=str(tmp_path / "id")), m)
     from tracekit.tokens import encode, pad_ids
 
@@ -347,15 +371,20 @@ def test_dead_features_same_at_any_batch_size(tmp_path, tiny_gpt2):
         assert abs(q1.metrics[k] - q8.metrics[k]) < 1e-4, k
 
 
+@pytest.mark.sae  # compares with SAELens' own evals
 def test_quality_agrees_with_sae_lens_evals(tmp_path):
-    """Same SAE, same tokens (no BOS, no padding: nothing masked) -> sae_lens.evals' numbers."""
+    """Same SAE, same tokens (no BOS, no padding: nothing masked) -> sae_lens.evals' numbers (run on
+    SAELens' own SAE, loaded from the same directory)."""
+    from sae_lens import SAE
     from sae_lens.evals import get_recons_loss, get_sparsity_and_variance_metrics
     from sae_lens.training.activation_scaler import ActivationScaler
 
     from helpers import make_tiny
 
     m = make_tiny("gpt2", prepend_bos=False)
-    h = load_sae(SAESpec(path=str(make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre"))), m)
+    d = make_sae_dir(tmp_path, m, "blocks.1.hook_resid_pre")
+    h = load_sae(SAESpec(path=str(d)), m)
+    ref_sae = SAE.load_from_disk(str(d), device="cpu")
     from tracekit.corpus import iter_documents, token_windows
 
     wins = [list(w.ids) for w in token_windows(m, iter_documents("stdlib"), seq_len=16, max_tokens=2000)
@@ -372,7 +401,7 @@ def test_quality_agrees_with_sae_lens_evals(tmp_path):
             self.i += 4
             return b
 
-    sv, _ = get_sparsity_and_variance_metrics(h.sae, m, Store(), ActivationScaler(), n_batches=3,
+    sv, _ = get_sparsity_and_variance_metrics(ref_sae, m, Store(), ActivationScaler(), n_batches=3,
                                               compute_l2_norms=False, compute_sparsity_metrics=True,
                                               compute_variance_metrics=True,
                                               compute_featurewise_density_statistics=True,
@@ -382,7 +411,7 @@ def test_quality_agrees_with_sae_lens_evals(tmp_path):
     assert abs(sv["l0"] - ours["l0"]) < 1e-6
     ce_sae, ce_clean, ce_zero = [], [], []
     for i in range(0, 12, 4):
-        r = get_recons_loss(h.sae, m, ActivationScaler(), toks[i:i + 4], compute_kl=False, compute_ce_loss=True)
+        r = get_recons_loss(ref_sae, m, ActivationScaler(), toks[i:i + 4], compute_kl=False, compute_ce_loss=True)
         ce_sae.append(r["ce_loss_with_sae"])
         ce_clean.append(r["ce_loss_without_sae"])
         ce_zero.append(r["ce_loss_with_ablation"])
@@ -412,6 +441,7 @@ def test_training_windows_packed_and_held_out_disjoint(tiny_gpt2):
     assert allw == train + held  # held-out = the windows right after the training ones
 
 
+@pytest.mark.sae  # reads the cache back with SAELens' ActivationsStore
 def test_cached_training_activations_are_the_hooks(tmp_path, perturbed_model):
     """The activations SAELens trains on are exactly the model's at the hook, window by window,
     with their token ids (so SAELens' special-token mask applies), in SAELens' cached format."""

@@ -1,4 +1,5 @@
-"""SAE feature kinds over :mod:`tracekit.sae` (SAELens SAEs).
+"""SAE feature kinds over :mod:`tracekit.sae` (SAELens-format SAEs, read without SAELens: both
+TransformerLens stacks; only ``sae.release`` needs SAELens).
 
 * ``kind: sae_features`` (:class:`SAEFeatures`): decompose each row (``prompts`` or a ``dataset``)
   into SAE features at the SAE's hook, attribute the row's own target logit (difference) at its own

@@ -1,4 +1,4 @@
-"""SAE quality kinds over :mod:`tracekit.sae` (SAELens SAEs); ``sae_features`` is in
+"""SAE quality kinds over :mod:`tracekit.sae` (SAELens-format SAEs, no SAELens needed); ``sae_features`` is in
 :mod:`tracekit.experiments.sae`, which re-exports these.
 
 * ``kind: sae_eval`` (:class:`SAEEval`): the SAE spliced into the model on corpus windows (the

@@ -472,3 +472,197 @@ def test_cached_training_activations_are_the_hooks(tmp_path, perturbed_model):
     flat_tok = torch.tensor(wins[:2]).flatten()
     keep = ~torch.isin(flat_tok, torch.tensor(special_token_ids(model)))
     assert torch.allclose(got, cache[hook][:2].reshape(-1, model.cfg.d_model)[keep].float(), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# SAELens' SAEs without SAELens: tracekit's Dictionary equals SAELens, and the kinds run without it
+
+
+def _saelens_sae(model, hook, arch, normalize, seed=0, d_sae=40):
+    """A random SAELens SAE of ``arch`` (``standard``, ``topk``, ``topk_rescale``, ``jumprelu``,
+    ``gated``) with input normalisation ``normalize``; negative JumpReLU thresholds included."""
+    from sae_lens import (GatedSAE, GatedSAEConfig, JumpReLUSAE, JumpReLUSAEConfig, StandardSAE, StandardSAEConfig,
+                          TopKSAE, TopKSAEConfig)
+    from sae_lens.saes.sae import SAEMetadata
+
+    d_in = int(model.cfg.d_model)
+    spec = model_spec_of(model)
+    md = SAEMetadata(hook_name=hook, model_name=spec.name, prepend_bos=bool(spec.prepend_bos),
+                     tracekit_fingerprint=model_fingerprint(model), tracekit_process_weights=bool(spec.process_weights))
+    kw = {"d_in": d_in, "d_sae": d_sae, "normalize_activations": normalize, "metadata": md}
+    if arch.startswith("topk"):
+        sae = TopKSAE(TopKSAEConfig(k=5, rescale_acts_by_decoder_norm=arch == "topk_rescale", **kw))
+    elif arch == "jumprelu":
+        sae = JumpReLUSAE(JumpReLUSAEConfig(**kw))
+    elif arch == "gated":
+        sae = GatedSAE(GatedSAEConfig(**kw))
+    else:
+        sae = StandardSAE(StandardSAEConfig(**kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sae.named_parameters():
+            scale = 1 / d_in ** 0.5 if p.ndim == 2 else 0.2
+            p.copy_(scale * torch.randn(p.shape, generator=g) * (1 + torch.rand(p.shape, generator=g)))
+    return sae
+
+
+@pytest.mark.sae  # compares with SAELens itself
+@pytest.mark.parametrize("normalize", ["none", "layer_norm", "constant_norm_rescale"])
+@pytest.mark.parametrize("arch", ["standard", "topk", "topk_rescale", "jumprelu", "gated"])
+def test_loaded_sae_equals_saelens(tmp_path, tiny_model, arch, normalize):
+    """The SAE tracekit loads from a SAELens directory (its own Dictionary, no SAELens) encodes and
+    reconstructs exactly what SAELens' ``SAE.load_from_disk`` of the same directory does (1e-6 on
+    the model's activations); the decomposition's pieces still sum to the activation."""
+    from sae_lens import SAE
+
+    from tracekit.dictionaries import Dictionary
+    from tracekit.tokens import tokenize
+
+    m = tiny_model
+    hook = "blocks.1.hook_resid_mid"
+    _saelens_sae(m, hook, arch, normalize).save_model(tmp_path / "s")
+    ref = SAE.load_from_disk(str(tmp_path / "s"), device="cpu")
+    h = load_sae(SAESpec(path=str(tmp_path / "s")), m)
+    assert isinstance(h.sae, Dictionary) and h.d_sae == 40
+    x = _cache(m, tokenize(m, [PROMPT, "One two three"]), hook)
+    with torch.no_grad():
+        want_acts = ref.encode(x)
+        want_recon = ref.decode(want_acts)
+    t = sae_terms(h, x)
+    assert (want_acts != 0).any() and (want_acts == 0).any()  # some features fire, some do not
+    assert (t.acts - want_acts).abs().max() < 1e-6
+    assert (t.recon - want_recon).abs().max() < 1e-6
+    parts = (t.scale * t.acts)[..., None] * t.W_eff
+    assert (parts.sum(-2) + t.bias_term + t.error - t.x).abs().max() < 1e-5
+    b = tokenize(m, [PROMPT])
+    spliced = m.run_with_hooks(b.tokens, fwd_hooks=[(hook, splice_hook(h, use_error=False))])
+    with torch.no_grad():
+        ref_spliced = m.run_with_hooks(b.tokens, fwd_hooks=[(hook, lambda a, hook: ref.decode(ref.encode(a)))])
+    assert (spliced - ref_spliced).abs().max() < 1e-5
+
+
+@pytest.mark.sae  # compares with SAELens itself
+def test_cfg_defaults_match_saelens():
+    """:func:`tracekit.sae.spec.saelens_cfg_defaults` reads old (pre-6.0) and new cfg.json files as
+    SAELens' ``handle_config_defaulting`` does, for every field tracekit reads."""
+    from sae_lens.loading.pretrained_sae_loaders import handle_config_defaulting
+
+    from tracekit.sae.spec import saelens_cfg_defaults
+
+    old = {"d_in": 64, "d_sae": 128, "hook_point": "blocks.1.hook_resid_pre", "hook_point_head_index": None,
+           "model_name": "gpt2", "context_size": 128, "dtype": "float32", "device": "cpu"}
+    cases = [old, {**old, "sae_lens_version": "3.0.0", "normalize_activations": True},
+             {**old, "normalize_activations": None, "prepend_bos": False},
+             {**old, "activation_fn": "topk", "activation_fn_kwargs": {"k": 7}},
+             {"d_in": 64, "d_sae": 128, "architecture": "topk", "k": 4, "normalize_activations": "layer_norm",
+              "apply_b_dec_to_input": False, "dtype": "float32", "device": "cpu",
+              "metadata": {"sae_lens_version": "6.54.12", "hook_name": "blocks.2.hook_resid_post",
+                           "model_name": "gpt2", "prepend_bos": True}}]
+    for cfg in cases:
+        ours, theirs = saelens_cfg_defaults(dict(cfg)), handle_config_defaulting(dict(cfg))
+        meta_o, meta_t = ours.get("metadata") or {}, theirs.get("metadata") or {}
+        for k in ("hook_name", "hook_head_index", "model_name", "prepend_bos", "context_size"):
+            assert meta_o.get(k, ours.get(k)) == meta_t.get(k, theirs.get(k)), (cfg, k)
+        for k in ("normalize_activations", "apply_b_dec_to_input", "architecture", "k", "d_in", "d_sae"):
+            assert ours.get(k) == theirs.get(k), (cfg, k)
+
+
+@pytest.mark.sae  # compares with SAELens itself
+def test_explained_variance_equals_saelens():
+    """tracekit's :class:`~tracekit.sae.quality.ExplainedVariance` is SAELens'
+    ``ExplainedVarianceCalculator`` (batches of different sizes, a large mean, a perfect fit, none)."""
+    from sae_lens.evals import ExplainedVarianceCalculator
+
+    from tracekit.sae.quality import ExplainedVariance
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = ExplainedVariance(), ExplainedVarianceCalculator()
+    assert ours.compute() == theirs.compute() == 0.0
+    for n in (5, 17, 1, 40):
+        x = 30.0 + torch.randn(n, 24, generator=g)
+        xh = x + 0.3 * torch.randn(n, 24, generator=g)
+        ours.add_batch(sae_output=xh, hidden_acts=x)
+        theirs.add_batch(sae_output=xh, hidden_acts=x)
+    assert 0 < ours.compute() < 1 and ours.compute() == theirs.compute()
+    same, ref = ExplainedVariance(), ExplainedVarianceCalculator()
+    x = torch.ones(4, 3)
+    same.add_batch(sae_output=x, hidden_acts=x)
+    ref.add_batch(sae_output=x, hidden_acts=x)
+    assert same.compute() == ref.compute() == 1.0
+
+
+def test_explained_variance_by_hand():
+    """Explained variance = 1 - E||x - x_hat||^2 / (E||x||^2 - ||E x||^2), worked by hand."""
+    from tracekit.sae.quality import ExplainedVariance
+
+    x = torch.tensor([[1.0, 0.0], [3.0, 2.0]])  # mean (2, 1); E||x||^2 = (1 + 13) / 2 = 7; total variance 2
+    xh = x + torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # E||x - x_hat||^2 = 0.5
+    ev = ExplainedVariance()
+    ev.add_batch(sae_output=xh[:1], hidden_acts=x[:1])
+    ev.add_batch(sae_output=xh[1:], hidden_acts=x[1:])
+    assert abs(ev.compute() - (1 - 0.5 / 2)) < 1e-12
+
+
+@pytest.fixture
+def without_sae_lens(monkeypatch):
+    """This process as the TransformerLens 4 environment sees SAELens: not installed, not importable."""
+    import sys
+    from importlib import metadata
+
+    from tracekit import compat
+
+    real_version, real_requires = metadata.version, metadata.requires
+
+    def version(name):
+        if name == "sae-lens":
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    def requires(name):
+        if name == "sae-lens":
+            raise metadata.PackageNotFoundError(name)
+        return real_requires(name)
+
+    monkeypatch.setattr(compat.metadata, "version", version)
+    monkeypatch.setattr(compat.metadata, "requires", requires)
+    for mod in [m for m in sys.modules if m == "sae_lens" or m.startswith("sae_lens.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "sae_lens", None)  # `import sae_lens` raises ImportError
+    compat.sae_lens_status.cache_clear()
+    yield
+    compat.sae_lens_status.cache_clear()
+
+
+@pytest.fixture
+def topk_ln_dir(tmp_path, tiny_gpt2):
+    """A TopK SAE with layer-norm input normalisation, written before SAELens is hidden."""
+    return make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre", arch="topk", normalize="layer_norm")
+
+
+def test_sae_kinds_run_without_sae_lens_and_give_the_same_numbers(topk_ln_dir, tiny_gpt2, without_sae_lens):
+    """With SAELens absent, a SAELens directory loads, ``sae_features`` and ``sae_eval`` run and give
+    the numbers of the same SAE decomposed by hand here (features + error + bias = activation, the
+    quality's MSE from the terms); a release is refused naming ``sae.path``."""
+    from tracekit import SAEEval, SAEFeatures
+
+    d = topk_ln_dir
+    with pytest.raises(ImportError):
+        import sae_lens  # noqa: F401
+    h = load_sae(SAESpec(path=str(d)), tiny_gpt2)
+    f = SAEFeatures(sae={"path": str(d)}, prompts=[PROMPT], target=" Paris", foil=" London", top_k=3
+                    ).run(tiny_gpt2, progress=False)
+    dec = feature_decomposition(tiny_gpt2, h, PROMPT, " Paris", " London")
+    terms = f.tables["terms"].set_index("term")["total"]
+    assert abs(terms["features"] - float(dec.total.sum())) < 1e-5
+    assert abs(terms["features"] + terms["error"] + terms["bias"] + terms["special_tokens"]
+               - terms["activation"]) < 1e-4
+    from tracekit.tokens import encode, pad_ids
+
+    wins = [encode(tiny_gpt2, "The quick brown fox jumps over the lazy dog and the cat")]
+    e = SAEEval(sae={"path": str(d)}, corpus="stdlib", max_tokens=200, seq_len=32).run(tiny_gpt2, progress=False)
+    assert 0 < e.summary()["l0"] <= 6 and e.summary()["n_tokens"] > 0
+    q = sae_quality(tiny_gpt2, h, wins)
+    t = sae_terms(h, _cache(tiny_gpt2, pad_ids(tiny_gpt2, wins), h.hook)[:, 1:])  # BOS excluded
+    assert abs(q.metrics["mse"] - float(t.error.pow(2).sum(-1).mean())) < 1e-4 * max(1.0, q.metrics["mse"])
+    with pytest.raises(SAEError, match=r"release.*needs SAELens.*sae\.path"):
+        load_sae(SAESpec.model_construct(release="gpt2-small-res-jb", id="blocks.8.hook_resid_pre"), tiny_gpt2)

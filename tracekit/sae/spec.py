@@ -164,7 +164,7 @@ class SAESpec(_Strict):
         # only the release form needs SAELens (the tracekit[sae] extra; it pins transformer-lens<4): refuse it at
         # config time, metadata only; a path or a training needs no SAELens
         if self.release is not None:
-            require_release_support("sae.release", import_check=False)
+            require_release_support("release", import_check=False)
         return self
 
     def describe(self) -> str:

@@ -15,6 +15,7 @@ with the final-norm scale frozen.
 from __future__ import annotations
 
 import json
+from typing import Any, cast
 
 import pytest
 import torch
@@ -45,15 +46,16 @@ def save_sae(d, md: dict, weights: dict, arch: str = "standard", normalize: str 
     :func:`tracekit.dictionaries.formats.save_saelens_dir` (the same cfg.json fields: architecture,
     ``apply_b_dec_to_input`` true, ``normalize_activations``, ``k``, metadata)."""
     d_in, d_sae = weights["W_enc"].shape
+    sae: Any
     if HAS_SAE_LENS:
         from sae_lens import StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
         from sae_lens.saes.sae import SAEMetadata
 
         if arch == "topk":
-            sae = TopKSAE(TopKSAEConfig(d_in=d_in, d_sae=d_sae, k=k, normalize_activations=normalize,
+            sae = TopKSAE(TopKSAEConfig(d_in=d_in, d_sae=d_sae, k=k, normalize_activations=cast(Any, normalize),
                                         metadata=SAEMetadata(**md)))
         else:
-            sae = StandardSAE(StandardSAEConfig(d_in=d_in, d_sae=d_sae, normalize_activations=normalize,
+            sae = StandardSAE(StandardSAEConfig(d_in=d_in, d_sae=d_sae, normalize_activations=cast(Any, normalize),
                                                 metadata=SAEMetadata(**md)))
     else:
         from tracekit.dictionaries import Dictionary
@@ -132,6 +134,18 @@ def test_missing_hook_name_is_an_error_naming_the_key(tmp_path, tiny_gpt2):
     cfg["metadata"].pop("hook_name")
     (d / "cfg.json").write_text(json.dumps(cfg))
     with pytest.raises(SAEError, match="hook_name"):
+        load_sae(SAESpec(path=str(d)), tiny_gpt2)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, tiny_gpt2):
+    """A SAELens directory whose weights hold NaN/inf is refused at load, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    d = make_sae_dir(tmp_path, tiny_gpt2, "blocks.1.hook_resid_pre")
+    state = load_file(str(d / "sae_weights.safetensors"))
+    state["W_dec"][3, 5] = float("nan")
+    save_file(state, str(d / "sae_weights.safetensors"))
+    with pytest.raises(SAEError, match=r"W_dec holds 1 non-finite value\(s\) \(NaN/inf\)"):
         load_sae(SAESpec(path=str(d)), tiny_gpt2)
 
 
@@ -481,8 +495,16 @@ def test_cached_training_activations_are_the_hooks(tmp_path, perturbed_model):
 def _saelens_sae(model, hook, arch, normalize, seed=0, d_sae=40):
     """A random SAELens SAE of ``arch`` (``standard``, ``topk``, ``topk_rescale``, ``jumprelu``,
     ``gated``) with input normalisation ``normalize``; negative JumpReLU thresholds included."""
-    from sae_lens import (GatedSAE, GatedSAEConfig, JumpReLUSAE, JumpReLUSAEConfig, StandardSAE, StandardSAEConfig,
-                          TopKSAE, TopKSAEConfig)
+    from sae_lens import (
+        GatedSAE,
+        GatedSAEConfig,
+        JumpReLUSAE,
+        JumpReLUSAEConfig,
+        StandardSAE,
+        StandardSAEConfig,
+        TopKSAE,
+        TopKSAEConfig,
+    )
     from sae_lens.saes.sae import SAEMetadata
 
     d_in = int(model.cfg.d_model)
@@ -500,7 +522,7 @@ def _saelens_sae(model, hook, arch, normalize, seed=0, d_sae=40):
         sae = StandardSAE(StandardSAEConfig(**kw))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in sae.named_parameters():
+        for p in sae.parameters():
             scale = 1 / d_in ** 0.5 if p.ndim == 2 else 0.2
             p.copy_(scale * torch.randn(p.shape, generator=g) * (1 + torch.rand(p.shape, generator=g)))
     return sae
@@ -649,17 +671,18 @@ def test_sae_kinds_run_without_sae_lens_and_give_the_same_numbers(topk_ln_dir, t
     with pytest.raises(ImportError):
         import sae_lens  # noqa: F401
     h = load_sae(SAESpec(path=str(d)), tiny_gpt2)
-    f = SAEFeatures(sae={"path": str(d)}, prompts=[PROMPT], target=" Paris", foil=" London", top_k=3
-                    ).run(tiny_gpt2, progress=False)
+    f = SAEFeatures.model_validate({"sae": {"path": str(d)}, "prompts": [PROMPT], "target": " Paris",
+                                    "foil": " London", "top_k": 3}).run(tiny_gpt2, progress=False)
     dec = feature_decomposition(tiny_gpt2, h, PROMPT, " Paris", " London")
-    terms = f.tables["terms"].set_index("term")["total"]
+    terms = {str(k): float(v) for k, v in f.tables["terms"].set_index("term")["total"].items()}
     assert abs(terms["features"] - float(dec.total.sum())) < 1e-5
     assert abs(terms["features"] + terms["error"] + terms["bias"] + terms["special_tokens"]
                - terms["activation"]) < 1e-4
     from tracekit.tokens import encode, pad_ids
 
     wins = [encode(tiny_gpt2, "The quick brown fox jumps over the lazy dog and the cat")]
-    e = SAEEval(sae={"path": str(d)}, corpus="stdlib", max_tokens=200, seq_len=32).run(tiny_gpt2, progress=False)
+    e = SAEEval.model_validate({"sae": {"path": str(d)}, "corpus": "stdlib", "max_tokens": 200, "seq_len": 32}
+                               ).run(tiny_gpt2, progress=False)
     assert 0 < e.summary()["l0"] <= 6 and e.summary()["n_tokens"] > 0
     q = sae_quality(tiny_gpt2, h, wins)
     t = sae_terms(h, _cache(tiny_gpt2, pad_ids(tiny_gpt2, wins), h.hook)[:, 1:])  # BOS excluded

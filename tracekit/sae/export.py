@@ -30,8 +30,8 @@ import pandas as pd
 
 from ..compat import has_sae_lens
 from ..core.errors import SAEError
-from ..dictionaries.formats import load_saelens_dir
 from ..core.exportdir import export_folder, export_target
+from ..dictionaries.formats import load_saelens_dir
 from ..model.spec import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME
 from .dashboard import _where
 from .train import sae_cache_dir

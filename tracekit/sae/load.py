@@ -142,6 +142,7 @@ def _load_release(spec: SAESpec, model: HookedModel, field: str) -> tuple[Dictio
         SAEError: SAELens is missing (:func:`require_release_support`) or cannot load it.
     """
     require_release_support(f"{field}.release")
+    assert spec.release is not None and spec.id is not None, "SAESpec pairs release with id"
     from sae_lens import SAE  # lazy: sae_lens is heavy and optional
 
     try:

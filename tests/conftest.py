@@ -68,14 +68,14 @@ def needs_sae_lens(item) -> bool:
 
 def sae_trainer_status() -> str | None:
     """Why ``tracekit.sae.train_sae`` cannot train here, or None: it trains with SAELens' runner
-    where SAELens imports; elsewhere it needs tracekit's own SAE trainer
-    (``tracekit.sae.train.own_trainer_available``)."""
+    where SAELens imports, elsewhere with tracekit's own trainer
+    (``tracekit.dictionaries.fit.fit_dictionary``, when ``tracekit.sae.train`` uses it)."""
     reason = sae_lens_status(import_check=False)
     if reason is None:
         return None
     from tracekit.sae import train as sae_train
 
-    if getattr(sae_train, "own_trainer_available", lambda: False)():
+    if getattr(sae_train, "fit_dictionary", None) is not None:
         return None
     return (f"SAE training without SAELens needs tracekit's own SAE trainer (tracekit/sae/train.py), which this "
             f"tree does not have; SAELens is not usable here: {reason}")

@@ -178,7 +178,7 @@ def _wait_training(cache: Path, proc, timeout: float = 240.0) -> None:
     raise AssertionError("training never started")
 
 
-@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
+@pytest.mark.sae  # SAELens' runner: waits for its cached activations on disk, then signals it
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_training_run_is_interrupted_not_failed(tmp_path, sig, code):
     cfg = tmp_path / "train.yaml"
@@ -196,7 +196,7 @@ def test_an_interrupted_training_run_is_interrupted_not_failed(tmp_path, sig, co
     assert not list((cache / "saes").glob(".*.tmp-*")), "the killed training's activations were left behind"
 
 
-@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
+@pytest.mark.sae  # SAELens' runner: waits for its cached activations on disk, then signals it
 def test_ctrl_c_stops_a_sweep_of_trainings(tmp_path):
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(yaml.safe_dump({"model": MODEL, "experiments": [{"kind": "sae_train", "name": "train",

@@ -13,7 +13,8 @@ TransformerLens stacks; only ``sae.release`` needs SAELens).
   held-out tokens of an SAE trained here): MSE, explained variance, L0, dead / dense features,
   CE loss recovered against zero and mean ablation, KL to the clean run.
 * ``kind: sae_train`` (:class:`SAETrain`): train (or find in the cache) the SAE of a ``sae.train``
-  block with SAELens' runner and evaluate it on held-out text.
+  block (SAELens' runner where SAELens imports, tracekit's own trainer elsewhere) and evaluate it
+  on held-out text.
 
 ``sae_eval`` and ``sae_train`` are defined in :mod:`tracekit.experiments.sae_quality` and re-exported here.
 

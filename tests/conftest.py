@@ -38,9 +38,12 @@ from tracekit.compat import sae_lens_status  # noqa: E402
 torch.set_num_threads(2)
 
 # --- SAELens is optional (the [sae] extra; it pins transformer-lens<4, SAELens issue #738) -------------
-#: Files that are SAE tests throughout.
-SAE_FILES = {"test_sae.py", "test_sae_kinds.py", "test_faults_sae.py", "test_dashboard.py",
-             "test_export.py", "test_sae_store.py"}  # export: SAELens directories and an SAE kind's tables
+#: SAE test files that run in both environments: SAELens directories are read without SAELens
+#: (tracekit.dictionaries), so only their tests marked ``sae`` (a comparison against SAELens itself, a
+#: pretrained release) need SAELens, and their trainings need a trainer (:func:`sae_trainer_status`).
+SAE_BOTH_ENVS = {"test_sae.py", "test_sae_kinds.py", "test_faults_sae.py", "test_dashboard.py", "test_sae_store.py"}
+#: Files that are SAE tests throughout and still need SAELens.
+SAE_FILES = {"test_export.py"}  # export: SAELens directories and an SAE kind's tables
 
 
 #: Files that test the SAELens-missing case itself (they run in both environments).
@@ -48,15 +51,39 @@ NOT_SAE_FILES = {"test_compat.py"}
 
 
 def needs_sae_lens(item) -> bool:
-    """An SAE test: marked ``sae``, in an SAE file, named for SAEs (the word ``sae`` in
-    ``test_..._sae_...``), parametrized with an SAE kind (``[sae_features]``), or using an SAE
-    fixture (``sae_handle``)."""
+    """A test that needs SAELens: marked ``sae``; outside :data:`SAE_BOTH_ENVS`, also one in an SAE
+    file, named for SAEs (the word ``sae`` in ``test_..._sae_...``), parametrized with an SAE kind
+    (``[sae_features]``), or using an SAE fixture (``sae_handle``)."""
     if item.path.name in NOT_SAE_FILES:
+        return False
+    if item.get_closest_marker("sae") is not None:
+        return True
+    if item.path.name in SAE_BOTH_ENVS:
         return False
     names = [getattr(item, "originalname", item.name), getattr(getattr(item, "callspec", None), "id", ""),
              *getattr(item, "fixturenames", ())]
     words = set(re.split(r"[^a-z0-9]+", " ".join(names).lower()))
-    return item.get_closest_marker("sae") is not None or item.path.name in SAE_FILES or "sae" in words
+    return item.path.name in SAE_FILES or "sae" in words
+
+
+def sae_trainer_status() -> str | None:
+    """Why ``tracekit.sae.train_sae`` cannot train here, or None: it trains with SAELens' runner
+    where SAELens imports, elsewhere with tracekit's own trainer
+    (``tracekit.dictionaries.fit.fit_dictionary``, when ``tracekit.sae.train`` uses it)."""
+    reason = sae_lens_status(import_check=False)
+    if reason is None:
+        return None
+    from tracekit.sae import train as sae_train
+
+    if getattr(sae_train, "fit_dictionary", None) is not None:
+        return None
+    return (f"SAE training without SAELens needs tracekit's own SAE trainer (tracekit/sae/train.py), which this "
+            f"tree does not have; SAELens is not usable here: {reason}")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sae_train: trains an SAE (tracekit.sae.train_sae); skipped, saying why, "
+                                       "where neither SAELens' runner nor tracekit's own trainer is available")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -64,9 +91,14 @@ def pytest_collection_modifyitems(config, items):
     if reason is None:
         return
     skip = pytest.mark.skip(reason=f"SAE test skipped: {reason}; run it in the default env (make test)")
+    train_reason = None
     for item in items:
         if needs_sae_lens(item):
             item.add_marker(skip)
+        elif item.get_closest_marker("sae_train") is not None:
+            train_reason = train_reason or sae_trainer_status()
+            if train_reason is not None:
+                item.add_marker(pytest.mark.skip(reason=train_reason))
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,11 @@ same; what moved or changed shape, and how each is handled here:
 * ``get_official_model_name`` moved from ``transformer_lens.loading_from_pretrained`` (3.9) to
   ``transformer_lens.supported_models`` (4.x): :func:`official_model_name`.
 * SAELens (``sae-lens`` 6.x) pins ``transformer-lens<4`` (SAELens issue #738): ``import sae_lens``
-  fails next to TransformerLens 4. It is the ``tracekit[sae]`` extra; :func:`require_sae_lens` is
-  the one refusal the SAE kinds and engines raise when it is missing or cannot be imported.
+  fails next to TransformerLens 4. It is the ``tracekit[sae]`` extra. The SAE kinds do not need it
+  for SAEs given as a SAELens directory (``sae.path``: read by :mod:`tracekit.dictionaries` without
+  ``sae_lens``) or trained here; :func:`require_sae_lens` is the one refusal for what only SAELens
+  has (its pretrained registry, ``sae.release`` + ``id``; its training runner where tracekit uses
+  it), raised when it is missing or cannot be imported.
 
 Nothing here imports torch or TransformerLens at module import (``tracekit --help`` stays light).
 """
@@ -32,11 +35,16 @@ from typing import Any, Callable
 from .core.errors import SAEError
 
 __all__ = ["tl_version", "tl_major", "hook_alias_map", "official_model_name", "check_hook_to_add", "sae_lens_status",
-           "has_sae_lens", "require_sae_lens", "SAE_MISSING_FIX"]
+           "has_sae_lens", "require_sae_lens", "SAE_MISSING_FIX", "SAE_RELEASE_FIX"]
 
 #: The fix named by every SAE refusal.
 SAE_MISSING_FIX = ("use an environment with TransformerLens 3.x and SAELens: "
                    "pip install 'transformer-lens>=3.9,<4' 'tracekit[sae]' (the default `make install` env)")
+
+#: The fix named when a SAELens pretrained release (``sae.release`` + ``id``) is refused: the
+#: directory form runs without SAELens.
+SAE_RELEASE_FIX = ("download the SAE's folder (cfg.json + sae_weights.safetensors, e.g. from its Hugging Face repo) "
+                   "and give it as sae.path, which needs no SAELens; or " + SAE_MISSING_FIX)
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,17 +200,21 @@ def has_sae_lens() -> bool:
     return sae_lens_status() is None
 
 
-def require_sae_lens(what: str, import_check: bool = True) -> None:
-    """Refuse an SAE feature when SAELens is missing (one message everywhere).
+def require_sae_lens(what: str, import_check: bool = True, needs: str = "SAE support",
+                     fix: str = SAE_MISSING_FIX) -> None:
+    """Refuse what only SAELens provides when SAELens is missing (one message everywhere).
 
     Args:
-        what: what needs it, e.g. ``"sae"`` (the YAML field) or ``"sae_quality"``; named in the message.
+        what: what needs it, e.g. ``"sae.release"`` (the YAML field) or ``"sae.train"``; named first.
         import_check: also try ``import sae_lens`` (``False`` at config validation: metadata only).
+        needs: the feature that needs SAELens, named in the message (e.g. ``"a SAELens pretrained
+            release"``).
+        fix: the fix named (default :data:`SAE_MISSING_FIX`; :data:`SAE_RELEASE_FIX` for a release).
 
     Raises:
         SAEError: SAELens is not usable; the message names the missing support and the fix.
     """
     reason = sae_lens_status(import_check)
     if reason is not None:
-        raise SAEError(f"{what}: SAE support needs SAELens, which is not available here: {reason}. "
-                       f"Fix: {SAE_MISSING_FIX}.")
+        raise SAEError(f"{what}: {needs} needs SAELens, which is not available here: {reason}. "
+                       f"Fix: {fix}.")

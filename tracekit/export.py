@@ -229,7 +229,8 @@ def main(args) -> int:
             d = export_sae(args.source, args.to, model_name=args.model_name, force=args.force)
             cfg = json.loads((d / "cfg.json").read_text())
             name = (cfg.get("metadata") or cfg).get("model_name")
-            print(f"SAELens directory: {d} (model_name {name!r}); load it with sae_lens.SAE.load_from_disk({str(d)!r})")
+            print(f"SAELens directory: {d} (model_name {name!r}); load it with sae_lens.SAE.load_from_disk({str(d)!r}) "
+                  f"or, without SAELens, tracekit.dictionaries.formats.load_saelens_dir({str(d)!r})")
         elif args.what == "tables":
             files = export_tables(args.run_dir, args.to, args.format, force=args.force)
             print(f"{len(files)} table(s) written to {args.to}")

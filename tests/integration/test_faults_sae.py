@@ -38,6 +38,7 @@ def _trained(model, cache_root):
     return train_sae(model, SAETrainSpec(**TINY_SAE_TRAIN), cache_dir=cache_root)
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_an_sae_with_nan_weights_is_refused_at_load(tiny_gpt2, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -89,6 +90,7 @@ def test_a_k_above_the_derived_width_is_refused_before_the_model_loads():
         check_config(cfg)
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 @pytest.mark.parametrize("damage", ["bit_flip", "truncate", "manifest_gone"])
 def test_a_damaged_cached_sae_is_detected_removed_and_retrained(tiny_gpt2, tmp_path, damage):
     from tracekit.sae import SAETrainSpec, load_sae, train_sae  # noqa: F401
@@ -117,6 +119,7 @@ def test_a_damaged_cached_sae_is_detected_removed_and_retrained(tiny_gpt2, tmp_p
     assert hit3
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_leftovers_of_killed_trainings_are_cleaned_and_the_cache_command_covers_saes(tiny_gpt2, sae_cache):
     from tracekit.cli import main
 
@@ -141,6 +144,7 @@ def test_leftovers_of_killed_trainings_are_cleaned_and_the_cache_command_covers_
     assert not d.exists()
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_training_leaves_the_signal_handlers_as_they_were(tiny_gpt2, tmp_path):
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     from tracekit.sae import SAETrainSpec, train_sae
@@ -174,6 +178,7 @@ def _wait_training(cache: Path, proc, timeout: float = 240.0) -> None:
     raise AssertionError("training never started")
 
 
+@pytest.mark.sae  # SAELens' runner: waits for its cached activations on disk, then signals it
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_training_run_is_interrupted_not_failed(tmp_path, sig, code):
     cfg = tmp_path / "train.yaml"
@@ -191,6 +196,7 @@ def test_an_interrupted_training_run_is_interrupted_not_failed(tmp_path, sig, co
     assert not list((cache / "saes").glob(".*.tmp-*")), "the killed training's activations were left behind"
 
 
+@pytest.mark.sae  # SAELens' runner: waits for its cached activations on disk, then signals it
 def test_ctrl_c_stops_a_sweep_of_trainings(tmp_path):
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(yaml.safe_dump({"model": MODEL, "experiments": [{"kind": "sae_train", "name": "train",

@@ -54,6 +54,7 @@ def test_sae_eval_run(tmp_path, tiny_gpt2):
     assert Result.load(out).summary() == s
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_sae_train_cache_and_reload(tmp_path, tiny_gpt2, monkeypatch):
     from safetensors.torch import load_file
 

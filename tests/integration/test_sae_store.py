@@ -51,6 +51,7 @@ def test_packed_store_holds_the_sae_windows_and_activations(model, tmp_path):
     assert torch.equal(store.get(HOOK), direct)
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 @pytest.mark.parametrize("arch, processed", [("gpt2", True), ("llama", False)], ids=["gpt2-processed", "llama-raw"])
 def test_sae_from_store_equals_sae_from_model(arch, processed, tmp_path, monkeypatch):
     """Perturbed GPT-2 (LayerNorm, biases; weights processed) and Llama (RMSNorm, GQA; raw)."""
@@ -74,6 +75,7 @@ def test_sae_from_store_equals_sae_from_model(arch, processed, tmp_path, monkeyp
     assert hit2 is True and d2 == d_store
 
 
+@pytest.mark.sae_train  # the training's cache key (it names the trainer's version)
 def test_store_key_follows_content(model, tmp_path):
     a = _store(model, tmp_path / "a")
     b = _store(model, tmp_path / "b", max_tokens=2048)
@@ -93,6 +95,7 @@ def test_store_key_follows_content(model, tmp_path):
     ("too_small", "fewer than"),
     ("other_model", "another model"),
 ])
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_store_refused(model, tmp_path, case, match, monkeypatch):
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
     train = dict(TRAIN)
@@ -116,6 +119,7 @@ def test_store_refused(model, tmp_path, case, match, monkeypatch):
     assert not (tmp_path / "cache" / "saes").exists() or not any((tmp_path / "cache" / "saes").iterdir())
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_changed_corpus_refused(model, tmp_path, monkeypatch):
     """The corpus file changed after the store was written: its windows are not the store's."""
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -139,6 +143,7 @@ def test_packed_needs_position_all_and_tuned_lens_refuses_it(model, tmp_path):
         store_tokens(model, TunedLensSpec(train_tokens=64, held_out_tokens=64, store=path))
 
 
+@pytest.mark.sae_train  # trains an SAE: SAELens' runner or tracekit's own trainer
 def test_sae_training_follows_its_seed_and_keeps_the_callers_rng(model, tmp_path):
     """SAELens' runner does not seed torch: tracekit seeds it with ``sae.train.seed`` (the same seed
     gives the same SAE whatever the global RNG state; another seed another SAE) and restores the

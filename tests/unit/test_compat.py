@@ -64,40 +64,31 @@ def test_sae_lens_that_allows_this_transformer_lens_is_accepted(monkeypatch, fre
     assert compat.sae_lens_status(import_check=False) is None
 
 
-def test_an_sae_config_is_refused_at_validation_naming_the_field(monkeypatch, fresh_status):
-    """Without SAELens a config with an ``sae:`` block fails validation (before any model loads),
-    with the YAML path and the fix."""
+def test_only_a_release_is_refused_at_validation_naming_the_field_and_sae_path(monkeypatch, fresh_status):
+    """Without SAELens a config whose ``sae:`` is a SAELens directory (``path``) or a training validates
+    (tracekit reads SAELens directories itself); a pretrained release (``release`` + ``id``: SAELens'
+    registry) fails validation, before any model loads, with the YAML path, SAELens issue #738, and
+    both fixes (``sae.path`` to a downloaded directory; the SAELens environment)."""
     from tracekit.config import parse_config
     from tracekit.experiments import sae as _sae  # noqa: F401  (registers the SAE kinds)
 
     _fake_metadata(monkeypatch, "4.3.0", None)
-    cfg = {"model": {"name": "gpt2"}, "experiments": [{"kind": "sae_features", "sae": {"path": "x"},
-                                                     "prompts": ["The capital of France is"], "target": " Paris"}]}
+    base = {"kind": "sae_features", "prompts": ["The capital of France is"], "target": " Paris"}
+    for sae in ({"path": "x"}, {"train": {"hook": "blocks.1.hook_resid_pre"}}):
+        parse_config({"model": {"name": "gpt2"}, "experiments": [{**base, "sae": sae}]})
+    cfg = {"model": {"name": "gpt2"},
+           "experiments": [{**base, "sae": {"release": "gpt2-small-res-jb", "id": "blocks.8.hook_resid_pre"}}]}
     with pytest.raises(ConfigError) as e:
         parse_config(cfg)
     msg = str(e.value)
-    assert "sae" in msg and "#738" in msg and "tracekit[sae]" in msg
+    assert "experiments[0].sae" in msg and "release" in msg and "#738" in msg
+    assert "sae.path" in msg and "tracekit[sae]" in msg
 
 
-def test_check_hook_to_add_calls_the_installed_form():
-    calls = []
+def test_a_release_is_refused_at_load_where_sae_lens_does_not_import(monkeypatch, fresh_status):
+    """The same refusal at load time (``import_check``: SAELens installed but not importable)."""
+    from tracekit.sae.spec import require_release_support
 
-    class TL3:
-        def check_hooks_to_add(self, hook_point_name):
-            calls.append(("3.9", hook_point_name))
-
-    class TL4:
-        def check_hooks_to_add(self, hook_point, hook_point_name, hook, dir="fwd", is_permanent=False):
-            calls.append(("4.x", hook_point, hook_point_name, hook, dir))
-
-    fn = lambda x, hook: x
-    compat.check_hook_to_add(TL3(), "HP", "blocks.0.hook_resid_pre", fn)
-    compat.check_hook_to_add(TL4(), "HP", "blocks.0.hook_resid_pre", fn)
-    assert calls == [("3.9", "blocks.0.hook_resid_pre"), ("4.x", "HP", "blocks.0.hook_resid_pre", fn, "fwd")]
-
-
-def test_moved_names_resolve_on_the_installed_version():
-    assert compat.official_model_name("gpt2-small") == "gpt2"
-    assert compat.hook_alias_map({}) == {}
-    with pytest.raises(ImportError, match="compat.py"):
-        compat._moved("no_such_name", "transformer_lens.no_such_module", "transformer_lens")
+    monkeypatch.setattr(compat, "_sae_lens_metadata_problem", lambda: "SAELens pins transformer-lens<4 (#738)")
+    with pytest.raises(SAEError, match=r"^sae\.release: a SAELens pretrained release .*needs SAELens.*#738.*sae\.path"):
+        require_release_support("sae.release")

@@ -1,4 +1,5 @@
-"""SAE feature kinds over :mod:`tracekit.sae` (SAELens SAEs).
+"""SAE feature kinds over :mod:`tracekit.sae` (SAELens-format SAEs, read without SAELens: both
+TransformerLens stacks; only ``sae.release`` needs SAELens).
 
 * ``kind: sae_features`` (:class:`SAEFeatures`): decompose each row (``prompts`` or a ``dataset``)
   into SAE features at the SAE's hook, attribute the row's own target logit (difference) at its own
@@ -12,7 +13,8 @@
   held-out tokens of an SAE trained here): MSE, explained variance, L0, dead / dense features,
   CE loss recovered against zero and mean ablation, KL to the clean run.
 * ``kind: sae_train`` (:class:`SAETrain`): train (or find in the cache) the SAE of a ``sae.train``
-  block with SAELens' runner and evaluate it on held-out text.
+  block (SAELens' runner where SAELens imports, tracekit's own trainer elsewhere) and evaluate it
+  on held-out text.
 
 ``sae_eval`` and ``sae_train`` are defined in :mod:`tracekit.experiments.sae_quality` and re-exported here.
 

@@ -1,11 +1,12 @@
-"""SAE quality kinds over :mod:`tracekit.sae` (SAELens SAEs); ``sae_features`` is in
+"""SAE quality kinds over :mod:`tracekit.sae` (SAELens-format SAEs, no SAELens needed); ``sae_features`` is in
 :mod:`tracekit.experiments.sae`, which re-exports these.
 
 * ``kind: sae_eval`` (:class:`SAEEval`): the SAE spliced into the model on corpus windows (the
   held-out tokens of an SAE trained here): MSE, explained variance, L0, dead / dense features,
   CE loss recovered against zero and mean ablation, KL to the clean run.
 * ``kind: sae_train`` (:class:`SAETrain`): train (or find in the cache) the SAE of a ``sae.train``
-  block with SAELens' runner and evaluate it on held-out text.
+  block (SAELens' runner where SAELens imports, tracekit's own trainer elsewhere:
+  :func:`tracekit.sae.train.train_sae`) and evaluate it on held-out text.
 
 Neither kind has prompts, so neither prepares inputs (``prepare`` returns None); ``check`` checks
 the SAE against the model. Units: activations in the SAE's input units; losses in nats.
@@ -178,8 +179,8 @@ class SAETrainResult(SAEEvalResult):
 
 @register
 class SAETrain(Experiment):
-    """Train an SAE with SAELens' runner on this model (or load it from the cache) and evaluate it
-    on held-out corpus tokens.
+    """Train an SAE on this model (SAELens' runner where SAELens imports, tracekit's own trainer
+    elsewhere; or load it from the cache) and evaluate it on held-out corpus tokens.
 
     Fields:
         sae: must be a ``train:`` block.

@@ -1,4 +1,4 @@
-"""Sparse-autoencoder (SAE) feature decomposition through SAELens.
+"""Sparse-autoencoder (SAE) feature decomposition, with SAELens' SAEs and their maths.
 
 An SAE (Bricken et al. 2023, "Towards Monosemanticity"; Cunningham et al. 2023) rewrites one
 activation ``x`` (a TransformerLens hook, e.g. ``blocks.8.hook_resid_pre``) as a sparse sum of
@@ -12,11 +12,15 @@ with ``rescale_acts_by_decoder_norm``, times the per-token output scale of a ``l
 ``constant_norm_rescale`` input normalisation), ``b`` the decoder bias term and ``e = x - x_hat``
 the reconstruction error, kept as its own term everywhere.
 
-The SAE is always a SAELens object (``sae_lens.SAE``): loaded with SAELens' own loaders
-(``SAE.from_pretrained``, ``SAE.load_from_disk``, which accept older field names) or trained with
-SAELens' ``LanguageModelSAETrainingRunner`` on tracekit's own bridge model and an in-memory
-dataset of token windows from the offline corpus (:mod:`tracekit.corpus`). One config block,
-:class:`SAESpec` (YAML key ``sae:``), names it in every SAE kind.
+The SAE is always tracekit's own :class:`tracekit.dictionaries.Dictionary`, which computes what
+SAELens' ``SAE`` computes (encode / decode equal to SAELens' to float precision, tested in the
+default environment): a SAELens directory (``sae.path``; older field names accepted) is read
+without SAELens (:func:`tracekit.dictionaries.formats.load_saelens_dir`), so every SAE kind also
+runs in the TransformerLens 4 environment where ``import sae_lens`` fails; a pretrained release
+(``sae.release`` + ``id``) is fetched through SAELens' registry and needs SAELens; a training
+(``sae.train``) runs through :func:`tracekit.sae.train.train_sae` on tracekit's own bridge model
+and an in-memory dataset of token windows from the offline corpus (:mod:`tracekit.corpus`). One
+config block, :class:`SAESpec` (YAML key ``sae:``), names it in every SAE kind.
 
 Functions (notebook use)::
 
@@ -36,7 +40,7 @@ be had, hook missing / not firing, width, trained on another model or basis, uns
 normalisation), before any forward pass.
 
 Modules: :mod:`.spec` (the ``sae:`` block, an SAE's identity, checks), :mod:`.load` (loading),
-:mod:`.train` (training with SAELens, the cache of trained SAEs), :mod:`.windows` (corpus token
+:mod:`.train` (training, the cache of trained SAEs), :mod:`.windows` (corpus token
 windows, special tokens), :mod:`.decompose` (the decomposition, the splice hook, attribution),
 :mod:`.quality` (evals), :mod:`.interventions` (:class:`SAEBasis`, the features as a
 :mod:`tracekit.units` basis: the verbs zero / mean / clamp / scale / steer, random controls),

@@ -29,7 +29,7 @@ from ..tokens import pad_ids, str_tokens
 from ..units import top_contexts, vocab_readout
 from .decompose import FeatureDecomposition, _direct_ok
 from .interventions import SAEBasis
-from .load import LoadedSAE
+from .load import LoadedSAE, saelens_architecture
 from .windows import special_token_ids
 
 __all__ = ["activation_svg", "decoder_vocab", "feature_dashboard_html", "feature_dashboards", "prompt_activations",
@@ -222,8 +222,7 @@ def sae_identity(handle: LoadedSAE) -> dict:
                 stats = {}
         if stats.get("key"):
             out.update(training_hash=stats["key"], training_config=stats.get("train"))
-    arch = getattr(handle.sae.cfg, "architecture", None)
-    out.update(hook=handle.hook, architecture=str(arch() if callable(arch) else arch or type(handle.sae).__name__),
+    out.update(hook=handle.hook, architecture=saelens_architecture(handle.sae),
                d_in=handle.d_in, d_sae=handle.d_sae, model_name=handle.info.model_name)
     return out
 

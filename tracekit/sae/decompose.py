@@ -62,43 +62,41 @@ def _flat(handle: LoadedSAE, x: torch.Tensor) -> torch.Tensor:
 
 def effective_decoder(handle: LoadedSAE) -> Float[torch.Tensor, "d_sae d_in"]:
     """Decoder rows as they write into the activation: ``W_dec`` (divided by its row norms when the
-    SAE rescales activations by decoder norm, SAELens TopK)."""
+    SAE rescales activations by decoder norm, SAELens TopK). Raises nothing."""
     sae = handle.sae
     W = sae.W_dec
-    if getattr(sae.cfg, "rescale_acts_by_decoder_norm", False):
+    if sae.rescale_acts_by_decoder_norm:
         W = W / W.norm(dim=-1, keepdim=True)
     return W
 
 
 @torch.no_grad()
 def sae_terms(handle: LoadedSAE, x: Float[torch.Tensor, "... d_in"]) -> SAETerms:
-    """Encode ``x`` with the SAE (SAELens' ``encode``: its input normalisation, ``b_dec``
-    subtraction, activation function) and return the linear pieces of its reconstruction.
+    """Encode ``x`` with the SAE (SAELens' ``encode``, reproduced by
+    :class:`~tracekit.dictionaries.Dictionary`: its input normalisation, ``b_dec`` subtraction,
+    activation function) and return the linear pieces of its reconstruction.
 
     Raises:
         SAEError: the activation's width is not the SAE's ``d_in``.
     """
     sae = handle.sae
     x = _flat(handle, x)
-    if x.shape[-1] != sae.cfg.d_in:
-        raise SAEError(f"sae: activation width {x.shape[-1]} != the SAE's d_in {sae.cfg.d_in}")
-    xs = x.to(sae.dtype)
-    acts = sae.encode(xs)
-    if acts.is_sparse:
-        acts = acts.to_dense()
-    norm = sae.cfg.normalize_activations
+    if x.shape[-1] != sae.d_in:
+        raise SAEError(f"sae: activation width {x.shape[-1]} != the SAE's d_in {sae.d_in}")
+    xs = x.to(sae.W_enc.dtype)
+    # encode without keeping the input's normalisation on the module (Dictionary.encode keeps it for
+    # a following decode; the decomposition below undoes it itself): pre-activations, then activation
+    acts = sae.activate(sae.pre_acts(xs), xs if sae.activation == "gated" else None)
+    norm = sae.normalize_activations
     one = torch.ones(xs.shape[:-1] + (1,), dtype=xs.dtype, device=xs.device)
     zero = torch.zeros_like(one)
     if norm == "layer_norm":
         mu = xs.mean(dim=-1, keepdim=True)
         scale, shift = (xs - mu).std(dim=-1, keepdim=True), mu
     elif norm == "constant_norm_rescale":
-        scale, shift = xs.norm(dim=-1, keepdim=True) / (sae.cfg.d_in ** 0.5), zero
+        scale, shift = xs.norm(dim=-1, keepdim=True) / (sae.d_in ** 0.5), zero
     else:
         scale, shift = one, zero
-    for attr in ("ln_mu", "ln_std", "x_norm_coeff"):
-        if attr in sae.__dict__:
-            delattr(sae, attr)
     return SAETerms(xs, acts, scale, shift, effective_decoder(handle), sae.b_dec)
 
 
@@ -370,7 +368,7 @@ def feature_decompositions(model: HookedModel, handle: LoadedSAE, ids: Sequence[
             refuse_padding(model, "prompts")
         full = pad_ids(model, rows, "right")
         width = int(full.tokens.shape[1])
-        d_sae = int(handle.sae.cfg.d_sae)
+        d_sae = handle.d_sae
         per_row = forward_row_bytes(model, width, logits=True, grad_layers=int(model.cfg.n_layers))
         chunk = forward_chunk_size(model, full.size, per_row, fixed=8 * 4 * width * d_sae,
                                    what="SAE feature decomposition",

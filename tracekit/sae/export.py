@@ -10,8 +10,9 @@
   Neuronpedia's importer (``convert-saedashboard-to-neuronpedia-export.py`` in
   hijohnnylin/neuronpedia ``utils/neuronpedia-utils``).
 
-sae_lens is imported lazily (an optional extra): an export works without it; the exported directory
-is loaded back with SAELens as a check when it is installed.
+sae_lens is not needed (an optional extra): the exported directory is read back with tracekit's own
+SAELens-format reader (:func:`tracekit.dictionaries.formats.load_saelens_dir`) as a check, and also
+with SAELens where it imports.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..compat import has_sae_lens
 from ..core.errors import SAEError
 from ..core.exportdir import export_folder, export_target
+from ..dictionaries.formats import load_saelens_dir
 from ..model.spec import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME
 from .dashboard import _where
 from .train import sae_cache_dir
@@ -120,7 +123,8 @@ def export_sae(source: str | Path, to: str | Path, model_name: str | None = None
     are copied byte for byte; ``cfg.json`` is SOURCE's with ``model_name`` set (in ``metadata`` for
     SAELens >= 6, else at the top level), tracekit's own model name kept as
     ``metadata.tracekit_model`` and a trained SAE's cache key as ``metadata.tracekit_training_hash``.
-    When sae_lens is installed the written directory is loaded back with ``SAE.load_from_disk``.
+    The written directory is read back with :func:`tracekit.dictionaries.formats.load_saelens_dir`
+    and, where SAELens imports, with ``SAE.load_from_disk``.
 
     Args:
         source: see :func:`resolve_sae_source`.
@@ -133,8 +137,8 @@ def export_sae(source: str | Path, to: str | Path, model_name: str | None = None
         The written directory.
 
     Raises:
-        SAEError: SOURCE unknown or unreadable; no hub id known and no ``model_name``; SAELens cannot
-            load the written directory.
+        SAEError: SOURCE unknown or unreadable; no hub id known and no ``model_name``; the written
+            directory cannot be read back (by tracekit's reader, or by SAELens where it imports).
         OutputError: ``to`` is refused by the export target rule (it is, is inside or contains
             SOURCE; a file; non-empty without ``force``; with ``force``, a folder no export wrote:
             :func:`tracekit.core.exportdir.export_target`), or the write fails (disk full, read-only,
@@ -174,15 +178,22 @@ def export_sae(source: str | Path, to: str | Path, model_name: str | None = None
 
 
 def _check_loads(d: Path) -> None:
-    """Load ``d`` with SAELens (when installed) to check the export.
+    """Read ``d`` back to check the export: with tracekit's SAELens-format reader, and with SAELens
+    where it imports.
 
     Raises:
-        SAEError: SAELens cannot load it.
+        SAEError: either cannot load it.
     """
     try:
-        from sae_lens import SAE  # lazy: optional extra
-    except ImportError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_saelens_dir(d, device="cpu")
+    except Exception as e:  # noqa: BLE001 - any reader failure is reported as the export's
+        raise SAEError(f"SOURCE: the exported directory cannot be read back: {type(e).__name__}: {e}") from e
+    if not has_sae_lens():
         return
+    from sae_lens import SAE  # lazy: optional extra
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -1,6 +1,11 @@
 """Which SAE, and what it is without its weights: the ``sae:`` config block (:class:`SAESpec`,
 :class:`SAETrainSpec`), an SAE's identity (:class:`SAEInfo`, :func:`sae_info`), SAELens release
-lookup, and the checks of an SAE against a model before any forward pass (:func:`check_sae`)."""
+lookup, and the checks of an SAE against a model before any forward pass (:func:`check_sae`).
+
+Only the release form (``sae.release`` + ``id``: SAELens' pretrained registry) needs SAELens; a
+SAELens directory (``sae.path``) is read here without it (:func:`saelens_cfg_defaults` accepts the
+older field names as SAELens' ``handle_config_defaulting`` does), so its identity and checks work in
+the TransformerLens 4 environment too."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ..compat import official_model_name, require_sae_lens
+from ..compat import SAE_RELEASE_FIX, official_model_name, require_sae_lens
 from ..core.errors import HookError, SAEError
 from ..core.sites import hook as site_hook
 from ..core.strict import StrictModel
@@ -23,7 +28,8 @@ from ..model.load import model_fingerprint, model_spec_of
 from ..model.source import hub_reachable
 from ..model.spec import EMBEDDED_ALIASES, EMBEDDED_HUB_NAME
 
-__all__ = ["SAEInfo", "SAESpec", "SAETrainSpec", "check_sae", "hook_width", "sae_info"]
+__all__ = ["SAEInfo", "SAESpec", "SAETrainSpec", "check_sae", "hook_width", "require_release_support", "sae_info",
+           "saelens_cfg_defaults"]
 
 
 class _Strict(StrictModel):
@@ -114,9 +120,10 @@ class SAESpec(_Strict):
     """Which SAE (config key ``sae:``): exactly one of
 
     * ``release`` + ``id``: a SAELens pretrained SAE (``gpt2-small-res-jb`` /
-      ``blocks.8.hook_resid_pre``), from the local Hugging Face cache or the hub;
+      ``blocks.8.hook_resid_pre``), from the local Hugging Face cache or the hub (needs SAELens: the
+      default environment; refused in the TransformerLens 4 one, naming ``sae.path`` instead);
     * ``path``: a directory in SAELens' format (``cfg.json`` + ``sae_weights.safetensors``),
-      older SAELens field names accepted (``hook_point`` ...);
+      older SAELens field names accepted (``hook_point`` ...); read without SAELens (both environments);
     * ``train``: an :class:`SAETrainSpec` (trained once, then loaded from the cache).
 
     The SAE is always put on the model's device and dtype, whatever its ``cfg.json`` says.
@@ -154,8 +161,10 @@ class SAESpec(_Strict):
 
     @model_validator(mode="after")
     def _sae_lens_available(self):
-        # SAELens is the tracekit[sae] extra (it pins transformer-lens<4): refuse at config time, metadata only
-        require_sae_lens("sae", import_check=False)
+        # only the release form needs SAELens (the tracekit[sae] extra; it pins transformer-lens<4): refuse it at
+        # config time, metadata only; a path or a training needs no SAELens
+        if self.release is not None:
+            require_release_support("release", import_check=False)
         return self
 
     def describe(self) -> str:
@@ -197,11 +206,75 @@ class SAEInfo:
     source: str = ""
 
 
-def _cfg_info(cfg_dict: dict, source: str) -> SAEInfo:
-    """SAEInfo from a SAELens cfg dict (new layout with ``metadata``, or pre-6.0 flat)."""
-    from sae_lens.loading.pretrained_sae_loaders import handle_config_defaulting  # lazy: sae_lens is heavy
+def require_release_support(field: str = "sae.release", import_check: bool = True) -> None:
+    """Refuse a SAELens pretrained release (``sae.release`` + ``id``) where SAELens cannot be used,
+    naming the field and the alternative (``sae.path``: a downloaded SAELens directory).
 
-    d = handle_config_defaulting(dict(cfg_dict))
+    Args:
+        field: the YAML field named in the message.
+        import_check: also try ``import sae_lens`` (``False`` at config validation).
+
+    Raises:
+        SAEError: SAELens is missing or does not import here (:func:`tracekit.compat.require_sae_lens`).
+    """
+    require_sae_lens(field, import_check, needs="a SAELens pretrained release (sae.release + id: SAELens' registry)",
+                     fix=SAE_RELEASE_FIX)
+
+
+_RENAMED_PRE_6 = {"hook_point": "hook_name", "hook_point_head_index": "hook_head_index",
+                  "activation_fn_str": "activation_fn"}
+
+
+def _before_6(version: Any) -> bool:
+    """Whether a ``sae_lens_version`` string is missing or older than 6.0 (SAELens' test)."""
+    from packaging.version import InvalidVersion, Version  # lazy: only SAE directories need it
+
+    if not version:
+        return True
+    try:
+        return Version(str(version)) < Version("6.0.0-rc.0")
+    except InvalidVersion:
+        return True
+
+
+def saelens_cfg_defaults(cfg: dict) -> dict:
+    """A SAELens ``cfg.json`` with the older (pre-6.0) field names and defaults brought forward, as
+    SAELens' ``handle_config_defaulting`` does (``sae_lens/loading/pretrained_sae_loaders.py``), for
+    the fields tracekit reads: ``hook_point`` -> ``hook_name``, ``hook_point_head_index`` ->
+    ``hook_head_index``, ``prepend_bos`` default True, ``apply_b_dec_to_input`` default True, the
+    boolean ``normalize_activations`` -> ``"none"`` / ``"expected_average_only_in"``, None -> ``"none"``,
+    ``architecture`` (default ``standard``; ``topk`` for an ``activation_fn`` topk with ``k``).
+    A 6.x config (``sae_lens_version`` >= 6, top level or in ``metadata``) is returned as is.
+
+    Args:
+        cfg: the parsed ``cfg.json``.
+
+    Returns:
+        A new dict (the input is not changed). Raises nothing.
+    """
+    d = dict(cfg)
+    meta = d.get("metadata")
+    version = d.get("sae_lens_version") or (meta.get("sae_lens_version") if isinstance(meta, dict) else None)
+    if not _before_6(version):
+        return d
+    d = {_RENAMED_PRE_6.get(k, k): v for k, v in d.items()}
+    d.setdefault("prepend_bos", True)
+    d.setdefault("apply_b_dec_to_input", True)
+    d.setdefault("activation_fn", "relu")
+    d.setdefault("architecture", "standard")
+    if d.get("activation_fn") == "topk" and (d.get("activation_fn_kwargs") or {}).get("k") is not None:
+        d["architecture"] = "topk"
+        d["k"] = d["activation_fn_kwargs"]["k"]
+    if isinstance(d.get("normalize_activations"), bool):
+        d["normalize_activations"] = "expected_average_only_in" if d["normalize_activations"] else "none"
+    if d.get("normalize_activations") is None:
+        d["normalize_activations"] = "none"
+    return d
+
+
+def _cfg_info(cfg_dict: dict, source: str) -> SAEInfo:
+    """SAEInfo from a SAELens cfg dict (new layout with ``metadata``, or pre-6.0 flat); no SAELens."""
+    d = saelens_cfg_defaults(cfg_dict)
     meta = dict(d.get("metadata") or {})
     get = lambda k: meta.get(k, d.get(k))
     kwargs = get("model_from_pretrained_kwargs") or {}
@@ -215,6 +288,7 @@ def _cfg_info(cfg_dict: dict, source: str) -> SAEInfo:
 
 
 def _release_info(spec: SAESpec, field: str) -> tuple[Any, str, str]:
+    require_release_support(f"{field}.release")
     from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory  # lazy: sae_lens is heavy
 
     directory = get_pretrained_saes_directory()
@@ -348,13 +422,13 @@ def sae_info(spec: SAESpec, model: HookedModel, field: str = "sae") -> SAEInfo:
     """The identity of the SAE a spec names, without loading weights or training.
 
     Raises:
-        SAEError: SAELens is not available (:func:`tracekit.compat.require_sae_lens`); a path without
-            ``cfg.json``, an unknown release/id, a pretrained SAE that is neither cached nor downloadable.
+        SAEError: a release where SAELens is not available (:func:`require_release_support`; a path
+            or a training needs no SAELens); a path without ``cfg.json``, an unknown release/id, a
+            pretrained SAE that is neither cached nor downloadable.
         ConfigError: an SAE to train whose ``train.context_size`` is longer than the model's context.
     """
     if spec.train is not None:
         check_window(model, spec.train.context_size, f"{field}.train.context_size")
-    require_sae_lens(field)
     if spec.path is not None:
         p = Path(spec.path).expanduser()
         if not (p / "cfg.json").is_file():

@@ -579,33 +579,76 @@ def check_graph_model(model: HookedModel) -> None:
 
 
 def check_transcoders(spec: TranscoderSpec, model: HookedModel) -> None:
-    """The transcoder set of ``spec`` against the model before any weight is read: the set's
-    (or the training spec's) model and hooks, and one transcoder per block.
+    """The transcoder set of ``spec`` against the model before any weight is read (works on a
+    :class:`tracekit.model.ModelInfo`): one transcoder per block, hooks the model has, and (a saved
+    set) widths that are the model's, read from the set's ``config.yaml`` and the safetensors
+    headers only. The set's fingerprint is checked when it loads
+    (:func:`tracekit.dictionaries.train.load_transcoders`), still before any graph is built.
 
     Raises:
-        SAEError / ConfigError / MethodRefused: naming ``transcoders`` and the fix.
+        SAEError: a hook the model lacks or widths of another model (naming ``transcoders``).
+        ConfigError: a block without a transcoder, an unreadable set folder.
     """
+    from ..dictionaries.spec import transcoder_hooks
+
+    n = int(model.cfg.n_layers)
+    if spec.train is not None:
+        layers = list(range(n)) if spec.train.layers is None else [int(x) for x in spec.train.layers]
+        _cover(layers, n)
+        for L in layers:
+            transcoder_hooks(model, L, spec.train, field="transcoders.train")
+        return
+    _check_saved_set(Path(str(spec.path)).expanduser(), model, n)
+
+
+def _cover(layers: list[int], n: int) -> None:
+    missing = sorted(set(range(n)) - set(layers))
+    if missing:
+        raise ConfigError(f"transcoders: no transcoder for layers {missing} of the model's {n}; an attribution graph "
+                          "replaces every MLP (train or give a set covering every block)")
+
+
+def _check_saved_set(path: Path, model: HookedModel, n: int) -> None:
+    """A saved set's config and tensor shapes (headers only) against the model."""
+    import yaml
+    from safetensors import safe_open
+
+    from ..core.errors import SAEError
+    from ..hooks import check_hooks
+
+    cfile = path / "config.yaml" if path.is_dir() else path
+    if not cfile.is_file():
+        raise ConfigError(f"transcoders.path: {path} holds no config.yaml (a transcoder set in circuit-tracer's "
+                          "layout: per-layer safetensors and a config listing them)")
     try:
-        from ..dictionaries.train import check_transcoders as engine_check
-    except ImportError:
-        engine_check = None
-    if engine_check is not None:
-        engine_check(spec, model, field="transcoders")
-    layers = _spec_layers(spec)
-    if layers is not None:
-        missing = sorted(set(range(int(model.cfg.n_layers))) - set(layers))
-        if missing:
-            raise ConfigError(f"transcoders: no transcoder for layers {missing} of {int(model.cfg.n_layers)}; an "
-                              "attribution graph replaces every MLP (train or give a set covering every block)")
-
-
-def _spec_layers(spec: TranscoderSpec) -> Optional[list[int]]:
-    """The layers a training spec covers (None: not stated by the spec, or a saved set: the engine checks)."""
-    train = getattr(spec, "train", None)
-    layers = getattr(train, "layers", None) if train is not None else None
-    if layers is None or isinstance(layers, str):
-        return None
-    return [int(x) for x in layers]
+        cfg = yaml.safe_load(cfile.read_text(encoding="utf-8"))
+        entries = [(int(e["layer"]), cfile.parent / str(e.get("filepath", f"layer_{int(e['layer'])}.safetensors")))
+                   for e in cfg["transcoders"]]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"transcoders.path: {cfile} is not a transcoder set config ({type(e).__name__}: {e})") from e
+    widths = {int(model.cfg.d_model)} | ({int(model.cfg.d_mlp)} if getattr(model.cfg, "d_mlp", None) else set())
+    for L, f in entries:
+        if not 0 <= L < n:
+            raise SAEError(f"transcoders.path: {cfile} has a transcoder for layer {L}, but the model has {n} blocks "
+                           f"(0..{n - 1}); the set was made for another model ({cfg.get('model_name') or 'unnamed'})")
+        for key in ("feature_input_hook", "feature_output_hook"):
+            site = str(cfg.get(key, ""))
+            hook = site if site.startswith("blocks.") else f"blocks.{L}.{site}"
+            try:
+                check_hooks(model, [hook], f"transcoders ({key})")
+            except Exception as e:  # noqa: BLE001 - HookError or a ModelInfo's refusal
+                raise SAEError(f"transcoders.path: layer {L} reads/writes {hook!r}, which this model lacks ({e}); the "
+                               "set was made for another model") from e
+        if not f.is_file():
+            raise ConfigError(f"transcoders.path: {f} (layer {L}) is missing")
+        with safe_open(str(f), framework="pt") as fh:
+            shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys() if k in ("W_enc", "W_dec")}
+        bad = {k: s for k, s in shapes.items() if (s[0] if k == "W_enc" else s[1]) not in widths}
+        if bad:
+            raise SAEError(f"transcoders.path: layer {L}'s transcoder has shapes {bad}, not this model's widths "
+                           f"{sorted(widths)} (d_model, d_mlp); the set was made for another model "
+                           f"({cfg.get('model_name') or 'unnamed'})")
+    _cover([L for L, _ in entries], n)
 
 
 def verify_graph_call(model: HookedModel, dset, g, spec: GraphVerifySpec) -> dict:

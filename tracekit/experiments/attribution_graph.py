@@ -63,7 +63,8 @@ from pydantic import Field, field_validator, model_validator
 
 from ..core.errors import ConfigError, DatasetError, MethodRefused
 from ..dictionaries.spec import TranscoderSpec
-from ..model.info import HookedModel
+from ..model.info import HookedModel, ModelInfo
+from ..model.load import model_fingerprint
 from ..results import MANIFEST, round_sig
 from ..trace import parse_head
 from .base import (
@@ -649,6 +650,12 @@ def _check_saved_set(path: Path, model: HookedModel, n: int) -> None:
                            f"{sorted(widths)} (d_model, d_mlp); the set was made for another model "
                            f"({cfg.get('model_name') or 'unnamed'})")
     _cover([L for L, _ in entries], n)
+    fp = (cfg.get("metadata") or {}).get("tracekit_fingerprint")
+    if fp is not None and not isinstance(model, ModelInfo) and fp != model_fingerprint(model):
+        raise SAEError(f"transcoders.path: {path} was trained by tracekit on another model "
+                       f"({(cfg.get('metadata') or {}).get('model') or cfg.get('model_name') or 'unnamed'}, fingerprint "
+                       f"{fp}, not this model's {model_fingerprint(model)}); train them on this model "
+                       "(transcoders.train) or load the model they were trained on")
 
 
 def verify_graph_call(model: HookedModel, dset, g, spec: GraphVerifySpec) -> dict:

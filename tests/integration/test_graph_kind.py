@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import make_tiny
 
 import tracekit as tk
+from helpers import make_tiny
 from tracekit.config import parse_config
 from tracekit.core.errors import TracekitError
 from tracekit.runner import run_config

@@ -103,8 +103,10 @@ class GraphVerifySpec(StrictModel):
         n_random: a seeded random sample of the other active features checked (default 10): the
             ones that can show what the pruned graph misses.
         seed: the sample's seed.
-        mode: ``ablate`` (the feature set to zero) or ``scale`` (the feature's activation scaled;
-            see :func:`tracekit.graphs.verify.verify_graph`); error nodes held fixed either way.
+        mode: ``ablate`` (the feature set to zero) or ``scale`` (the feature's activation set to
+            ``scale`` x itself; :func:`tracekit.graphs.verify.verify_graph`); error nodes held fixed
+            either way.
+        scale: the factor of ``scale`` mode (default 0.0; ignored by ``ablate``).
     """
 
     enabled: bool = True
@@ -112,6 +114,7 @@ class GraphVerifySpec(StrictModel):
     n_random: int = Field(default=10, ge=0)
     seed: int = 0
     mode: Literal["ablate", "scale"] = "ablate"
+    scale: float = 0.0
 
 
 class CardsSpec(StrictModel):
@@ -227,7 +230,7 @@ class AttributionGraphResult(Result):
         ver = self.tables.get("verification")
         if ver is not None and len(ver) and {"predicted", "measured"} <= set(ver.columns):
             fig, ax = plt.subplots(figsize=(4.6, 4.2))
-            checked = ver["checked"] if "checked" in ver.columns else pd.Series(["checked"] * len(ver))
+            checked = ver["checked_as"] if "checked_as" in ver.columns else pd.Series(["checked"] * len(ver))
             for kind in dict.fromkeys(checked):
                 h = ver[checked == kind]
                 ax.scatter(h["measured"], h["predicted"], marker="o" if kind == "top" else "x", s=18,
@@ -456,11 +459,10 @@ class AttributionGraphExperiment(Experiment):
         t_build = time.perf_counter() - t0
         pr = prune_graph(g, node_threshold=self.node_threshold, edge_threshold=self.edge_threshold)
         scores = graph_scores(g, pr)
-        scores_all = graph_scores(g, None)
         ver_stats: dict[str, Any] = {}
         ver_table: Optional[pd.DataFrame] = None
         if self.verify.enabled:
-            v = verify_graph_call(model, dset, g, self.verify)
+            v = verify_graph_call(model, dset, g, self.verify, self.node_threshold, self.edge_threshold)
             ver_stats, ver_table = split_verification(v)
         influence = _node_influence(g, pr)
         mp = self._main_path(model, dset, g, influence)
@@ -481,9 +483,15 @@ class AttributionGraphExperiment(Experiment):
             mp = _tokens_from_cards(mp, cards)
         slug = f"{self.step_name}-row{e.row_id}"
         gj = graph_json(g, pr, slug=slug, cards=cards)
+        pruned = scores.get("pruned") or {}
+        folded = scores.get("pruned_folded") or {}
         verification = {**{k: g.verification.get(k) for k in ("logits_max_abs_error", "completeness_max_abs_error")},
-                        **ver_stats, **{f"{k}": scores.get(k) for k in ("replacement_score", "completeness_score")},
-                        **{f"{k}_unpruned": scores_all.get(k) for k in ("replacement_score", "completeness_score")}}
+                        **ver_stats, "replacement_score": pruned.get("replacement"),
+                        "completeness_score": pruned.get("completeness"),
+                        "replacement_score_unpruned": scores.get("replacement"),
+                        "completeness_score_unpruned": scores.get("completeness"),
+                        "replacement_score_folded": folded.get("replacement"),
+                        "completeness_score_folded": folded.get("completeness")}
         with tempfile.TemporaryDirectory() as td:
             p = write_graph_html(g, pr, Path(td) / "graph.html", cards=cards, verification=_jsonable(verification))
             html = Path(p).read_text(encoding="utf-8")
@@ -493,9 +501,12 @@ class AttributionGraphExperiment(Experiment):
         rec = {"row_id": e.row_id, "prompt": e.prompt, "target": e.row.target, "foil": e.row.foil,
                "n_pos": g.n_pos, "n_features": g.n_features, "n_logits": g.n_logits, "n_nodes": g.n_nodes,
                "n_edges": int(torch.count_nonzero(g.adjacency)), "pruned_nodes": int(node_mask.sum()),
-               "pruned_edges": int(edge_mask.sum()), "build_seconds": t_build, "seconds": seconds,
-               "n_checked": ver_stats.get("n_checked"),
-               **{k: _num(verification.get(k)) for k in VERIFICATION_KEYS}}
+               "pruned_edges": int(pruned.get("n_edges", int(edge_mask.sum()))), "build_seconds": t_build,
+               "seconds": seconds, "n_checked": ver_stats.get("n_checked"),
+               **{k: _num(verification.get(k)) for k in VERIFICATION_KEYS},
+               **{k: _num(verification.get(k)) for k in ("replacement_score_folded", "completeness_score_folded",
+                                                          "top_k_recall", "baseline_max_abs_logit_error")},
+               "verify_metric": ver_stats.get("metric"), "largest_misses": ver_stats.get("largest_misses")}
         for k in ("backward_passes", "n_backward"):
             if k in g.settings:
                 rec["backward_passes"] = int(g.settings[k])
@@ -658,26 +669,27 @@ def _check_saved_set(path: Path, model: HookedModel, n: int) -> None:
                        "(transcoders.train) or load the model they were trained on")
 
 
-def verify_graph_call(model: HookedModel, dset, g, spec: GraphVerifySpec) -> dict:
+def verify_graph_call(model: HookedModel, dset, g, spec: GraphVerifySpec, node_threshold: float,
+                      edge_threshold: float) -> dict:
     """:func:`tracekit.graphs.verify.verify_graph` with the kind's ``verify`` settings. Raises what it raises."""
     from ..graphs.verify import verify_graph
 
-    return verify_graph(model, dset, g, top_k=spec.top_k, n_random=spec.n_random, seed=spec.seed, mode=spec.mode)
+    return verify_graph(model, dset, g, top_k=spec.top_k, n_random=spec.n_random, seed=spec.seed, mode=spec.mode,
+                        scale=spec.scale, node_threshold=node_threshold, edge_threshold=edge_threshold)
 
 
-def split_verification(v: dict) -> tuple[dict, Optional[pd.DataFrame]]:
-    """``(scalar figures, per-feature table)`` of a :func:`verify_graph` dict: its table-like
-    value (a DataFrame or a list of records) becomes the table; its scalars the figures. Raises nothing."""
-    stats, table = {}, None
-    for k, val in v.items():
-        if isinstance(val, pd.DataFrame):
-            table = val
-        elif isinstance(val, list) and val and isinstance(val[0], dict) and k in ("table", "rows", "checked"):
-            table = pd.DataFrame(val)
-        elif isinstance(val, (int, float, bool, str, np.number)) or val is None:
-            stats[k] = _scalar(val)
-    if "n_checked" not in stats and table is not None:
-        stats["n_checked"] = len(table)
+def split_verification(v: dict) -> tuple[dict, pd.DataFrame]:
+    """``(figures, per-feature table)`` of a :func:`tracekit.graphs.verify.verify_graph` result:
+    the intervention's ``summary`` (pearson, spearman, sign agreement, top-k recall, largest
+    errors) and ``table`` (one line per checked feature). Raises nothing."""
+    iv = v.get("intervention", {}) or {}
+    table = pd.DataFrame(iv.get("table", []))
+    summ = iv.get("summary", {}) or {}
+    stats = {k: _scalar(summ.get(k)) for k in ("pearson", "spearman", "sign_agreement", "top_k_recall",
+                                                "max_abs_error")}
+    stats.update(n_checked=len(table), metric=iv.get("metric"), baseline_metric=_num(iv.get("baseline_metric")),
+                 baseline_max_abs_logit_error=_num(iv.get("baseline_max_abs_logit_error")),
+                 largest_misses=json.dumps(_jsonable(summ.get("largest_errors", [])[:5])))
     return stats, table
 
 

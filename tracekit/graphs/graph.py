@@ -53,6 +53,12 @@ class AttributionGraph:
             max_feature_nodes, zero_bos, batch size, chunks, ...).
         verification: filled by :mod:`tracekit.graphs.verify` (logit reproduction, completeness,
             intervention table, replacement and completeness scores).
+        node_bias: ``[n_nodes]`` each row's bias term: its input in the local replacement model with
+            every source node zeroed (``b_enc``, ``b_dec``, norm/attention biases, positional
+            embeddings, features that are not nodes); 0 for error and token nodes. None when unknown.
+        node_input: ``[n_nodes]`` each row's input in the clean run (feature pre-activation, or
+            pre-transform logit minus its vocabulary mean); 0 for error and token nodes. Completeness:
+            ``node_input == adjacency.sum(1) + node_bias`` on feature and logit rows.
     """
 
     prompt: str
@@ -71,6 +77,8 @@ class AttributionGraph:
     dictionaries: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
+    node_bias: Optional[Float[torch.Tensor, " n_nodes"]] = None
+    node_input: Optional[Float[torch.Tensor, " n_nodes"]] = None
 
     # -- sizes and offsets ---------------------------------------------------------------------
     @property

@@ -204,13 +204,14 @@ def measure(model, dset, prompt: str, label: str, device: str, *, top_k: int, n_
     from tracekit.graphs.attribution import build_graph
     from tracekit.graphs.prune import graph_scores, prune_graph
     from tracekit.graphs.verify import verify_graph
-    from tracekit.tokens import encode
+    from tracekit.tokens import encode, single_token_id
 
     ids = torch.tensor(encode(model, prompt), dtype=torch.long)
+    target, foil = single_token_id(model, TARGET), single_token_id(model, FOIL)
     gc.collect()
     with Peak(device) as mem:
         t0 = time.perf_counter()
-        g = build_graph(model, dset, ids, prompt=prompt, target=TARGET, foil=FOIL,
+        g = build_graph(model, dset, ids, prompt=prompt, target=target, foil=foil,
                         max_feature_nodes=max_feature_nodes, batch_size=batch_size)
         t1 = time.perf_counter()
         pr = prune_graph(g, node_threshold=0.8, edge_threshold=0.98)
@@ -218,17 +219,22 @@ def measure(model, dset, prompt: str, label: str, device: str, *, top_k: int, n_
         t2 = time.perf_counter()
         v = verify_graph(model, dset, g, top_k=top_k, n_random=n_random, seed=0, mode="ablate")
         t3 = time.perf_counter()
+    summ = (v.get("intervention") or {}).get("summary") or {}
+    pruned = scores.get("pruned") or {}
     rec = {"prompt": label, "n_tokens": int(ids.numel()), "build_s": t1 - t0, "prune_s": t2 - t1,
            "verify_s": t3 - t2, "total_s": t3 - t0,
            "backward_passes": _first(g.settings, ("backward_passes", "n_backward", "n_backward_passes")),
            "peak_gib": mem.work / GIB, "peak_abs_gib": mem.peak / GIB,
            "n_features": g.n_features, "n_nodes": g.n_nodes,
            "pruned_nodes": int(torch.as_tensor(pr.node_mask).sum()),
-           "pruned_edges": int(torch.as_tensor(pr.edge_mask).sum()),
+           "pruned_edges": pruned.get("n_edges", int(torch.as_tensor(pr.edge_mask).sum())),
            "logits_max_abs_error": g.verification.get("logits_max_abs_error"),
            "completeness_max_abs_error": g.verification.get("completeness_max_abs_error"),
-           "pearson": v.get("pearson"), "spearman": v.get("spearman"), "sign_agreement": v.get("sign_agreement"),
-           "replacement_score": scores.get("replacement_score"), "completeness_score": scores.get("completeness_score")}
+           "pearson": summ.get("pearson"), "spearman": summ.get("spearman"),
+           "sign_agreement": summ.get("sign_agreement"), "n_checked": len((v.get("intervention") or {}).get("table", [])),
+           "replacement_score": pruned.get("replacement"), "completeness_score": pruned.get("completeness"),
+           "replacement_score_unpruned": scores.get("replacement"),
+           "completeness_score_unpruned": scores.get("completeness")}
     del g, pr
     return rec
 

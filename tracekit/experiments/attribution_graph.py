@@ -452,8 +452,8 @@ class AttributionGraphExperiment(Experiment):
         from ..graphs.view import write_graph_html
 
         t0 = time.perf_counter()
-        g = build_graph(model, dset, torch.tensor(e.ids, dtype=torch.long), prompt=e.prompt, target=e.row.target,
-                        foil=e.row.foil, desired_logit_prob=self.desired_logit_prob, max_n_logits=self.max_n_logits,
+        g = build_graph(model, dset, torch.tensor(e.ids, dtype=torch.long), prompt=e.prompt, target=e.target_id,
+                        foil=e.foil_id, desired_logit_prob=self.desired_logit_prob, max_n_logits=self.max_n_logits,
                         max_feature_nodes=self.max_feature_nodes, zero_bos=self.zero_bos, batch_size=self.batch_size,
                         progress=progress)
         t_build = time.perf_counter() - t0
@@ -482,7 +482,7 @@ class AttributionGraphExperiment(Experiment):
                                   top_tokens=self.cards.top_tokens)
             mp = _tokens_from_cards(mp, cards)
         slug = f"{self.step_name}-row{e.row_id}"
-        gj = graph_json(g, pr, slug=slug, cards=cards)
+        gj = graph_json(g, pr, slug=slug, cards=cards, node_threshold=self.node_threshold)
         pruned = scores.get("pruned") or {}
         folded = scores.get("pruned_folded") or {}
         verification = {**{k: g.verification.get(k) for k in ("logits_max_abs_error", "completeness_max_abs_error")},
@@ -493,7 +493,9 @@ class AttributionGraphExperiment(Experiment):
                         "replacement_score_folded": folded.get("replacement"),
                         "completeness_score_folded": folded.get("completeness")}
         with tempfile.TemporaryDirectory() as td:
-            p = write_graph_html(g, pr, Path(td) / "graph.html", cards=cards, verification=_jsonable(verification))
+            shown = {**verification, **({"checked features": ver_table} if ver_table is not None else {})}
+            p = write_graph_html(g, pr, Path(td) / "graph.html", cards=cards, verification=shown,
+                                 title=f"Attribution graph: {e.prompt!r} -> {e.row.target!r}")
             html = Path(p).read_text(encoding="utf-8")
         seconds = time.perf_counter() - t0
         node_mask = torch.as_tensor(pr.node_mask)
@@ -507,12 +509,11 @@ class AttributionGraphExperiment(Experiment):
                **{k: _num(verification.get(k)) for k in ("replacement_score_folded", "completeness_score_folded",
                                                           "top_k_recall", "baseline_max_abs_logit_error")},
                "verify_metric": ver_stats.get("metric"), "largest_misses": ver_stats.get("largest_misses")}
-        for k in ("backward_passes", "n_backward"):
-            if k in g.settings:
-                rec["backward_passes"] = int(g.settings[k])
+        rec["backward_passes"] = _num(g.settings.get("backward_passes"))
+        rec["n_active_features"] = _num(g.settings.get("n_active_features"))
         parts = {"nodes": nodes_df, "edges": edges_df, "verification": ver_table, "main_path": mp,
                  "head_ov": head_ov, "head_qk": head_qk}
-        pages = {f"graph_{e.row_id}.json": json.dumps(_jsonable(gj)), f"graph_{e.row_id}.html": html}
+        pages = {f"graph_{e.row_id}.json": json.dumps(_jsonable(gj), allow_nan=False), f"graph_{e.row_id}.html": html}
         return rec, parts, pages
 
     def _main_path(self, model: HookedModel, dset, g, influence: torch.Tensor) -> pd.DataFrame:

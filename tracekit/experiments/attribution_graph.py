@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, cast
 
-import numpy as np
 import pandas as pd
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -65,13 +64,20 @@ from ..core.errors import ConfigError, DatasetError, MethodRefused
 from ..dictionaries.spec import TranscoderSpec
 from ..model.info import HookedModel, ModelInfo
 from ..model.load import model_fingerprint
-from ..results import MANIFEST, round_sig
 from ..trace import parse_head
+from .attribution_graph_tables import (
+    VERIFICATION_KEYS,
+    AttributionGraphResult,
+    jsonable_of,
+    num,
+    parquet_safe,
+    split_verification,
+    tokens_from_cards,
+)
 from .base import (
     DatasetSpec,
     Experiment,
     OptionalPrompts,
-    Result,
     Rows,
     StrictModel,
     check_dataset_fields,
@@ -84,14 +90,6 @@ from .base import (
 
 __all__ = ["AttributionGraphExperiment", "AttributionGraphResult", "AttributionGraphInputs", "GraphVerifySpec",
            "CardsSpec"]
-
-#: The verification figures the summary reports per graph (and their worst value over graphs).
-VERIFICATION_KEYS = ("logits_max_abs_error", "completeness_max_abs_error", "pearson", "spearman",
-                     "sign_agreement", "replacement_score", "completeness_score", "replacement_score_unpruned",
-                     "completeness_score_unpruned")
-#: Keys where larger is worse (the summary takes the max over graphs; the others take the min).
-_WORST_IS_MAX = {"logits_max_abs_error", "completeness_max_abs_error"}
-
 
 class GraphVerifySpec(StrictModel):
     """How each graph is checked by intervention in the real model.
@@ -144,143 +142,6 @@ class AttributionGraphInputs:
 
     data: Rows
     heads: tuple[tuple[int, int], ...]
-
-
-# =============================================================================================
-# result
-
-
-class AttributionGraphResult(Result):
-    """Result of :class:`AttributionGraphExperiment`: the tables of the module docstring, and the
-    graph JSON and HTML pages written beside them by :meth:`save` (held in :attr:`pages` after a
-    run; a loaded result reads them from its folder).
-
-    Summary keys: ``n_graphs``; ``verification`` (the worst value over graphs of each of
-    :data:`VERIFICATION_KEYS`: the errors' max, the correlations' and scores' min); the same keys
-    at the top level (for ``expect:``); ``main_path`` (the first graph's top features: ``node``,
-    ``layer``, ``position``, ``feature``, ``influence``, ``activation``, ``top_tokens``);
-    ``graphs`` (per graph: ``row_id``, ``prompt``, ``target``, ``foil``, sizes and the
-    verification figures); ``transcoders`` (the set's identity: path, cache hit, content key);
-    ``settings``; ``files`` (the pages written).
-    """
-
-    config: "AttributionGraphExperiment"
-    main_table = "graphs"
-    headline_keys = ("n_graphs", "logits_max_abs_error", "completeness_max_abs_error", "spearman", "pearson",
-                     "sign_agreement", "replacement_score", "completeness_score")
-
-    def __init__(self, config, tables, meta=None, arrays=None, pages: Optional[dict[str, str]] = None):
-        super().__init__(config, tables, meta, arrays)
-        #: ``file name -> text``: the graph JSON and HTML pages (written by :meth:`save`).
-        self.pages: dict[str, str] = dict(pages or {})
-
-    def summary(self) -> dict:
-        g = self.tables["graphs"]
-        recs = [{k: _scalar(v) for k, v in r.items()} for r in g.to_dict("records")]
-        ver: dict[str, Any] = {}
-        for k in VERIFICATION_KEYS:
-            vals = [r[k] for r in recs if r.get(k) is not None]
-            ver[k] = None if not vals else (max(vals) if k in _WORST_IS_MAX else min(vals))
-        mp = self.tables["main_path"]
-        first = mp[mp["row_id"] == mp["row_id"].iloc[0]] if len(mp) else mp
-        main_path = [{k: _scalar(v) for k, v in r.items() if k != "row_id"} for r in first.to_dict("records")]
-        for r in main_path:
-            r["top_tokens"] = json.loads(r["top_tokens"]) if isinstance(r.get("top_tokens"), str) else r.get("top_tokens")
-        out = {"n_graphs": len(recs), **ver, "verification": ver, "main_path": main_path, "graphs": recs,
-               "transcoders": self.meta.get("transcoders"), "settings": self.meta.get("settings"),
-               "files": self.meta.get("files", []), "verified_by_intervention": bool(self.config.verify.enabled)}
-        return round_sig(out)
-
-    def report(self) -> str:
-        s = self.summary()
-
-        def f(x):
-            return "n/a" if x is None else f"{x:.4g}"
-        tc = s.get("transcoders") or {}
-        lines = [f"attribution graph [{self.config.step_name}] {s['n_graphs']} graph(s); transcoders "
-                 f"{tc.get('path')} ({'cache hit' if tc.get('cache_hit') else 'loaded/trained'})"]
-        for g in s["graphs"]:
-            lines.append(f"  row {g['row_id']}: target {g['target']!r}" + (f" vs {g['foil']!r}" if g.get("foil") else "")
-                         + f", {g['n_pos']} tokens, {g['n_features']} active features -> {g['pruned_nodes']} nodes / "
-                         f"{g['pruned_edges']} edges after pruning, {f(g['seconds'])} s")
-            lines.append(f"    logits max |error| {f(g['logits_max_abs_error'])}, completeness max |error| "
-                         f"{f(g['completeness_max_abs_error'])}, replacement score {f(g['replacement_score'])} "
-                         f"(unpruned {f(g['replacement_score_unpruned'])}), completeness score "
-                         f"{f(g['completeness_score'])} (unpruned {f(g['completeness_score_unpruned'])})")
-            if s["verified_by_intervention"]:
-                lines.append(f"    verified by {self.config.verify.mode} in the real model ({g.get('n_checked')} "
-                             f"features): pearson {f(g['pearson'])}, spearman {f(g['spearman'])}, sign agreement "
-                             f"{f(g['sign_agreement'])}")
-            else:
-                lines.append("    NOT verified by intervention (verify.enabled: false)")
-        if s["main_path"]:
-            lines.append("  main path (first graph, by influence):")
-            for r in s["main_path"][:10]:
-                lines.append(f"    L{r['layer']} pos {r['position']} ({r.get('token')!r}) feature {r['feature']}: "
-                             f"influence {f(r['influence'])}, activation {f(r['activation'])}, promotes "
-                             f"{', '.join(repr(t) for t in (r.get('top_tokens') or [])[:5])}")
-        if s["files"]:
-            lines.append(f"  pages: {', '.join(s['files'])}")
-        return "\n".join(lines)
-
-    def figures(self) -> dict:
-        import matplotlib.pyplot as plt
-
-        figs = {}
-        ver = self.tables.get("verification")
-        if ver is not None and len(ver) and {"predicted", "measured"} <= set(ver.columns):
-            fig, ax = plt.subplots(figsize=(4.6, 4.2))
-            checked = ver["checked_as"] if "checked_as" in ver.columns else pd.Series(["checked"] * len(ver))
-            for kind in dict.fromkeys(checked):
-                h = ver[checked == kind]
-                ax.scatter(h["measured"], h["predicted"], marker="o" if kind == "top" else "x", s=18,
-                           label=f"{kind} ({len(h)})")
-            lim = float(np.nanmax(np.abs(ver[["measured", "predicted"]].to_numpy(float)))) or 1.0
-            ax.plot([-lim, lim], [-lim, lim], color="grey", lw=0.8, ls="--")
-            ax.set_xlabel(f"measured change of the target logit ({self.config.verify.mode}, real model)")
-            ax.set_ylabel("graph's prediction")
-            ax.set_title("attribution graph: predicted vs measured", fontsize=9)
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            figs["verification"] = fig
-        mp = self.tables["main_path"]
-        if len(mp):
-            first = mp[mp["row_id"] == mp["row_id"].iloc[0]].head(15)
-            fig, ax = plt.subplots(figsize=(6, 0.3 * len(first) + 1.2))
-            labels = [f"L{int(r.layer)} {r.token!r} #{int(r.feature)}" for r in first.itertuples()]
-            ax.barh(range(len(first)), first["influence"].to_numpy(float))
-            ax.set_yticks(range(len(first)), labels, fontsize=7)
-            ax.invert_yaxis()
-            ax.set_xlabel("influence on the logits")
-            ax.set_title("main path: top features by influence", fontsize=9)
-            fig.tight_layout()
-            figs["main_path"] = fig
-        return figs
-
-    def _write(self, tmp: Path, figures: bool) -> None:
-        """:meth:`Result._write` plus the graph pages (:attr:`pages`), listed in the manifest."""
-        super()._write(tmp, figures)
-        for name, text in self.pages.items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        man = json.loads((tmp / MANIFEST).read_text())
-        man["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
-        (tmp / MANIFEST).write_text(json.dumps(man, indent=2))
-
-
-def _scalar(v: Any) -> Any:
-    """A table cell as a JSON-able scalar (NaN and pandas' NA become None)."""
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (np.floating, float)):
-        return None if not np.isfinite(v) else float(v)
-    if isinstance(v, np.bool_):
-        return bool(v)
-    try:
-        if pd.isna(v):
-            return None
-    except (TypeError, ValueError):
-        pass
-    return v
 
 
 # =============================================================================================
@@ -428,10 +289,10 @@ class AttributionGraphExperiment(Experiment):
         for k, dfs in tables.items():
             out[k] = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame({"row_id": pd.Series([], dtype="int64")})
         for k in ("nodes", "edges", "verification", "main_path", "head_ov", "head_qk"):
-            out[k] = _parquet_safe(out[k])
-        meta = {"transcoders": {"path": loaded.path, "cache_hit": bool(loaded.cache_hit), **_jsonable(loaded.info),
-                                "metadata": _jsonable(dset.metadata)},
-                "transcoder_stats": _jsonable(loaded.stats),
+            out[k] = parquet_safe(out[k])
+        meta = {"transcoders": {"path": loaded.path, "cache_hit": bool(loaded.cache_hit), **jsonable_of(loaded.info),
+                                "metadata": jsonable_of(dset.metadata)},
+                "transcoder_stats": jsonable_of(loaded.stats),
                 "settings": self._settings(), "files": files, "dataset": dataset_meta(inputs.data),
                 "heads": [f"L{L}H{H}" for L, H in inputs.heads]}
         return AttributionGraphResult(self, out, meta, pages=pages)
@@ -480,7 +341,7 @@ class AttributionGraphExperiment(Experiment):
             feats += [int(i) for i in _kept_features(g, pr, influence) if int(i) not in feats][:max(0, self.cards.features - len(feats))]
             cards = feature_cards(model, dset, g, feats, store=self.cards.store, contexts=self.cards.contexts,
                                   top_tokens=self.cards.top_tokens)
-            mp = _tokens_from_cards(mp, cards)
+            mp = tokens_from_cards(mp, cards)
         slug = f"{self.step_name}-row{e.row_id}"
         gj = graph_json(g, pr, slug=slug, cards=cards, node_threshold=self.node_threshold)
         pruned = scores.get("pruned") or {}
@@ -505,15 +366,15 @@ class AttributionGraphExperiment(Experiment):
                "n_edges": int(torch.count_nonzero(g.adjacency)), "pruned_nodes": int(node_mask.sum()),
                "pruned_edges": int(pruned.get("n_edges", int(edge_mask.sum()))), "build_seconds": t_build,
                "seconds": seconds, "n_checked": ver_stats.get("n_checked"),
-               **{k: _num(verification.get(k)) for k in VERIFICATION_KEYS},
-               **{k: _num(verification.get(k)) for k in ("replacement_score_folded", "completeness_score_folded",
+               **{k: num(verification.get(k)) for k in VERIFICATION_KEYS},
+               **{k: num(verification.get(k)) for k in ("replacement_score_folded", "completeness_score_folded",
                                                           "top_k_recall", "baseline_max_abs_logit_error")},
                "verify_metric": ver_stats.get("metric"), "largest_misses": ver_stats.get("largest_misses")}
-        rec["backward_passes"] = _num(g.settings.get("backward_passes"))
-        rec["n_active_features"] = _num(g.settings.get("n_active_features"))
+        rec["backward_passes"] = num(g.settings.get("backward_passes"))
+        rec["n_active_features"] = num(g.settings.get("n_active_features"))
         parts = {"nodes": nodes_df, "edges": edges_df, "verification": ver_table, "main_path": mp,
                  "head_ov": head_ov, "head_qk": head_qk}
-        pages = {f"graph_{e.row_id}.json": json.dumps(_jsonable(gj), allow_nan=False), f"graph_{e.row_id}.html": html}
+        pages = {f"graph_{e.row_id}.json": json.dumps(jsonable_of(gj), allow_nan=False), f"graph_{e.row_id}.html": html}
         return rec, parts, pages
 
     def _main_path(self, model: HookedModel, dset, g, influence: torch.Tensor) -> pd.DataFrame:
@@ -679,21 +540,6 @@ def verify_graph_call(model: HookedModel, dset, g, spec: GraphVerifySpec, node_t
                         scale=spec.scale, node_threshold=node_threshold, edge_threshold=edge_threshold)
 
 
-def split_verification(v: dict) -> tuple[dict, pd.DataFrame]:
-    """``(figures, per-feature table)`` of a :func:`tracekit.graphs.verify.verify_graph` result:
-    the intervention's ``summary`` (pearson, spearman, sign agreement, top-k recall, largest
-    errors) and ``table`` (one line per checked feature). Raises nothing."""
-    iv = v.get("intervention", {}) or {}
-    table = pd.DataFrame(iv.get("table", []))
-    summ = iv.get("summary", {}) or {}
-    stats = {k: _scalar(summ.get(k)) for k in ("pearson", "spearman", "sign_agreement", "top_k_recall",
-                                                "max_abs_error")}
-    stats.update(n_checked=len(table), metric=iv.get("metric"), baseline_metric=_num(iv.get("baseline_metric")),
-                 baseline_max_abs_logit_error=_num(iv.get("baseline_max_abs_logit_error")),
-                 largest_misses=json.dumps(_jsonable(summ.get("largest_errors", [])[:5])))
-    return stats, table
-
-
 def _node_influence(g, pr) -> torch.Tensor:
     """``[n_nodes]`` each node's influence on the logits (the pruning's, else computed here as
     circuit-tracer's ``compute_node_influence`` on the row-normalised |adjacency|)."""
@@ -717,20 +563,6 @@ def _kept_features(g, pr, influence: torch.Tensor) -> list[int]:
     return idx[torch.argsort(influence[idx], descending=True)].tolist()
 
 
-def _tokens_from_cards(mp: pd.DataFrame, cards: Optional[dict]) -> pd.DataFrame:
-    """The main path's ``top_tokens`` from the cards' logit readout when they carry one."""
-    if not cards or not len(mp):
-        return mp
-    mp = mp.copy()
-    for i, n in enumerate(mp["node"].tolist()):
-        c = cards.get(int(n)) or {}
-        toks = c.get("top_tokens") or c.get("logit_top") or c.get("promotes")
-        if isinstance(toks, list) and toks:
-            toks = [t.get("token", t) if isinstance(t, dict) else t for t in toks]
-            mp.iloc[i, mp.columns.get_loc("top_tokens")] = json.dumps([str(t) for t in toks])
-    return mp
-
-
 def _target_logit_node(g) -> Optional[int]:
     """Node index of the target's logit node (None when the target is not among the logit nodes)."""
     tid = g.target.get("id")
@@ -744,26 +576,3 @@ def _unembed(model: HookedModel) -> Optional[torch.Tensor]:
     """``[d_model, d_vocab]`` the unembedding (None when the model does not expose it)."""
     W_U = getattr(model, "W_U", None)
     return W_U.detach() if isinstance(W_U, torch.Tensor) else None
-
-
-def _num(x: Any) -> Optional[float]:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if np.isfinite(v) else None
-
-
-def _jsonable(obj: Any) -> Any:
-    from ..core.io import jsonable
-
-    return jsonable(obj)
-
-
-def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
-    """Object columns holding lists/dicts as JSON strings (parquet writes one type per column)."""
-    df = df.copy()
-    for c in df.columns:
-        if df[c].dtype == object and any(isinstance(v, (list, dict, tuple)) for v in df[c]):
-            df[c] = [json.dumps(_jsonable(v)) if isinstance(v, (list, dict, tuple)) else v for v in df[c]]
-    return df

@@ -445,11 +445,6 @@ def check_graph_model(model: HookedModel) -> None:
         if getattr(cfg, name, None):
             arch = getattr(cfg, "original_architecture", None) or getattr(cfg, "model_name", "this model")
             raise MethodRefused(f"attribution_graph: {arch} is not supported: {why} (cfg.{name} is set)")
-    try:
-        from ..graphs.attribution import check_model as engine_check  # the engine's own refusals, when it has them
-    except ImportError:
-        return
-    engine_check(model)
 
 
 def check_transcoders(spec: TranscoderSpec, model: HookedModel) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 import pandas as pd
@@ -58,15 +58,13 @@ class AttributionGraphResult(Result):
         self.pages: dict[str, str] = dict(pages or {})
 
     def summary(self) -> dict:
-        g = self.tables["graphs"]
-        recs = [{k: scalar(v) for k, v in r.items()} for r in g.to_dict("records")]
+        recs = [{str(k): scalar(v) for k, v in r.items()} for r in _records(self.tables["graphs"])]
         ver: dict[str, Any] = {}
         for k in VERIFICATION_KEYS:
             vals = [r[k] for r in recs if r.get(k) is not None]
             ver[k] = None if not vals else (max(vals) if k in _WORST_IS_MAX else min(vals))
-        mp = self.tables["main_path"]
-        first = mp[mp["row_id"] == mp["row_id"].iloc[0]] if len(mp) else mp
-        main_path = [{k: scalar(v) for k, v in r.items() if k != "row_id"} for r in first.to_dict("records")]
+        main_path = [{str(k): scalar(v) for k, v in r.items() if k != "row_id"}
+                     for r in _records(_first_graph(self.tables["main_path"]))]
         for r in main_path:
             r["top_tokens"] = json.loads(r["top_tokens"]) if isinstance(r.get("top_tokens"), str) else r.get("top_tokens")
         out = {"n_graphs": len(recs), **ver, "verification": ver, "main_path": main_path, "graphs": recs,
@@ -126,12 +124,11 @@ class AttributionGraphResult(Result):
             ax.legend(fontsize=7)
             fig.tight_layout()
             figs["verification"] = fig
-        mp = self.tables["main_path"]
-        if len(mp):
-            first = mp[mp["row_id"] == mp["row_id"].iloc[0]].head(15)
+        first = _first_graph(self.tables["main_path"]).head(15)
+        if len(first):
             fig, ax = plt.subplots(figsize=(6, 0.3 * len(first) + 1.2))
-            labels = [f"L{int(r.layer)} {r.token!r} #{int(r.feature)}" for r in first.itertuples()]
-            ax.barh(range(len(first)), first["influence"].to_numpy(float))
+            labels = [f"L{int(r['layer'])} {r['token']!r} #{int(r['feature'])}" for r in _records(first)]
+            ax.barh(range(len(first)), np.asarray(first["influence"], dtype=float))
             ax.set_yticks(range(len(first)), labels, fontsize=7)
             ax.invert_yaxis()
             ax.set_xlabel("influence on the logits")
@@ -148,6 +145,19 @@ class AttributionGraphResult(Result):
         man = json.loads((tmp / MANIFEST).read_text())
         man["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
         (tmp / MANIFEST).write_text(json.dumps(man, indent=2))
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    """The rows of ``df`` as dicts (column -> cell)."""
+    return cast(list[dict], df.to_dict(orient="records"))
+
+
+def _first_graph(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``df`` that belong to its first ``row_id`` (all of an empty frame)."""
+    if not len(df):
+        return df
+    ids = np.asarray(df["row_id"])
+    return cast(pd.DataFrame, df.loc[ids == ids[0]])
 
 
 def scalar(v: Any) -> Any:

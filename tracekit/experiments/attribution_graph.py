@@ -73,6 +73,7 @@ from .attribution_graph_tables import (
     parquet_safe,
     split_verification,
     tokens_from_cards,
+    unshadowed,
 )
 from .base import (
     DatasetSpec,
@@ -289,7 +290,7 @@ class AttributionGraphExperiment(Experiment):
         for k, dfs in tables.items():
             out[k] = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame({"row_id": pd.Series([], dtype="int64")})
         for k in ("nodes", "edges", "verification", "main_path", "head_ov", "head_qk"):
-            out[k] = parquet_safe(out[k])
+            out[k] = unshadowed(parquet_safe(out[k]))
         meta = {"transcoders": {"path": loaded.path, "cache_hit": bool(loaded.cache_hit), **jsonable_of(loaded.info),
                                 "metadata": jsonable_of(dset.metadata)},
                 "transcoder_stats": jsonable_of(loaded.stats),
@@ -329,12 +330,16 @@ class AttributionGraphExperiment(Experiment):
         mp = self._main_path(model, dset, g, influence)
         nodes_df, edges_df = graph_tables(g, pr)
         head_ov = head_qk = None
-        if self.head_split_edges:
-            head_ov = self._split_by_head(model, dset, g, pr)
-        if heads:
+        if self.head_split_edges or heads:
             from ..graphs.heads import qk_attribution
+            from ..graphs.replacement import LocalReplacementModel
 
-            head_qk = qk_attribution(model, dset, g, list(heads))
+            lrm = LocalReplacementModel(model, dset, g.token_ids)  # one frozen replacement model for both
+            if self.head_split_edges:
+                head_ov = self._split_by_head(model, dset, g, pr, lrm)
+            if heads:
+                head_qk = qk_attribution(model, dset, g, [f"L{L}H{H}" for L, H in heads], replacement=lrm)
+            del lrm
         cards = None
         if self.cards.enabled:
             feats = [int(i) for i in mp["node"].head(self.cards.features)] if len(mp) else []
@@ -402,7 +407,7 @@ class AttributionGraphExperiment(Experiment):
                          "top_tokens": json.dumps(toks)})
         return pd.DataFrame(recs)
 
-    def _split_by_head(self, model: HookedModel, dset, g, pr) -> Optional[pd.DataFrame]:
+    def _split_by_head(self, model: HookedModel, dset, g, pr, lrm) -> Optional[pd.DataFrame]:
         """The ``head_split_edges`` strongest edges into the target logit node (from the pruned
         graph's nodes) split by attention head (:func:`tracekit.graphs.heads.split_edges_by_head`)."""
         from ..graphs.heads import split_edges_by_head
@@ -416,7 +421,7 @@ class AttributionGraphExperiment(Experiment):
         if k == 0:
             return None
         srcs = torch.topk(row, k).indices.tolist()
-        return split_edges_by_head(model, dset, g, [(tgt, int(s)) for s in srcs])
+        return split_edges_by_head(model, dset, g, [(tgt, int(s)) for s in srcs], replacement=lrm)
 
 
 # =============================================================================================

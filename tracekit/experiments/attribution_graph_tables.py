@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import numpy as np
 import pandas as pd
 
-from ..results import MANIFEST, round_sig
+from ..results import MANIFEST, round_sig, shadowing_columns
 from .base import Result
 
 if TYPE_CHECKING:
     from .attribution_graph import AttributionGraphExperiment
 
-__all__ = ["AttributionGraphResult", "VERIFICATION_KEYS", "split_verification", "tokens_from_cards", "scalar", "num",
+__all__ = ["AttributionGraphResult", "VERIFICATION_KEYS", "split_verification", "tokens_from_cards", "scalar", "num", "unshadowed",
            "jsonable_of", "parquet_safe"]
 
 #: The verification figures the summary reports per graph (and their worst value over graphs).
@@ -145,6 +145,16 @@ class AttributionGraphResult(Result):
         man = json.loads((tmp / MANIFEST).read_text())
         man["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
         (tmp / MANIFEST).write_text(json.dumps(man, indent=2))
+
+
+def unshadowed(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with no column named like a DataFrame attribute (:func:`tracekit.results.shadowing_columns`):
+    ``head`` becomes ``head_idx`` (``head_label`` when ``head_idx`` exists), any other ``c`` becomes
+    ``c_``."""
+    ren = {}
+    for c in shadowing_columns(df):
+        ren[c] = ("head_idx" if "head_idx" not in df.columns else "head_label") if c == "head" else f"{c}_"
+    return df.rename(columns=ren) if ren else df
 
 
 def _records(df: pd.DataFrame) -> list[dict]:

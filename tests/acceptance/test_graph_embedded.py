@@ -12,6 +12,7 @@ ordered by influence, the pages are offline."""
 from __future__ import annotations
 
 import json
+import re
 import math
 from pathlib import Path
 
@@ -51,4 +52,4 @@ def test_paris_graph_config_end_to_end(embedded_model, tmp_path):
     logit_nodes = [n for n in gj["nodes"] if "logit" in str(n.get("feature_type", n.get("node_type", "")))]
     assert any("Paris" in json.dumps(n) for n in logit_nodes)  # ' Paris' is a logit node
     html = (d / "graph_0.html").read_text()
-    assert "http://" not in html and "https://" not in html
+    assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", html)  # no external resource

@@ -12,13 +12,14 @@ second or so), in a per-test cache (``TRACEKIT_CACHE_DIR``).
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 import tracekit as tk
-from helpers import make_tiny
+from helpers import GPT2_BPE, make_tiny
 from tracekit.config import parse_config
 from tracekit.core.errors import TracekitError
 from tracekit.runner import run_config
@@ -41,7 +42,7 @@ def cache(tmp_path, monkeypatch):
 def step(**kw) -> dict:
     out = {"kind": "attribution_graph", "name": "graph", "transcoders": {"train": dict(TRAIN)},
            "prompts": [PROMPT], "target": " Paris", "foil": " Rome",
-           "verify": {"top_k": 3, "n_random": 3, "seed": 0}, "cards": {"features": 4, "contexts": 2},
+           "verify": {"top_k": 3, "n_random": 3, "seed": 0}, "cards": {"features": 4, "contexts": 2, "corpus_tokens": 256},
            "heads": ["L1H0"], "head_split_edges": 3, "main_path": 5}
     out.update(kw)
     return out
@@ -75,10 +76,11 @@ def test_runner_writes_tables_json_html_and_verified_summary(tmp_path, cache, ti
     assert {"metadata", "nodes", "links"} <= set(gj)
     res = tk.Result.load(d)
     nodes, g = res.tables["nodes"], res.tables["graphs"].iloc[0]
-    assert len(gj["nodes"]) == len(nodes) == int(g["pruned_nodes"])
+    kept = nodes[nodes["kept"]]
+    assert len(gj["nodes"]) == len(kept) == int(g["pruned_nodes"])
     assert len(gj["links"]) == len(res.tables["edges"]) == int(g["pruned_edges"])
     html = (d / "graph_0.html").read_text()
-    assert "<html" in html.lower() and "http://" not in html and "https://" not in html  # offline page
+    assert "<html" in html.lower() and not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", html)  # offline page
     # the verification table holds the checked features: top_k by influence + n_random others
     ver = res.tables["verification"]
     assert len(ver) == s["graphs"][0]["n_checked"] and 1 <= len(ver) <= 6
@@ -101,13 +103,14 @@ def test_kind_agrees_with_the_engines_called_directly(cache, tiny_gpt2):
     from tracekit.dictionaries.train import load_transcoders
     from tracekit.graphs.attribution import build_graph
     from tracekit.graphs.prune import prune_graph
-    from tracekit.tokens import encode
+    from tracekit.tokens import encode, single_token_id
 
     res = tk.AttributionGraphExperiment(**{k: v for k, v in step().items() if k not in ("kind", "name")}).run(
         tiny_gpt2, progress=False)
     dset = load_transcoders(TranscoderSpec(train=TRAIN), tiny_gpt2).dictionaries
     ids = torch.tensor(encode(tiny_gpt2, PROMPT))
-    g = build_graph(tiny_gpt2, dset, ids, prompt=PROMPT, target=" Paris", foil=" Rome")
+    g = build_graph(tiny_gpt2, dset, ids, prompt=PROMPT, target=single_token_id(tiny_gpt2, " Paris"),
+                    foil=single_token_id(tiny_gpt2, " Rome"))
     pr = prune_graph(g, node_threshold=0.8, edge_threshold=0.98)
     row = res.tables["graphs"].iloc[0]
     assert int(row["n_features"]) == g.n_features and int(row["n_pos"]) == g.n_pos
@@ -189,16 +192,37 @@ def test_too_many_dataset_rows_are_refused(tiny_gpt2):
 
 
 def test_transcoders_saved_for_another_model_are_refused_before_the_graph(tmp_path, cache, tiny_gpt2, monkeypatch):
-    """A set trained on the tiny Llama (other widths and hooks' model) given by path to the tiny
-    GPT-2: refused by the check, from the set's config and the safetensors headers."""
+    """A set trained on the tiny Llama (the same widths, hooks and block count as the tiny GPT-2)
+    given by path: refused by the check on the set's recorded model fingerprint, before the run."""
     from tracekit.dictionaries.spec import TranscoderSpec
     from tracekit.dictionaries.train import load_transcoders
 
     llama = make_tiny("llama")
     other = load_transcoders(TranscoderSpec(train={**TRAIN, "d_sae": 48}), llama).path
-    assert int(llama.cfg.d_model) != int(tiny_gpt2.cfg.d_model) or int(llama.cfg.n_layers) != 3
     import tracekit.graphs.attribution as GA
 
     monkeypatch.setattr(GA, "build_graph", lambda *a, **k: (_ for _ in ()).throw(AssertionError("built")))
-    with pytest.raises(TracekitError, match="another model"):
+    with pytest.raises(TracekitError, match="another model") as e:
         run(tmp_path, tiny_gpt2, step(transcoders={"path": other}))
+    assert "transcoders.path" in str(e.value)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_transcoders_with_other_widths_are_refused_from_the_headers(tmp_path, cache):
+    """A set whose widths are not the model's is refused by ``validate``'s check on the model's
+    config alone (no weights: a ModelInfo), from the safetensors headers."""
+    from tracekit.dictionaries.spec import TranscoderSpec
+    from tracekit.dictionaries.train import load_transcoders
+    from tracekit.model.info import load_model_info
+    from tracekit.model.spec import ModelSpec
+
+    wide = make_tiny("gpt2", n_layers=3)
+    path = load_transcoders(TranscoderSpec(train=TRAIN), wide).path
+    info = load_model_info(ModelSpec(name="llama", random_init=True, tokenizer=GPT2_BPE, device="cpu",
+                                     config_overrides={"num_hidden_layers": 3, "hidden_size": 32,
+                                                       "intermediate_size": 48, "num_attention_heads": 4,
+                                                       "num_key_value_heads": 2}))
+    assert int(info.cfg.d_model) == 32 and int(info.cfg.n_layers) == 3
+    exp = tk.AttributionGraphExperiment(transcoders={"path": path}, prompts=PROMPT, target=" Paris")
+    with pytest.raises(TracekitError, match="widths"):
+        exp.check(info)

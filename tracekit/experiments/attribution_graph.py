@@ -127,6 +127,7 @@ class CardsSpec(StrictModel):
         top_tokens: tokens of the logit readout per feature (default 8).
         store: an activation store (``tracekit activations``) to read the contexts from (default
             none).
+        corpus_tokens: without a store, the stdlib corpus tokens read for the contexts (default 4096).
     """
 
     enabled: bool = True
@@ -134,6 +135,7 @@ class CardsSpec(StrictModel):
     contexts: int = Field(default=5, ge=0)
     top_tokens: int = Field(default=8, ge=1)
     store: Optional[str] = None
+    corpus_tokens: int = Field(default=4096, ge=64)
 
 
 @dataclass(frozen=True)
@@ -345,7 +347,7 @@ class AttributionGraphExperiment(Experiment):
             feats = [int(i) for i in mp["node"].head(self.cards.features)] if len(mp) else []
             feats += [int(i) for i in _kept_features(g, pr, influence) if int(i) not in feats][:max(0, self.cards.features - len(feats))]
             cards = feature_cards(model, dset, g, feats, store=self.cards.store, contexts=self.cards.contexts,
-                                  top_tokens=self.cards.top_tokens)
+                                  top_tokens=self.cards.top_tokens, max_tokens=self.cards.corpus_tokens)
             mp = tokens_from_cards(mp, cards)
         slug = f"{self.step_name}-row{e.row_id}"
         gj = graph_json(g, pr, slug=slug, cards=cards, node_threshold=self.node_threshold)

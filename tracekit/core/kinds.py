@@ -48,6 +48,7 @@ BUILTIN_KINDS: dict[str, KindEntry] = {
     "sae_features": KindEntry("sae", "SAEFeatures", "SAEFeaturesResult"),
     "sae_eval": KindEntry("sae_quality", "SAEEval", "SAEEvalResult"),
     "sae_train": KindEntry("sae_quality", "SAETrain", "SAETrainResult"),
+    "transcoder_train": KindEntry("transcoders", "TranscoderTrain", "TranscoderTrainResult"),
     "token_trace": KindEntry("trace", "TokenTrace", "TokenTraceResult"),
     "lens_quality": KindEntry("lens_quality", "LensQuality", "LensQualityResult"),
     "patchscope": KindEntry("patchscope", "Patchscope", "PatchscopeResult"),

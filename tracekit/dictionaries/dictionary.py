@@ -60,6 +60,8 @@ ACTIVATIONS = ("relu", "topk", "jumprelu", "gated", "abstopk")
 NORMALIZATIONS = ("none", "expected_average_only_in", "covariance_whitening", "constant_norm_rescale",
                   "layer_norm")
 _RUNTIME_NORMS = ("constant_norm_rescale", "layer_norm")
+#: What encode keeps for decode: the normalisation coefficients and the hook_z ``d_head`` (or None).
+_State = tuple[Optional[tuple[torch.Tensor, ...]], Optional[int]]
 
 
 class Dictionary(nn.Module):
@@ -132,7 +134,7 @@ class Dictionary(nn.Module):
         self.nonneg = bool(nonneg)
         self._transcoder = transcoder
         self.d_head: Optional[int] = None
-        self._norm_state: Optional[tuple[torch.Tensor, ...]] = None
+        self._norm_state: Optional[_State] = None
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.W_enc = nn.Parameter(torch.zeros(d_in, d_sae, **kw))
         self.b_enc = nn.Parameter(torch.zeros(d_sae, **kw))
@@ -171,21 +173,19 @@ class Dictionary(nn.Module):
                 "transcoder": self._transcoder}
 
     # -- input handling (SAELens' process_sae_in) -----------------------------------------------
-    def _reshape_in(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reshape_activations != "hook_z" or self.is_transcoder:
-            return x
-        if x.shape[-1] == self.d_in:
-            return x  # already flat
+    def _reshape_in(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
+        if self.reshape_activations != "hook_z" or self.is_transcoder or x.shape[-1] == self.d_in:
+            return x, None  # nothing to reshape, or already flat
         if x.ndim < 2 or x.shape[-2] * x.shape[-1] != self.d_in:
             raise SAEError(f"a hook_z dictionary reads [..., n_heads, d_head] with n_heads * d_head = {self.d_in}; "
                            f"got shape {tuple(x.shape)}")
         self.d_head = int(x.shape[-1])
-        return x.reshape(*x.shape[:-2], self.d_in)
+        return x.reshape(*x.shape[:-2], self.d_in), self.d_head
 
-    def _reshape_out(self, out: torch.Tensor) -> torch.Tensor:
-        if self.reshape_activations != "hook_z" or self.is_transcoder or self.d_head is None:
+    def _reshape_out(self, out: torch.Tensor, d_head: Optional[int]) -> torch.Tensor:
+        if self.reshape_activations != "hook_z" or self.is_transcoder or d_head is None:
             return out
-        return out.reshape(*out.shape[:-1], self.d_out // self.d_head, self.d_head)
+        return out.reshape(*out.shape[:-1], self.d_out // d_head, d_head)
 
     def _norm_in(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, ...]]]:
         if self.normalize_activations == "constant_norm_rescale":
@@ -208,10 +208,10 @@ class Dictionary(nn.Module):
             return out / state[0]
         return out * state[1] + state[0]
 
-    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, ...]]]:
-        x = self._reshape_in(x.to(self.W_enc.dtype))
-        x, state = self._norm_in(x)
-        return (x - self.b_dec if self.apply_b_dec_to_input else x), state
+    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, _State]:
+        x, d_head = self._reshape_in(x.to(self.W_enc.dtype))
+        x, norm = self._norm_in(x)
+        return (x - self.b_dec if self.apply_b_dec_to_input else x), (norm, d_head)
 
     def _sae_in(self, x: torch.Tensor) -> torch.Tensor:
         return self._prepare(x)[0]
@@ -258,7 +258,7 @@ class Dictionary(nn.Module):
         magnitude path). Raises SAEError: ``gated`` without ``x``."""
         return self._act(pre, None if x is None else self._prepare(x)[0])
 
-    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, ...]]]:
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, _State]:
         sae_in, state = self._prepare(x)
         return self._act(self._pre(sae_in), sae_in), state
 
@@ -270,12 +270,9 @@ class Dictionary(nn.Module):
         self._norm_state = state
         return acts
 
-    def _decode(self, acts: torch.Tensor, state: Optional[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        acts = acts.to(self.W_dec.dtype)
-        if self.rescale_acts_by_decoder_norm:
-            acts = acts * (1 / self.W_dec.norm(dim=-1))
-        out = acts @ self.W_dec + self.b_dec
-        return self._reshape_out(self._norm_out(out, state))
+    def _decode(self, acts: torch.Tensor, state: Optional[_State]) -> torch.Tensor:
+        norm, d_head = state if state is not None else (None, self.d_head)
+        return self._reshape_out(self._norm_out(self.decode_linear(acts), norm), d_head)
 
     def decode(self, acts: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "..."]:
         """``acts @ W_dec + b_dec`` ``[*batch, d_out]`` (``[*batch, n_heads, d_head]`` for ``hook_z``; no skip term; activations divided by the decoder row norms first

@@ -1,5 +1,8 @@
 """File formats of sparse dictionaries, read and written without ``sae_lens`` or ``circuit_tracer``.
 
+Over 600 lines: two formats, each with its reader, writer and the checks that name the file and
+the fix, sharing one set of tensor checks; split, each half would import the other's helpers.
+
 * **SAELens directory** (:func:`load_saelens_dir`, :func:`save_saelens_dir`): ``cfg.json`` +
   ``sae_weights.safetensors``, every inference architecture SAELens 6.54 loads from disk except the
   two with their own maths (``temporal``, ``matching_pursuit``: refused by name): ``standard``,
@@ -133,7 +136,7 @@ def _assign(d: Dictionary, tensors: dict[str, torch.Tensor]) -> None:
 
 def _saelens_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """SAELens' ``handle_config_defaulting``: a pre-6.0 config brought to the 6.x layout."""
-    meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+    meta: dict[str, Any] = cfg["metadata"] if isinstance(cfg.get("metadata"), dict) else {}
     version = cfg.get("sae_lens_version") or meta.get("sae_lens_version")
     try:
         major = int(str(version).split(".")[0]) if version else 0
@@ -473,8 +476,8 @@ def _tc_from_file(file: Path, layer: int, tid: str, cfg: dict[str, Any], cfile: 
     if "W_skip" in t:
         W_skip = _orient(file, "W_skip", t["W_skip"], d_out, d_in, prefer_t=gs2)
     cfg_act = cfg.get("activation")
-    if "k" in t or cfg_act == "topk":
-        k = int(t["k"].item()) if "k" in t else cfg.get("k")
+    if "k" in t or "k" in meta or cfg_act == "topk":
+        k = int(t["k"].item()) if "k" in t else int(meta["k"]) if "k" in meta else cfg.get("k")
         if k is None:
             raise SAEError(f"{cfile}: activation 'topk' without k; add k: <active features> to the config")
         activation = "topk"
@@ -583,8 +586,9 @@ def save_transcoder_set(dset: DictionarySet, path: Union[str, Path], *, model_na
     ``model_name``, ``feature_input_hook``, ``feature_output_hook``, ``activation`` (+ ``k``),
     ``transcoders: [{id, layer, filepath}]``) and ``path/layer_L.safetensors`` (``W_enc [d_sae, d_in]``,
     ``W_dec [d_sae, d_out]``, ``b_enc``, ``b_dec``, optional ``W_skip [d_out, d_in]``,
-    ``activation_function.threshold``, ``k``), as circuit-tracer's ``TranscoderSet.to_safetensors``
-    writes them. The safetensors header records ``nonneg`` and the ``W_dec`` layout so that
+    ``activation_function.threshold``), as circuit-tracer's ``TranscoderSet.to_safetensors`` writes
+    them (TopK's ``k`` goes in the config, where circuit-tracer's ``load_transcoder_set`` reads it).
+    The safetensors header records ``nonneg``, ``k`` and the ``W_dec`` layout so that
     :func:`load_transcoder_set` restores the exact maths. Files are written atomically.
 
     Args:
@@ -653,11 +657,11 @@ def save_transcoder_set(dset: DictionarySet, path: Union[str, Path], *, model_na
             state["activation_function.threshold"] = d.threshold.detach()
         if d.W_skip is not None:
             state["W_skip"] = d.W_skip.detach()
-        if activation == "topk":
-            state["k"] = torch.tensor(int(d.k or 0))
         state = {k: v.to("cpu").contiguous() for k, v in state.items()}
         header = {"format": "circuit-tracer", "W_dec_layout": "d_sae,d_out", "nonneg": str(d.nonneg).lower(),
                   "hook_in": d.hook_in, "hook_out": d.hook_out}
+        if activation == "topk":  # in the header, not as a tensor: circuit-tracer's strict load_state_dict
+            header["k"] = str(int(d.k or 0))
         name = f"layer_{layer}.safetensors"
         atomic_write(path / name, lambda p, s=state, m=header: save_file(s, str(p), metadata=m))
         entries.append({"id": f"{short}-{layer}", "layer": layer, "filepath": name})

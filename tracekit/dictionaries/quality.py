@@ -16,7 +16,8 @@ cross-entropy of the model (``ce_model``) and of the replacement model (``ce_rep
 averaged over every predicted position (special-token targets included, as the model sees them).
 
 The forward passes run in chunks of windows under the memory budget (``run.memory_budget``); the
-sums are accumulated in float64, so the figures do not depend on the chunking.
+sums over tokens are accumulated in float64 (log-probabilities in float32), so the figures do not
+depend on the chunking beyond float32 rounding.
 """
 
 from __future__ import annotations
@@ -128,12 +129,13 @@ def transcoder_quality(model: HookedModel, dset: DictionarySet,
             rep_hooks = [(ins[L], keep_in) for L in layers] + [(outs[L], make_out(L)) for L in layers]
             with fwd_hooks(model, rep_hooks):
                 logits_r = model(batch)
-            lp_m = torch.log_softmax(logits_m[:, :-1].double(), -1)
-            lp_r = torch.log_softmax(logits_r[:, :-1].double(), -1)
+            lp_m = torch.log_softmax(logits_m[:, :-1].float(), -1)
+            lp_r = torch.log_softmax(logits_r[:, :-1].float(), -1)
             tgt = batch[:, 1:, None]
-            ce_m += float(-lp_m.gather(-1, tgt).sum())
-            ce_r += float(-lp_r.gather(-1, tgt).sum())
-            kl += float((lp_m.exp() * (lp_m - lp_r)).sum())
+            ce_m += float(-lp_m.gather(-1, tgt).double().sum())
+            ce_r += float(-lp_r.gather(-1, tgt).double().sum())
+            kl += float((lp_m.exp() * (lp_m - lp_r)).sum(-1).double().sum())  # per position in float32, summed in float64
+            del logits_m, logits_r, lp_m, lp_r
             n_pred += int(tgt.numel())
     rows = []
     for L in layers:

@@ -25,7 +25,7 @@ Spearman correlation of predicted vs measured effects over the prompts (the wors
 
 Models: the real run uses the embedded SmolLM2-135M and the transcoders of
 ``experiments/transcoders_smollm2.yaml`` (trained on first use and cached; later runs load them);
-``--quick`` uses a tiny random GPT-2 (3 layers, d_model 64) and random ReLU transcoders, in seconds
+``--quick`` uses a tiny random GPT-2 (3 layers, d_model 64) and random TopK transcoders, in seconds
 (what ``tests/unit/test_bench_graph.py`` runs).
 
     python benchmarks/bench_graph.py --quick
@@ -131,8 +131,8 @@ def long_prompt(model, n_tokens: int) -> str:
 
 
 def quick_setup(device: str):
-    """A tiny random GPT-2 (3 layers, d_model 64, context 256) and random ReLU transcoders on every
-    block, seeded."""
+    """A tiny random GPT-2 (3 layers, d_model 64, context 256) and random TopK transcoders (96
+    features, 4 active per token) on every block, seeded."""
 
     from tracekit.model.load import load_model
     from tracekit.model.spec import ModelSpec
@@ -144,8 +144,8 @@ def quick_setup(device: str):
     return model, random_transcoders(model, d_sae=96, seed=0)
 
 
-def random_transcoders(model, d_sae: int, seed: int = 0):
-    """A seeded random ReLU (skip-less) transcoder per block, reading and writing the hooks the
+def random_transcoders(model, d_sae: int, seed: int = 0, k: int = 4):
+    """A seeded random TopK (``k`` active features per token, skip-less) transcoder per block, reading and writing the hooks the
     transcoder trainer uses (:func:`tracekit.dictionaries.spec.transcoder_hooks`, the default pair)."""
     import torch
 
@@ -158,7 +158,8 @@ def random_transcoders(model, d_sae: int, seed: int = 0):
     out = {}
     for layer in range(int(model.cfg.n_layers)):
         hook_in, hook_out = transcoder_hooks(model, layer, TranscoderTrainSpec())
-        d = Dictionary(d_model, d_sae, d_model, activation="relu", hook_in=hook_in, hook_out=hook_out, layer=layer)
+        d = Dictionary(d_model, d_sae, d_model, activation="topk", k=k, hook_in=hook_in, hook_out=hook_out,
+                       layer=layer)
         with torch.no_grad():
             d.W_enc.copy_(torch.randn(d_model, d_sae, generator=g) / math.sqrt(d_model))
             d.b_enc.copy_(0.1 * torch.randn(d_sae, generator=g))
@@ -259,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny random GPT-2 + random transcoders (seconds)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--lengths", default=None,
-                    help="comma-separated: 'paris' and/or token counts (default: paris,256,1024; quick: paris,64)")
+                    help="comma-separated: 'paris' and/or token counts (default: paris,256,1024; quick: paris,48)")
     ap.add_argument("--top-k", type=int, default=10, help="verification: top features by influence ablated")
     ap.add_argument("--n-random", type=int, default=10, help="verification: random features ablated")
     ap.add_argument("--max-feature-nodes", type=int, default=None, help="cap on feature nodes (default: all)")
@@ -273,7 +274,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    lengths = (a.lengths or ("paris,64" if a.quick else "paris,256,1024")).split(",")
+    lengths = (a.lengths or ("paris,48" if a.quick else "paris,256,1024")).split(",")
     t0 = time.perf_counter()
     model, dset = quick_setup(a.device) if a.quick else real_setup(a.device, progress=True)
     print(f"model {getattr(model.cfg, 'model_name', '?')} ({int(model.cfg.n_layers)} layers, d_model "

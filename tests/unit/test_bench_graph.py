@@ -29,12 +29,12 @@ def bg():
 
 def test_quick_run_prints_every_prompt_and_the_last_line(bg, tmp_path, capsys):
     out = tmp_path / "graph.json"
-    assert bg.main(["--quick", "--lengths", "paris,40", "--top-k", "3", "--n-random", "2", "--json", str(out)]) == 0
+    assert bg.main(["--quick", "--lengths", "paris,24", "--top-k", "3", "--n-random", "2", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     m = LAST.match(lines[-1])
     assert m, lines[-1]
     pts = json.loads(out.read_text())["points"]
-    assert [p["prompt"] for p in pts] == ["paris", "40"] and pts[1]["n_tokens"] == 40
+    assert [p["prompt"] for p in pts] == ["paris", "24"] and pts[1]["n_tokens"] == 24
     for p in pts:
         assert p["total_s"] >= p["build_s"] > 0 and p["peak_gib"] >= 0
         assert 0 < p["pruned_nodes"] <= p["n_nodes"] and p["n_features"] > 0

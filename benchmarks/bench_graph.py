@@ -263,7 +263,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="comma-separated: 'paris' and/or token counts (default: paris,256,1024; quick: paris,48)")
     ap.add_argument("--top-k", type=int, default=10, help="verification: top features by influence ablated")
     ap.add_argument("--n-random", type=int, default=10, help="verification: random features ablated")
-    ap.add_argument("--max-feature-nodes", type=int, default=None, help="cap on feature nodes (default: all)")
+    ap.add_argument("--max-feature-nodes", type=int, default=None,
+                    help="cap on feature nodes (default: 2048 on the real model, as the shipped config; all in --quick)")
     ap.add_argument("--batch-size", type=int, default=None, help="backward-pass batch (default: the budget's)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--warmup", action="store_true", help="build the Paris graph once before measuring")
@@ -280,7 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"model {getattr(model.cfg, 'model_name', '?')} ({int(model.cfg.n_layers)} layers, d_model "
           f"{int(model.cfg.d_model)}) and {len(dset)} transcoders ready in {time.perf_counter() - t0:.1f} s on "
           f"{a.device}", flush=True)
-    kw = dict(top_k=a.top_k, n_random=a.n_random, max_feature_nodes=a.max_feature_nodes, batch_size=a.batch_size)
+    mfn = a.max_feature_nodes if a.max_feature_nodes is not None else (None if a.quick else 2048)
+    kw = dict(top_k=a.top_k, n_random=a.n_random, max_feature_nodes=mfn, batch_size=a.batch_size)
     if a.warmup:
         measure(model, dset, PARIS, "warmup", a.device, **kw)
     recs = []

@@ -222,7 +222,7 @@ def measure(model, dset, prompt: str, label: str, device: str, *, top_k: int, n_
         t3 = time.perf_counter()
     summ = (v.get("intervention") or {}).get("summary") or {}
     pruned = scores.get("pruned") or {}
-    rec = {"prompt": label, "n_tokens": int(ids.numel()), "build_s": t1 - t0, "prune_s": t2 - t1,
+    rec = {"prompt": label, "n_tokens": int(ids.numel()), "max_feature_nodes": max_feature_nodes, "build_s": t1 - t0, "prune_s": t2 - t1,
            "verify_s": t3 - t2, "total_s": t3 - t0,
            "backward_passes": _first(g.settings, ("backward_passes", "n_backward", "n_backward_passes")),
            "peak_gib": mem.work / GIB, "peak_abs_gib": mem.peak / GIB,

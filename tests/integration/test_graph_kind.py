@@ -57,7 +57,7 @@ def run(tmp_path, model, *steps):
 def test_runner_writes_tables_json_html_and_verified_summary(tmp_path, cache, tiny_gpt2):
     run_dir, _ = run(tmp_path, tiny_gpt2, step())
     d = run_dir / "graph"
-    for f in ("graphs.parquet", "nodes.parquet", "edges.parquet", "verification.parquet", "main_path.parquet",
+    for f in ("rows.parquet", "nodes.parquet", "edges.parquet", "verification.parquet", "main_path.parquet",
               "head_ov.parquet", "head_qk.parquet", "graph_0.json", "graph_0.html", "summary.json"):
         assert (d / f).is_file(), f
     s = json.loads((d / "summary.json").read_text())
@@ -75,7 +75,7 @@ def test_runner_writes_tables_json_html_and_verified_summary(tmp_path, cache, ti
     gj = json.loads((d / "graph_0.json").read_text())
     assert {"metadata", "nodes", "links"} <= set(gj)
     res = tk.Result.load(d)
-    nodes, g = res.tables["nodes"], res.tables["graphs"].iloc[0]
+    nodes, g = res.tables["nodes"], res.tables["rows"].iloc[0]
     kept = nodes[nodes["kept"]]
     assert len(gj["nodes"]) == len(kept) == int(g["pruned_nodes"])
     assert len(gj["links"]) == len(res.tables["edges"]) == int(g["pruned_edges"])
@@ -112,7 +112,7 @@ def test_kind_agrees_with_the_engines_called_directly(cache, tiny_gpt2):
     g = build_graph(tiny_gpt2, dset, ids, prompt=PROMPT, target=single_token_id(tiny_gpt2, " Paris"),
                     foil=single_token_id(tiny_gpt2, " Rome"))
     pr = prune_graph(g, node_threshold=0.8, edge_threshold=0.98)
-    row = res.tables["graphs"].iloc[0]
+    row = res.tables["rows"].iloc[0]
     assert int(row["n_features"]) == g.n_features and int(row["n_pos"]) == g.n_pos
     assert int(row["pruned_nodes"]) == int(torch.as_tensor(pr.node_mask).sum())
     assert abs(float(row["logits_max_abs_error"]) - float(g.verification["logits_max_abs_error"])) < 1e-6

@@ -39,8 +39,8 @@ held fixed, and the measured change of the target logit is compared with the gra
 ``verification`` table); (d) the replacement and completeness scores of the pruned and unpruned
 graph.
 
-Tables (every one with a ``row_id`` column): ``graphs`` (one line per graph: sizes, errors,
-scores, seconds), ``nodes`` / ``edges`` (the pruned graph: :func:`tracekit.graphs.tables.graph_tables`),
+Tables (every one with a ``row_id`` column): ``rows`` (one line per row's graph: the row's fields,
+sizes, errors, scores, seconds), ``nodes`` / ``edges`` (the pruned graph: :func:`tracekit.graphs.tables.graph_tables`),
 ``verification``, ``main_path`` (the top features by influence and their top tokens), ``head_ov``
 (the top edges into the target logit split by attention head) and ``head_qk`` (the QK attribution
 of the named ``heads``; empty without). Files beside them: ``graph_<row_id>.json`` (circuit-tracer /
@@ -87,6 +87,7 @@ from .base import (
     kind_dataset,
     prompt_rows,
     register,
+    row_frame,
 )
 
 __all__ = ["AttributionGraphExperiment", "AttributionGraphResult", "AttributionGraphInputs", "GraphVerifySpec",
@@ -288,7 +289,7 @@ class AttributionGraphExperiment(Experiment):
                     tables[k].append(df)
             pages.update(row_pages)
             files += list(row_pages)
-        out = {"graphs": pd.DataFrame(graph_rows)}
+        out = {"rows": row_frame(inputs.data, graph_rows)}
         for k, dfs in tables.items():
             out[k] = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame({"row_id": pd.Series([], dtype="int64")})
         for k in ("nodes", "edges", "verification", "main_path", "head_ov", "head_qk"):

@@ -48,7 +48,7 @@ class AttributionGraphResult(Result):
     """
 
     config: "AttributionGraphExperiment"
-    main_table = "graphs"
+    main_table = "rows"
     headline_keys = ("n_graphs", "logits_max_abs_error", "completeness_max_abs_error", "spearman", "pearson",
                      "sign_agreement", "replacement_score", "completeness_score")
 
@@ -58,7 +58,7 @@ class AttributionGraphResult(Result):
         self.pages: dict[str, str] = dict(pages or {})
 
     def summary(self) -> dict:
-        recs = [{str(k): scalar(v) for k, v in r.items()} for r in _records(self.tables["graphs"])]
+        recs = [{str(k): scalar(v) for k, v in r.items()} for r in _records(self.tables["rows"])]
         ver: dict[str, Any] = {}
         for k in VERIFICATION_KEYS:
             vals = [r[k] for r in recs if r.get(k) is not None]

@@ -226,3 +226,29 @@ def test_transcoders_with_other_widths_are_refused_from_the_headers(tmp_path, ca
     exp = tk.AttributionGraphExperiment(transcoders={"path": path}, prompts=PROMPT, target=" Paris")
     with pytest.raises(TracekitError, match="widths"):
         exp.check(info)
+
+
+@pytest.mark.slow  # six variants, each training its own tiny transcoders (~40 s each on 2 loaded cores)
+def test_kind_on_perturbed_models_reproduces_the_logits_and_leaves_no_state(cache, perturbed_model):
+    """Perturbed norms and biases, GPT-2 / Llama (GQA) / tied embeddings, weight processing on and
+    off: the kind's graph reproduces the model's logits and is complete (or the kind refuses the
+    model by name), and the model is left as it was (no hook, parameters unchanged)."""
+    from tracekit.core.errors import MethodRefused
+
+    model = perturbed_model
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    exp = tk.AttributionGraphExperiment(**{k: v for k, v in step(verify={"top_k": 2, "n_random": 1},
+                                                                cards={"enabled": False}).items()
+                                           if k not in ("kind", "name")})
+    try:
+        res = exp.run(model, progress=False)
+    except MethodRefused as e:
+        assert "attribution" in str(e)
+    else:
+        s = res.summary()
+        assert s["logits_max_abs_error"] < 1e-3 and s["completeness_max_abs_error"] < 1e-3
+        assert len(res.tables["verification"]) == 3 and len(res.tables["head_qk"]) > 0
+    assert all(not getattr(m, "fwd_hooks", []) and not getattr(m, "bwd_hooks", []) for m in model.modules())
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())

@@ -12,8 +12,8 @@ ordered by influence, the pages are offline."""
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import pytest

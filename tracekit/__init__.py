@@ -71,9 +71,9 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they
     from .experiments.probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec  # noqa: F401
     from .experiments.sae import SAEFeatures, SAEFeaturesResult  # noqa: F401
     from .experiments.sae_quality import SAEEval, SAEEvalResult, SAETrain, SAETrainResult  # noqa: F401
-    from .experiments.transcoders import TranscoderTrain, TranscoderTrainResult  # noqa: F401
     from .experiments.steering import Steering, SteeringResult  # noqa: F401
     from .experiments.trace import TokenTrace, TokenTraceResult  # noqa: F401
+    from .experiments.transcoders import TranscoderTrain, TranscoderTrainResult  # noqa: F401
     from .model.info import ModelInfo, load_model_info
     from .model.load import load_model, model_spec_of, wrap_hf_model
     from .model.readout import Readout

@@ -18,9 +18,10 @@ from helpers import GPT2_BPE, ROOT, communicate_or_dump, make_perturbed, perturb
 from tracekit.activations import StoreError, corpus_rows, write_store
 from tracekit.core.errors import SAEError
 from tracekit.dictionaries import Dictionary, DictionarySet
+from tracekit.dictionaries.fit import DictTrainSettings, fit_dictionary, to_dictionary
 from tracekit.dictionaries.quality import transcoder_quality
 from tracekit.dictionaries.spec import TranscoderSpec, TranscoderTrainSpec
-from tracekit.dictionaries.train import DictTrainSettings, fit_dictionary, load_transcoders, train_transcoders
+from tracekit.dictionaries.train import load_transcoders, train_transcoders
 
 TINY = dict(training_tokens=2048, dataset_tokens=1024, eval_tokens=256, context_size=32, train_batch_size_tokens=128,
             k=4, expansion_factor=2, checkpoint_every=4)
@@ -77,12 +78,12 @@ def test_trained_transcoders_beat_the_mean(llama, tmp_path):
 
 
 def test_jumprelu_and_skip_train(llama, tmp_path):
-    lt = load_transcoders(TranscoderSpec(train={**TINY, "architecture": "jumprelu", "skip": True, "layers": [1]}),
+    lt = load_transcoders(TranscoderSpec(train={**TINY, "architecture": "jumprelu", "skip": True, "layers": [0, 1]}),
                           llama, cache_dir=tmp_path)
     d = lt.dictionaries[1]
     assert d.activation == "jumprelu" and d.W_skip is not None and d.threshold is not None
     assert bool((d.threshold >= 0).all()) and float(d.W_skip.abs().sum()) > 0
-    assert lt.dictionaries.layers == [1]
+    assert lt.dictionaries.layers == [0, 1]
 
 
 def _synthetic(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +106,31 @@ def test_fit_folds_scales_and_norms(activation):
     with torch.no_grad():
         for k, v in params.items():
             getattr(d, k).copy_(v)
-    fvu = float((d(x) - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+    with torch.no_grad():
+        fvu = float((d(x) - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
     assert fvu < 0.02, fvu
     again, _ = fit_dictionary(x, y, s)
     assert _equal(params, again)
     assert stats["steps"] == 400
+
+
+def test_fit_sae_with_b_dec_applied_to_its_input():
+    """An SAE (x -> x, SAELens' apply_b_dec_to_input) on data that is sparse in a dictionary, offset
+    and scaled: the saved weights (scales and b_dec folded) reconstruct it."""
+    g = torch.Generator().manual_seed(0)
+    D = torch.randn(64, 32, generator=g)
+    D = D / D.norm(dim=-1, keepdim=True)
+    codes = torch.zeros(8192, 64).scatter_(1, torch.randint(0, 64, (8192, 3), generator=g),
+                                           torch.rand(8192, 3, generator=g) * 4 + 1)
+    x = 7.0 * (codes @ D) + 3.0
+    s = DictTrainSettings(activation="topk", d_sae=128, k=4, steps=600, batch=256, lr=3e-3, dead_feature_window=20,
+                          seed=0, apply_b_dec_to_input=True)
+    params, _ = fit_dictionary(x, x, s)
+    d = to_dictionary(params, s, "blocks.0.hook_resid_pre", "blocks.0.hook_resid_pre")
+    assert d.apply_b_dec_to_input
+    with torch.no_grad():
+        fvu = float((d(x) - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+    assert fvu < 0.1, fvu
 
 
 def test_fit_refuses_too_few_tokens():
@@ -186,8 +207,8 @@ def _write(model, path: Path, hooks: list[str], t: TranscoderTrainSpec) -> None:
 
 
 def test_store_given_same_weights_and_refusals(llama, tmp_path):
-    t = TranscoderTrainSpec(**{**TINY, "layers": [0, 2]})
-    hooks = ["blocks.0.mlp.hook_in", "blocks.0.hook_mlp_out", "blocks.2.mlp.hook_in", "blocks.2.hook_mlp_out"]
+    t = TranscoderTrainSpec(**{**TINY, "layers": [0, 1]})
+    hooks = ["blocks.0.mlp.hook_in", "blocks.0.hook_mlp_out", "blocks.1.mlp.hook_in", "blocks.1.hook_mlp_out"]
     _write(llama, tmp_path / "store", hooks, t)
     own = load_transcoders(TranscoderSpec(train=t), llama, cache_dir=tmp_path / "c1")
     given = load_transcoders(TranscoderSpec(train=t.model_copy(update={"store": str(tmp_path / "store")})), llama,
@@ -197,7 +218,7 @@ def test_store_given_same_weights_and_refusals(llama, tmp_path):
     with pytest.raises(StoreError, match=r"transcoders\.train\.store.*another model"):
         train_transcoders(other, t.model_copy(update={"store": str(tmp_path / "store")}), cache_dir=tmp_path / "c3")
     _write(llama, tmp_path / "half", hooks[:3], t)
-    with pytest.raises(StoreError, match=r"transcoders\.train\.store.*blocks\.2\.hook_mlp_out"):
+    with pytest.raises(StoreError, match=r"transcoders\.train\.store.*blocks\.1\.hook_mlp_out"):
         train_transcoders(llama, t.model_copy(update={"store": str(tmp_path / "half")}), cache_dir=tmp_path / "c3")
     with pytest.raises(StoreError, match="context_size"):
         train_transcoders(llama, t.model_copy(update={"store": str(tmp_path / "store"), "context_size": 16}),
@@ -299,3 +320,55 @@ def test_kind_trains_then_loads(llama, tmp_path, monkeypatch):
     assert r2.tables["layers"]["fvu"].tolist() == r.tables["layers"]["fvu"].tolist()
     with pytest.raises(ValueError, match="train"):
         TranscoderTrain(transcoders={"path": "x"})
+
+
+# ---- plain SAEs without SAELens (the TransformerLens 4 environment) -----------------------------
+
+
+def test_sae_train_without_sae_lens_writes_a_saelens_dir(tiny_gpt2, tmp_path, monkeypatch):
+    """Where SAELens cannot be imported, train_sae trains with tracekit's trainer (seeded) and writes
+    SAELens' directory format, cached under another key than SAELens' runner would use."""
+    import tracekit.sae.train as sae_train
+    from tracekit.dictionaries.formats import load_saelens_dir
+    from tracekit.fastpath import residual_stream
+    from tracekit.sae.spec import SAETrainSpec
+    from tracekit.tokens import pad_ids
+
+    monkeypatch.setattr(sae_train, "has_sae_lens", lambda: False)
+    t = SAETrainSpec(hook="blocks.1.hook_resid_pre", training_tokens=8192, dataset_tokens=2048, eval_tokens=256,
+                     context_size=32, train_batch_size_tokens=256, k=8, expansion_factor=2, dead_feature_window=8)
+    path, hit, stats = sae_train.train_sae(tiny_gpt2, t, cache_dir=tmp_path / "a")
+    assert not hit and stats["trainer"].startswith("tracekit-")
+    assert {"cfg.json", "sae_weights.safetensors", "tracekit_train.json"} <= {p.name for p in path.iterdir()}
+    cfg = json.loads((path / "cfg.json").read_text())
+    assert cfg["architecture"] == "topk" and cfg["k"] == 8 and cfg["metadata"]["hook_name"] == t.hook
+    again, hit2, _ = sae_train.train_sae(tiny_gpt2, t, cache_dir=tmp_path / "a")
+    assert hit2 and again == path
+    other, _, _ = sae_train.train_sae(tiny_gpt2, t, cache_dir=tmp_path / "b")  # same seed: same weights
+    a, b = load_saelens_dir(path), load_saelens_dir(other)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    toks = pad_ids(tiny_gpt2, [[50256] + list(range(1000, 1031))])
+    x = residual_stream(tiny_gpt2, toks, [t.hook])[0].reshape(-1, 64)[1:]
+    with torch.no_grad():
+        fvu = float((a(x) - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+    assert fvu < 0.95, fvu  # better than the mean on a random tiny model's residual stream
+    monkeypatch.setattr(sae_train, "has_sae_lens", lambda: True)
+    assert sae_train._train_key(tiny_gpt2, t) != path.name  # SAELens' runner keys another entry
+
+
+def test_a_layer_over_the_budget_is_refused_before_the_store(llama, tmp_path):
+    import tracekit
+    from tracekit.core.errors import MemoryBudgetError
+
+    with tracekit.memory_budget("64KiB"), pytest.raises(MemoryBudgetError, match="transcoder training"):
+        train_transcoders(llama, TranscoderTrainSpec(**TINY), cache_dir=tmp_path)
+    assert not (tmp_path / "stores").exists()  # nothing written, no forward pass
+
+
+def test_models_differing_only_in_bos_get_their_own_stores(tmp_path):
+    """The trainer's own store is keyed by the whole model identity (BOS, basis, dtype), as the store's
+    write plan: the same weights loaded without BOS write another store instead of being refused."""
+    t = TranscoderTrainSpec(**{**TINY, "layers": [0]})
+    a, _, _ = train_transcoders(make_perturbed("llama", prepend_bos=True), t, cache_dir=tmp_path)
+    b, _, _ = train_transcoders(make_perturbed("llama", prepend_bos=False), t, cache_dir=tmp_path)
+    assert a != b and len(list((tmp_path / "stores").iterdir())) == 2

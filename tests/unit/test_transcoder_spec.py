@@ -32,6 +32,7 @@ def test_exactly_one_source():
     ({"training_tokens": 512, "train_batch_size_tokens": 1024}, "training_tokens"),
     ({"layers": []}, "layers"),
     ({"layers": [1, 1]}, "layers"),
+    ({"layers": [0, 2]}, "layers"),
     ({"hook_in": "blocks.0.mlp.hook_in"}, "hook_in"),
     ({"architecture": "gated"}, "architecture"),
     ({"unknown_field": 1}, "unknown_field"),

@@ -29,7 +29,8 @@ class TranscoderTrainSpec(StrictModel):
     """Train one transcoder per layer on this model (then load it from the cache).
 
     Fields:
-        layers: the blocks to train transcoders for (default: every block).
+        layers: the blocks to train transcoders for: ``[0, 1, ..., L-1]`` (circuit-tracer's sets have no
+            gaps; default: every block).
         hook_in: the site a transcoder reads, relative to ``blocks.L.`` (default ``mlp.hook_in``:
             the MLP's normalised input).
         hook_out: the site it predicts, relative to ``blocks.L.`` (default ``hook_mlp_out``: what
@@ -98,8 +99,10 @@ class TranscoderTrainSpec(StrictModel):
             raise ValueError(f"training_tokens: {self.training_tokens} is less than one batch "
                              f"(train_batch_size_tokens {self.train_batch_size_tokens}); raise training_tokens or "
                              "lower train_batch_size_tokens")
-        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
-            raise ValueError(f"layers: {self.layers} must be a non-empty list of distinct blocks (or unset: all)")
+        if self.layers is not None and (not self.layers or sorted(self.layers) != list(range(len(self.layers)))):
+            raise ValueError(f"layers: {self.layers} must be the blocks 0..L-1 (circuit-tracer's transcoder sets cover "
+                             "the first blocks without gaps; an attribution graph needs every block up to its last); "
+                             "give [0, 1, ..., L-1] or leave it unset (every block)")
         for name in ("hook_in", "hook_out"):
             if getattr(self, name).startswith("blocks."):
                 raise ValueError(f"{name}: give the site relative to blocks.L. ({getattr(self, name).split('.', 2)[-1]!r}"

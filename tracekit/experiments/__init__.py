@@ -35,9 +35,9 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (checked against 
     from .probing import LinearProbe, LinearProbeResult, ProbeDatasetSpec  # noqa: F401
     from .sae import SAEFeatures, SAEFeaturesResult  # noqa: F401
     from .sae_quality import SAEEval, SAEEvalResult, SAETrain, SAETrainResult  # noqa: F401
-    from .transcoders import TranscoderTrain, TranscoderTrainResult  # noqa: F401
     from .steering import Steering, SteeringResult  # noqa: F401
     from .trace import TokenTrace, TokenTraceResult  # noqa: F401
+    from .transcoders import TranscoderTrain, TranscoderTrainResult  # noqa: F401
 
 #: Exported name -> the module (in this package) that defines it; generated from the one kinds
 #: table :data:`tracekit.core.kinds.BUILTIN_KINDS` (and :data:`~tracekit.core.kinds.KIND_MODULE_NAMES`).

@@ -1,7 +1,11 @@
 """Training an SAE with SAELens on tracekit's model, and the cache of trained SAEs.
 
 SAELens' ``LanguageModelSAETrainingRunner`` trains on activations cached once from corpus token
-windows (:func:`_cache_activations`); the trained SAE is saved in SAELens' format under
+windows (:func:`_cache_activations`). Where SAELens cannot be imported (the TransformerLens 4
+environment), tracekit's own trainer (:func:`tracekit.dictionaries.train.fit_dictionary`: the same
+TopK + AuxK / ReLU + L1 losses, SAELens' conventions) trains on the same windows' activations and
+writes the same SAELens directory (:func:`tracekit.dictionaries.formats.save_saelens_dir`); its
+cache key names that trainer instead of SAELens' version. The trained SAE is saved in SAELens' format under
 ``$TRACEKIT_CACHE_DIR/saes/<hash>`` with a files manifest (sizes and sha256), keyed by the training
 block, the corpus content, the model's fingerprint and basis (:func:`_train_key`). SAELens'
 interrupt handling is replaced by tracekit's (:mod:`tracekit.core.signals`).
@@ -28,11 +32,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..activations.chunking import check_fits, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
-from ..compat import require_sae_lens
+from ..compat import has_sae_lens, require_sae_lens
 from ..core.cachedir import clear_dir, dir_entries, remove_stale_temps, sizes_match
 from ..core.errors import SAEError
 from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
 from ..core.signals import preserved_signal_handlers
+from ..dictionaries.fit import TRAIN_VERSION, DictTrainSettings, fit_dictionary, to_dictionary
+from ..dictionaries.formats import save_saelens_dir
 from ..fastpath import residual_stream
 from ..hooks import enabled_hooks, state_guard
 from ..inputs import input_files
@@ -79,8 +85,6 @@ def _train_key(model: HookedModel, t: SAETrainSpec, store_sha256: str | None = N
     """The cache key of a training: sha256 (16 hex digits) of the training block (with a store: the
     sha256 of its manifest instead of its path), the corpus files' sha256, the model's fingerprint,
     basis, BOS and dtype, and SAELens' version."""
-    import sae_lens  # lazy: sae_lens is heavy
-
     spec = model_spec_of(model)
     corpus = {k: v["sha256"] for k, v in input_files({"corpus": t.corpus}).items()}  # what the files hold
     train = t.model_dump(mode="json", exclude={"store"})
@@ -88,7 +92,14 @@ def _train_key(model: HookedModel, t: SAETrainSpec, store_sha256: str | None = N
         train["store_manifest_sha256"] = store_sha256
     blob = {"train": train, "corpus_sha256": corpus, "fingerprint": model_fingerprint(model),
             "process_weights": bool(spec.process_weights), "prepend_bos": bool(spec.prepend_bos),
-            "dtype": spec.dtype, "sae_lens": getattr(sae_lens, "__version__", "?")}
+            "dtype": spec.dtype}
+    if has_sae_lens():
+        import sae_lens  # lazy: sae_lens is heavy
+
+        blob["sae_lens"] = getattr(sae_lens, "__version__", "?")
+    else:  # tracekit's own trainer (no SAELens here): another optimisation path, another key
+        blob["sae_lens"] = None
+        blob["trainer"] = f"tracekit-{TRAIN_VERSION}"
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -340,10 +351,10 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
         StoreError: ``t.store`` cannot stand in for the model (another model, not packed corpus
             windows of ``context_size``, another corpus, no such hook, too few windows).
     """
-    from datasets import Dataset  # lazy: datasets is heavy
-
     check_window(model, t.context_size, f"{field}.context_size")
-    require_sae_lens(field)
+    own = not has_sae_lens()
+    if not own:
+        require_sae_lens(field)
 
     root = Path(cache_dir) if cache_dir is not None else sae_cache_dir()
     remove_stale_temps(root)  # what killed trainings left behind
@@ -369,6 +380,10 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
         wins, n_tok, n_held = _training_windows(model, t, field)
     spec = model_spec_of(model)
     tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if own:
+        return out, False, _train_own(model, t, spec, width, d_sae, wins, n_tok, n_held, sw, tmp, out, key, progress)
+    from datasets import Dataset  # lazy: datasets is heavy
+
     acts_dir = tmp / "activations"
     cfg = _runner_config(model, t, spec, width, d_sae, tmp, acts_dir, progress, field)
     ds = Dataset.from_dict({"input_ids": wins})
@@ -390,3 +405,77 @@ def train_sae(model: HookedModel, t: SAETrainSpec, progress: bool = False, field
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out, False, stats
+
+
+@torch.no_grad()
+def _activations(model: HookedModel, hook: str, windows: list[list[int]], width: int, sw: StoreWindows | None,
+                 batch_size: int = 16) -> torch.Tensor:
+    """``[n_windows * context_size, width]`` float32 activations at ``hook`` over ``windows`` (from the
+    store ``sw`` when given, else by running the model in chunks under the memory budget)."""
+    n = len(windows) * len(windows[0])
+    if sw is not None:
+        chunks: list[torch.Tensor] = []
+        have = 0
+        for part in sw.store.iter_batches(hook, 1 << 16):
+            chunks.append(part[: n - have].float())
+            have += int(chunks[-1].shape[0])
+            if have >= n:
+                break
+        return torch.cat(chunks, 0)
+    out = torch.empty(n, width, dtype=torch.float32)
+    at = 0
+    with state_guard(model), enabled_hooks(model, [hook]):
+        for i in range(0, len(windows), batch_size):
+            batch = pad_ids(model, windows[i:i + batch_size])
+            T = int(batch.tokens.shape[1])
+            per_row = forward_row_bytes(model, T, logits=False) + 2 * 4 * T * width
+            chunk = forward_chunk_size(model, batch.size, per_row, what="SAE training activations",
+                                       fix="lower sae.train.context_size")
+            parts: dict[int, torch.Tensor] = {}
+
+            def run(sl: slice, batch=batch, parts=parts) -> None:
+                act = residual_stream(model, row_slice(batch, sl), [hook])[0]
+                parts[sl.start] = act.reshape(-1, width).float().cpu()
+
+            forward_chunks(run, batch.size, chunk, "SAE training activations")
+            for k in sorted(parts):
+                out[at:at + parts[k].shape[0]] = parts[k]
+                at += parts[k].shape[0]
+    return out
+
+
+def _train_own(model: HookedModel, t: SAETrainSpec, spec: ModelSpec, width: int, d_sae: int, wins: list[list[int]],
+               n_tok: int, n_held: int, sw: StoreWindows | None, tmp: Path, out: Path, key: str,
+               progress: bool) -> dict:
+    """Train the SAE with tracekit's trainer (no SAELens here) and publish it in SAELens' format:
+    every window position trained on except special tokens (SAELens' ``exclude_special_tokens``);
+    ``b_dec`` subtracted from the input (SAELens' ``apply_b_dec_to_input``); TopK with the AuxK loss
+    or ReLU with the decoder-norm-weighted L1 penalty; seeded by ``t.seed``."""
+    t0 = time.time()
+    acts = _activations(model, t.hook, wins, width, sw)
+    tok = torch.tensor(np.asarray(wins, dtype=np.int64).reshape(-1))
+    keep = ~torch.isin(tok, torch.tensor(special_token_ids(model), dtype=torch.long))
+    x = acts[keep]
+    del acts
+    t_acts = time.time() - t0
+    s = DictTrainSettings(activation="topk" if t.architecture == "topk" else "relu", d_sae=d_sae, k=t.k,
+                          steps=t.training_tokens // t.train_batch_size_tokens, batch=t.train_batch_size_tokens,
+                          lr=t.lr, dead_feature_window=t.dead_feature_window, seed=t.seed,
+                          l1_coefficient=t.l1_coefficient, apply_b_dec_to_input=True)
+    params, fit = fit_dictionary(x.to(model_device(model)), x.to(model_device(model)), s)
+    d = to_dictionary({k: v.cpu() for k, v in params.items()}, s, t.hook, t.hook)
+    try:
+        save_saelens_dir(d, tmp, model_name=spec.name)
+        _record_provenance(tmp, model, spec)
+        stats = {"train_seconds": round(time.time() - t0, 2), "activation_seconds": round(t_acts, 2),
+                 "train_tokens": t.training_tokens, "dataset_tokens": n_tok, "train_windows": len(wins),
+                 "held_out_tokens": n_held, "d_sae": d_sae, "d_in": width, "key": key,
+                 "train": t.model_dump(mode="json"), "activations_from": "store" if sw is not None else "model",
+                 "trainer": f"tracekit-{TRAIN_VERSION}", "dead_fraction": fit["dead_fraction"]}
+        if sw is not None:
+            stats["store_manifest_sha256"] = sw.manifest_sha256
+        _publish(tmp, out, key, stats)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return stats

@@ -260,21 +260,34 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
     # ---- the forward pass of the batch, kept for every backward pass ----
     fwd: dict[str, Any] = {"run": rep.run(batch=bs, grad=True, stop_at_final=True)}
     fwd["leaves"] = [fwd["run"].leaves[layer] for layer in range(L)] + [fwd["run"].leaves["tokens"]]
-    feat_pos_dev = [cand[layer_start[k]:layer_start[k + 1], 1].to(dev) for k in range(L)]
+    segments: list[list[tuple[int, int, int]]] = []  # per layer: (position, start, end) runs of features
+    for k in range(L):
+        pos_k = cand[layer_start[k]:layer_start[k + 1], 1]
+        ps, counts = torch.unique_consecutive(pos_k, return_counts=True)
+        ends = torch.cumsum(counts, 0).tolist()
+        segments.append([(int(p), e - int(c), e) for p, c, e in zip(ps.tolist(), counts.tolist(), ends)])
 
     def rows_for(targets: list[tuple[str, int]]) -> torch.Tensor:
         """Rows [len(targets), n_cols] for targets ('feature', cand index) / ('logit', i)."""
-        total = None
         run = fwd["run"]
-        for b, (kind, i) in enumerate(targets):
-            if kind == "feature":
-                layer, pos, f = (int(v) for v in cand[i])
+        kinds = [k for k, _ in targets]
+        idx = torch.tensor([i for _, i in targets], dtype=torch.long)
+        is_f = torch.tensor([k == "feature" for k in kinds], dtype=torch.bool)
+        rows_b = torch.arange(len(targets))
+        parts = []
+        if bool(is_f.any()):
+            fb, fi = rows_b[is_f], idx[is_f]
+            for layer in torch.unique(cand[fi, 0]).tolist():
+                sel = cand[fi, 0] == layer
+                b = fb[sel].to(dev)
+                pos, f = cand[fi[sel], 1].to(dev), cand[fi[sel], 2].to(dev)
                 d = rep.dicts[layer]
-                val = (run.reads[layer][b, pos].to(d.W_enc.dtype) * d.W_enc.detach()[:, f]).sum()
-            else:
-                val = (run.final[b, -1].float() * ubar[:, i].to(run.final.device)).sum()
-            total = val if total is None else total + val
-        assert total is not None
+                x = run.reads[layer][b, pos].to(d.W_enc.dtype)  # [n, d_in]
+                parts.append((x * d.W_enc.detach().T[f]).sum())
+        if bool((~is_f).any()):
+            lb, li = rows_b[~is_f].to(dev), idx[~is_f].to(dev)
+            parts.append((run.final[lb, -1].float() * ubar.T[li].to(run.final.device)).sum())
+        total = torch.stack([p.float() for p in parts]).sum()
         grads = torch.autograd.grad(total, fwd["leaves"], retain_graph=True, allow_unused=True)
         out = torch.zeros(len(targets), n_cols, dtype=torch.float32)
         nb = len(targets)
@@ -285,13 +298,9 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
             g = g[:nb].float()
             out[:, err_off + layer * T: err_off + (layer + 1) * T] = (g * err_vecs[layer].to(g.device)).sum(-1).cpu()
             V = dec_vecs[layer]
-            n_l = V.shape[0]
-            if n_l:
-                step = max(1, (1 << 24) // max(1, nb * V.shape[1]))
-                for s0 in range(0, n_l, step):
-                    s1 = min(n_l, s0 + step)
-                    gs = g[:, feat_pos_dev[layer][s0:s1], :]
-                    out[:, layer_start[layer] + s0: layer_start[layer] + s1] = (gs * V[s0:s1].to(g.device)).sum(-1).cpu()
+            base = layer_start[layer]
+            for p, s0, s1 in segments[layer]:  # the layer's features at one position: one matmul
+                out[:, base + s0: base + s1] = (g[:, p, :] @ V[s0:s1].T.to(g.device)).cpu()
         g = grads[L]
         if g is not None:
             out[:, tok_off:tok_off + T] = (g[:nb].float() * tok_vecs.to(g.device)).sum(-1).cpu()
@@ -344,20 +353,17 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
         escale[:, 0] = 1.0
         tscale[0] = 1.0
     zrun = rep.run(batch=1, feature_scale=fscale, error_scale=escale, token_scale=tscale, stop_at_final=True)
-    n_passes_fwd = 2
-    feat_rows = selected
-    bias_f = torch.zeros(len(feat_rows))
-    input_f = torch.zeros(len(feat_rows))
-    for j, ci in enumerate(feat_rows.tolist()):
-        layer, pos, f = (int(v) for v in cand[ci])
+    n_passes_fwd = 4  # clean run, pattern probe, the batch forward, this one
+    bias_f = torch.zeros(n_feat)
+    input_f = torch.zeros(n_feat)
+    for layer in range(L):
+        in_layer = (selected >= layer_start[layer]) & (selected < layer_start[layer + 1])
+        if not bool(in_layer.any()):
+            continue
         af = rep.active[layer]
-        k = int(owner[layer][ci - layer_start[layer]])
-        d = rep.dicts[layer]
-        x = zrun.reads[layer][0, pos].to(d.W_enc.dtype)
-        if d.apply_b_dec_to_input:
-            x = x - d.b_dec.detach()
-        bias_f[j] = float(x @ d.W_enc.detach()[:, f] + d.b_enc.detach()[f])
-        input_f[j] = float(af.pre[k])
+        k = owner[layer][selected[in_layer] - layer_start[layer]].to(af.pos.device)
+        bias_f[in_layer] = af.pre_of(rep.dicts[layer], zrun.reads[layer])[0][k].cpu()
+        input_f[in_layer] = af.pre[k].cpu()
     zl = zrun.pre_logits[0]
     bias_l = (zl[logit_ids.to(zl.device)] - zl.mean()).cpu()
     cl = rep.pre_logits

@@ -36,7 +36,8 @@ computes both sides).
 
 Supported dictionary hooks (a transcoder per block, every block covered): input
 ``blocks.L.mlp.hook_in`` (the MLP's input, after ``ln2``), ``blocks.L.ln2.hook_out`` (the same
-tensor) or ``blocks.L.hook_resid_mid`` (the residual before ``ln2``; linear as it is); output
+tensor), ``blocks.L.ln2.hook_normalized`` (only where it equals the MLP's input in the clean run: a
+processed model whose norm weights are folded) or ``blocks.L.hook_resid_mid`` (the residual before ``ln2``; linear as it is); output
 ``blocks.L.hook_mlp_out`` or ``blocks.L.mlp.hook_out``. Other pairs, gated dictionaries, blocks
 without a dictionary and norms that are not of the affine form are refused by name
 (:class:`tracekit.errors.MethodRefused`).
@@ -61,7 +62,9 @@ __all__ = ["LocalReplacementModel", "ActiveFeatures", "NormSite", "ReplacementRu
 #: Dictionary input hooks (suffixes after ``blocks.L.``) the replacement model reads, and the hook it
 #: reads each at (the same tensor, in the linearised graph).
 INPUT_SITES = {"mlp.hook_in": "mlp.hook_in", "ln2.hook_out": "mlp.hook_in", "hook_resid_mid": "ln2.hook_in",
-               "ln2.hook_in": "ln2.hook_in"}
+               "ln2.hook_in": "ln2.hook_in", "ln2.hook_normalized": "mlp.hook_in"}
+#: Input hooks read at another hook only when the two hold the same tensor in the clean run (checked).
+_SAME_AS_READ = ("ln2.hook_normalized",)
 #: Dictionary output hooks (suffixes) the replacement model replaces.
 OUTPUT_SITES = ("hook_mlp_out", "mlp.hook_out")
 
@@ -127,7 +130,8 @@ class ReplacementRun:
     Attributes:
         logits: ``[batch, pos, d_vocab]`` the model's output logits (after its output transform);
             None when the run stopped at the final norm.
-        pre_logits: ``[batch, d_vocab]`` pre-transform logits at the last position.
+        pre_logits: ``[batch, d_vocab]`` pre-transform logits at the last position (``[batch, 0]`` in a
+            run with gradients).
         reads: ``layer -> [batch, pos, d_in]`` each dictionary's input (in the autograd graph when
             the run has gradients).
         final: ``[batch, pos, d_model]`` the final norm's output (in the graph likewise).
@@ -171,6 +175,8 @@ class LocalReplacementModel:
         self.n_layers = int(cfg.n_layers)
         dev = next(iter(self.model.parameters())).device
         self.device = dev
+        self.arch = str(getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
+                        or type(model).__name__)
         self.tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).to(dev)
         self.n_pos = int(self.tokens.shape[1])
         self._check_dictionaries()
@@ -188,6 +194,7 @@ class LocalReplacementModel:
         self.read_hooks: dict[int, str] = {}
         self.write_hooks: dict[int, str] = {}
         self.dicts: dict[int, Dictionary] = {}
+        self._same_checks: list[tuple[int, str, str]] = []
         for L in range(self.n_layers):
             d = self.dictionaries[L]
             pre = f"blocks.{L}."
@@ -211,6 +218,8 @@ class LocalReplacementModel:
                                         f"(transcoder of layer {L}).")
             self.read_hooks[L] = pre + INPUT_SITES[sin]
             self.write_hooks[L] = pre + sout
+            if sin in _SAME_AS_READ:
+                self._same_checks.append((L, d.hook_in, self.read_hooks[L]))
             self.dicts[L] = d
 
     def _find_norms(self) -> list[tuple[str, Any]]:
@@ -234,6 +243,7 @@ class LocalReplacementModel:
         names = [f"{n}.hook_{io}" for n, _ in self._norm_modules for io in ("in", "out")]
         names += [f"blocks.{L}.attn.hook_pattern" for L in range(self.n_layers)]
         names += list(self.read_hooks.values()) + list(self.write_hooks.values()) + ["hook_embed"]
+        names += [h for _, h, _ in self._same_checks]
         names = list(dict.fromkeys(names))
         hooks = [(n, _partial(save, name=n)) for n in names if n in self.model.hook_dict]
         with fwd_hooks(self.model, hooks):
@@ -243,7 +253,7 @@ class LocalReplacementModel:
             xi, xo = cache.get(f"{n}.hook_in"), cache.get(f"{n}.hook_out")
             if xi is None or xo is None:
                 raise MethodRefused(f"attribution graph: the norm {n} did not fire its hook_in/hook_out, so its "
-                                    "scale cannot be frozen; this architecture is not supported.")
+                                    f"scale cannot be frozen; {self.arch} is not supported.")
             d = int(xi.shape[-1])
             norm = measure_norm(mod, d)
             if not norm.exact:
@@ -264,11 +274,22 @@ class LocalReplacementModel:
             p = cache.get(f"blocks.{L}.attn.hook_pattern")
             if p is None:
                 raise MethodRefused(f"attribution graph: block {L}'s attention pattern (blocks.{L}.attn.hook_pattern) "
-                                    "does not fire, so it cannot be frozen; this architecture is not supported.")
+                                    f"does not fire, so it cannot be frozen; {self.arch} is not supported.")
             self.patterns[L] = p
         if "hook_embed" not in cache:
             raise MethodRefused("attribution graph: hook_embed does not fire; the token nodes cannot be read.")
         self.embed = cache["hook_embed"][0]
+        for L in range(self.n_layers):
+            for hk in (self.read_hooks[L], self.write_hooks[L]):
+                if hk not in cache:
+                    raise MethodRefused(f"attribution graph: hook {hk!r} does not fire on this model, so the "
+                                        f"transcoder of layer {L} cannot be attached; {self.arch} is not supported.")
+        for L, h, r in self._same_checks:
+            if h not in cache or not torch.equal(cache[h], cache[r]):
+                raise MethodRefused(f"attribution graph: transcoder of layer {L} reads {h!r}, which on {self.arch} is "
+                                    f"not the MLP's input {r!r} (it is not linear in the residual stream under "
+                                    f"the frozen norm scale); train the transcoders on {r!r}.")
+        self._check_patterns_used()
         self.x_in: dict[int, torch.Tensor] = {}
         self.out_true: dict[int, torch.Tensor] = {}
         self.active: dict[int, ActiveFeatures] = {}
@@ -288,6 +309,32 @@ class LocalReplacementModel:
         final = next(s for s in self.norms if s.name == "ln_final")
         self.final_clean = final.y_clean
         self.pre_logits = self.model.unembed(final.y_clean)[0, -1].float()
+
+    @torch.no_grad()
+    def _check_patterns_used(self) -> None:
+        """A probe pass with every attention pattern zeroed: each block's ``attn.hook_z`` must then be
+        zero (the forward pass uses the hooked pattern; some bridges only report it, and freezing
+        it there would freeze nothing). Raises MethodRefused naming the blocks."""
+        z: dict[int, torch.Tensor] = {}
+
+        def zero(act, hook):
+            return torch.zeros_like(act)
+
+        def save(act, hook, L):
+            z[L] = act.detach()
+            return act
+
+        hooks: list[tuple[str, Callable]] = [(f"blocks.{L}.attn.hook_pattern", zero) for L in range(self.n_layers)]
+        hooks += [(f"blocks.{L}.attn.hook_z", _partial(save, L=L)) for L in range(self.n_layers)
+                  if f"blocks.{L}.attn.hook_z" in self.model.hook_dict]
+        with fwd_hooks(self.model, hooks):
+            self.model(self.tokens)
+        bad = [L for L in range(self.n_layers) if L not in z or bool(z[L].abs().max() > 0)]
+        if bad:
+            raise MethodRefused(
+                f"attribution graph: in blocks {bad} the forward pass does not use the hooked attention pattern "
+                "(blocks.L.attn.hook_pattern is only reported, or attn.hook_z does not fire), so the pattern "
+                f"cannot be frozen; {self.arch}'s bridge is not supported by the local replacement model.")
 
     # -- the replacement forward ------------------------------------------------------------
     def run(self, *, batch: int = 1, feature_scale: Optional[dict[int, torch.Tensor]] = None,
@@ -316,8 +363,8 @@ class LocalReplacementModel:
             :class:`ReplacementRun`. Units: logits; the model's dtype for activations.
 
         Raises:
-            Nothing of its own; the caller's hooks and the model's errors propagate (every hook is
-            removed whatever is raised).
+            Exception: nothing of its own; the caller's hooks' and the model's errors propagate
+                (every hook is removed whatever is raised).
         """
         B = int(batch)
         m = self.model
@@ -353,13 +400,13 @@ class LocalReplacementModel:
             a = af.acts
             if feature_scale is not None and L in feature_scale:
                 a = a * feature_scale[L].to(a)
-            a = a.expand(x.shape[0], -1)
+            a = a[None]  # [1, n_active]: the same for every copy unless features respond
             if linear_features is not None and L in linear_features:
                 mask = linear_features[L].to(a.device).float()
-                a = a + (af.pre_of(d, x) - af.pre) * mask
+                a = a + (af.pre_of(d, x) - af.pre) * mask  # [batch, n_active]
             W = d.W_dec.detach()[af.feat]  # [n_active, d_out]
-            writes = a.to(W.dtype)[..., None] * W  # [batch, n_active, d_out]
-            out = torch.zeros(x.shape[0], self.n_pos, W.shape[1], dtype=W.dtype, device=W.device)
+            writes = a.to(W.dtype)[..., None] * W  # [1 or batch, n_active, d_out]
+            out = torch.zeros(a.shape[0], self.n_pos, W.shape[1], dtype=W.dtype, device=W.device)
             out = out.index_add(1, af.pos, writes) + d.b_dec.detach()
             if d.W_skip is not None:
                 out = out + x.to(d.W_skip.dtype) @ d.W_skip.detach().T
@@ -404,8 +451,10 @@ class LocalReplacementModel:
             except _StopForward:
                 logits = None
         fin = final_holder["y"]
-        with torch.no_grad():
-            pre_logits = m.unembed(fin[:, -1:, :].detach())[:, 0].float()
+        pre_logits = torch.zeros(B, 0)
+        if not grad:  # a batch of backward rows needs no logits ([batch, d_vocab] would be large)
+            with torch.no_grad():
+                pre_logits = m.unembed(fin[:, -1:, :].detach())[:, 0].float()
         return ReplacementRun(logits.detach() if logits is not None else None, pre_logits, reads, fin, leaves)
 
     # -- identity ---------------------------------------------------------------------------

@@ -250,3 +250,17 @@ def test_scores_reject_mismatched_prune():
     other = prune_graph(random_graph(0, n_pos=5))
     with pytest.raises(ValueError, match="prune_graph"):
         graph_scores(g, other)
+
+
+def test_refuses_before_work_over_the_memory_budget():
+    from tracekit.core.budget import memory_budget
+    from tracekit.core.errors import MemoryBudgetError
+
+    g = random_graph(0)
+    with memory_budget(4 * g.n_nodes ** 2):  # one [n, n] float32: pruning needs several
+        with pytest.raises(MemoryBudgetError, match="graph pruning"):
+            prune_graph(g)
+        with pytest.raises(MemoryBudgetError, match="graph scores"):
+            graph_scores(g)
+    with memory_budget(64 * g.n_nodes ** 2):
+        assert prune_graph(g).node_mask.any()

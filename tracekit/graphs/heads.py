@@ -19,7 +19,8 @@ target, written at ``p_t``. So
 
 where ``w_s`` is the source's write and ``Delta o_h[p_t] = J_h w_s`` the total linear effect of the
 source on head ``h``'s output at ``p_t`` in the frozen model (``o_h = z_h W_O[h]``; other heads and
-the residual stream upstream of ``h`` included). ``loading_h = g . J_h w_s`` is computed as a
+the residual stream upstream of ``h`` included). A skip transcoder's skip term ``W_skip x`` is a
+linear path too: a block's skip term at ``p_t`` is a last component like a head (``LxSKIP``). ``loading_h = g . J_h w_s`` is computed as a
 gradient: one backward pass over a batch with one row per head, row ``h`` differentiating
 ``g . o_h[p_t]`` with respect to every source write. The loadings and the residual term sum to the
 edge exactly (linear algebra, no approximation); grouped-query heads are named by their query head
@@ -108,6 +109,10 @@ def _lrm(model: HookedModel, dictionaries: DictionarySet, graph: AttributionGrap
 def _source_site(graph: AttributionGraph, lrm: LocalReplacementModel, s: int) -> tuple[Any, int, torch.Tensor, int]:
     """(leaf key, position, write vector, layer the write enters after: -1 for tokens) of source node ``s``."""
     kind = graph.node_type(s)
+    if kind in ("error", "token") and graph.settings.get("bos_zeroed") and (
+            (s - graph.error_offset) % graph.n_pos == 0 if kind == "error" else s == graph.token_offset):
+        raise ConfigError(f"source {node_label(graph, s)} sits at the BOS position, which the graph leaves out "
+                          "(zero_bos): its edges are 0 by construction; build the graph with zero_bos=False to split them")
     if kind == "feature":
         L, p, f = graph.features[s].tolist()
         d = lrm.dicts[L]
@@ -182,14 +187,15 @@ def split_edges_by_head(model: HookedModel, dictionaries: DictionarySet, graph: 
 
     Returns:
         One row per edge and component: ``target, source, target_label, source_label, component``
-        (``LxHy`` or ``resid``), ``layer, head`` (``-1`` for ``resid``), ``loading`` (target units:
+        (``LxHy``, ``LxSKIP`` (a skip transcoder's skip term) or ``resid``), ``layer, head`` (``-1`` for ``resid``), ``loading`` (target units:
         feature pre-activation or demeaned logit), ``edge`` (the graph's ``adjacency[target,
         source]``), ``share`` (``loading / edge``). Heads in blocks the source cannot reach (at or
         before the source's layer) are left out: their loading is exactly 0. Per edge the loadings
         sum to the edge (to float error).
 
     Raises:
-        ConfigError: a target that is a token or error node, a source that is a logit node.
+        ConfigError: a target that is a token or error node, a source that is a logit node or a
+            node at the BOS position of a graph built with ``zero_bos`` (its edges are 0 by construction).
         MethodRefused: an architecture with post-attention norms or without ``W_O``; what the
             replacement model refuses.
         MemoryBudgetError: one backward row does not fit the budget.
@@ -206,6 +212,8 @@ def split_edges_by_head(model: HookedModel, dictionaries: DictionarySet, graph: 
         first = min(site[3] for site in sites) + 1
         last = L_t if graph.node_type(t) == "feature" else lrm.n_layers - 1
         heads = [(layer, h) for layer in range(max(first, 0), last + 1) for h in range(H)]
+        heads += [(layer, -1) for layer in range(max(first, 0), min(last, L_t - 1) + 1)
+                  if lrm.dicts[layer].W_skip is not None]  # skip terms (h = -1)
         loads = torch.zeros(len(heads), len(sources), dtype=torch.float64)
         chunk = _chunk(model, graph.n_pos, len(heads), "edge split by head")
         for start in range(0, len(heads), chunk):
@@ -220,7 +228,8 @@ def split_edges_by_head(model: HookedModel, dictionaries: DictionarySet, graph: 
             records.append({**base, "component": "resid", "layer": -1, "head": -1, "loading": direct})
             for i, (layer, h) in enumerate(heads):
                 if layer > sites[j][3]:
-                    records.append({**base, "component": f"L{layer}H{h}", "layer": layer, "head": h,
+                    records.append({**base, "component": f"L{layer}H{h}" if h >= 0 else f"L{layer}SKIP",
+                                    "layer": layer, "head": h,
                                     "loading": float(loads[i, j])})
     df = pd.DataFrame(records, columns=["target", "source", "target_label", "source_label", "component", "layer",
                                         "head", "loading", "edge"])
@@ -241,13 +250,17 @@ def _head_loadings(lrm: LocalReplacementModel, heads: list[tuple[int, int]], g: 
             return act
         return fn
 
-    extra = [(f"blocks.{L}.attn.hook_z", grab(L)) for L in layers]
+    extra = [(f"blocks.{L}.attn.hook_z", grab(L)) for L in layers if any(h >= 0 for ll, h in heads if ll == L)]
     with state_guard(lrm.model):
         run = lrm.run(batch=B, grad=True, stop_at_final=True, extra_hooks=extra)
         total = torch.zeros((), dtype=torch.float32, device=lrm.device)
         for b, (layer, h) in enumerate(heads):
-            z = zs[layer][b, p_t, h].float()
-            o = z @ _W_O(lrm, layer)[h].float()
+            if h < 0:  # the skip term of block `layer`
+                W_skip = lrm.dicts[layer].W_skip
+                assert W_skip is not None
+                o = run.reads[layer][b, p_t].float() @ W_skip.detach().float().T
+            else:
+                o = zs[layer][b, p_t, h].float() @ _W_O(lrm, layer)[h].float()
             total = total + o @ g
         keys = list(dict.fromkeys(site[0] for site in sites))
         leaves = [run.leaves[k] for k in keys]

@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 from jaxtyping import Bool, Float
 
+from ..core.budget import bytes_of, chunk_rows
 from ..core.errors import ConfigError
 from .graph import AttributionGraph
 
@@ -118,6 +119,12 @@ def find_threshold(scores: Float[torch.Tensor, " n"], threshold: float) -> torch
     return sorted_scores[min(idx, len(cumulative) - 1)]
 
 
+def _check_memory(n: int, copies: int, device: torch.device, what: str) -> None:
+    """Refuse before the work when ``copies`` dense ``[n, n]`` float32 temporaries do not fit the budget."""
+    chunk_rows(bytes_of(copies, n, n), 1, what=what, device=device, unit="graph",
+               fix="build the graph with fewer feature nodes (max_feature_nodes)")
+
+
 def _check_threshold(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= float(value) <= 1.0:
         raise ConfigError(f"{name} must be a number in [0, 1] (a share of the total influence); got {value!r}")
@@ -138,11 +145,14 @@ def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8,
     Raises:
         ConfigError: a threshold outside [0, 1] (the message names it).
         ValueError: the adjacency is not acyclic.
+        MemoryBudgetError: the dense temporaries (about five ``[n_nodes, n_nodes]`` float32) do not
+            fit the memory budget (raised before the work).
 
     Source: circuit-tracer ``graph.prune_graph``.
     """
     _check_threshold("node_threshold", node_threshold)
     _check_threshold("edge_threshold", edge_threshold)
+    _check_memory(graph.n_nodes, 5, graph.adjacency.device, "graph pruning")
     adj = graph.adjacency.float()
     n_keep_always = graph.n_pos + graph.n_logits  # tokens and logits, the last nodes
     n_features = graph.n_features
@@ -216,11 +226,14 @@ def graph_scores(graph: AttributionGraph, prune: Optional[PruneResult] = None) -
 
     Raises:
         ValueError: the adjacency is not acyclic, or ``prune``'s masks do not match the graph.
+        MemoryBudgetError: the dense temporaries (about four ``[n_nodes, n_nodes]`` float32) do not
+            fit the memory budget (raised before the work).
 
     Source: circuit-tracer ``graph.compute_graph_scores`` / ``compute_subgraph_scores``.
     """
-    adj = graph.adjacency.float()
     n = graph.n_nodes
+    _check_memory(n, 4, graph.adjacency.device, "graph scores")
+    adj = graph.adjacency.float()
     w = graph.logit_weights().to(adj.device)
     error_mask = torch.zeros(n, dtype=torch.bool, device=adj.device)
     error_mask[graph.error_offset:graph.token_offset] = True

@@ -40,11 +40,17 @@ graph misses (attention and norms that move, features switching on or off).
 Source: Ameisen et al. 2025 (methods, "Validating with interventions"); circuit-tracer
 ``circuit_tracer/replacement_model.py`` (``feature_intervention`` with ``constrained_layers``
 holding errors fixed).
+
+**The frozen check** (``frozen`` column): the same intervention in the frozen local replacement
+model (:class:`tracekit.graphs.replacement.LocalReplacementModel`) with the graph's features
+linearised (:func:`frozen_changes`), where the graph is exact: ``frozen`` equals ``predicted`` to
+float error on every checked node, so a gap between ``predicted`` and ``measured`` is the model's
+nonlinearity, not a bug in the graph (``frozen_max_abs_miss`` says how exact).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -61,11 +67,27 @@ from .graph import AttributionGraph
 from .prune import compute_node_influence, graph_scores, prune_graph
 from .replacement import LocalReplacementModel
 
-__all__ = ["MODES", "clean_errors", "frozen_changes", "intervened_metric", "predict_changes", "target_metric",
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["MODES", "TABLE_COLUMNS", "clean_errors", "frozen_changes", "verification_frame", "intervened_metric", "predict_changes", "target_metric",
            "verify_graph"]
 
 #: Interventions :func:`verify_graph` runs.
 MODES = ("ablate", "scale")
+#: Columns of the intervention table (:func:`verification_frame`), one row per checked feature node.
+TABLE_COLUMNS = ("node", "layer", "pos", "feature", "activation", "influence", "influence_rank", "checked_as",
+                 "predicted", "frozen", "measured", "miss")
+
+
+def verification_frame(result: dict[str, Any]) -> "pd.DataFrame":
+    """The intervention table of a :func:`verify_graph` result as a DataFrame (columns
+    :data:`TABLE_COLUMNS`, ordered by influence rank). Raises KeyError: not a verify_graph result."""
+    import pandas as pd
+
+    rows = result["intervention"]["table"]
+    df = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+    return df.sort_values("influence_rank", kind="stable").reset_index(drop=True)
 
 
 def target_metric(graph: AttributionGraph, logits: Float[torch.Tensor, "batch d_vocab"]) -> Float[torch.Tensor, " batch"]:
@@ -110,7 +132,8 @@ def predict_changes(graph: AttributionGraph, nodes: Int[torch.Tensor, " k"],
         deltas: ``[k]`` activation changes (feature units).
 
     Returns:
-        ``[k]`` float64 predicted changes of the metric (logit units).
+        ``[k]`` float64 predicted changes of the metric (logit units), computed in the adjacency's
+        dtype on its device (``k`` columns at a time: no copy of the adjacency).
 
     Raises:
         MethodRefused: the target or foil is not a logit node.
@@ -120,23 +143,22 @@ def predict_changes(graph: AttributionGraph, nodes: Int[torch.Tensor, " k"],
     nodes = torch.as_tensor(nodes, dtype=torch.long)
     if len(nodes) and (nodes.min() < 0 or nodes.max() >= graph.n_features):
         raise ValueError("predict_changes: every node must be a feature node (index < n_features)")
-    A = graph.adjacency.double()
-    act = graph.activations.double().to(A.device)
-    nf = graph.n_features
-    safe = torch.where(act == 0, torch.ones_like(act), act)
-    W_ff = A[:nf, :nf] / safe[None, :] * (act != 0)[None, :]  # feature <- feature, per unit of activation
-    W_lf = A[graph.logit_offset:, :nf] / safe[None, :] * (act != 0)[None, :]  # logit <- feature
-    E = torch.zeros(nf, len(nodes), dtype=torch.float64, device=A.device)
-    E[nodes.to(A.device), torch.arange(len(nodes), device=A.device)] = deltas.double().to(A.device)
+    A = graph.adjacency  # views only: no copy of the [n_nodes, n_nodes] matrix
+    nf, dev = graph.n_features, graph.adjacency.device
+    act = graph.activations.to(device=dev, dtype=A.dtype)
+    inv = torch.where(act == 0, torch.zeros_like(act), 1.0 / torch.where(act == 0, torch.ones_like(act), act))
+    A_ff, A_lf = A[:nf, :nf], A[graph.logit_offset:, :nf]  # feature <- feature, logit <- feature
+    E = torch.zeros(nf, len(nodes), dtype=A.dtype, device=dev)
+    E[nodes.to(dev), torch.arange(len(nodes), device=dev)] = deltas.to(device=dev, dtype=A.dtype)
     total, cur = E.clone(), E
     for _ in range(nf + 1):
-        cur = W_ff @ cur
+        cur = A_ff @ (cur * inv[:, None])  # W = A / a_source: per unit of the source's activation
         if not cur.any():
             break
         total += cur
     else:
         raise ValueError("predict_changes: the feature adjacency is not acyclic")
-    dl = W_lf @ total  # [n_logits, k]
+    dl = (A_lf @ (total * inv[:, None])).double()  # [n_logits, k]
     out = dl[t_node - graph.logit_offset]
     if f_node is not None:
         out = out - dl[f_node - graph.logit_offset]
@@ -292,7 +314,7 @@ def intervened_metric(model: HookedModel, dictionaries: DictionarySet, graph: At
     return out, base
 
 
-def _run_rows(model, dictionaries: DictionarySet, ids: torch.Tensor,
+def _run_rows(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor,
               rows: list[Optional[tuple[int, int, int, float]]], errors: dict[int, torch.Tensor]) -> torch.Tensor:
     B = len(rows)
     inputs: dict[int, torch.Tensor] = {}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +30,16 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 #: Tokens that would break a page that does not escape (tags, entities, quotes, a script end, newline).
 NASTY = ["<bos>", "<b>bold</b>", " &amp; \"q\"", "</script><i>x", "\n'y'"]
 
+
+
+@dataclass
+class StandInPrune:
+    """What a PruneResult carries (tracekit.graphs.prune): masks and influence scores."""
+
+    node_mask: torch.Tensor
+    edge_mask: torch.Tensor
+    cumulative_scores: torch.Tensor
+    node_influence: torch.Tensor
 
 def _browser_or_skip():
     try:
@@ -70,7 +80,7 @@ def _graph() -> AttributionGraph:
 def _prune(graph: AttributionGraph):
     n = graph.n_nodes
     infl = torch.linspace(1.0, 0.1, n)
-    return SimpleNamespace(node_mask=torch.ones(n, dtype=torch.bool), edge_mask=graph.adjacency != 0,
+    return StandInPrune(node_mask=torch.ones(n, dtype=torch.bool), edge_mask=graph.adjacency != 0,
                            cumulative_scores=torch.cumsum(infl, 0) / infl.sum(), node_influence=infl)
 
 
@@ -80,6 +90,20 @@ def _card(node: int) -> dict:
             "contexts": [{"activation": 3.5, "tokens": ["a", "<mark>", " Paris&"], "at": 2, "row": 0, "position": 2}],
             "top_tokens": [{"token": " <Paris>", "token_id": 7, "logit": 2.0}],
             "bottom_tokens": [{"token": " x\"y", "token_id": 9, "logit": -1.0}], "clerp": "→ ' <Paris>'"}
+
+
+def _verification(graph: AttributionGraph) -> dict:
+    """A verification dict shaped as tracekit.graphs.verify.verify_graph's (plus build_graph's checks)."""
+    rows = [{"node": i, "layer": L, "pos": p, "feature": f, "activation": 1.0, "influence": 0.5, "influence_rank": i,
+             "checked_as": "top" if i < 3 else "random", "predicted": -0.5 * i, "frozen": -0.5 * i,
+             "measured": -0.45 * i, "miss": 0.05 * i} for i, (L, p, f) in enumerate(graph.features.tolist())]
+    return {"logits_max_abs_error": 1.5e-6, "completeness_max_abs_error": 2e-5,
+            "intervention": {"mode": "ablate", "scale": 0.0, "metric": "logit difference ' <Paris>' - ' Beijing&'",
+                             "baseline_metric": 3.2, "table": rows,
+                             "summary": {"pearson": 0.99, "spearman": 1.0, "sign_agreement": 1.0,
+                                         "largest_errors": [{"node": 4, "miss": 0.2, "token": "</td><b>"}]}},
+            "scores": {"replacement": 0.81, "completeness": 0.93,
+                       "pruned": {"replacement": 0.7, "completeness": 0.9, "n_nodes": 20, "n_edges": 28}}}
 
 
 def _render(page_path: Path, shot: Path, click: str) -> dict:
@@ -126,6 +150,9 @@ def _render(page_path: Path, shot: Path, click: str) -> dict:
                     const hides = [st.overflowX, st.overflowY].some(o => o !== 'visible');
                     return hides && (e.scrollHeight > e.clientHeight + 1 || e.scrollWidth > e.clientWidth + 1);
                 }).map(e => e.tagName + (e.id ? '#' + e.id : '')),
+                vtables: [...document.querySelectorAll('table[data-table^="verification"]')].map(
+                    t => t.querySelectorAll('tbody tr').length),
+                scores: [...document.querySelectorAll('table[data-table="scores"] th')].map(t => t.textContent),
                 too_wide: [...document.querySelectorAll('table, svg#graph')].filter(
                     e => e.getBoundingClientRect().right > document.body.getBoundingClientRect().right + 1
                 ).map(e => e.dataset.table || e.id),
@@ -146,8 +173,7 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
     graph, target = _graph(), 4  # node 4: the layer-2 feature, inputs from features, a token and an error
     prune = _prune(graph)
     path = write_graph_html(graph, prune, tmp_path / "graph.html", cards={target: _card(target)},
-                            verification={"logits_max_abs_error": 1.5e-6, "scores": {"replacement": 0.8},
-                                          "interventions": [{"node": 4, "predicted": 0.5, "measured": 0.45}]})
+                            verification=_verification(graph))
     out = _render(path, tmp_path / "screenshot.png", f"#n{target}")
     assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
     nodes, edges = graph_tables(graph, prune)
@@ -165,6 +191,9 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
     assert out["card"] and out["marks"] == [" Paris&"]
     assert "Top activating contexts (store)" in out["panel"] and "<mark>" in out["panel"]
     assert "promotes" in out["panel"] and "\" <Paris>\"" in out["panel"]
+    # the verification: its scalars in the side panel, its two tables below the graph
+    assert out["vtables"] == [graph.n_features, 1]
+    assert {"logits_max_abs_error", "intervention.summary.spearman", "scores.pruned.replacement"} <= set(out["scores"])
     # nothing clipped, nothing wider than the page, the screenshot is the whole document
     assert out["clipped"] == [] and out["too_wide"] == [], out
     assert out["doc_width"] <= out["view_width"]
@@ -173,3 +202,37 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
         shutil.copy(tmp_path / "screenshot.png", Path(keep) / "graph_page.png")
+
+
+def test_real_tiny_graph_page_in_chromium(tmp_path):
+    """build_graph on a tiny model with a random transcoder set: the page renders, a click on the
+    most active feature shows its card (a corpus pass), nothing is clipped."""
+    from helpers import make_tiny
+    from tracekit.dictionaries.dictionary import Dictionary, DictionarySet
+    from tracekit.graphs.attribution import build_graph
+    from tracekit.graphs.cards import feature_cards
+    from tracekit.tokens import encode
+
+    _browser_or_skip()
+    model = make_tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    d = int(model.cfg.d_model)
+    dset = {}
+    for L in range(int(model.cfg.n_layers)):
+        t = Dictionary(d, 16, d, hook_in=f"blocks.{L}.mlp.hook_in", hook_out=f"blocks.{L}.hook_mlp_out", layer=L)
+        with torch.no_grad():
+            t.W_enc.copy_(torch.randn(d, 16, generator=g) / d ** 0.5)
+            t.W_dec.copy_(torch.randn(16, d, generator=g) / 4)
+        dset[L] = t
+    dset = DictionarySet(dset)
+    prompt = "The capital of France is"
+    graph = build_graph(model, dset, torch.tensor(encode(model, prompt)), prompt=prompt)
+    node = int(torch.argmax(graph.activations))
+    cards = feature_cards(model, dset, graph, [node], contexts=3, seq_len=16, max_tokens=96)
+    path = write_graph_html(graph, None, tmp_path / "graph.html", cards=cards)
+    out = _render(path, tmp_path / "screenshot.png", f"#n{node}")
+    assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
+    assert out["selected"] and out["hl"] and out["card"] and len(out["marks"]) == len(cards[node]["contexts"]) > 0
+    assert "Top activating contexts (corpus)" in out["panel"]
+    assert out["clipped"] == [] and out["too_wide"] == [], out
+    assert out["doc_width"] <= out["view_width"] and out["shot_height"] == out["doc_height"]

@@ -281,7 +281,8 @@ def feature_cards(model: HookedModel, dictionaries: DictionarySet, graph: Attrib
         seq_len: corpus window length (tokens, BOS included).
         max_tokens: text tokens the corpus pass reads at most.
         batch_size: windows per forward pass (the budget may split it; the result does not change).
-        before / after: tokens of context shown before / after the activating token.
+        before: tokens of context shown before the activating token.
+        after: tokens of context shown after it.
 
     Returns:
         ``{node: card}``; a card: ``node``, ``node_id``-free facts ``layer``, ``position``,

@@ -149,8 +149,13 @@ def write_graph_json(graph: AttributionGraph, prune: Optional[PruneLike], path: 
     index circuit-tracer's local server reads; an entry of the same slug is replaced).
 
     Args:
+        graph: the attribution graph.
+        prune: its pruning (``PruneResult``), or None.
         path: a ``.json`` file, or a folder (the file is then ``<folder>/<slug>.json``).
-        (the rest as :func:`graph_json`)
+        slug: the graph's name in the viewer.
+        cards: node index -> feature card (labels).
+        scan: the transcoder set's name (:func:`graph_json`).
+        node_threshold: recorded in the metadata (:func:`graph_json`).
 
     Returns:
         The JSON file's path.

@@ -49,10 +49,25 @@ EDGE_COLUMNS = ("source", "target", "source_id", "target_id", "weight", "kept")
 class PruneLike(Protocol):
     """What the tables, the JSON and the page read of a pruning (``PruneResult``)."""
 
-    node_mask: Bool[torch.Tensor, " n_nodes"]
-    edge_mask: Bool[torch.Tensor, "n_nodes n_nodes"]
-    cumulative_scores: Float[torch.Tensor, " n_nodes"]
-    node_influence: Float[torch.Tensor, " n_nodes"]
+    @property
+    def node_mask(self) -> Bool[torch.Tensor, " n_nodes"]:
+        """Nodes kept."""
+        ...
+
+    @property
+    def edge_mask(self) -> Bool[torch.Tensor, "n_nodes n_nodes"]:
+        """Edges kept, ``[target, source]``."""
+        ...
+
+    @property
+    def cumulative_scores(self) -> Float[torch.Tensor, " n_nodes"]:
+        """Share of total influence of the nodes ranked at or above each node."""
+        ...
+
+    @property
+    def node_influence(self) -> Float[torch.Tensor, " n_nodes"]:
+        """Each node's total influence on the logits."""
+        ...
 
 
 def node_layers(graph: AttributionGraph) -> np.ndarray:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 import pandas as pd
@@ -63,23 +63,28 @@ def graph_layout(nodes: pd.DataFrame, n_pos: int, n_layers: int) -> dict[int, tu
     Args:
         nodes: rows of :func:`tracekit.graphs.tables.graph_tables`' nodes table (``node``, ``type``,
             ``layer``, ``position``, ``feature``).
-        n_pos / n_layers: the graph's sizes.
+        n_pos: the graph's prompt length.
+        n_layers: the graph's blocks.
 
     Returns:
         ``{node index: (x, y)}``. Raises nothing.
     """
     out: dict[int, tuple[float, float]] = {}
     height = _TOP + (n_layers + 2) * _ROW_H
-    for (typ_logit, layer, pos), cell in nodes.groupby([nodes["type"] == "logit", "layer", "position"], sort=True):
-        cell = cell.sort_values(["type", "feature", "node"])
+    keys = sorted({(t == "logit", int(L), int(p)) for t, L, p in zip(nodes["type"], nodes["layer"], nodes["position"])})
+    for typ_logit, layer, pos in keys:
+        here = ((nodes["type"].to_numpy(str) == "logit") == typ_logit) & (nodes["layer"].to_numpy() == layer) \
+            & (nodes["position"].to_numpy() == pos)
+        cell = _rows(nodes, here).sort_values(["type", "feature", "node"])
         row = int(layer) + 1  # embeddings (-1) -> row 0
         y = height - (row + 0.5) * _ROW_H
         cx = _LEFT + (int(pos) + 0.5) * _COL_W
         k = len(cell)
         if typ_logit:
             step = min(_COL_W * 0.9 / max(1, k - 1), 26.0) if k > 1 else 0.0
-            step = max(step, 14.0)
-            xs = [cx + _COL_W * 0.35 - i * step for i in range(k)]
+            right = cx + _COL_W * 0.35
+            step = min(max(step, 14.0), (right - _LEFT - 8.0) / (k - 1)) if k > 1 else 0.0  # never left of the axis
+            xs = [right - i * step for i in range(k)]
         else:
             span = _COL_W * 0.84
             step = min(span / max(1, k - 1), 16.0) if k > 1 else 0.0
@@ -87,6 +92,16 @@ def graph_layout(nodes: pd.DataFrame, n_pos: int, n_layers: int) -> dict[int, tu
         for x, n in zip(xs, cell["node"].tolist()):
             out[int(n)] = (round(float(x), 2), round(float(y), 2))
     return out
+
+
+def _rows(df: pd.DataFrame, pick: np.ndarray) -> pd.DataFrame:
+    """Rows of ``df`` by a boolean mask or positional indices (a DataFrame, index reset)."""
+    idx = np.nonzero(pick)[0] if pick.dtype == bool else pick
+    return cast(pd.DataFrame, df.iloc[idx]).reset_index(drop=True)
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{str(k): v for k, v in r.items()} for r in df.to_dict("records")]
 
 
 def _json_script(data: Any) -> str:
@@ -121,7 +136,7 @@ def _verification_parts(ver: Optional[dict]) -> tuple[list[tuple[str, str]], lis
         if isinstance(v, (int, np.integer)):
             return str(int(v))
         if isinstance(v, (float, np.floating)):
-            return f"{float(v):.4g}"
+            return f"{float(v) + 0.0:.4g}"  # + 0.0: no "-0"
         return str(v)
 
     def walk(prefix: str, v: Any) -> None:
@@ -157,23 +172,25 @@ def render_graph_html(graph: AttributionGraph, prune: Optional[PruneLike] = None
     from markupsafe import Markup
 
     nodes, edges = graph_tables(graph, prune, edges="kept")
-    kept = nodes[nodes["kept"]]
     linked = set(edges["source"].tolist()) | set(edges["target"].tolist())
-    shown = kept[kept["node"].isin(linked) | kept["type"].isin(["token", "logit"])]
+    show = nodes["kept"].to_numpy(bool) & (np.isin(nodes["node"].to_numpy(), list(linked))
+                                            | np.isin(nodes["type"].to_numpy(str), ["token", "logit"]))
+    shown = _rows(nodes, show)
     pos = graph_layout(shown, graph.n_pos, graph.n_layers)
-    edges = edges[edges["source"].isin(list(pos)) & edges["target"].isin(list(pos))]
+    drawn = list(pos)
+    edges = _rows(edges, np.isin(edges["source"].to_numpy(), drawn) & np.isin(edges["target"].to_numpy(), drawn))
     n_edges_kept = len(edges)
-    if len(edges) > MAX_EDGES:
-        edges = edges.reindex(edges["weight"].abs().sort_values(ascending=False).index[:MAX_EDGES])
-    edges = edges.reindex(edges["weight"].abs().sort_values().index)  # strongest drawn last (on top)
-    wmax = float(edges["weight"].abs().max()) if len(edges) else 1.0
+    mag = np.abs(edges["weight"].to_numpy(float))
+    order = np.argsort(mag, kind="stable")[-MAX_EDGES:]  # the strongest, drawn last (on top)
+    edges = _rows(edges, order)
+    wmax = float(mag.max()) if len(mag) else 1.0
     cards = cards or {}
     infl = shown["influence"].to_numpy(dtype=float)
     imax = float(np.nanmax(infl)) if np.isfinite(infl).any() else 0.0
     width = _LEFT + graph.n_pos * _COL_W + _RIGHT
     height = _TOP + (graph.n_layers + 2) * _ROW_H + _BOTTOM
     svg_nodes, data_nodes = [], {}
-    for r in shown.to_dict("records"):
+    for r in _records(shown):
         i = int(r["node"])
         x, y = pos[i]
         inf = _finite(r["influence"])
@@ -208,12 +225,14 @@ def render_graph_html(graph: AttributionGraph, prune: Optional[PruneLike] = None
         axis_x.append({"x": _LEFT + (p + 0.5) * _COL_W, "y": base + 18, "label": short, "full": f"{p}: {shown_t!r}"})
     ver = graph.verification if verification is None else verification
     scores, vtables = _verification_parts(ver)
-    feats = shown[shown["type"] == "feature"].sort_values("influence", ascending=False, na_position="last").head(40)
+    is_feat = shown["type"].to_numpy(str) == "feature"
+    fi = np.nan_to_num(shown["influence"].to_numpy(float), nan=-np.inf)
+    feats = _rows(shown, np.nonzero(is_feat)[0][np.argsort(-fi[is_feat], kind="stable")][:40])
     top_rows = [{"node": int(r["node"]), "id": r["node_id"], "layer": int(r["layer"]), "position": int(r["position"]),
                  "token": repr(process_token(r["token"])), "feature": int(r["feature"]),
                  "activation": f"{r['activation']:.4g}",
                  "influence": "" if _finite(r["influence"]) is None else f"{r['influence']:.4g}",
-                 "clerp": str(cards.get(int(r["node"]), {}).get("clerp", ""))} for r in feats.to_dict("records")]
+                 "clerp": str(cards.get(int(r["node"]), {}).get("clerp", ""))} for r in _records(feats)]
     env = jinja2.Environment(loader=jinja2.PackageLoader("tracekit", "templates"), autoescape=True,
                              trim_blocks=True, lstrip_blocks=True)
     tgt = graph.target or {}

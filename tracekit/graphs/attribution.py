@@ -35,7 +35,8 @@ contributions go to the bias term, so the replacement model still reproduces the
 
 Memory (``run.memory_budget``): one backward row holds the forward pass's saved tensors of one copy
 of the prompt (:func:`backward_row_bytes`: per block about ``14 T d + 3 H T^2 + 6 T d_mlp``
-elements, plus the leaves and their gradients, ``2 (L + 1) T d`` float32), so the batch size is
+elements, plus the leaves and their gradients, ``2 (L + 1) T d`` float32) and its edges (one
+float32 per candidate source node), so the batch size is
 :func:`tracekit.core.budget.chunk_rows` of it; the dense adjacency grows with the active features
 (``n_nodes^2`` float32 on the CPU), never with features x positions x layers squared.
 """
@@ -237,7 +238,7 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
             f"attribution graph: the dense adjacency of {n_nodes_final} nodes ({n_cand} active features) needs "
             f"{format_bytes(adj_bytes)} but the memory budget allows {format_bytes(cpu_budget.bytes)} "
             f"({cpu_budget.source}); set max_feature_nodes lower or raise run.memory_budget.")
-    per_row = backward_row_bytes(model, T)
+    per_row = backward_row_bytes(model, T) + bytes_of(n_cols)  # + the row's edges on the device
     n_rows = n_feat + n_log
     fixed = bytes_of(L, T, int(m.cfg.d_model)) * 6
     bs_budget = chunk_rows(per_row, max(1, n_rows), what="attribution graph backward pass", device=dev, fixed=fixed,
@@ -289,22 +290,22 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
             parts.append((run.final[lb, -1].float() * ubar.T[li].to(run.final.device)).sum())
         total = torch.stack([p.float() for p in parts]).sum()
         grads = torch.autograd.grad(total, fwd["leaves"], retain_graph=True, allow_unused=True)
-        out = torch.zeros(len(targets), n_cols, dtype=torch.float32)
+        out = torch.zeros(len(targets), n_cols, dtype=torch.float32, device=dev)  # one copy to the CPU per pass
         nb = len(targets)
         for layer in range(L):
             g = grads[layer]
             if g is None:
                 continue
             g = g[:nb].float()
-            out[:, err_off + layer * T: err_off + (layer + 1) * T] = (g * err_vecs[layer].to(g.device)).sum(-1).cpu()
+            out[:, err_off + layer * T: err_off + (layer + 1) * T] = (g * err_vecs[layer].to(g.device)).sum(-1)
             V = dec_vecs[layer]
             base = layer_start[layer]
             for p, s0, s1 in segments[layer]:  # the layer's features at one position: one matmul
-                out[:, base + s0: base + s1] = (g[:, p, :] @ V[s0:s1].T.to(g.device)).cpu()
+                out[:, base + s0: base + s1] = g[:, p, :] @ V[s0:s1].T.to(g.device)
         g = grads[L]
         if g is not None:
-            out[:, tok_off:tok_off + T] = (g[:nb].float() * tok_vecs.to(g.device)).sum(-1).cpu()
-        return out
+            out[:, tok_off:tok_off + T] = (g[:nb].float() * tok_vecs.to(g.device)).sum(-1)
+        return out.cpu()
 
     n_passes = 0
     edge_rows = torch.zeros(n_rows, n_cols, dtype=torch.float32)

@@ -230,3 +230,23 @@ def test_no_state_left_when_raising(monkeypatch):
         qk_attribution(m, ds, g, ["L1H0"])
     assert model_state(m) == before
     assert all(p.grad is None for d in ds.dictionaries.values() for p in d.parameters())
+
+
+def test_budget_chunked_equals_unchunked_and_refusal():
+    from tracekit.core.budget import memory_budget
+    from tracekit.core.errors import MemoryBudgetError
+    from tracekit.graphs.attribution import backward_row_bytes
+
+    m, ds, g = _setup("llama", False)
+    edges = _edges(g, [g.logit_offset], per=3)
+    full = split_edges_by_head(m, ds, g, edges)
+    row = backward_row_bytes(m, g.n_pos)
+    with memory_budget(3 * row):  # 3 head rows per backward pass instead of all 12
+        chunked = split_edges_by_head(m, ds, g, edges)
+        q_chunked = qk_attribution(m, ds, g, ["L1H2"], key_pos=[0, 3])
+    assert chunked["loading"].to_numpy() == pytest.approx(full["loading"].to_numpy(), abs=1e-6)
+    q_full = qk_attribution(m, ds, g, ["L1H2"], key_pos=[0, 3])
+    assert q_chunked["contribution"].to_numpy() == pytest.approx(q_full["contribution"].to_numpy(), abs=1e-6)
+    with memory_budget(row // 2):
+        with pytest.raises(MemoryBudgetError, match="edge split by head"):
+            split_edges_by_head(m, ds, g, edges)

@@ -57,7 +57,7 @@ from ..core.errors import ConfigError, MethodRefused
 from ..dictionaries.dictionary import DictionarySet
 from ..hooks import state_guard
 from ..model.info import HookedModel
-from ..model.readout import forward_row_bytes
+from .attribution import backward_row_bytes
 from .graph import AttributionGraph
 from .replacement import LocalReplacementModel
 
@@ -168,7 +168,7 @@ def _W_O(lrm: LocalReplacementModel, layer: int) -> torch.Tensor:
 
 
 def _chunk(model: HookedModel, n_pos: int, n: int, what: str) -> int:
-    return chunk_rows(2 * forward_row_bytes(model, n_pos), n, what=what, unit="backward row",
+    return chunk_rows(backward_row_bytes(model, n_pos), n, what=what, unit="backward row",
                       fix="name fewer heads or edges")
 
 
@@ -450,18 +450,25 @@ def _qk_contributions(lrm: LocalReplacementModel, rows: list, qp: int, clean: di
         keys = list(run.leaves)
         grads = dict(zip(keys, torch.autograd.grad(total, [run.leaves[k] for k in keys], allow_unused=True)))
     out = torch.zeros(B, len(nodes), dtype=torch.float64)
-    for j, (_, _, kind, L, p, a) in enumerate(nodes):
-        key = "tokens" if kind == "token" else L
+    # group the writes by (leaf, position): one [B, d] @ [d, n] product per group
+    groups: dict[tuple[Any, int], list[int]] = {}
+    for j, (_, _, kind, L, p, _a) in enumerate(nodes):
+        groups.setdefault(("tokens" if kind == "token" else L, p), []).append(j)
+    for (key, p), js in groups.items():
         gr = grads.get(key)
         if gr is None:
             continue
-        if kind == "token":
-            w = lrm.embed[p]
-        elif kind == "error":
-            w = lrm.errors[L][p]
-        else:
-            af = lrm.active[L]
-            w = af.acts[a] * lrm.dicts[L].W_dec.detach()[int(af.feat[a])]
-        out[:, j] = (gr[:, p].double() @ w.double().to(gr.device)).cpu()
+        vecs = []
+        for j in js:
+            _, _, kind, L, _, a = nodes[j]
+            if kind == "token":
+                vecs.append(lrm.embed[p].float())
+            elif kind == "error":
+                vecs.append(lrm.errors[L][p].float())
+            else:
+                af = lrm.active[L]
+                vecs.append(af.acts[a].float() * lrm.dicts[L].W_dec.detach()[int(af.feat[a])].float())
+        W = torch.stack(vecs).to(gr.device).double()  # [n, d]
+        out[:, js] = (gr[:, p].double() @ W.T).cpu()
     return out
 

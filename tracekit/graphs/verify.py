@@ -204,18 +204,31 @@ def frozen_changes(model: HookedModel, dictionaries: DictionarySet, graph: Attri
         lin[L][i] = True
     nodes = torch.as_tensor(nodes, dtype=torch.long)
     runs = [-1, *nodes.tolist()]
-    dev = lrm.device
-    chunk = batch_size or chunk_rows(forward_row_bytes(model, graph.n_pos), len(runs), device=dev,
+    chunk = batch_size or chunk_rows(forward_row_bytes(model, graph.n_pos), len(runs), device=lrm.device,
                                      what="graph verification (frozen replacement model)", fix="shorten the prompt")
     out = torch.zeros(len(runs), dtype=torch.float64)
     for start in range(0, len(runs), chunk):
         part = runs[start:start + chunk]
-        scale = {L: torch.ones(len(part), len(lrm.active[L].acts), device=dev) for L in lrm.active}
+        # row b's intervention: add (factor - 1) a_s W_dec[f] to its write. The feature is held
+        # active (linearised) but its own pre-activation cannot move (same block), so its write
+        # becomes factor * a_s W_dec[f] and everything downstream responds linearly.
+        edits: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         for b, node in enumerate(part):
             if node >= 0:
-                L, i = where[node]
-                scale[L][b, i] = factor
-        run = lrm.run(batch=len(part), feature_scale=scale, linear_features=lin, stop_at_final=True)
+                L, p, f = feats[node]
+                vec = (factor - 1.0) * graph.activations[node].float() * lrm.dicts[L].W_dec.detach()[f].float()
+                edits.setdefault(L, []).append((b, p, vec))
+
+        def edit(rows):
+            def fn(act, hook):
+                act = act.clone()
+                for b, p, vec in rows:
+                    act[b, p] += vec.to(act)
+                return act
+            return fn
+
+        extra = [(lrm.write_hooks[L], edit(rows)) for L, rows in edits.items()]
+        run = lrm.run(batch=len(part), linear_features=lin, stop_at_final=True, extra_hooks=extra)
         out[start:start + len(part)] = target_metric(graph, run.pre_logits).double().cpu()
     return out[1:] - out[0]
 

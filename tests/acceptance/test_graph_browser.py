@@ -205,12 +205,13 @@ def test_graph_page_click_shows_card_in_chromium(tmp_path):
 
 
 def test_real_tiny_graph_page_in_chromium(tmp_path):
-    """build_graph on a tiny model with a random transcoder set: the page renders, a click on the
-    most active feature shows its card (a corpus pass), nothing is clipped."""
+    """build_graph + prune_graph on a tiny model with a random transcoder set: the page renders, a
+    click on the most influential kept feature shows its card (a corpus pass), nothing is clipped."""
     from helpers import make_tiny
     from tracekit.dictionaries.dictionary import Dictionary, DictionarySet
     from tracekit.graphs.attribution import build_graph
     from tracekit.graphs.cards import feature_cards
+    from tracekit.graphs.prune import prune_graph
     from tracekit.tokens import encode
 
     _browser_or_skip()
@@ -227,9 +228,11 @@ def test_real_tiny_graph_page_in_chromium(tmp_path):
     dset = DictionarySet(dset)
     prompt = "The capital of France is"
     graph = build_graph(model, dset, torch.tensor(encode(model, prompt)), prompt=prompt)
-    node = int(torch.argmax(graph.activations))
+    prune = prune_graph(graph)
+    kept = torch.nonzero(prune.node_mask[:graph.n_features]).flatten()
+    node = int(kept[torch.argmax(prune.node_influence[kept])])  # the most influential kept feature
     cards = feature_cards(model, dset, graph, [node], contexts=3, seq_len=16, max_tokens=96)
-    path = write_graph_html(graph, None, tmp_path / "graph.html", cards=cards)
+    path = write_graph_html(graph, prune, tmp_path / "graph.html", cards=cards)
     out = _render(path, tmp_path / "screenshot.png", f"#n{node}")
     assert out["errors"] == [] and out["failed"] == [] and out["blocked"] == [], out
     assert out["selected"] and out["hl"] and out["card"] and len(out["marks"]) == len(cards[node]["contexts"]) > 0

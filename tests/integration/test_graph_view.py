@@ -29,7 +29,9 @@ from tracekit.dictionaries.dictionary import Dictionary, DictionarySet
 from tracekit.graphs import AttributionGraph
 from tracekit.graphs.cards import READOUT_RULE, feature_cards
 from tracekit.graphs.export import graph_json, process_token, write_graph_json
+from tracekit.graphs.prune import prune_graph
 from tracekit.graphs.tables import EDGE_COLUMNS, NODE_COLUMNS, graph_tables, node_ids
+from tracekit.graphs.verify import verify_graph
 from tracekit.graphs.view import render_graph_html, write_graph_html
 
 # ---------------------------------------------------------------------------------------------
@@ -654,23 +656,20 @@ def _real_graph(model, dset, prompt="The capital of France is"):
     from tracekit.graphs.attribution import build_graph
     from tracekit.tokens import encode
 
-    return build_graph(model, dset, torch.tensor(encode(model, prompt)), prompt=prompt)
-
-
-def _prune_of(graph):
-    try:
-        from tracekit.graphs.prune import prune_graph  # type: ignore[import-not-found]
-    except ImportError:  # pruning lives on another branch until merged: keep everything
-        return None
-    return prune_graph(graph)
+    ids = torch.tensor(encode(model, prompt))
+    with torch.no_grad():
+        target = int(model(ids[None])[0, -1].argmax())
+    return build_graph(model, dset, ids, prompt=prompt, target=target)
 
 
 def test_real_graph_tables_json_page_and_cards(tiny_gpt2, tmp_path):
     model = tiny_gpt2
     dset = _random_set(model, d_sae=32, seed=4)
     graph = _real_graph(model, dset)
-    prune = _prune_of(graph)
+    prune = prune_graph(graph)
+    verification = verify_graph(model, dset, graph, top_k=3, n_random=2)
     nodes, edges = graph_tables(graph, prune)
+    assert nodes["kept"].tolist() == prune.node_mask.tolist() and 0 < int(prune.node_mask.sum()) < graph.n_nodes
     assert len(nodes) == graph.n_nodes and nodes["node_id"].is_unique
     adj = graph.adjacency
     assert all(w == float(adj[t, s]) for s, t, w in zip(edges["source"], edges["target"], edges["weight"]))
@@ -685,8 +684,13 @@ def test_real_graph_tables_json_page_and_cards(tiny_gpt2, tmp_path):
     order = np.argsort(-np.nan_to_num(feats["influence"].to_numpy(float), nan=0.0), kind="stable")[:3]
     top = [int(i) for i in feats["node"].to_numpy()[order]]
     cards = feature_cards(model, dset, graph, top, contexts=2, seq_len=16, max_tokens=96)
-    path = write_graph_html(graph, prune, tmp_path / "g.html", cards=cards)
-    page = _page_data(path.read_text(encoding="utf-8"))
+    path = write_graph_html(graph, prune, tmp_path / "g.html", cards=cards, verification=verification)
+    html = path.read_text(encoding="utf-8")
+    page = _page_data(html)
+    # the intervention table (one row per checked feature) is on the page
+    n_checked = len(verification["intervention"]["table"])
+    m = re.search(r'<h2>Verification: intervention.table</h2>\s*<table[^>]*>(.*?)</table>', html, re.S)
+    assert m and m.group(1).count("<tr>") == n_checked + 1 and n_checked > 0
     assert set(page["cards"]) <= {str(i) for i in top}
     assert {int(k) for k in page["nodes"]} >= set(range(graph.token_offset, graph.n_nodes))  # tokens and logits
 

@@ -24,7 +24,7 @@ def test_exactly_one_source():
     with pytest.raises(ValidationError, match="exactly one transcoder source"):
         TranscoderSpec(path="x", train=TranscoderTrainSpec())
     assert TranscoderSpec(path="x").describe() == "x"
-    assert TranscoderSpec(train={}).train is not None
+    assert TranscoderSpec.model_validate({"train": {}}).train is not None
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -170,13 +170,16 @@ def random_transcoders(model, d_sae: int, seed: int = 0, k: int = 4):
 
 
 def real_setup(device: str, progress: bool):
-    """The embedded model and the transcoders of ``experiments/transcoders_smollm2.yaml``'s first
-    step (trained on first use, then loaded from the cache)."""
+    """The model of ``experiments/paris_graph_smollm2.yaml`` (the embedded SmolLM2-135M, its spec:
+    BOS, dtype, on ``device``) and the transcoders of its ``transcoders`` block, the same training
+    spec as ``experiments/transcoders_smollm2.yaml``: trained on first use, then loaded from the
+    cache that both configs share (its key holds the model spec, so the model is loaded as they do)."""
     import tracekit as tk
     from tracekit.dictionaries.spec import TranscoderSpec
     from tracekit.dictionaries.train import load_transcoders
 
-    model = tk.load_model(device=device)
+    cfg = shipped_config()
+    model = tk.load_model({**cfg["model"], "device": device})
     spec = TranscoderSpec.model_validate(shipped_transcoder_spec())
     t0 = time.perf_counter()
     loaded = load_transcoders(spec, model, progress=progress)
@@ -185,13 +188,17 @@ def real_setup(device: str, progress: bool):
     return model, loaded.dictionaries
 
 
+def shipped_config() -> dict:
+    """``experiments/paris_graph_smollm2.yaml`` as a dict."""
+    import yaml
+
+    return yaml.safe_load((ROOT / "experiments" / "paris_graph_smollm2.yaml").read_text())
+
+
 def shipped_transcoder_spec() -> dict:
     """The ``transcoders`` block of ``experiments/paris_graph_smollm2.yaml`` (the same training spec
     as ``experiments/transcoders_smollm2.yaml``, so they share the cache)."""
-    import yaml
-
-    cfg = yaml.safe_load((ROOT / "experiments" / "paris_graph_smollm2.yaml").read_text())
-    step = next(s for s in cfg["experiments"] if s.get("kind") == "attribution_graph")
+    step = next(s for s in shipped_config()["experiments"] if s.get("kind") == "attribution_graph")
     return step["transcoders"]
 
 

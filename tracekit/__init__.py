@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time they
     from .experiments.activations import CacheActivations, CacheActivationsResult  # noqa: F401
     from .experiments.attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult  # noqa: F401
     from .experiments.attribution import AttributionPatching, AttributionPatchingResult  # noqa: F401
+    from .experiments.attribution_graph import AttributionGraphExperiment, AttributionGraphResult  # noqa: F401
     from .experiments.causal_tracing import CausalTracing, CausalTracingResult  # noqa: F401
     from .experiments.circuits import Circuit, CircuitResult  # noqa: F401
     from .experiments.dla import DirectLogitAttribution, DirectLogitAttributionResult  # noqa: F401

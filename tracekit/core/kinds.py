@@ -55,6 +55,7 @@ BUILTIN_KINDS: dict[str, KindEntry] = {
     "steering": KindEntry("steering", "Steering", "SteeringResult"),
     "causal_tracing": KindEntry("causal_tracing", "CausalTracing", "CausalTracingResult"),
     "activations": KindEntry("activations", "CacheActivations", "CacheActivationsResult"),
+    "attribution_graph": KindEntry("attribution_graph", "AttributionGraphExperiment", "AttributionGraphResult"),
 }
 
 #: Other public names of the kind modules (config parts users build in notebooks): name ->

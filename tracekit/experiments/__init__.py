@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (checked against 
     from .activations import CacheActivations, CacheActivationsResult  # noqa: F401
     from .attention import AttentionPattern, AttentionPatternResult, HeadScan, HeadScanResult  # noqa: F401
     from .attribution import AttributionPatching, AttributionPatchingResult, VerifySpec  # noqa: F401
+    from .attribution_graph import AttributionGraphExperiment, AttributionGraphResult  # noqa: F401
     from .causal_tracing import CausalTracing, CausalTracingResult, SubjectSpec  # noqa: F401
     from .circuits import Circuit, CircuitResult, ScoreSpec  # noqa: F401
     from .dla import DirectLogitAttribution, DirectLogitAttributionResult  # noqa: F401

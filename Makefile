@@ -9,7 +9,8 @@ export TOKENIZERS_PARALLELISM := false
 export MPLBACKEND := Agg
 
 # The second environment: the newest TransformerLens 4.x, no SAELens (SAELens pins transformer-lens<4,
-# SAELens issue #738); `make test-tl4` runs the whole suite (both tiers) there, the SAE tests skipped.
+# SAELens issue #738); `make test-tl4` runs the whole suite (both tiers) there: the SAE kinds run
+# (tracekit reads SAELens directories itself); only the tests that compare with SAELens itself skip.
 TL4_VENV := build/venv-tl4
 TL4_BIN := $(TL4_VENV)/bin
 

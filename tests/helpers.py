@@ -184,6 +184,9 @@ TINY_SAE_TRAIN = {"hook": "blocks.1.hook_resid_pre", "d_sae": 32, "k": 4, "train
                   "eval_tokens": 128, "context_size": 32, "train_batch_size_tokens": 128}
 #: kind activations writes a store folder: one per test process (removed with the temp folder).
 _STORE_DIR = Path(tempfile.gettempdir()) / f"tracekit-test-store-{os.getpid()}"
+#: A tiny transcoder set (one per block) the graph kinds train on the spot.
+TINY_TC = {"k": 4, "d_sae": 32, "training_tokens": 1024, "eval_tokens": 128, "context_size": 32,
+           "train_batch_size_tokens": 128}
 KIND_EXAMPLES.update({
     "attribution_patching": {"pairs": KIND_EXAMPLES["activation_patching"]["pairs"], "sites": ["head_out"],
                              "verify": {"top_k": 3, "n_random": 3}},
@@ -209,6 +212,13 @@ KIND_EXAMPLES.update({
     "token_trace": {"prompts": ["The capital of France is"], "target": " Paris", "key_max_tokens": 128,
                     "top_neurons": 2, "key_contexts": 1},
     "sae_train": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 128},
+    "transcoder_train": {"transcoders": {"train": {"training_tokens": 256, "dataset_tokens": 256, "eval_tokens": 64,
+                                                   "context_size": 32, "train_batch_size_tokens": 128, "k": 4,
+                                                   "d_sae": 32}}},
+    "attribution_graph": {"transcoders": {"train": TINY_TC}, "prompts": ["The capital of France is"],
+                          "target": " Paris", "foil": " Rome", "verify": {"top_k": 2, "n_random": 2},
+                          "cards": {"features": 2, "contexts": 1, "corpus_tokens": 128}, "heads": ["L1H0"],
+                          "head_split_edges": 2, "main_path": 3},
     "sae_eval": {"sae": {"train": TINY_SAE_TRAIN}, "max_tokens": 200, "seq_len": 32},
     "sae_features": {"sae": {"train": TINY_SAE_TRAIN}, "prompts": ["The capital of France is"], "target": " Paris",
                      "top_k": 3, "interventions": {"k": 1, "n_random": 1, "modes": ["zero"]},
@@ -246,6 +256,8 @@ KIND_DATASET_EXAMPLES: dict[str, dict] = {
                                  "drop_small_classes": True}, "position": "SUBJ", "layers": [0, 1], "bootstrap": 20},
     "token_trace": {**_ROWS, "row": 1, "key_max_tokens": 128, "top_neurons": 2, "key_contexts": 1},
     "sae_features": {**_ROWS, "position": "END", "sae": {"train": TINY_SAE_TRAIN}, "top_k": 3},
+    "attribution_graph": {**_ROWS, "transcoders": {"train": TINY_TC}, "verify": {"top_k": 2, "n_random": 2},
+                          "cards": {"features": 2, "contexts": 1, "corpus_tokens": 128}, "main_path": 3},
     "head_scan": {**_ROWS, "seq_len": 8, "n_seqs": 2},
     "attribution_patching": {**_ROWS, "sites": ["head_out", "resid_pre"], "positions": ["S2", "END"],
                              "verify": {"top_k": 3, "n_random": 3}},

@@ -86,7 +86,7 @@ def test_every_kind_in_one_config_leaves_no_state(tmp_path):
 
 
 #: Kinds that read no prompts (they train or evaluate on a corpus).
-NO_ROWS = {"sae_train", "sae_eval", "lens_quality"}  # corpus text, not prompt rows
+NO_ROWS = {"sae_train", "sae_eval", "lens_quality", "transcoder_train"}  # corpus text, not prompt rows
 #: kinds that take dataset rows but write no per-row table (a store keeps its rows in its shards)
 NO_ROWS_TABLE = {"activations"}
 

@@ -395,6 +395,11 @@ PRECISION: dict[str, PrecisionTolerance] = {
                    "SAE training and evaluation on model-dtype activations", False),
     "sae_train": _P("metrics", ("mse", "explained_variance", "ce_loss_sae"), (), 0.25, 0, 0.0,
                     "SAE training on model-dtype activations (a different optimisation path)", False),
+    "transcoder_train": _P("layers", ("fvu",), ("layer",), 0.25, 0, 0.0,
+                           "transcoder training on model-dtype activations (a different optimisation path)", False),
+    "attribution_graph": _P("main_path", ("influence",), ("row_id", "layer", "position", "feature"), 0.15, 10, 0.6,
+                            "gradients (batched backward passes) at the model dtype through the frozen replacement "
+                            "model; influences and verification in float32", False),
     "token_trace": _P("lens", ("prob",), ("hidden_state",), 0.05, 5, 0.8, _READOUT, floor=0.01),
     "lens_quality": _P("quality", ("kl", "cross_entropy"), ("lens", "hidden_state"), 0.15, 0, 0.0,
                        "KL in float32; the tuned lens is trained on model-dtype activations", False),

@@ -25,7 +25,7 @@ GROUPS = [
                          "tracekit.inputs", "tracekit.units", "tracekit.errors")),
     ("Method engines", ("tracekit.logit_lens", "tracekit.dla", "tracekit.attention", "tracekit.neurons",
                         "tracekit.patching", "tracekit.circuits", "tracekit.lenses", "tracekit.steering",
-                        "tracekit.causal_tracing", "tracekit.sae", "tracekit.probing", "tracekit.activations", "tracekit.trace",
+                        "tracekit.causal_tracing", "tracekit.sae", "tracekit.dictionaries", "tracekit.graphs", "tracekit.probing", "tracekit.activations", "tracekit.trace",
                         "tracekit.verify")),
     ("Results and experiment kinds", ("tracekit.results", "tracekit.experiments")),
     ("Runs, pipelines, sweeps, CLI", ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep",

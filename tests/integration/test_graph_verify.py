@@ -255,8 +255,8 @@ def test_refusals_and_no_state_left():
 
     ds[1].encode = encode  # type: ignore[method-assign]
     try:
-        with pytest.raises(Boom):
-            verify_graph(m, ds, g, top_k=2, n_random=2)
+        with pytest.raises(Boom):  # one row per batch: the clean row, then the first intervened batch raises
+            verify_graph(m, ds, g, top_k=2, n_random=2, batch_size=1)
     finally:
         del ds[1].encode
     assert calls["n"] >= 2

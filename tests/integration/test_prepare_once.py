@@ -82,7 +82,7 @@ def test_runner_path_prepares_once(model, encodes):
     assert all(counts[p] == 1 for p in _prompts(exp)), counts
 
 
-@pytest.mark.parametrize("kind", sorted(k for k in REGISTRY if k not in ("sae_eval", "sae_train")))
+@pytest.mark.parametrize("kind", sorted(k for k in REGISTRY if k not in ("sae_eval", "sae_train", "transcoder_train")))
 def test_check_on_model_info_prepares_the_same_ids(kind, model):
     """``check`` returns the prepared inputs; on a ModelInfo (no weights) they equal the loaded model's."""
     exp = _exp(kind)
@@ -93,10 +93,14 @@ def test_check_on_model_info_prepares_the_same_ids(kind, model):
 
 
 def _ids(inputs) -> tuple:
-    return inputs.clean_ids + inputs.corrupted_ids if hasattr(inputs, "clean_ids") else inputs.ids
+    if hasattr(inputs, "clean_ids"):
+        return inputs.clean_ids + inputs.corrupted_ids
+    if hasattr(inputs, "data"):  # kinds that keep their Rows (attribution_graph)
+        return tuple(tuple(e.ids) for e in inputs.data.examples)
+    return inputs.ids
 
 
-@pytest.mark.parametrize("kind", ["sae_eval", "sae_train"])
+@pytest.mark.parametrize("kind", ["sae_eval", "sae_train", "transcoder_train"])
 def test_kinds_without_prompts_prepare_nothing(kind, model):
     assert _exp(kind).prepare(model) is None
 

@@ -95,9 +95,9 @@ def test_check_on_model_info_prepares_the_same_ids(kind, model):
 def _ids(inputs) -> tuple:
     if hasattr(inputs, "clean_ids"):
         return inputs.clean_ids + inputs.corrupted_ids
-    if hasattr(inputs, "data"):  # kinds that keep their Rows (attribution_graph)
-        return tuple(tuple(e.ids) for e in inputs.data.examples)
-    return inputs.ids
+    if hasattr(inputs, "ids"):
+        return inputs.ids
+    return tuple(tuple(e.ids) for e in inputs.data.examples)  # kinds that keep their Rows (attribution_graph)
 
 
 @pytest.mark.parametrize("kind", ["sae_eval", "sae_train", "transcoder_train"])

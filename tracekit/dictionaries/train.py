@@ -75,6 +75,7 @@ from ..inputs import input_files
 from ..model.context import check_window
 from ..model.info import HookedModel
 from ..model.load import model_device, model_fingerprint, model_spec_of
+from ..sae.windows import special_token_ids
 from .dictionary import DictionarySet
 from .fit import TRAIN_VERSION, DictTrainSettings, fit_dictionary, to_dictionary
 from .formats import load_transcoder_set, save_transcoder_set
@@ -116,14 +117,9 @@ def transcoder_cache_dir() -> Path:
 
 
 def special_ids(model: HookedModel) -> list[int]:
-    """Ids of the tokenizer's special tokens (BOS, EOS, PAD, ...), left out of training."""
-    tok = model.tokenizer
-    ids = {int(i) for i in (getattr(tok, "all_special_ids", None) or [])}
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = getattr(tok, name, None)
-        if v is not None:
-            ids.add(int(v))
-    return sorted(ids)
+    """Ids of the tokenizer's special tokens (BOS, EOS, PAD, ...), left out of training
+    (:func:`tracekit.sae.windows.special_token_ids`). Raises nothing."""
+    return special_token_ids(model)
 
 
 def training_windows(model: HookedModel, corpus: Any, context_size: int, dataset_tokens: int, eval_tokens: int,

@@ -46,6 +46,7 @@ from ..dictionaries.dictionary import Dictionary, DictionarySet
 from ..model.info import HookedModel
 from ..model.load import model_device
 from ..model.readout import MIN_READOUT_ROWS, Readout, readout_chunk
+from ..sae.windows import special_token_ids
 from ..tokens import pad_ids, token_texts
 from ..units import top_contexts
 from .graph import AttributionGraph
@@ -205,17 +206,6 @@ def _store_contexts(model: HookedModel, dictionaries: DictionarySet, by_layer: d
     return out
 
 
-def _special_ids(model: HookedModel) -> list[int]:
-    """The tokenizer's special token ids (BOS, EOS, PAD, ...): they never rank."""
-    tok = model.tokenizer
-    ids = {int(i) for i in (getattr(tok, "all_special_ids", None) or [])}
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = getattr(tok, name, None)
-        if v is not None:
-            ids.add(int(v))
-    return sorted(ids)
-
-
 def _corpus_contexts(model: HookedModel, dictionaries: DictionarySet, by_layer: dict[int, list[int]], corpus, top_n: int,
                      seq_len: int, max_tokens: int, batch_size: int, before: int, after: int
                      ) -> dict[tuple[int, int], list[dict]]:
@@ -223,7 +213,7 @@ def _corpus_contexts(model: HookedModel, dictionaries: DictionarySet, by_layer: 
     windows = [list(w.ids) for w in token_windows(model, iter_documents(corpus), seq_len=seq_len, max_tokens=max_tokens)]
     if not windows:
         raise AttributionError("corpus: no text to read feature contexts from; give a corpus or a store")
-    special = torch.tensor(_special_ids(model), dtype=torch.long)
+    special = torch.tensor(special_token_ids(model), dtype=torch.long)
     width = sum(dictionaries[L].d_sae for L in by_layer)
     deepest, n_layers = max(by_layer), int(model.cfg.n_layers)  # the pass stops after the deepest block read
     step = max(1, int(batch_size))

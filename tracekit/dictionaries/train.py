@@ -53,7 +53,6 @@ import os
 import platform
 import shutil
 import time
-import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +67,7 @@ from ..activations.store import MANIFEST, ActivationStore, StoreError, model_ide
 from ..activations.write import write_store
 from ..core.cachedir import remove_stale_temps
 from ..core.errors import SAEError
-from ..core.io import ManifestInvalid, file_sha256, verify_files_manifest, write_files_manifest
+from ..core.io import ManifestInvalid, atomic_folder, file_sha256, verify_files_manifest, write_files_manifest
 from ..core.locks import acquire, release
 from ..corpus import CorpusError, iter_documents, packed_windows
 from ..inputs import input_files
@@ -391,18 +390,10 @@ def _train_locked(model: HookedModel, t: TranscoderTrainSpec, layers: list[int],
              "per_layer": per_layer, "activations_from": "store" if t.store is not None else "own store",
              "store": str(store_path) if t.store is not None else None, "store_manifest_sha256": store_sha}
     stats["metadata"] = meta
-    tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_folder(root / key) as tmp:  # readers see the old set or the whole new one
         save_transcoder_set(DictionarySet(dicts, meta), tmp, model_name=spec.name)
         (tmp / TRAIN_RECORD).write_text(json.dumps(stats))
         write_files_manifest(tmp, {"key": key, "kind": "transcoders"})
-        out = root / key
-        if out.exists():
-            shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(partial, ignore_errors=True)
     return stats
 

@@ -69,7 +69,10 @@ class AttributionGraphResult(Result):
             r["top_tokens"] = json.loads(r["top_tokens"]) if isinstance(r.get("top_tokens"), str) else r.get("top_tokens")
         out = {"n_graphs": len(recs), **ver, "verification": ver, "main_path": main_path, "graphs": recs,
                "transcoders": self.meta.get("transcoders"), "settings": self.meta.get("settings"),
-               "files": self.meta.get("files", []), "verified_by_intervention": bool(self.config.verify.enabled)}
+               "files": self.meta.get("files", []), "verified_by_intervention": bool(self.config.verify.enabled),
+               "scope": {"verification": "worst over the graphs (largest error, smallest correlation / score); "
+                                         "each graph's own figures are in `graphs`",
+                         "main_path": "the first graph's (its row_id in the main_path table)"}}
         return round_sig(out)
 
     def report(self) -> str:

@@ -44,6 +44,9 @@ _PAIRS = [{"clean": "The capital of France is", "corrupted": "The capital of Ita
            "target": " Madrid", "foil": " Tokyo"}]
 _STORE = Path(tempfile.gettempdir()) / f"tracekit-test-gemma3-store-{os.getpid()}"
 _SAE = {**TINY_SAE_TRAIN, "hook": "blocks.1.hook_resid_pre"}
+#: Per-layer transcoders for all 18 blocks, as small as training allows (the graph kind needs every layer's).
+_TC = {"training_tokens": 128, "dataset_tokens": 128, "eval_tokens": 64, "context_size": 32,
+       "train_batch_size_tokens": 64, "k": 4, "d_sae": 32}
 
 #: A small config of every kind for Gemma 3 270M (18 blocks, 4 heads, d_mlp 2048).
 GEMMA_EXAMPLES: dict[str, dict] = {
@@ -81,6 +84,10 @@ GEMMA_EXAMPLES: dict[str, dict] = {
     "token_trace": {"prompts": ["The capital of France is"], "target": " Paris", "key_max_tokens": 0,
                     "top_neurons": 2, "key_contexts": 1, "top_heads": 2, "n_samples": 1},
     "sae_train": {"sae": {"train": _SAE}, "max_tokens": 64},
+    "transcoder_train": {"transcoders": {"train": _TC}},
+    "attribution_graph": {"transcoders": {"train": _TC}, "prompts": ["The capital of France is"],
+                          "target": " Paris", "foil": " Rome", "verify": {"top_k": 2, "n_random": 2},
+                          "cards": {"features": 2, "contexts": 1, "corpus_tokens": 64}, "main_path": 3},
     "sae_eval": {"sae": {"train": _SAE}, "max_tokens": 64, "seq_len": 32},
     "sae_features": {"sae": {"train": _SAE}, "prompts": ["The capital of France is"], "target": " Paris",
                      "top_k": 3, "interventions": {"k": 1, "n_random": 1, "modes": ["zero"]}},

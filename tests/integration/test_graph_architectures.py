@@ -73,3 +73,24 @@ def test_unsupported_bridges_refused_by_name(arch, match):
         build_graph(m, random_transcoders(m), IDS)
     assert arch in str(e.value)
     assert _state(m) == before
+
+
+def test_kind_skips_default_head_split_on_post_attention_norm_and_refuses_it_asked(tmp_path, monkeypatch):
+    """Gemma 2's post-attention norm rescales the heads' sum, so the OV split by head is not defined:
+    left at its default the kind still builds the graph and each row says why ``head_ov`` is empty;
+    asked for by name (``head_split_edges`` set) the kind refuses."""
+    import tracekit as tk
+
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    m = _load("Gemma2ForCausalLM")
+    base = {"transcoders": {"train": {"k": 4, "d_sae": 16, "training_tokens": 256, "dataset_tokens": 256,
+                                      "eval_tokens": 64, "context_size": 16, "train_batch_size_tokens": 64}},
+            "prompts": ["The capital of France is"], "target": " Paris", "verify": {"enabled": False},
+            "cards": {"enabled": False}}
+    res = tk.AttributionGraphExperiment(**base).run(m, progress=False)
+    row = res.tables["rows"].iloc[0]
+    assert "post-attention norm" in str(row["head_split_skipped"])
+    assert len(res.tables["head_ov"]) == 0
+    assert res.summary()["logits_max_abs_error"] < 1e-3
+    with pytest.raises(MethodRefused, match="post-attention norm"):
+        tk.AttributionGraphExperiment(**base, head_split_edges=3).run(m, progress=False)

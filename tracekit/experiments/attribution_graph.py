@@ -181,7 +181,9 @@ class AttributionGraphExperiment(Experiment):
         heads: attention heads (``"L5H3"``) whose pattern is attributed to query- and key-side
             features (QK attribution; table ``head_qk``).
         head_split_edges: the top edges into the target logit split by attention head (OV circuit;
-            table ``head_ov``; 0: none).
+            table ``head_ov``; 0: none). Not defined where a post-attention norm rescales the heads'
+            sum (Gemma 2/3): left at its default, the split is skipped there and each row's
+            ``head_split_skipped`` says why; set explicitly, the kind refuses (``MethodRefused``).
         main_path: features listed in the ``main_path`` table and summary (default 15).
         cards: :class:`CardsSpec` (``enabled``, ``features``, ``contexts``, ``top_tokens``, ``store``).
 
@@ -333,13 +335,22 @@ class AttributionGraphExperiment(Experiment):
         mp = self._main_path(model, dset, g, influence)
         nodes_df, edges_df = graph_tables(g, pr)
         head_ov = head_qk = None
+        head_split_skipped = None
         if self.head_split_edges or heads:
             from ..graphs.heads import qk_attribution
             from ..graphs.replacement import LocalReplacementModel
 
             lrm = LocalReplacementModel(model, dset, g.token_ids)  # one frozen replacement model for both
             if self.head_split_edges:
-                head_ov = self._split_by_head(model, dset, g, pr, lrm)
+                try:
+                    head_ov = self._split_by_head(model, dset, g, pr, lrm)
+                except MethodRefused as err:
+                    # The default split is an extra: on a model where it is not defined (a post-attention
+                    # norm) the graph still stands; the row says why its head_ov is empty. Asked for by
+                    # name (head_split_edges set in the config), it refuses.
+                    if "head_split_edges" in self.model_fields_set:
+                        raise
+                    head_split_skipped = str(err)
             if heads:
                 head_qk = qk_attribution(model, dset, g, [f"L{L}H{H}" for L, H in heads], replacement=lrm)
             del lrm
@@ -378,6 +389,7 @@ class AttributionGraphExperiment(Experiment):
                **{k: num(verification.get(k)) for k in ("replacement_score_folded", "completeness_score_folded",
                                                           "top_k_recall", "baseline_max_abs_logit_error")},
                "verify_metric": ver_stats.get("metric"), "largest_misses": ver_stats.get("largest_misses")}
+        rec["head_split_skipped"] = head_split_skipped
         rec["backward_passes"] = num(g.settings.get("backward_passes"))
         rec["n_active_features"] = num(g.settings.get("n_active_features"))
         parts = {"nodes": nodes_df, "edges": edges_df, "verification": ver_table, "main_path": mp,

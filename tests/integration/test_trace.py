@@ -147,6 +147,22 @@ def test_dla_sums_to_the_model_logit(traced):
     assert (neu["contribution"] - neu["activation"] * neu["logit_per_activation"]).abs().max() < 1e-4
 
 
+def test_summary_names_a_logit_difference_logit_diff(traced):
+    """With a foil the summary's attributed number is ``logit_diff`` (the model's logit difference),
+    without one ``logit``; the saved summary and a loaded result say the same (#36)."""
+    model, res, d = traced
+    s = res.summary()
+    want = _model_metric(model, res.meta["target_id"], res.meta["foil_id"])
+    name = "logit_diff" if res.meta["foil"] is not None else "logit"
+    other = "logit" if name == "logit_diff" else "logit_diff"
+    assert abs(s[name] - want) < 1e-3 and other not in s
+    assert f"attributed_{name}" in s and f"attributed_{other}" not in s
+    assert (" - logit(" in s["metric"]) == (name == "logit_diff")
+    saved = json.loads((Path(d) / "summary.json").read_text())
+    assert saved[name] == s[name] and other not in saved
+    assert tk.Result.load(d).summary()[name] == s[name]
+
+
 def test_final_topk_and_sampling_match_the_model(traced):
     model, res, _ = traced
     batch = tokenize(model, [PROMPT])

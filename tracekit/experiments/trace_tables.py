@@ -57,6 +57,15 @@ def _metric(meta: dict) -> str:
     return f"{t} - logit({meta['foil']!r})" if meta.get("foil") else t
 
 
+def _attributed_values(meta: dict) -> dict:
+    """The summary's attributed number under its own name: ``logit_diff`` / ``attributed_logit_diff``
+    (``logit(target) - logit(foil)``) with a foil, ``logit`` / ``attributed_logit`` without one. The
+    meta keeps ``logit`` / ``attributed`` either way (so a result saved before the rename loads and
+    summarises the same)."""
+    suffix = "_diff" if meta.get("foil") else ""
+    return {f"logit{suffix}": meta["logit"], f"attributed_logit{suffix}": meta.get("attributed", meta["logit"])}
+
+
 def _tick(tok) -> str:
     """A token as an axis label: its repr without the quotes (spaces visible), at most 10 characters."""
     shown = show_token(str(tok))
@@ -93,8 +102,8 @@ class TokenTraceResult(Result):
             "target_prob_by_hidden_state": lens["prob"].astype(float).tolist(),
             "target_rank_by_hidden_state": lens["vocab_rank"].tolist(),
             "jump_layer": m["jump_layer"], "jump": m["jump"], "emergence_hidden_state": m["emergence_hidden_state"],
-            "emergence_layer": m["emergence_layer"], "logit": m["logit"], "components_sum": m["components_sum"],
-            "attributed_logit": m.get("attributed", m["logit"]),
+            "emergence_layer": m["emergence_layer"], "metric": _metric(m), **_attributed_values(m),
+            "components_sum": m["components_sum"],
             "top_components": comp["component"].head(5).tolist(),
             "ffn_layer": m["ffn_layer"], "top_neurons": [f"{r.layer}.{r.neuron}" for r in records(neu)],
             "parameters": m["cost"]["parameters"], "kv_bytes_per_token": m["cost"]["kv_bytes_per_token"],

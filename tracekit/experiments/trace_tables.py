@@ -20,6 +20,7 @@ from ..trace import (
     ARTICLE,
     SECTIONS,
     TRACE_RENAMES,
+    TYPE_DOMINANCE,
     fig_to_data_uri,
     render_html,
     render_markdown,
@@ -369,6 +370,9 @@ class TokenTraceResult(Result):
         metric = _metric(m)
         counts = t["head_types"]["type"].value_counts().to_dict()
         kinds = ", ".join(f"{k} {v}" for k, v in counts.items())
+        ht = t["head_types"]
+        on = (", ".join(f"{k}: {v}" for k, v in ht["measured_on"].value_counts().to_dict().items())
+              if "measured_on" in ht else "this prompt (last token)")
         top = t.get("top_heads")
         if top is not None and len(top):
             sa["text"].append(
@@ -379,14 +383,20 @@ class TokenTraceResult(Result):
             sa["figures"].append(fig("attention_heads", f"Top {len(top)} heads by |DLA| to {metric}: attention weight of "
                                      "each query token (rows) over the key tokens (columns), last "
                                      f"{m.get('pattern_window', '')} positions at most; the title gives the head's "
-                                     "type at the last position and its DLA (logits)."))
-            sa["tables"].append(tab(f"Top heads by |DLA| to {metric}; type and strongest key of the last token "
-                                    f"{show_token(last)}", "top_heads", link="heads_dla"))
+                                     "type (table below: what it was measured on) and its DLA (logits)."))
+            sa["tables"].append(tab(f"Top heads by |DLA| to {metric}; type (measured_on: what the type was measured "
+                                    f"on) and strongest key of the last token {show_token(last)}", "top_heads",
+                                    link="heads_dla"))
         sa["figures"].append(fig("heads_dla", f"Every head's direct logit attribution to {metric} (logits; blue "
                                  "positive, red negative), layers x heads; numbered boxes: the top heads above."))
         why = {"given": "as configured", "article (GPT-2)": "the GPT-2 article's head",
                "top head by DLA": "the prompt's top head by |DLA|"}.get(m.get("head_source", ""), "")
-        sa["text"].append(f"Head types of the last token {show_token(last)} over all heads: {kinds}. Raw scores are shown for "
+        sa["text"].append(f"Head types of the last token {show_token(last)} over all heads: {kinds} (measured on {on}). "
+                          "One prompt cannot tell a previous-token head from a head that seeks the token sitting "
+                          "before the last one, so a head is previous-token only if it also attends the previous "
+                          "token on repeated random tokens (Olsson et al. 2022: prev_token_score_random >= "
+                          f"{TYPE_DOMINANCE}), else content; where the traced row has named positions, a head whose "
+                          "strongest key is one is typed by it (attends SUBJ). Raw scores are shown for "
                           f"{m['head']} ({why}): pre-softmax q.k / sqrt(d_head) of the last token; the weights are "
                           "their softmax.")
         sa["figures"].append(fig("head_scores", f"{m['head']}: raw attention scores (left) and weights (right) of the "

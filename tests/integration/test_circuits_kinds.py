@@ -411,7 +411,7 @@ def test_gqa_receivers_table_maps_kv_heads_to_the_query_heads_reading_them(tmp_p
     for kv in range(g.n_kv_heads):
         changed = [h for h in range(g.n_heads) if (zs[kv][:, :, h] - zs[None][:, :, h]).abs().max() > 1e-4]
         row = tab.loc[f"a1.h{kv}<v>"]
-        assert row["head_numbering"] == "key_value" and int(row["head"]) == kv
+        assert row["head_numbering"] == "key_value" and int(row["head_idx"]) == kv
         assert row["query_heads"] == ",".join(str(h) for h in changed) and len(changed) == g.n_heads // g.n_kv_heads
         assert res.summary()["receiver_query_heads"][f"a1.h{kv}<v>"] == changed
     assert tab.loc["a1.h0<q>", "query_heads"] == "0" and tab.loc["a1.h0<q>", "head_numbering"] == "query"

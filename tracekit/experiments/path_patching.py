@@ -34,7 +34,7 @@ HEAD_NUMBERING = ("senders, <q> receivers and head tables count query heads (0..
 
 
 def receivers_table(graph: Graph, receivers: list[str]) -> pd.DataFrame:
-    """One line per receiver: ``receiver, layer, input, head, head_numbering, query_heads`` (the
+    """One line per receiver: ``receiver, layer, input, head_idx, head_numbering, query_heads`` (the
     query heads a head input feeds, comma-separated: the group sharing a key/value head under
     grouped-query attention; empty for ``m{L}`` / ``logits``)."""
     rows = []
@@ -48,8 +48,8 @@ def receivers_table(graph: Graph, receivers: list[str]) -> pd.DataFrame:
             x = r[-2]
             rows.append((r, int(r[1:].split(".")[0]), x, int(r.split(".h")[1].split("<")[0]),
                          "query" if x == "q" else "key_value", ",".join(str(h) for h in q)))
-    df = pd.DataFrame(rows, columns=["receiver", "layer", "input", "head", "head_numbering", "query_heads"])
-    df["head"] = df["head"].astype("Int64")
+    df = pd.DataFrame(rows, columns=["receiver", "layer", "input", "head_idx", "head_numbering", "query_heads"])
+    df["head_idx"] = df["head_idx"].astype("Int64")
     return df
 
 
@@ -71,7 +71,7 @@ class PathPatchingResult(Result):
     ``receivers``, ``value`` = the path-patched metric, ``base`` = the unpatched base run's,
     ``delta`` = value - base, ``normalized`` = (value - corrupted) / (clean - corrupted), ``effect``
     = normalized for denoising, 1 - normalized for noising); ``rows``; ``receivers`` (one line per
-    receiver: ``receiver``, ``layer``, ``input`` (q / k / v / mlp / logits), ``head`` (as named:
+    receiver: ``receiver``, ``layer``, ``input`` (q / k / v / mlp / logits), ``head_idx`` (as named:
     a query head for ``<q>``, a key/value head for ``<k>`` / ``<v>``), ``head_numbering`` (``query``
     / ``key_value``), ``query_heads`` (the query heads the input feeds: the group sharing a
     key/value head under grouped-query attention, e.g. ``"3,4,5"``)).

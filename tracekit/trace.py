@@ -390,7 +390,8 @@ def type_heads(labels: pd.DataFrame, attention: pd.DataFrame, random_scores: pd.
         attention: ``layer, head, key_pos, key_token, weight`` of the last token.
         random_scores: :func:`tracekit.attention.head_scores` (``layer, head_idx, prev_token_score,
             induction_score``); ``random_on`` says on what it was measured.
-        positions: the traced row's named positions (name -> token index, BOS counted) or None.
+        positions: the traced row's named positions (name -> token index, BOS counted) or None;
+            a name at the last token itself (``END``) is left out (the ``self`` label says it).
         dominance: attention probability at or above which a key types a head.
 
     Returns:
@@ -399,8 +400,10 @@ def type_heads(labels: pd.DataFrame, attention: pd.DataFrame, random_scores: pd.
         induction_score_random`` (probabilities), ``type`` and ``measured_on``.
     """
     at_pos: dict[int, list[str]] = {}
+    last = int(attention["key_pos"].max())  # the query (the last token) attends keys 0..last
     for name, p in (positions or {}).items():
-        at_pos.setdefault(int(p), []).append(str(name))
+        if int(p) != last:  # a name at the query itself (END) would call a self head "attends END"
+            at_pos.setdefault(int(p), []).append(str(name))
     a = attention.sort_values(["layer", "head", "weight", "key_pos"], ascending=[True, True, False, True])
     top = a.drop_duplicates(["layer", "head"]).set_index(["layer", "head"])
     rs = random_scores.set_index(["layer", "head_idx"])

@@ -528,3 +528,28 @@ def test_display_text_shows_a_cut_character_as_bytes(tiny_gpt2):
     pieces = [token_text(tiny_gpt2, i) for i in ids if "\ufffd" in tok.decode([i])]
     assert pieces and all(show_token(p) == p and p.startswith("<bytes ") for p in pieces)
     assert show_token(" Paris") == "' Paris'"
+
+
+def test_type_heads_on_synthetic_rows():
+    """type_heads on hand-made last-token rows (4 keys, query = key 3): a name at the query itself
+    (END) never types a self head; a named key that is also the previous token types the head by its
+    name unless random tokens make it a previous-token head; without names it is content."""
+    from tracekit.attention import classify_heads
+    from tracekit.trace import type_heads
+
+    w = torch.tensor([[0.05, 0.05, 0.05, 0.85],   # head 0: self
+                      [0.02, 0.03, 0.90, 0.05],   # head 1: on key 2 (the previous token), not prev on random tokens
+                      [0.02, 0.03, 0.90, 0.05]])  # head 2: the same here, previous-token on random tokens
+    lab = classify_heads(w[:, None, :], queries=[3], rows=[0]).assign(layer=0)
+    att = pd.DataFrame({"layer": 0, "head": [h for h in range(3) for _ in range(4)], "key_pos": list(range(4)) * 3,
+                        "key_token": ["a", "b", "c", "d"] * 3, "weight": w.reshape(-1).tolist()})
+    rand = pd.DataFrame({"layer": 0, "head_idx": [0, 1, 2], "prev_token_score": [0.1, 0.1, 0.9],
+                         "induction_score": [0.0, 0.0, 0.0]})
+    named = type_heads(lab, att, rand, "random tokens (x)", {"SUBJ": 2, "END": 3}).set_index("head")
+    assert list(named["type"]) == ["self", "attends SUBJ", "previous-token (attends SUBJ)"]
+    assert list(named["top_key_role"]) == ["", "SUBJ", "SUBJ"]
+    assert named.loc[2, "measured_on"].startswith("random tokens (x)")
+    bare = type_heads(lab, att, rand, "random tokens (x)").set_index("head")
+    assert list(bare["type"]) == ["self", "content", "previous-token"]
+    assert list(bare["measured_on"]) == ["this prompt (last token)", "this prompt; random tokens (x) say not previous-token",
+                                         "random tokens (x)"]

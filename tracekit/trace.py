@@ -400,7 +400,7 @@ def type_heads(labels: pd.DataFrame, attention: pd.DataFrame, random_scores: pd.
         induction_score_random`` (probabilities), ``type`` and ``measured_on``.
     """
     at_pos: dict[int, list[str]] = {}
-    last = int(attention["key_pos"].max())  # the query (the last token) attends keys 0..last
+    last = int(cast(pd.Series, attention["key_pos"]).max())  # the query (the last token) attends keys 0..last
     for name, p in (positions or {}).items():
         if int(p) != last:  # a name at the query itself (END) would call a self head "attends END"
             at_pos.setdefault(int(p), []).append(str(name))

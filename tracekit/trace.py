@@ -7,7 +7,7 @@ one prompt through a model and collects, per stage, the numbers tracekit's engin
 
 1. tokenization (ids, leading-space marker, BOS), 2. embedding (norms, nearest tokens, vector
 analogies), 3. attention: the heads that matter for this prompt (ranked by their direct logit
-attribution), each as a query x key pattern, the last position's attention of every head, and the raw
+attribution; each typed by :func:`type_heads`, which says what the type was measured on), each as a query x key pattern, the last position's attention of every head, and the raw
 scores of one head (GPT-2's article head L0H6 on GPT-2 models, else the prompt's top head),
 4. FFN neurons as key-value memories at the block where the target jumps (Geva et al. 2021/2022),
 5. direct logit attribution per component (Elhage et al. 2021), 6. logit lens (nostalgebraist
@@ -359,7 +359,9 @@ def _random_prev_scores(model: HookedModel) -> tuple[pd.DataFrame, str]:
     """Every head's previous-token and induction scores on repeated random tokens
     (:func:`tracekit.attention.head_scores`) and what they were measured on."""
     n_ctx = context_length(model)
-    seq_len = max(2, min(PREV_CHECK_SEQ_LEN, ((n_ctx or 10 ** 6) - 1) // 2))
+    seq_len = min(PREV_CHECK_SEQ_LEN, ((n_ctx or 10 ** 6) - 1) // 2)
+    if seq_len < 2:  # a context too short for BOS + 2 x 2 tokens: no check (type_heads says so)
+        return pd.DataFrame(columns=["layer", "head_idx", "prev_token_score", "induction_score"]), "no random tokens"
     sc = head_scores(model, seq_len, PREV_CHECK_SEQS, seed=0)
     return sc, f"random tokens ({PREV_CHECK_SEQS} x 2 x {seq_len})"
 
@@ -420,6 +422,8 @@ def type_heads(labels: pd.DataFrame, attention: pd.DataFrame, random_scores: pd.
             on = random_on + ("; this prompt, named positions" if role else "")
         elif role and kw >= dominance:
             ty, on = f"attends {role}", "this prompt (last token), named positions"
+        elif r["label"] == "previous" and np.isnan(prev_r):
+            ty, on = "previous (this prompt only)", "this prompt (last token); no random-token check"
         elif r["label"] == "previous":
             ty, on = "content", f"this prompt; {random_on} say not previous-token"
         else:

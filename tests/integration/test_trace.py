@@ -553,3 +553,5 @@ def test_type_heads_on_synthetic_rows():
     assert list(bare["type"]) == ["self", "content", "previous-token"]
     assert list(bare["measured_on"]) == ["this prompt (last token)", "this prompt; random tokens (x) say not previous-token",
                                          "random tokens (x)"]
+    none = type_heads(lab, att, rand.iloc[:0], "no random tokens").set_index("head")  # context too short to check
+    assert none.loc[1, "type"] == "previous (this prompt only)" and "no random-token check" in none.loc[1, "measured_on"]

@@ -64,6 +64,18 @@ class QueryTables:
     max_abs_row_sum_error: float
 
 
+def _names_at(data: PreparedDataset, query_pos) -> list[dict[int, list[str]]]:
+    """Per row: token index -> the row's named positions there (the query's own position left out)."""
+    out = []
+    for e, q in zip(data.examples, query_pos):
+        at: dict[int, list[str]] = {}
+        for name, p in e.positions.items():
+            if int(p) != int(q):
+                at.setdefault(int(p), []).append(str(name))
+        out.append(at)
+    return out
+
+
 def query_tables(model: HookedModel, data: PreparedDataset, ids: Sequence[Sequence[int]], qa: QueryAttention,
                  key_names: Optional[Sequence[str]], key_pos: Sequence[Sequence[int]],
                  plot_heads: Optional[Sequence[tuple[int, int]]], *, dominance: float = 0.4,
@@ -167,12 +179,18 @@ def query_tables(model: HookedModel, data: PreparedDataset, ids: Sequence[Sequen
     lab = label_query_rows(qa.weights, qa.query_pos, dominance, spread_entropy)
     r, li, hi = (a.reshape(-1) for a in np.indices((R, nL, nH)))
     top = lab["top_key_pos"].numpy()[r, li, hi]
+    label = object_array(HEAD_LABELS)[lab["label"].numpy()[r, li, hi]]
+    names_at = _names_at(data, qp)
+    key_role = object_array("/".join(names_at[int(a)].get(int(b), [])) for a, b in zip(r, top))
+    strong = lab["max_key_weight"].numpy()[r, li, hi] >= dominance
     tables["labels"] = pd.DataFrame({
         "row_id": row_ids[r], "layer": Ls[li], "head_idx": Hs[hi],
         **{c: lab[c].numpy()[r, li, hi] for c in ("self_weight", "first_weight", "previous_weight",
                                                      "entropy_norm", "max_key_weight")},
-        "top_key_pos": top, "top_key_token": T[r, top],
-        "label": object_array(HEAD_LABELS)[lab["label"].numpy()[r, li, hi]]})
+        "top_key_pos": top, "top_key_token": T[r, top], "top_key_role": key_role,
+        "label": label,
+        "role": object_array(f"attends {k}" if k and st_ else str(lb) for k, st_, lb in zip(key_role, strong, label)),
+        "measured_on": "this row, one query"})
     tables["tokens"] = pd.DataFrame({"row_id": np.repeat(row_ids, [len(t) for t in toks]),
                                      "position": np.concatenate([np.arange(len(t)) for t in toks]),
                                      "token": object_array([x for t in toks for x in t])})

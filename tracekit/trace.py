@@ -7,7 +7,7 @@ one prompt through a model and collects, per stage, the numbers tracekit's engin
 
 1. tokenization (ids, leading-space marker, BOS), 2. embedding (norms, nearest tokens, vector
 analogies), 3. attention: the heads that matter for this prompt (ranked by their direct logit
-attribution), each as a query x key pattern, the last position's attention of every head, and the raw
+attribution; each typed by :func:`type_heads`, which says what the type was measured on), each as a query x key pattern, the last position's attention of every head, and the raw
 scores of one head (GPT-2's article head L0H6 on GPT-2 models, else the prompt's top head),
 4. FFN neurons as key-value memories at the block where the target jumps (Geva et al. 2021/2022),
 5. direct logit attribution per component (Elhage et al. 2021), 6. logit lens (nostalgebraist
@@ -39,13 +39,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .attention import classify_heads
+from .attention import classify_heads, head_scores
 from .core.sites import hook
 from .dla import logit_attribution
 from .errors import AttentionError, TokenizationError
 from .fastpath import residual_stream
 from .hooks import enabled_hooks, fwd_hooks
 from .logit_lens import landmarks, logit_lens
+from .model.context import context_length
 from .model.info import HookedModel
 from .model.load import bos_info, model_device
 from .model.readout import Readout
@@ -53,7 +54,8 @@ from .neurons import key_readout, value_readout
 from .tokens import show_token, single_token_id, token_texts, tokenize
 
 __all__ = ["TraceTables", "token_trace", "TRACE_RENAMES", "SAMPLING_SETTINGS", "ANALOGIES", "ARTICLE", "DEVICE_RIDGE",
-           "render_html", "render_markdown", "SECTIONS", "parse_head", "is_gpt2", "shown_head", "PATTERN_WINDOW"]
+           "render_html", "render_markdown", "SECTIONS", "parse_head", "is_gpt2", "shown_head", "PATTERN_WINDOW",
+           "type_heads", "TYPE_DOMINANCE", "PREV_CHECK_SEQ_LEN", "PREV_CHECK_SEQS"]
 
 
 @dataclass
@@ -343,7 +345,97 @@ def _embedding(model: HookedModel, ids: list[int], n_nearest: int):
 LENS_GRID = 16
 
 
-def _attention_section(model: HookedModel, prompt: str, head: tuple[int, int]):
+#: Repeated random tokens of the trace's previous-token check (Olsson et al. 2022): tokens per copy
+#: (at most what the context allows) and sequences; the check is one short extra forward pass.
+PREV_CHECK_SEQ_LEN, PREV_CHECK_SEQS = 20, 2
+#: Attention mass at or above which a head is typed by a key (the default ``dominance`` of
+#: :func:`tracekit.attention.classify_heads`).
+TYPE_DOMINANCE = 0.4
+_POSITIONAL = {"self": "self", "first": "first-token", "previous": "previous-token", "spread": "diffuse",
+               "content": "content"}
+
+
+def _random_prev_scores(model: HookedModel) -> tuple[pd.DataFrame, str]:
+    """Every head's previous-token and induction scores on repeated random tokens
+    (:func:`tracekit.attention.head_scores`) and what they were measured on."""
+    n_ctx = context_length(model)
+    seq_len = min(PREV_CHECK_SEQ_LEN, ((n_ctx or 10 ** 6) - 1) // 2)
+    if seq_len < 2:  # a context too short for BOS + 2 x 2 tokens: no check (type_heads says so)
+        return pd.DataFrame(columns=["layer", "head_idx", "prev_token_score", "induction_score"]), "no random tokens"
+    sc = head_scores(model, seq_len, PREV_CHECK_SEQS, seed=0)
+    return sc, f"random tokens ({PREV_CHECK_SEQS} x 2 x {seq_len})"
+
+
+def type_heads(labels: pd.DataFrame, attention: pd.DataFrame, random_scores: pd.DataFrame, random_on: str,
+               positions: Optional[dict[str, int]] = None, dominance: float = TYPE_DOMINANCE) -> pd.DataFrame:
+    """Type each head from behaviour that separates the types, and say what each type was measured on.
+
+    A head that puts most of the last token's attention on the previous token of ONE prompt may be a
+    previous-token head or a head that seeks the token that happens to sit there (a subject mover
+    whose subject ends right before the last token). So:
+
+    1. the one-prompt label (:func:`tracekit.attention.classify_heads`) is ``previous`` and the
+       head's previous-token score on repeated random tokens (Olsson et al. 2022; ``random_scores``)
+       is >= ``dominance``: ``previous-token`` (``previous-token (attends SUBJ)`` when the previous
+       token is a named position), measured on those random tokens;
+    2. else the last token's strongest key is a named position of the traced row (``SUBJ``, ``S1``,
+       ...; ``positions``) with weight >= ``dominance``: ``"attends SUBJ"`` (``"attends S1/S2"`` when
+       names share the key), measured on ``this prompt (last token), named positions``;
+    3. else a one-prompt ``previous`` label is ``content``: the head attends the previous token
+       here but not on random tokens, so what it seeks is the token (``top_key_token``);
+    4. else the one-prompt label (``self``, ``first-token``, ``diffuse``, ``content``), measured on
+       ``this prompt (last token)``.
+
+    Args:
+        labels: per head: ``layer, head, self, first, previous, entropy_norm, max_key_weight, label``
+            (one-prompt labels at the last token).
+        attention: ``layer, head, key_pos, key_token, weight`` of the last token.
+        random_scores: :func:`tracekit.attention.head_scores` (``layer, head_idx, prev_token_score,
+            induction_score``); ``random_on`` says on what it was measured.
+        positions: the traced row's named positions (name -> token index, BOS counted) or None;
+            a name at the last token itself (``END``) is left out (the ``self`` label says it).
+        dominance: attention probability at or above which a key types a head.
+
+    Returns:
+        ``labels`` plus ``top_key_pos, top_key_token, top_key_weight, top_key_role`` (named
+        positions at the top key, ``/``-joined, or ``""``), ``prev_token_score_random,
+        induction_score_random`` (probabilities), ``type`` and ``measured_on``.
+    """
+    at_pos: dict[int, list[str]] = {}
+    last = int(cast(pd.Series, attention["key_pos"]).max())  # the query (the last token) attends keys 0..last
+    for name, p in (positions or {}).items():
+        if int(p) != last:  # a name at the query itself (END) would call a self head "attends END"
+            at_pos.setdefault(int(p), []).append(str(name))
+    a = attention.sort_values(["layer", "head", "weight", "key_pos"], ascending=[True, True, False, True])
+    top = a.drop_duplicates(["layer", "head"]).set_index(["layer", "head"])
+    rs = random_scores.set_index(["layer", "head_idx"])
+    rows = []
+    for r in labels.to_dict("records"):
+        L, H = int(r["layer"]), int(r["head"])
+        t = top.loc[(L, H)]
+        kpos, ktok, kw = int(t["key_pos"]), t["key_token"], float(t["weight"])
+        role = "/".join(at_pos.get(kpos, []))
+        prev_r = float(rs.loc[(L, H), "prev_token_score"]) if (L, H) in rs.index else float("nan")
+        ind_r = float(rs.loc[(L, H), "induction_score"]) if (L, H) in rs.index else float("nan")
+        if r["label"] == "previous" and prev_r >= dominance:
+            ty = "previous-token" + (f" (attends {role})" if role else "")
+            on = random_on + ("; this prompt, named positions" if role else "")
+        elif role and kw >= dominance:
+            ty, on = f"attends {role}", "this prompt (last token), named positions"
+        elif r["label"] == "previous" and np.isnan(prev_r):
+            ty, on = "previous (this prompt only)", "this prompt (last token); no random-token check"
+        elif r["label"] == "previous":
+            ty, on = "content", f"this prompt; {random_on} say not previous-token"
+        else:
+            ty, on = _POSITIONAL[str(r["label"])], "this prompt (last token)"
+        rows.append({**r, "top_key_pos": kpos, "top_key_token": ktok, "top_key_weight": kw, "top_key_role": role,
+                     "prev_token_score_random": prev_r, "induction_score_random": ind_r, "type": ty,
+                     "measured_on": on})
+    return pd.DataFrame(rows)
+
+
+def _attention_section(model: HookedModel, prompt: str, head: tuple[int, int],
+                       positions: Optional[dict[str, int]] = None):
     rows, labels, picked = [], [], None
     for ap in _attention(model, prompt, range(int(model.cfg.n_layers))):
         L = ap.layer
@@ -361,25 +453,26 @@ def _attention_section(model: HookedModel, prompt: str, head: tuple[int, int]):
                                    "score": ap.scores[head[1], 0, : q + 1].numpy(),
                                    "weight": ap.weights[head[1], 0, : q + 1].numpy()})
     lab = pd.concat(labels, ignore_index=True)
-    lab["type"] = cast(pd.Series, lab["label"]).map({"self": "self", "first": "first-token",
-                                                     "previous": "previous-token", "spread": "diffuse",
-                                                     "content": "content"})
+    att = pd.concat(rows, ignore_index=True)
+    scores, random_on = _random_prev_scores(model)
     assert picked is not None, "the shown head's block is among every block"
-    return pd.concat(rows, ignore_index=True), lab, picked
+    return att, type_heads(lab, att, scores, random_on, positions), picked
 
 
 def _top_heads(ranked: pd.DataFrame, attention: pd.DataFrame, head_types: pd.DataFrame) -> pd.DataFrame:
-    """The ranked heads (``heads_dla`` rows, best first) with their type at the last position and
-    the key token the last position attends to most."""
+    """The ranked heads (``heads_dla`` rows, best first) with their type (:func:`type_heads`), what
+    it was measured on, and the key token the last position attends to most."""
     rows = []
     for i, (L, H, dla) in enumerate(zip(ranked["layer"].tolist(), ranked["head"].tolist(),
                                         ranked["contribution"].tolist())):
         L, H = int(L), int(H)
         a = cast(pd.DataFrame, attention[(attention["layer"] == L) & (attention["head"] == H)])
         best = a.loc[cast(pd.Series, a["weight"]).idxmax()]
-        ty = cast(pd.Series, head_types[(head_types["layer"] == L) & (head_types["head"] == H)]["type"]).tolist()
+        sel = cast(pd.DataFrame, head_types[(head_types["layer"] == L) & (head_types["head"] == H)])
+        ty, on = cast(pd.Series, sel["type"]).tolist(), cast(pd.Series, sel["measured_on"]).tolist()
         rows.append({"rank": i + 1, "component": f"L{L}H{H}", "layer": L, "head": H, "dla": float(dla),
-                     "type": str(ty[0]) if ty else "", "top_key_pos": int(best["key_pos"]),
+                     "type": str(ty[0]) if ty else "", "measured_on": str(on[0]) if on else "",
+                     "top_key_pos": int(best["key_pos"]),
                      "top_key_token": best["key_token"], "top_key_weight": float(best["weight"])})
     return pd.DataFrame(rows)
 
@@ -553,6 +646,7 @@ def token_trace(
     seed: int = 0,
     n_samples: int = 5,
     top_heads: int = 6,
+    positions: Optional[dict[str, int]] = None,
 ) -> TraceTables:
     """Trace ``prompt`` through every stage (module docstring) and return its tables.
 
@@ -577,6 +671,9 @@ def token_trace(
         seed: seed of the sampling draws (``torch.Generator``).
         n_samples: draws per sampling setting.
         top_heads: heads shown as query x key patterns (ranked by |direct logit attribution|).
+        positions: the traced row's named positions (``{"SUBJ": 4, "END": 5}``: token indices of
+            the prompt, BOS counted), or None; a head whose last-token attention peaks on one is typed
+            by it (``attends SUBJ``; :func:`type_heads`).
 
     Units: probabilities in [0, 1], logits, ranks (1 = top), bytes.
 
@@ -673,7 +770,8 @@ def token_trace(
     picked = [(int(L), int(H)) for L, H in zip(ranked["layer"].head(top_heads), ranked["head"].head(top_heads))]
     L_head, meta["head_source"] = shown_head(model, L_head, picked)
     meta["head"] = f"L{L_head[0]}H{L_head[1]}"
-    tables["attention"], tables["head_types"], tables["head_scores"] = _attention_section(model, prompt, L_head)
+    tables["attention"], tables["head_types"], tables["head_scores"] = _attention_section(model, prompt, L_head,
+                                                                                          positions)
     tables["top_heads"] = _top_heads(ranked.head(top_heads), tables["attention"], tables["head_types"])
     tables["head_patterns"] = _head_patterns(model, prompt, picked)
     meta["pattern_window"] = PATTERN_WINDOW

@@ -235,3 +235,53 @@ def test_shipped_configs_validate(name):
 
     cfg, _ = load_config(ROOT / "experiments" / name)
     assert cfg.experiments
+
+
+def test_head_on_the_subject_gets_a_role_and_every_label_says_what_it_was_measured_on():
+    """#36: at one query per row, a head on the subject that is also the previous token is labelled by
+    the row's named position (``attends SUBJ``) beside its positional label; head_scan's previous-token
+    type comes from repeated random tokens; labels and scores say what they were measured on."""
+    import tracekit as tk
+    from helpers import make_tiny
+
+    model = make_tiny("gpt2")
+    L, SH, PH = 1, 2, 3
+
+    def force(act, hook=None):  # SH: the LAST query -> the token before it; PH: every query -> previous
+        act = act.clone()
+        q = act.shape[-2]
+        act[:, SH, -1, :] = 0
+        act[:, SH, -1, q - 2] = 1
+        idx = torch.arange(q)
+        act[:, PH] = 0
+        act[:, PH, idx, (idx - 1).clamp(min=0)] = 1
+        return act
+
+    row = {"prompt": "The capital of France is", "target": " Paris",
+           "positions": {"SUBJ": {"text": " France"}, "END": -1}}
+    model.add_hook(f"blocks.{L}.attn.hook_pattern", force)
+    try:
+        ap = tk.AttentionPattern(dataset={"rows": [row, {**row, "prompt": "The capital of Spain is",
+                                                         "positions": {"SUBJ": {"text": " Spain"}, "END": -1}}]},
+                                 query="END", layers=[L], plot_heads=[[L, SH], [L, PH]]).run(model, progress=False)
+        hs = tk.HeadScan(seq_len=8, n_seqs=2, layers=[L], dataset={"rows": [row]}).run(model, progress=False)
+    finally:
+        model.reset_hooks()
+    lab = ap.tables["labels"].set_index(["layer", "head_idx"])
+    sub = lab.loc[[(L, SH)]]
+    assert (sub["label"] == "previous").all() and (sub["top_key_role"] == "SUBJ").all()
+    assert (sub["role"] == "attends SUBJ").all() and (sub["measured_on"] != "").all()
+    s = ap.summary()
+    assert s["modal_label_by_head"][f"L{L}H{SH}"] == "previous"
+    assert s["modal_role_by_head"][f"L{L}H{SH}"] == "attends SUBJ"
+    assert s["labels_measured_on"].startswith("2 row(s), query END")
+    rep = ap.report()
+    assert "attends SUBJ" in rep and "measured on 2 row(s), query END" in rep
+    sc = hs.tables["scores"].set_index(["layer", "head_idx"])
+    assert "previous-token" in sc.loc[(L, PH), "type"] and "previous-token" not in sc.loc[(L, SH), "type"]
+    assert sc["measured_on"].str.startswith("random tokens (2 x 2 x 8").all()
+    hsum = hs.summary()
+    assert f"L{L}H{PH}" in hsum["previous_token_heads"] and f"L{L}H{SH}" not in hsum["previous_token_heads"]
+    assert hsum["labels_measured_on"].startswith("row 0: every query position")
+    assert (hs.tables["labels"]["measured_on"] == "row 0, every query position >= 1").all()
+    assert "measured on 2 sequences" in hs.report()

@@ -23,12 +23,15 @@ is not tiny.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from pydantic import ValidationError
 
+import tracekit as tk
 import tracekit.experiments.attribution as attribution_kind
 from helpers import hook_keys, make_perturbed
 from tracekit import ActivationPatching, AttributionPatching, Circuit, EdgeAttribution, PathPatching
@@ -360,6 +363,64 @@ def test_llama_graph_groups_keys_and_values():
     assert (g.n_heads, g.n_kv_heads) == (4, 2)
     assert g.receivers_of("a1.h3") == ["a1.h3<q>", "a1.h1<k>", "a1.h1<v>"]
     assert "a1.h2<k>" not in g.down_index
+
+
+def test_gqa_kv_receiver_named_by_a_query_head_is_refused_with_the_right_name():
+    """#36: a k/v receiver counts key/value heads; a query head's number there is refused naming the
+    key/value head that query head reads (and the query heads sharing it), for receivers and edges."""
+    m = make_perturbed("llama")
+    g = build_graph(m)
+    group = g.n_heads // g.n_kv_heads
+    q = g.n_heads - 1  # a query head that is not also a key/value head's number
+    kv = q // group
+    share = ", ".join(str(h) for h in range(kv * group, (kv + 1) * group))
+    with pytest.raises(CircuitError, match=re.escape(f"key/value head {kv}: write 'a1.h{kv}<v>' (query heads {share}")):
+        PathPatching(dataset=DS, senders=["a0.h1"], receivers=[f"a1.h{q}<v>"]).check(m)
+    with pytest.raises(CircuitError, match=re.escape(f"edges[0]: 'a1.h{q}<k>': query head {q}'s k input is key/value head {kv}")):
+        Circuit(dataset=DS, edges=[f"a0.h1->a1.h{q}<k>"]).check(m)
+
+
+def test_gqa_receivers_table_maps_kv_heads_to_the_query_heads_reading_them(tmp_path):
+    """The receivers table (and summary) list, per k/v receiver, the query heads sharing it; checked
+    against the model: noise added to key/value head G's value input changes exactly those heads' z."""
+    from tracekit.core.sites import hook
+    from tracekit.hooks import enabled_hooks, fwd_hooks
+    from tracekit.tokens import forward_kwargs, tokenize
+
+    m = make_perturbed("llama")
+    g = build_graph(m)
+    assert g.n_kv_heads < g.n_heads
+    recv = [f"a1.h{kv}<v>" for kv in range(g.n_kv_heads)] + ["a1.h0<q>", "m1"]
+    res = PathPatching(dataset=DS, senders=["a0.h1"], receivers=recv).run(m, progress=False)
+    tab = res.tables["receivers"].set_index("receiver")
+    batch = tokenize(m, [ROWS[0]["prompt"]])
+    zs = {}
+    for kv in [None, *range(g.n_kv_heads)]:
+        def add(act, hook=None, kv=kv):
+            if kv is not None:
+                act = act.clone()
+                act[:, :, kv] += torch.randn(act[:, :, kv].shape, generator=torch.Generator().manual_seed(0))
+            return act
+
+        def keep(act, hook=None, kv=kv):
+            zs[kv] = act.detach().clone()
+
+        with enabled_hooks(m, [hook("head_v_input", 1)]), torch.no_grad(), \
+                fwd_hooks(m, [(hook("head_v_input", 1), add), (hook("head_out", 1), keep)]):
+            m(batch.tokens, **forward_kwargs(batch))
+    for kv in range(g.n_kv_heads):
+        changed = [h for h in range(g.n_heads) if (zs[kv][:, :, h] - zs[None][:, :, h]).abs().max() > 1e-4]
+        row = tab.loc[f"a1.h{kv}<v>"]
+        assert row["head_numbering"] == "key_value" and int(row["head_idx"]) == kv
+        assert row["query_heads"] == ",".join(str(h) for h in changed) and len(changed) == g.n_heads // g.n_kv_heads
+        assert res.summary()["receiver_query_heads"][f"a1.h{kv}<v>"] == changed
+    assert tab.loc["a1.h0<q>", "query_heads"] == "0" and tab.loc["a1.h0<q>", "head_numbering"] == "query"
+    assert tab.loc["m1", "query_heads"] == "" and tab.loc["m1", "input"] == "mlp"
+    s = res.summary()
+    assert f"H // {g.n_heads // g.n_kv_heads}" in s["head_numbering"]
+    assert "k/v receivers -> query heads sharing them: a1.h0<v> -> " in res.report()
+    loaded = tk.Result.load(res.save(tmp_path / "pp"))
+    assert loaded.summary()["receiver_query_heads"] == s["receiver_query_heads"]
 
 
 # -- 6. bad inputs -----------------------------------------------------------------------------------------

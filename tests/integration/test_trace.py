@@ -147,6 +147,22 @@ def test_dla_sums_to_the_model_logit(traced):
     assert (neu["contribution"] - neu["activation"] * neu["logit_per_activation"]).abs().max() < 1e-4
 
 
+def test_summary_names_a_logit_difference_logit_diff(traced):
+    """With a foil the summary's attributed number is ``logit_diff`` (the model's logit difference),
+    without one ``logit``; the saved summary and a loaded result say the same (#36)."""
+    model, res, d = traced
+    s = res.summary()
+    want = _model_metric(model, res.meta["target_id"], res.meta["foil_id"])
+    name = "logit_diff" if res.meta["foil"] is not None else "logit"
+    other = "logit" if name == "logit_diff" else "logit_diff"
+    assert abs(s[name] - want) < 1e-3 and other not in s
+    assert f"attributed_{name}" in s and f"attributed_{other}" not in s
+    assert (" - logit(" in s["metric"]) == (name == "logit_diff")
+    saved = json.loads((Path(d) / "summary.json").read_text())
+    assert saved[name] == s[name] and other not in saved
+    assert tk.Result.load(d).summary()[name] == s[name]
+
+
 def test_final_topk_and_sampling_match_the_model(traced):
     model, res, _ = traced
     batch = tokenize(model, [PROMPT])
@@ -207,6 +223,71 @@ def test_attention_rows_are_distributions_and_scores_match(traced):
     hs = res.tables["head_scores"]
     assert (hs["weight"] - torch.tensor(hs["score"].to_numpy()).softmax(-1).numpy()).abs().max() < 1e-5
     assert set(res.tables["head_types"]["type"]) <= {"self", "first-token", "previous-token", "content", "diffuse"}
+    assert set(res.tables["head_types"]["measured_on"]) <= {"this prompt (last token)", "random tokens (2 x 2 x 20)",
+                                                            "this prompt; random tokens (2 x 2 x 20) say not previous-token"}
+
+
+SUBJ_PROMPT = "The capital of France is"  # GPT-2 BPE: BOS, The, capital, of, France, is: ' France' is index 4
+
+
+def _forced_heads(model, layer: int, subj_head: int, prev_head: int):
+    """A hook on ``blocks.{layer}.attn.hook_pattern``: ``subj_head`` puts all of the LAST query's
+    attention on the token before it (on the prompt, the subject; on random tokens, one row of many),
+    ``prev_head`` attends the previous token from every query (a previous-token head)."""
+    def force(act, hook=None):
+        act = act.clone()
+        q = act.shape[-2]
+        act[:, subj_head, -1, :] = 0
+        act[:, subj_head, -1, q - 2] = 1
+        idx = torch.arange(q)
+        act[:, prev_head] = 0
+        act[:, prev_head, idx, (idx - 1).clamp(min=0)] = 1
+        return act
+
+    model.add_hook(f"blocks.{layer}.attn.hook_pattern", force)
+
+
+def test_head_on_the_subject_before_the_last_token_is_not_called_previous_token():
+    """#36: a head moving the subject (the previous token in this template) to the last token is typed
+    by the row's named position ("attends SUBJ"), or "content" without positions; "previous-token" only
+    for a head that also attends the previous token on repeated random tokens; each type says what it
+    was measured on (table column and report)."""
+    from helpers import make_tiny
+    from tracekit.trace import token_trace
+
+    model = make_tiny("gpt2")
+    L, SH, PH = 1, 2, 3
+    _forced_heads(model, L, SH, PH)
+    try:
+        ids = tokenize(model, [SUBJ_PROMPT]).ids[0]
+        subj = len(ids) - 2
+        assert model.tokenizer.decode([int(ids[subj])]) == " France"
+        with_pos = token_trace(model, SUBJ_PROMPT, " Paris", key_max_tokens=0, positions={"SUBJ": subj, "END": subj + 1})
+        bare = token_trace(model, SUBJ_PROMPT, " Paris", key_max_tokens=0)
+        row = {"prompt": SUBJ_PROMPT, "target": " Paris", "positions": {"SUBJ": {"text": " France"}, "END": -1}}
+        res = tk.TokenTrace(dataset={"rows": [row]}, key_max_tokens=0, top_heads=12).run(model, progress=False)
+    finally:
+        model.reset_hooks()
+    for tables in (with_pos.tables, bare.tables, res.tables):
+        ht = tables["head_types"].set_index(["layer", "head_idx"])
+        # the one-prompt reading alone says "previous" for both heads
+        assert ht.loc[(L, SH), "previous_weight"] > 0.99 and ht.loc[(L, PH), "previous_weight"] > 0.99
+        assert ht.loc[(L, SH), "prev_token_score_random"] < 0.4 <= ht.loc[(L, PH), "prev_token_score_random"]
+        assert "previous-token" not in ht.loc[(L, SH), "type"]
+        assert ht.loc[(L, PH), "type"].startswith("previous-token")
+        assert ht.loc[(L, PH), "measured_on"].startswith("random tokens (")
+        assert ht["measured_on"].str.len().min() > 0
+    for tables in (with_pos.tables, res.tables):
+        ht = tables["head_types"].set_index(["layer", "head_idx"])
+        assert ht.loc[(L, SH), "type"] == "attends SUBJ" and ht.loc[(L, SH), "top_key_role"] == "SUBJ"
+        assert "named positions" in ht.loc[(L, SH), "measured_on"]
+        assert ht.loc[(L, PH), "type"] == "previous-token (attends SUBJ)"
+    ht = bare.tables["head_types"].set_index(["layer", "head_idx"])
+    assert ht.loc[(L, SH), "type"] == "content" and "random tokens" in ht.loc[(L, SH), "measured_on"]
+    top = res.tables["top_heads"].set_index("component")
+    assert top.loc[f"L{L}H{SH}", "type"] == "attends SUBJ" and "measured_on" in top.columns
+    md = res.markdown()
+    assert "attends SUBJ" in md and "measured on" in md and "measured_on" in md
 
 
 def test_attention_adapter_equals_the_engine_per_layer(tiny_model):
@@ -447,3 +528,30 @@ def test_display_text_shows_a_cut_character_as_bytes(tiny_gpt2):
     pieces = [token_text(tiny_gpt2, i) for i in ids if "\ufffd" in tok.decode([i])]
     assert pieces and all(show_token(p) == p and p.startswith("<bytes ") for p in pieces)
     assert show_token(" Paris") == "' Paris'"
+
+
+def test_type_heads_on_synthetic_rows():
+    """type_heads on hand-made last-token rows (4 keys, query = key 3): a name at the query itself
+    (END) never types a self head; a named key that is also the previous token types the head by its
+    name unless random tokens make it a previous-token head; without names it is content."""
+    from tracekit.attention import classify_heads
+    from tracekit.trace import type_heads
+
+    w = torch.tensor([[0.05, 0.05, 0.05, 0.85],   # head 0: self
+                      [0.02, 0.03, 0.90, 0.05],   # head 1: on key 2 (the previous token), not prev on random tokens
+                      [0.02, 0.03, 0.90, 0.05]])  # head 2: the same here, previous-token on random tokens
+    lab = classify_heads(w[:, None, :], queries=[3], rows=[0]).assign(layer=0)
+    att = pd.DataFrame({"layer": 0, "head": [h for h in range(3) for _ in range(4)], "key_pos": list(range(4)) * 3,
+                        "key_token": ["a", "b", "c", "d"] * 3, "weight": w.reshape(-1).tolist()})
+    rand = pd.DataFrame({"layer": 0, "head_idx": [0, 1, 2], "prev_token_score": [0.1, 0.1, 0.9],
+                         "induction_score": [0.0, 0.0, 0.0]})
+    named = type_heads(lab, att, rand, "random tokens (x)", {"SUBJ": 2, "END": 3}).set_index("head")
+    assert list(named["type"]) == ["self", "attends SUBJ", "previous-token (attends SUBJ)"]
+    assert list(named["top_key_role"]) == ["", "SUBJ", "SUBJ"]
+    assert named.loc[2, "measured_on"].startswith("random tokens (x)")
+    bare = type_heads(lab, att, rand, "random tokens (x)").set_index("head")
+    assert list(bare["type"]) == ["self", "content", "previous-token"]
+    assert list(bare["measured_on"]) == ["this prompt (last token)", "this prompt; random tokens (x) say not previous-token",
+                                         "random tokens (x)"]
+    none = type_heads(lab, att, rand.iloc[:0], "no random tokens").set_index("head")  # context too short to check
+    assert none.loc[1, "type"] == "previous (this prompt only)" and "no random-token check" in none.loc[1, "measured_on"]

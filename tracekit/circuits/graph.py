@@ -9,7 +9,9 @@ Names follow the EAP-IG library of Hanna et al. (2024), which the MIB benchmark 
   ``blocks.L.hook_mlp_out``);
 * **downstream** nodes (each *reads* the residual stream): ``a{L}.h{H}<q>``, ``a{L}.h{G}<k>``,
   ``a{L}.h{G}<v>`` (a head's query, key and value inputs, ``attn.hook_{q,k,v}_input``, before the
-  block's norm; ``G`` is a key/value head under grouped-query attention), ``m{L}``
+  block's norm; ``G`` is a key/value head under grouped-query attention: query head ``H`` reads
+  key/value head ``H // (n_heads // n_kv_heads)``, :meth:`Graph.kv_head`; a k/v input named by a
+  query head that is not also a key/value head is refused naming the right node), ``m{L}``
   (``blocks.L.hook_mlp_in``) and ``logits`` (the final norm's input,
   ``blocks.{n_layers-1}.hook_resid_post``);
 * an **edge** ``u->v`` exists when ``u`` writes before ``v`` reads: ``u`` in an earlier block, or
@@ -24,6 +26,7 @@ refused (:func:`check_separable`), and every run checks ``sum_H Delta write_H = 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional, cast
@@ -36,6 +39,9 @@ from ..errors import CircuitError, MethodRefused
 from ..model.checks import model_dtype, tolerance
 from ..model.info import HookedModel
 from ..model.writepath import write_path
+
+#: A downstream head input's name: ``a{L}.h{H}<q|k|v>``.
+_HEAD_INPUT = re.compile(r"^a(\d+)\.h(\d+)<([qkv])>$")
 
 __all__ = ["Graph", "build_graph", "check_separable", "check_head_writes", "head_writes", "upstream_hooks",
            "downstream_hooks", "receiver_hooks"]
@@ -112,6 +118,9 @@ class Graph:
             raise CircuitError(f"{field}: {u!r} is not an upstream node; use 'input', 'a{{L}}.h{{H}}' or 'm{{L}}' "
                                 f"(layers 0..{self.n_layers - 1}, heads 0..{self.n_heads - 1})")
         if v not in self.down_index:
+            hint = self.kv_name_hint(v, field)
+            if hint is not None:
+                raise CircuitError(hint)
             raise CircuitError(f"{field}: {v!r} is not a downstream node; use 'a{{L}}.h{{H}}<q>' (heads "
                                 f"0..{self.n_heads - 1}), 'a{{L}}.h{{G}}<k|v>' (key/value heads 0..{self.n_kv_heads - 1}), "
                                 f"'m{{L}}' or 'logits' (layers 0..{self.n_layers - 1})")
@@ -119,6 +128,49 @@ class Graph:
         if not bool(self.mask[vi, ui]):
             raise CircuitError(f"{field}: {name!r} is not an edge: {u} writes after {v} reads")
         return vi, ui
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (``n_heads // n_kv_heads``; 1 without grouped-query attention)."""
+        return max(1, self.n_heads // max(1, self.n_kv_heads))
+
+    def kv_head(self, head: int) -> int:
+        """The key/value head query head ``head`` reads: ``head // (n_heads // n_kv_heads)`` (the
+        grouping of ``repeat_interleave`` in Hugging Face's and TransformerLens' GQA)."""
+        return int(head) // self.group_size
+
+    def query_heads(self, kv_head: int) -> list[int]:
+        """The query heads sharing key/value head ``kv_head`` (``[kv_head]`` without GQA)."""
+        g = self.group_size
+        return list(range(int(kv_head) * g, (int(kv_head) + 1) * g))
+
+    def node_query_heads(self, name: str) -> Optional[list[int]]:
+        """The query heads a downstream head input feeds: ``[H]`` for ``a{L}.h{H}<q>``, the query
+        heads sharing key/value head ``G`` for ``a{L}.h{G}<k|v>``; None for ``m{L}`` / ``logits``."""
+        m = _HEAD_INPUT.match(name)
+        if m is None:
+            return None
+        h = int(m.group(2))
+        return [h] if m.group(3) == "q" else self.query_heads(h)
+
+    def kv_name_hint(self, name: str, field: str) -> Optional[str]:
+        """The refusal of a key/value input named by a *query* head (``a23.h4<v>`` where only key/value
+        heads 0..2 exist), naming the right node; None if ``name`` is not such a name.
+
+        Rule: ``<k>`` / ``<v>`` inputs count key/value heads (the tensor a k/v hook holds), ``<q>``
+        inputs, senders and every head table count query heads; query head ``H`` reads key/value head
+        ``H // (n_heads // n_kv_heads)``. Query-head names are not mapped silently because
+        ``a{L}.h{G}<v>`` with ``G < n_kv_heads`` already names key/value head ``G``."""
+        m = _HEAD_INPUT.match(name.strip())
+        if m is None or m.group(3) == "q" or not self.n_kv_heads <= int(m.group(2)) < self.n_heads:
+            return None
+        L, h, x = int(m.group(1)), int(m.group(2)), m.group(3)
+        g = self.kv_head(h)
+        share = ", ".join(str(q) for q in self.query_heads(g))
+        return (f"{field}: {name.strip()!r}: query head {h}'s {x} input is key/value head {g}: write 'a{L}.h{g}<{x}>' "
+                f"(query heads {share} share it). <k>/<v> inputs count key/value heads (0..{self.n_kv_heads - 1}; "
+                f"{self.group_size} query heads each); <q> inputs, senders and head tables count query heads "
+                f"(0..{self.n_heads - 1})")
 
     def receivers_of(self, node: str) -> list[str]:
         """The downstream names of a node given as ``a{L}.h{H}`` (its q, k, v inputs; k/v of its
@@ -131,8 +183,11 @@ class Graph:
             return [node]
         if node.startswith("a") and node in self.up_index:
             layer, head = (int(s[1:]) for s in node.split("."))
-            g = head // max(1, self.n_heads // self.n_kv_heads)
+            g = self.kv_head(head)
             return [f"a{layer}.h{head}<q>", f"a{layer}.h{g}<k>", f"a{layer}.h{g}<v>"]
+        hint = self.kv_name_hint(node, "receivers")
+        if hint is not None:
+            raise CircuitError(hint)
         raise CircuitError(f"receivers: {node!r} is not a node; use 'a{{L}}.h{{H}}' (its q, k and v inputs), "
                             "'a{L}.h{H}<q|k|v>', 'm{L}' or 'logits'")
 

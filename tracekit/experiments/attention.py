@@ -379,7 +379,12 @@ class HeadScan(Experiment):
 
     def _run(self, model: HookedModel, inputs: HeadScanInputs, progress: bool = True) -> HeadScanResult:
         layers = list(inputs.layers)
-        tables = {"scores": head_scores(model, self.seq_len, self.n_seqs, self.seed, layers)}
+        sc = head_scores(model, self.seq_len, self.n_seqs, self.seed, layers)
+        prev, ind = sc["prev_token_score"] >= self.dominance, sc["induction_score"] >= self.induction_threshold
+        sc["type"] = [", ".join(t for t, on in (("previous-token", p), ("induction", i)) if on)
+                      for p, i in zip(prev.tolist(), ind.tolist())]
+        sc["measured_on"] = f"random tokens ({self.n_seqs} x 2 x {self.seq_len}, seed {self.seed})"
+        tables = {"scores": sc}
         if inputs.ids:
             rows = []
             for pi, ids in zip(inputs.row_ids, inputs.ids):
@@ -394,6 +399,7 @@ class HeadScan(Experiment):
                 read_layers(model, batch, layers, ("head_pattern",), label, what="head scan labels")
                 for L in layers:
                     lab = labs[hook("head_pattern", L)]
-                    rows.append(lab.rename(columns=LABEL_RENAMES).assign(prompt_idx=pi, row_id=pi, layer=L))
+                    rows.append(lab.rename(columns=LABEL_RENAMES).assign(
+                        prompt_idx=pi, row_id=pi, layer=L, measured_on=f"row {pi}, every query position >= 1"))
             tables["labels"] = pd.concat(rows, ignore_index=True)
         return HeadScanResult(self, tables, {"layers": layers})

@@ -50,7 +50,11 @@ class AttentionPatternResult(Result):
       (``mean_score`` with ``scores: true``).
     * ``labels``: per (row, layer, head): ``self_weight, first_weight, previous_weight,
       entropy_norm, max_key_weight, top_key_pos, top_key_token, label``
-      (:func:`tracekit.attention.label_query_rows`).
+      (:func:`tracekit.attention.label_query_rows`), ``top_key_role`` (the row's named positions
+      at the top key, ``/``-joined; ``""`` if none), ``role`` (``attends SUBJ`` when the top key is
+      a named position with weight >= ``dominance``, else ``label``) and ``measured_on`` (``this
+      row, one query``; the summary's ``labels_measured_on`` says over how many rows and at which
+      query the modal labels ``modal_label_by_head`` / ``modal_role_by_head`` were taken).
     * ``tokens``: ``row_id, position, token`` (each row's tokens, BOS included when prepended).
     * ``full_pattern`` (``full_pattern: true``): ``row_id, layer, head_idx, query_pos, key_pos,
       weight``, every query and key ``<= query`` of the shown heads on the first ``plot_rows`` rows.
@@ -61,7 +65,7 @@ class AttentionPatternResult(Result):
     table_names = ("pattern", "rows", "heads", "labels", "tokens", "full_pattern")
     summary_keys = ("n_rows", "layers", "heads", "query", "keys", "query_pos_by_row", "query_token_by_row",
                     "shown_heads", "top_heads_by_key", "mean_attention_by_key", "mean_score_by_key",
-                    "modal_label_by_head", "max_abs_row_sum_error")
+                    "modal_label_by_head", "modal_role_by_head", "labels_measured_on", "max_abs_row_sum_error")
     renamed_columns = {"labels.self": "self_weight", "labels.first": "first_weight",
                        "labels.previous": "previous_weight", "prompt_idx": "row_id"}
 
@@ -94,6 +98,14 @@ class AttentionPatternResult(Result):
             out["mean_score_by_key"] = {key: {head_name(L, H): round(float(hs.loc[(L, H, key), "mean_score"]), 6)
                                               for L, H in shown if (L, H, key) in hs.index} for key in keys}
         out["modal_label_by_head"] = modal
+        if "role" in lab:
+            roles = {}
+            for L, H in shown:
+                counts = column(where(lab, (lab["layer"] == L) & (lab["head_idx"] == H)), "role").value_counts()
+                roles[head_name(L, H)] = min(counts.index, key=lambda x: (-counts[x], str(x))) if len(counts) else None
+            out["modal_role_by_head"] = roles
+        out["labels_measured_on"] = (f"{int(m['n_rows'])} row(s), query {m['query']} (one query per row; the modal "
+                                     "label over rows)")
         out["max_abs_row_sum_error"] = float(m["max_abs_row_sum_error"])
         return out
 
@@ -108,11 +120,16 @@ class AttentionPatternResult(Result):
                          ", ".join(f"L{L}H{H} {w:.2f}" for L, H, w in s["top_heads_by_key"][key]))
         if s["shown_heads"]:
             keys = s["keys"][:12]
-            rows = [[head_name(L, H), s["modal_label_by_head"].get(head_name(L, H)) or ""] +
+            by = s.get("modal_role_by_head") or s["modal_label_by_head"]
+            rows = [[head_name(L, H), by.get(head_name(L, H)) or ""] +
                     [f"{s['mean_attention_by_key'][k].get(head_name(L, H), float('nan')):.3f}" for k in keys]
                     for L, H in s["shown_heads"]]
-            lines.append("shown heads: mean weight over rows (modal label)")
+            lines.append(f"shown heads: mean weight over rows; label measured on {s['labels_measured_on']}")
             lines.append(plotting.text_table(rows, ["head", "label", *keys]))
+            if any(str(v) == "previous" for v in by.values()):
+                lines.append("  'previous' at one query position per row is not a previous-token score: a head that "
+                             "seeks the token sitting there looks the same; name the position in the rows (attends "
+                             "SUBJ) or score heads on repeated random tokens (kind head_scan)")
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -228,9 +245,17 @@ class AttentionPatternResult(Result):
 
 class HeadScanResult(Result):
     """Tables: ``scores`` (per layer x head_idx: prev_token_score, induction_score and
-    TransformerLens' ``tl_*`` scores on repeated random tokens), ``labels`` (per prompt x layer x
-    head_idx, averaged over query positions >= 1: ``self_weight, first_weight, previous_weight,
-    entropy_norm, max_key_weight, label``)."""
+    TransformerLens' ``tl_*`` scores on repeated random tokens; ``type``: ``previous-token`` when
+    prev_token_score >= ``dominance``, ``induction`` when induction_score >= ``induction_threshold``
+    (both joined by ``, ``; ``""`` if neither), ``measured_on``: the random tokens), ``labels`` (per
+    prompt x layer x head_idx, averaged over query positions >= 1: ``self_weight, first_weight,
+    previous_weight, entropy_norm, max_key_weight, label``, ``measured_on``).
+
+    Summary: ``top_induction_heads``, ``top_prev_token_heads``, ``n_induction_heads``,
+    ``max_induction_score``, ``random_tokens`` (what the scores were measured on),
+    ``previous_token_heads`` (score >= ``dominance``), ``label_counts`` (with prompts / dataset:
+    the first row's labels) and ``labels_measured_on`` (what they were measured on; None without
+    prompts / dataset)."""
 
     config: "HeadScan"
     main_table = "scores"
@@ -246,20 +271,29 @@ class HeadScanResult(Result):
                "top_prev_token_heads": {f"L{r.layer}H{r.head_idx}": round(float(r.prev_token_score), 4) for r in records(prev)},
                "n_induction_heads": int((column(sc, "induction_score") >= self.config.induction_threshold).sum()),
                "max_induction_score": round(float(column(sc, "induction_score").max()), 4)}
+        c = self.config
+        out["random_tokens"] = f"{c.n_seqs} sequences of 2 x {c.seq_len} random tokens (seed {c.seed})"
+        out["previous_token_heads"] = [f"L{r.layer}H{r.head_idx}" for r in records(sc.sort_values(
+            ["prev_token_score", "layer", "head_idx"], ascending=[False, True, True])) if r.prev_token_score >= c.dominance]
         lab = self.tables.get("labels", pd.DataFrame())
+        out["labels_measured_on"] = None
         if len(lab):
-            l0 = where(lab, lab["prompt_idx"] == 0)
+            first = column(lab, "prompt_idx").iloc[0]
+            l0 = where(lab, lab["prompt_idx"] == first)
             out["label_counts"] = {k: int(v) for k, v in column(l0, "label").value_counts().items()}
+            out["labels_measured_on"] = (f"row {first}: every query position >= 1 (mean attention mass; "
+                                         "previous = the previous position across the row's positions)")
         return out
 
     def report(self) -> str:
         s = self.summary()
-        lines = [f"head scan [{self.config.step_name}]: repeated random tokens (seq_len {self.config.seq_len} x2, "
-                 f"{self.config.n_seqs} sequences)",
+        lines = [f"head scan [{self.config.step_name}]: scores measured on {s['random_tokens']}",
                  "top induction heads: " + ", ".join(f"{k} {v:.2f}" for k, v in s["top_induction_heads"].items()),
                  "top previous-token heads: " + ", ".join(f"{k} {v:.2f}" for k, v in s["top_prev_token_heads"].items())]
+        lines.append(f"previous-token heads (score >= {self.config.dominance} on random tokens): "
+                     f"{', '.join(s['previous_token_heads'][:20]) or 'none'}")
         if "label_counts" in s:
-            lines.append(f"labels on prompt 0: {s['label_counts']}")
+            lines.append(f"labels measured on {s['labels_measured_on']}: {s['label_counts']}")
         return "\n".join(lines)
 
     def figures(self) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from pydantic import Field
 
-from ..circuits.graph import build_graph
+from ..circuits.graph import Graph, build_graph
 from ..circuits.paths import path_patch
 from ..dataset.paired import PairedRows
 from ..errors import MethodRefused
@@ -26,7 +26,42 @@ from .circuit_rows import CircuitRowsExperiment, Mode
 from .circuits_tables import bar_chart
 from .patching_tables import column, is_missing, records, where
 
-__all__ = ["PathPatching", "PathPatchingResult"]
+__all__ = ["PathPatching", "PathPatchingResult", "HEAD_NUMBERING", "receivers_table"]
+
+#: The head-numbering rule of path patching's node names (recorded in each result's summary).
+HEAD_NUMBERING = ("senders, <q> receivers and head tables count query heads (0..{hq}); <k>/<v> receivers count "
+                  "key/value heads (0..{hkv}): query head H reads key/value head H // {g}")
+
+
+def receivers_table(graph: Graph, receivers: list[str]) -> pd.DataFrame:
+    """One line per receiver: ``receiver, layer, input, head_idx, head_numbering, query_heads`` (the
+    query heads a head input feeds, comma-separated: the group sharing a key/value head under
+    grouped-query attention; empty for ``m{L}`` / ``logits``)."""
+    rows = []
+    for r in receivers:
+        q = graph.node_query_heads(r)
+        if r == "logits":
+            rows.append((r, graph.n_layers, "logits", pd.NA, "", ""))
+        elif q is None:
+            rows.append((r, int(r[1:]), "mlp", pd.NA, "", ""))
+        else:
+            x = r[-2]
+            rows.append((r, int(r[1:].split(".")[0]), x, int(r.split(".h")[1].split("<")[0]),
+                         "query" if x == "q" else "key_value", ",".join(str(h) for h in q)))
+    df = pd.DataFrame(rows, columns=["receiver", "layer", "input", "head_idx", "head_numbering", "query_heads"])
+    df["head_idx"] = df["head_idx"].astype("Int64")
+    return df
+
+
+def _numbering_summary(meta: dict, table) -> dict:
+    """``head_numbering`` and ``receiver_query_heads`` (empty for a result saved before they existed)."""
+    if table is None or "n_heads" not in meta:
+        return {}
+    hq, hkv = int(meta["n_heads"]), int(meta["n_kv_heads"])
+    rule = HEAD_NUMBERING.format(hq=hq - 1, hkv=hkv - 1, g=max(1, hq // max(1, hkv)))
+    heads = {str(r["receiver"]): [int(h) for h in str(r["query_heads"]).split(",")]
+             for r in records(table) if str(r["query_heads"])}
+    return {"head_numbering": rule, "receiver_query_heads": heads}
 
 
 class PathPatchingResult(Result):
@@ -35,19 +70,31 @@ class PathPatchingResult(Result):
     Tables: ``main`` (one line per variant x row, plus ``scope`` = ``mean`` lines: ``senders``,
     ``receivers``, ``value`` = the path-patched metric, ``base`` = the unpatched base run's,
     ``delta`` = value - base, ``normalized`` = (value - corrupted) / (clean - corrupted), ``effect``
-    = normalized for denoising, 1 - normalized for noising); ``rows``.
+    = normalized for denoising, 1 - normalized for noising); ``rows``; ``receivers`` (one line per
+    receiver: ``receiver``, ``layer``, ``input`` (q / k / v / mlp / logits), ``head_idx`` (as named:
+    a query head for ``<q>``, a key/value head for ``<k>`` / ``<v>``), ``head_numbering`` (``query``
+    / ``key_value``), ``query_heads`` (the query heads the input feeds: the group sharing a
+    key/value head under grouped-query attention, e.g. ``"3,4,5"``)).
+
+    Head numbering (:data:`HEAD_NUMBERING`): senders, ``<q>`` receivers and every head table count
+    query heads; ``<k>`` / ``<v>`` receivers count key/value heads, and query head ``H`` reads
+    key/value head ``H // (n_heads // n_kv_heads)``; a k/v receiver named by a query head is
+    refused with the right name (``a23.h4<v>`` on a model with 9 query and 3 key/value heads:
+    ``a23.h1<v>``, shared by query heads 3, 4, 5).
 
     Summary keys: ``mode``, ``recipe`` (the rule for receivers in several blocks: ``wang`` or
     ``live``), ``metric``, ``n_rows``, ``receivers``, ``n_variants``, ``skipped``
     (expanded senders dropped because they write after a receiver reads), ``mean_clean``,
-    ``mean_corrupted``, ``effects`` (per variant ``{senders, mean_delta, mean_effect}``, by |effect|).
+    ``mean_corrupted``, ``effects`` (per variant ``{senders, mean_delta, mean_effect}``, by |effect|),
+    ``head_numbering`` (the rule above, with the model's head counts), ``receiver_query_heads``
+    (per head receiver, the query heads it feeds).
     """
 
     config: "PathPatching"
     main_table = "main"
-    table_names = ("main", "rows")
+    table_names = ("main", "rows", "receivers")
     summary_keys = ("mode", "recipe", "metric", "n_rows", "receivers", "n_variants", "skipped", "mean_clean", "mean_corrupted",
-                    "effects", "chunks")
+                    "effects", "chunks", "head_numbering", "receiver_query_heads")
 
     def summary(self) -> dict:
         df = self.tables["main"]
@@ -62,7 +109,8 @@ class PathPatchingResult(Result):
                 "mean_corrupted": float(column(rows, f"corrupted_{m}").mean()),
                 "effects": [{"senders": r["senders"], "mean_delta": round(float(r["delta"]), 6),
                              "mean_effect": None if is_missing(r["effect"]) else round(float(r["effect"]), 6)}
-                            for r in records(mean)]}
+                            for r in records(mean)],
+                **_numbering_summary(self.meta, self.tables.get("receivers"))}
 
     def report(self) -> str:
         s = self.summary()
@@ -75,6 +123,11 @@ class PathPatchingResult(Result):
             lines.append(f"    {eff}  (delta {e['mean_delta']:+.4f})  {e['senders']}")
         if s["skipped"]:
             lines.append(f"  skipped {len(s['skipped'])} sender(s) writing after a receiver reads")
+        kv = {r: q for r, q in (s.get("receiver_query_heads") or {}).items() if not r.endswith("<q>")}
+        if kv and s.get("head_numbering"):
+            lines.append(f"  head numbering: {s['head_numbering']}")
+            lines.append("  k/v receivers -> query heads sharing them: " +
+                         "; ".join(f"{r} -> {','.join(str(h) for h in q)}" for r, q in list(kv.items())[:12]))
         return "\n".join(lines)
 
     def figures(self) -> dict:
@@ -101,8 +154,11 @@ class PathPatching(CircuitRowsExperiment):
             (``a2?.h*``: every head of blocks 20-29, each a variant) or a list of names patched together
             (``[a20.h0, a19.h2]``). Expanded senders that write after a receiver reads are skipped (listed
             in the summary); a sender named explicitly must write before every receiver.
-        receivers: downstream nodes shared by every variant: ``a{L}.h{H}`` (its q, k and v inputs),
-            ``a{L}.h{H}<q>`` / ``<k>`` / ``<v>``, ``m{L}`` (MLP input), ``logits``, or glob patterns.
+        receivers: downstream nodes shared by every variant: ``a{L}.h{H}`` (query head ``H``'s q, k
+            and v inputs: its key/value head's k and v), ``a{L}.h{H}<q>`` (query head ``H``),
+            ``a{L}.h{G}<k>`` / ``<v>`` (key/value head ``G``: under grouped-query attention query head
+            ``H`` reads ``G = H // (n_heads // n_kv_heads)``; a query head's number there is refused
+            with the right name), ``m{L}`` (MLP input), ``logits``, or glob patterns.
         mode: ``denoising`` (default; clean senders into the corrupted run) or ``noising``.
         recipe: what a receiver in a later block than the first receivers reads. ``wang`` (default;
             Wang et al. 2022's three runs, as ARENA's path patching): its input in a run with the
@@ -214,8 +270,10 @@ class PathPatching(CircuitRowsExperiment):
         df["effect"] = df["normalized"] if self.mode == "denoising" else 1 - df["normalized"]
         for col in ("pair", "row_id"):
             df[col] = df[col].astype("Int64")
-        tables = {"main": df, "rows": self._rows_table(inputs, c, x)}
+        graph = build_graph(model)
+        tables = {"main": df, "rows": self._rows_table(inputs, c, x), "receivers": receivers_table(graph, recv)}
         return PathPatchingResult(self, tables, {"receivers": recv, "skipped": skipped, "recipe": run.recipe,
+                                                 "n_heads": graph.n_heads, "n_kv_heads": graph.n_kv_heads,
                                                  "variants": ["+".join(v) for v in variants],
                                                  "chunks": {"path patching replay": {"variants": run.batch_sizes}}})
 

@@ -7,7 +7,9 @@ inline base64 PNGs, no network), ``report.md`` and a CSV file of every table the
 top rows (``components.csv``, ...; linked from both reports).
 
 Tables: ``tokens``, ``embedding_norms``, ``nearest``, ``analogies``, ``attention`` (last position,
-every layer x head x key), ``head_types``, ``head_scores`` (the picked head's raw scores and
+every layer x head x key), ``head_types`` (each head's type and ``measured_on``: what the type was
+measured on, :func:`tracekit.trace.type_heads`; a dataset row's named positions type a head that
+attends one, ``attends SUBJ``), ``head_scores`` (the picked head's raw scores and
 weights), ``top_heads`` (the heads ranked by |direct logit attribution|), ``head_patterns`` (their
 query x key patterns, the last :data:`tracekit.trace.PATTERN_WINDOW` positions), ``neurons``
 (with a foil: ``contribution`` to the logit difference and ``contribution_target`` to the target
@@ -57,6 +59,8 @@ class TokenTraceInputs:
     target: Optional[str] = None
     foil: Optional[str] = None
     row_id: Optional[int] = None
+    #: the dataset row's named positions (name -> token index, BOS counted); empty for prompts
+    positions: tuple[tuple[str, int], ...] = ()
 
 
 @register
@@ -144,13 +148,15 @@ class TokenTrace(Experiment):
                                f"(after {dict(data.dropped) or 'no drops'}); use 0..{len(data) - 1}")
         e = data.examples[self.row]
         return TokenTraceInputs(e.ids, e.target_id, e.foil_id, parse_head(self.head, model), e.prompt,
-                                e.row.target, e.row.foil, e.row_id)
+                                e.row.target, e.row.foil, e.row_id,
+                                tuple((str(k), int(v)) for k, v in e.positions.items()))
 
     def _run(self, model: HookedModel, inputs: TokenTraceInputs, progress: bool = True) -> TokenTraceResult:
         # The engine (tracekit.trace.token_trace) takes the prompt string and tokenizes it in each of
         # its stages (lens, attribution, attention; no ids parameter yet).
         tr = token_trace(model, inputs.prompt, inputs.target, inputs.foil, self.head, self.top_neurons, self.value_tokens,
                          self.key_contexts, self.key_max_tokens, top_k=self.top_k, seed=self.seed,
-                         n_samples=self.n_samples, top_heads=self.top_heads)
+                         n_samples=self.n_samples, top_heads=self.top_heads,
+                         positions=dict(inputs.positions) or None)
         meta = {**tr.meta, "row_id": inputs.row_id, "model": model_spec_of(model).model_dump(mode="json"), "tokenization": bos_info(model)}
         return TokenTraceResult(self, tr.tables, meta)

@@ -20,6 +20,7 @@ from ..trace import (
     ARTICLE,
     SECTIONS,
     TRACE_RENAMES,
+    TYPE_DOMINANCE,
     fig_to_data_uri,
     render_html,
     render_markdown,
@@ -55,6 +56,15 @@ def _metric(meta: dict) -> str:
     else ``logit(' Paris')``."""
     t = f"logit({meta['target']!r})"
     return f"{t} - logit({meta['foil']!r})" if meta.get("foil") else t
+
+
+def _attributed_values(meta: dict) -> dict:
+    """The summary's attributed number under its own name: ``logit_diff`` / ``attributed_logit_diff``
+    (``logit(target) - logit(foil)``) with a foil, ``logit`` / ``attributed_logit`` without one. The
+    meta keeps ``logit`` / ``attributed`` either way (so a result saved before the rename loads and
+    summarises the same)."""
+    suffix = "_diff" if meta.get("foil") else ""
+    return {f"logit{suffix}": meta["logit"], f"attributed_logit{suffix}": meta.get("attributed", meta["logit"])}
 
 
 def _tick(tok) -> str:
@@ -93,8 +103,8 @@ class TokenTraceResult(Result):
             "target_prob_by_hidden_state": lens["prob"].astype(float).tolist(),
             "target_rank_by_hidden_state": lens["vocab_rank"].tolist(),
             "jump_layer": m["jump_layer"], "jump": m["jump"], "emergence_hidden_state": m["emergence_hidden_state"],
-            "emergence_layer": m["emergence_layer"], "logit": m["logit"], "components_sum": m["components_sum"],
-            "attributed_logit": m.get("attributed", m["logit"]),
+            "emergence_layer": m["emergence_layer"], "metric": _metric(m), **_attributed_values(m),
+            "components_sum": m["components_sum"],
             "top_components": comp["component"].head(5).tolist(),
             "ffn_layer": m["ffn_layer"], "top_neurons": [f"{r.layer}.{r.neuron}" for r in records(neu)],
             "parameters": m["cost"]["parameters"], "kv_bytes_per_token": m["cost"]["kv_bytes_per_token"],
@@ -360,6 +370,9 @@ class TokenTraceResult(Result):
         metric = _metric(m)
         counts = t["head_types"]["type"].value_counts().to_dict()
         kinds = ", ".join(f"{k} {v}" for k, v in counts.items())
+        ht = t["head_types"]
+        on = (", ".join(f"{k}: {v}" for k, v in ht["measured_on"].value_counts().to_dict().items())
+              if "measured_on" in ht else "this prompt (last token)")
         top = t.get("top_heads")
         if top is not None and len(top):
             sa["text"].append(
@@ -370,14 +383,20 @@ class TokenTraceResult(Result):
             sa["figures"].append(fig("attention_heads", f"Top {len(top)} heads by |DLA| to {metric}: attention weight of "
                                      "each query token (rows) over the key tokens (columns), last "
                                      f"{m.get('pattern_window', '')} positions at most; the title gives the head's "
-                                     "type at the last position and its DLA (logits)."))
-            sa["tables"].append(tab(f"Top heads by |DLA| to {metric}; type and strongest key of the last token "
-                                    f"{show_token(last)}", "top_heads", link="heads_dla"))
+                                     "type (table below: what it was measured on) and its DLA (logits)."))
+            sa["tables"].append(tab(f"Top heads by |DLA| to {metric}; type (measured_on: what the type was measured "
+                                    f"on) and strongest key of the last token {show_token(last)}", "top_heads",
+                                    link="heads_dla"))
         sa["figures"].append(fig("heads_dla", f"Every head's direct logit attribution to {metric} (logits; blue "
                                  "positive, red negative), layers x heads; numbered boxes: the top heads above."))
         why = {"given": "as configured", "article (GPT-2)": "the GPT-2 article's head",
                "top head by DLA": "the prompt's top head by |DLA|"}.get(m.get("head_source", ""), "")
-        sa["text"].append(f"Head types of the last token {show_token(last)} over all heads: {kinds}. Raw scores are shown for "
+        sa["text"].append(f"Head types of the last token {show_token(last)} over all heads: {kinds} (measured on {on}). "
+                          "One prompt cannot tell a previous-token head from a head that seeks the token sitting "
+                          "before the last one, so a head is previous-token only if it also attends the previous "
+                          "token on repeated random tokens (Olsson et al. 2022: prev_token_score_random >= "
+                          f"{TYPE_DOMINANCE}), else content; where the traced row has named positions, a head whose "
+                          "strongest key is one is typed by it (attends SUBJ). Raw scores are shown for "
                           f"{m['head']} ({why}): pre-softmax q.k / sqrt(d_head) of the last token; the weights are "
                           "their softmax.")
         sa["figures"].append(fig("head_scores", f"{m['head']}: raw attention scores (left) and weights (right) of the "

@@ -304,8 +304,8 @@ def capitals(model: HookedModel, n: int | None = None, seed: int = 0, few_shot: 
             other = partners[r["country"]][rng.randrange(len(partners[r["country"]]))]
             rows.append(Row(prompt=prompt, target=" " + r["capital"], foil=" " + other["capital"],
                             corrupted=f"{prefix}The capital of {other['phrase']} is", group=r["continent"],
-                            positions=positions, country=r["country"],
-                            corrupt_country=other["country"]))  # type: ignore[call-arg]
+                            positions=positions,
+                            country=r["country"], corrupt_country=other["country"]))  # type: ignore[call-arg]
             continue
         foil = usable[(i + 1 + rng.randrange(len(usable) - 1)) % len(usable)]["capital"]
         rows.append(Row(prompt=prompt, target=" " + r["capital"], foil=" " + foil, group=r["continent"],

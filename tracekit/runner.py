@@ -299,10 +299,10 @@ def _check_store_refs(step, written: set[Path]) -> None:
 
 def _prepared_on_weights(raw: Any) -> bool:
     """Whether a step's config asks for rows that only the loaded model can prepare: a dataset's
-    ``filter: correct`` runs the model, which a :class:`~tracekit.model.ModelInfo` leaves to the
-    run (:meth:`tracekit.dataset.DatasetSpec.prepare`)."""
+    ``filter: correct`` / ``top1`` runs the model, which a :class:`~tracekit.model.ModelInfo` leaves
+    to the run (:meth:`tracekit.dataset.DatasetSpec.prepare`)."""
     if isinstance(raw, dict):
-        return raw.get("filter") == "correct" or any(_prepared_on_weights(v) for v in raw.values())
+        return raw.get("filter") in ("correct", "top1") or any(_prepared_on_weights(v) for v in raw.values())
     if isinstance(raw, list):
         return any(_prepared_on_weights(v) for v in raw)
     return False

@@ -101,10 +101,11 @@ def test_spec_needs_exactly_one_source_and_fitting_options():
         DatasetSpec()
     with pytest.raises(ValueError, match="exactly one of rows, path, generator"):
         DatasetSpec(rows=[{"prompt": "a"}], generator="ioi")
-    with pytest.raises(ValueError, match=r"generator 'capitals' takes no corrupt \(an option of ioi\)"):
-        DatasetSpec(generator={"name": "capitals", "corrupt": "abc"})
-    saved = DatasetSpec(generator="capitals").model_dump(mode="json")  # every field, as config.json holds it
-    assert DatasetSpec.model_validate(saved) == DatasetSpec(generator="capitals")
+    with pytest.raises(ValueError, match=r"generator 'induction' takes no corrupt \(an option of ioi / capitals\)"):
+        DatasetSpec(generator={"name": "induction", "corrupt": "abc"})
+    for name in ("capitals", "ioi", "induction"):
+        saved = DatasetSpec(generator=name).model_dump(mode="json")  # every field, as config.json holds it
+        assert DatasetSpec.model_validate(saved) == DatasetSpec(generator=name)
     with pytest.raises(ValueError, match="unknown generator 'iio'"):
         DatasetSpec(generator="iio")
     with pytest.raises(ValueError, match="columns: \\['label'\\] are not row fields"):

@@ -12,9 +12,20 @@ rows whose names and answers are single tokens for that model's tokenizer, count
   token). Corrupted counterpart (``corrupt``): ``swap_s2`` (S2 replaced by the IO name: the
   corrupted prompt's answer is the clean foil), ``abc`` (S2 replaced by a third name C, Wang et al.'s
   ABC distribution), or ``none``.
-* ``capitals``: "The capital of France is" -> `` Paris`` for the built-in countries table; foil:
-  another row's capital; ``few_shot: true`` prefixes the seed article's "The capital of China is
-  Beijing. " (China itself is then left out). Positions ``SUBJ`` (last token of the country), ``END``.
+* ``capitals``: "The capital of France is" -> `` Paris`` for the built-in countries table;
+  ``few_shot: true`` prefixes the seed article's "The capital of China is Beijing. " (China itself
+  is then left out). Named positions ``SUBJ`` (the last token of the country) and ``END`` (the last
+  token), resolved on the prompt as written, few-shot prefix included. Counterfactual pairs
+  (``corrupt``; the IOI generator's name swap applied to the subject: Zhang & Nanda 2024, "Towards
+  Best Practices of Activation Patching", symmetric token replacement for factual recall):
+  ``country`` (default) replaces the subject by another country of the table whose name is as many
+  tokens for this model's tokenizer (a seeded draw, never the row's own country, whose capital is
+  one token): the corrupted prompt's answer is that country's capital, which is the row's foil, so
+  logit(target) - logit(foil) is the clean-vs-corrupted logit difference and ``SUBJ`` / ``END`` are
+  the same token indices in both prompts. Rows whose country has no such partner are dropped and
+  counted (``dropped``); ``none``: no corrupted prompt, the foil another row's capital. ROME-style
+  corruption (Gaussian noise on the subject's embeddings) is not a pair: it is the
+  ``causal_tracing`` kind's job.
 * ``induction``: ``seq_len`` random single-token words, then the same words again without the last:
   the answer is the last word (an induction head at ``END`` attends to ``SRC``, the first copy of
   the answer, after ``PREV``, the first copy of the current token). Foil: a word not in the row.
@@ -31,10 +42,10 @@ from importlib import resources
 from ..core.errors import DatasetError
 from ..model.info import HookedModel
 from ..tokens import encode
-from .rows import At, Row
+from .rows import At, PositionValue, Row
 
 __all__ = ["IOI_TEMPLATES", "IOI_NAMES", "generate", "GENERATORS", "ioi", "capitals", "induction", "GeneratorError",
-           "MAX_DRAWS"]
+           "MAX_DRAWS", "CORRUPT", "MAX_UNPAIRED_SHARE"]
 
 #: Wang et al. 2022's BABA templates (``[B]`` = S, ``[A]`` = IO), the answer " [A]" removed.
 #: ABBA rows swap the first two names.
@@ -85,6 +96,13 @@ FEW_SHOT_CAPITALS = "The capital of China is Beijing. "
 
 #: Every redraw loop stops after this many draws per row asked for, then fails saying what is short.
 MAX_DRAWS = 1000
+
+#: Per generator, the ``corrupt`` values it takes; the first is its default.
+CORRUPT: dict[str, tuple[str, ...]] = {"ioi": ("swap_s2", "abc", "none"), "capitals": ("country", "none")}
+
+#: ``capitals`` with ``corrupt: country`` refuses when more than this share of its usable rows have
+#: no country of the same token length to swap in (the pairs would no longer sample the table).
+MAX_UNPAIRED_SHARE = 0.5
 
 
 class GeneratorError(DatasetError):
@@ -166,6 +184,8 @@ def ioi(model: HookedModel, n: int = 64, seed: int = 0, corrupt: str = "swap_s2"
             another (``Sara`` / ``Sarah``); or, with few such triples, no free triple within
             :data:`MAX_DRAWS` draws. Each names the colliding names and the fix.
     """
+    if corrupt not in CORRUPT["ioi"]:
+        raise GeneratorError("corrupt", f"ioi takes corrupt: {' | '.join(CORRUPT['ioi'])}, not {corrupt!r}")
     pool = [str(x) for x in names] if names is not None else list(IOI_NAMES)
     usable, dropped = _ioi_names(model, pool)
     rng = random.Random(seed)
@@ -202,19 +222,55 @@ def _countries() -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def capitals(model: HookedModel, n: int | None = None, seed: int = 0, few_shot: bool = False) -> tuple[list[Row], dict[str, int]]:
+def _token_len(model: HookedModel, text: str) -> int:
+    return len(encode(model, text, prepend_bos=False))
+
+
+def _partners(model: HookedModel, usable: list[dict[str, str]], prefix: str) -> dict[str, list[dict[str, str]]]:
+    """Per country (of ``usable``) the other countries whose `` phrase`` is as many tokens for
+    this model and whose whole prompt is as long too (so ``SUBJ`` and ``END`` are the same indices
+    in the clean and the corrupted prompt), in table order."""
+    subj = {r["country"]: _token_len(model, " " + r["phrase"]) for r in usable}
+    full = {r["country"]: _token_len(model, f"{prefix}The capital of {r['phrase']} is") for r in usable}
+    cap = {r["country"]: encode(model, " " + r["capital"], prepend_bos=False)[0] for r in usable}
+    return {r["country"]: [q for q in usable if q["country"] != r["country"] and subj[q["country"]] == subj[r["country"]]
+                           and full[q["country"]] == full[r["country"]] and cap[q["country"]] != cap[r["country"]]]
+            for r in usable}
+
+
+def capitals(model: HookedModel, n: int | None = None, seed: int = 0, few_shot: bool = False,
+             corrupt: str = "country") -> tuple[list[Row], dict[str, int]]:
     """Capital-city rows from the built-in countries table (see the module docstring).
 
     Args:
+        model: the model whose tokenizer decides which capitals are one token and which countries
+            are as long as which.
         n: keep at most this many rows (a seeded sample); default all usable rows.
+        seed: seeds the sample, the foils and the swapped-in countries.
         few_shot: prefix :data:`FEW_SHOT_CAPITALS` (China is then left out).
+        corrupt: ``country`` (default): each row's ``corrupted`` prompt names another country of the
+            same token length (seeded, never the row's own), its capital is the row's ``foil`` and
+            the extra column ``corrupt_country`` names it; rows without such a partner are dropped
+            (``dropped["country without a partner of its token length"]``). ``none``: no
+            corrupted prompt, the foil another row's capital. Noise corruption of the subject
+            (ROME) is the ``causal_tracing`` kind's, not a generator's.
+
+    Returns:
+        ``(rows, dropped)``: rows with ``prompt``, ``target`` (the capital), ``foil``, ``group``
+        (the continent), ``positions`` ``SUBJ`` (last token of the country) and ``END``,
+        ``corrupted`` (with ``corrupt: country``) and the extra columns ``country`` (and
+        ``corrupt_country``); ``dropped`` counts the rows left out and why.
 
     Raises:
-        GeneratorError: (a ``ValueError``) ``n`` < 2, or fewer than 2 capitals that are one token
-            (a row's foil is another row's capital).
+        GeneratorError: (a ``ValueError``) ``n`` < 2, fewer than 2 capitals that are one token (a
+            row's foil is another row's capital), an unknown ``corrupt``, or (``corrupt:
+            country``) more than :data:`MAX_UNPAIRED_SHARE` of the usable rows, or all but one,
+            without a country of the same token length (naming the option and the fix).
     """
     if n is not None and n < 2:
         raise GeneratorError("n", f"capitals needs n >= 2 (a row's foil is another row's capital); n is {n}")
+    if corrupt not in CORRUPT["capitals"]:
+        raise GeneratorError("corrupt", f"capitals takes corrupt: {' | '.join(CORRUPT['capitals'])}, not {corrupt!r}")
     table = [r for r in _countries() if not (few_shot and r["country"] == "China")]
     usable = [r for r in table if _one_token(model, " " + r["capital"])]
     dropped = {"capital not one token": len(table) - len(usable)}
@@ -223,16 +279,37 @@ def capitals(model: HookedModel, n: int | None = None, seed: int = 0, few_shot: 
         raise GeneratorError("name", f"capitals needs 2 capitals that are one token for this model (a row's foil is "
                                      f"another row's capital); only {_plural(k, 'capital')} of the {len(table)} "
                                      f"{'is' if k == 1 else 'are'}; use another generator or give rows")
+    prefix = FEW_SHOT_CAPITALS if few_shot else ""
+    partners: dict[str, list[dict[str, str]]] = {}
+    if corrupt == "country":
+        partners = _partners(model, usable, prefix)
+        alone = [r["country"] for r in usable if not partners[r["country"]]]
+        dropped["country without a partner of its token length"] = len(alone)
+        if len(alone) > MAX_UNPAIRED_SHARE * len(usable) or len(usable) - len(alone) < 2:
+            raise GeneratorError(
+                "corrupt", f"capitals with corrupt: country swaps each row's country for another of the same token "
+                           f"length; {len(alone)} of the {len(usable)} usable countries ({', '.join(alone[:8])}"
+                           f"{' ...' if len(alone) > 8 else ''}) have none for this model's tokenizer, too many to "
+                           f"drop (more than {MAX_UNPAIRED_SHARE:.0%}); set corrupt: none (rows without corrupted "
+                           "prompts: logit lens, probes, causal tracing) or give rows with your own corrupted prompts")
+        usable = [r for r in usable if partners[r["country"]]]
     rng = random.Random(seed)
     if n is not None and n < len(usable):
         usable = sorted(rng.sample(usable, n), key=usable.index)
     rows = []
-    prefix = FEW_SHOT_CAPITALS if few_shot else ""
     for i, r in enumerate(usable):
+        prompt = f"{prefix}The capital of {r['phrase']} is"
+        positions: dict[str, PositionValue] = {"SUBJ": At(text=r["phrase"]), "END": -1}
+        if corrupt == "country":
+            other = partners[r["country"]][rng.randrange(len(partners[r["country"]]))]
+            rows.append(Row(prompt=prompt, target=" " + r["capital"], foil=" " + other["capital"],
+                            corrupted=f"{prefix}The capital of {other['phrase']} is", group=r["continent"],
+                            positions=positions,
+                            country=r["country"], corrupt_country=other["country"]))  # type: ignore[call-arg]
+            continue
         foil = usable[(i + 1 + rng.randrange(len(usable) - 1)) % len(usable)]["capital"]
-        rows.append(Row(prompt=f"{prefix}The capital of {r['phrase']} is", target=" " + r["capital"], foil=" " + foil,
-                        group=r["continent"], positions={"SUBJ": At(text=r["phrase"]), "END": -1},
-                        country=r["country"]))  # type: ignore[call-arg]
+        rows.append(Row(prompt=prompt, target=" " + r["capital"], foil=" " + foil, group=r["continent"],
+                        positions=positions, country=r["country"]))  # type: ignore[call-arg]
     return rows, dropped
 
 

@@ -191,12 +191,18 @@ class Rows:
         examples: the prepared rows, in dataset order.
         source: where the rows came from (``rows``, a file path, ``generator ioi (seed 0)``).
         dropped: why rows were dropped and how many (generators: names or answers that are not one
-            token for this model; ``filter: correct``: rows the model gets wrong).
+            token for this model; ``filter: correct`` / ``filter: top1``: rows the model gets wrong).
+        filter_report: what the dataset's ``filter`` did (None: no filter ran): ``filter``, ``rule``,
+            ``rows_in``, ``kept``, ``dropped`` and ``dropped_rows`` (per dropped row its
+            ``row_id``, ``prompt``, ``target`` and what the model gave instead); see
+            :func:`tracekit.dataset.spec.filter_rows`. Kinds' summaries carry it as
+            ``dataset_filter``.
     """
 
     examples: tuple[Example, ...]
     source: str = "rows"
     dropped: Mapping[str, int] = field(default_factory=dict)
+    filter_report: Optional[Mapping[str, Any]] = None
 
     @classmethod
     def from_prompts(cls, model: HookedModel, prompts: Union[str, Sequence[str]],
@@ -308,7 +314,15 @@ class Rows:
         dropped = dict(self.dropped)
         if reason is not None:
             dropped[reason] = dropped.get(reason, 0) + len(self.examples) - len(kept)
-        return Rows(kept, self.source, dropped)
+        return Rows(kept, self.source, dropped, self.filter_report)
+
+    def meta(self) -> dict[str, Any]:
+        """What a kind records about its rows (``meta.json``'s ``dataset``): ``source``,
+        ``dropped``, ``n_rows`` and, when a filter ran, ``filter`` (:attr:`filter_report`)."""
+        out: dict[str, Any] = {"source": self.source, "dropped": dict(self.dropped), "n_rows": len(self)}
+        if self.filter_report is not None:
+            out["filter"] = dict(self.filter_report)
+        return out
 
 
 def _resolve_position(model: HookedModel, ex_ids: Sequence[int], n_bos: int, prompt: str, value: PositionValue,

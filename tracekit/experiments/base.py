@@ -192,6 +192,7 @@ class Experiment(StrictModel):
         if note is not None:
             result.meta.setdefault("precision", note)
             _summary_with_precision(result)
+        _summary_with_filter(result, inputs)
         return result
 
     def _run(self, model: HookedModel, inputs: Any, progress: bool = True) -> "Result":  # pragma: no cover - abstract
@@ -244,7 +245,42 @@ def subset(df: pd.DataFrame, mask: Any) -> pd.DataFrame:
 
 
 def dataset_meta(data: Rows) -> dict:
-    return {"source": data.source, "dropped": dict(data.dropped), "n_rows": len(data)}
+    """``meta.json``'s ``dataset``: :meth:`tracekit.dataset.Rows.meta`."""
+    return data.meta()
+
+
+def _rows_of(inputs: Any) -> Optional[Rows]:
+    """The :class:`Rows` a kind's prepared inputs hold (the inputs themselves, their ``data``, or
+    the ``data`` of their ``rows`` / ``data``: paired rows), else None."""
+    seen = [inputs, getattr(inputs, "data", None), getattr(inputs, "rows", None)]
+    seen += [getattr(x, "data", None) for x in seen[1:]]
+    return next((x for x in seen if isinstance(x, Rows)), None)
+
+
+def _summary_with_filter(result: Result, inputs: Any) -> None:
+    """When the rows' dataset ``filter`` ran (:attr:`tracekit.dataset.Rows.filter_report`): record
+    it in ``result.meta["dataset_filter"]``, make ``result.summary()`` carry it under
+    ``dataset_filter`` and ``result.report()`` end with a line saying what it kept and dropped (every
+    kind, whatever its own summary holds; a kind's own ``dataset_filter`` key is left as it is)."""
+    from ..dataset.spec import filter_line
+
+    rows = _rows_of(inputs)
+    report = None if rows is None else rows.filter_report
+    if report is None:
+        return
+    report = jsonable(dict(report))
+    result.meta.setdefault("dataset_filter", report)
+    own_summary, own_report = result.summary, result.report
+
+    def summary() -> dict:
+        s = own_summary()
+        return s if "dataset_filter" in s else {**s, "dataset_filter": report}
+
+    def text() -> str:
+        return own_report().rstrip("\n") + "\n  " + filter_line(report)
+
+    result.summary = summary  # instance attributes: this result only
+    result.report = text
 
 
 class RowTargetsExperiment(Experiment):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -221,3 +222,11 @@ def test_stale_schema_is_not_believed(tmp_path, monkeypatch):
     assert schema_check.load_schema(p) is None
     monkeypatch.setattr(schema_check, "load_schema", lambda *a: None)
     assert main(["kinds", "logit_lens"]) == 0  # falls back to the live classes
+
+
+def test_python_dash_m_tracekit_is_the_cli():
+    """``python -m tracekit`` runs the same command line as the ``tracekit`` script."""
+    out = subprocess.run([sys.executable, "-m", "tracekit", "kinds"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "activation_patching" in out.stdout

@@ -302,7 +302,7 @@ def _validate_one(path: str, args) -> int:
         if isinstance(raw, dict) and "sweep" in raw:
             return _validate_sweep(path, raw, args.schema_only)
         if args.schema_only:
-            problems = _step_names(schema_check.check_raw(raw, schema_check.load_schema()), raw)
+            problems = _step_names(schema_check.check_raw(raw, _schema()), raw)
             if problems:
                 raise ConfigError(f"{path}: invalid config:\n  " + "\n  ".join(problems))
             names = ", ".join(f"{s.get('name', s['kind'])} ({s['kind']})" for s in raw["experiments"])
@@ -342,7 +342,7 @@ def _validate_sweep(path: str, raw: dict, schema_only: bool) -> int:
     """
     if schema_only:
         base = {k: v for k, v in raw.items() if k != "sweep"}
-        problems = _step_names(schema_check.check_raw(base, schema_check.load_schema()), base)
+        problems = _step_names(schema_check.check_raw(base, _schema()), base)
         if problems:
             raise ConfigError(f"{path}: invalid config (the sweep's base config):\n  " + "\n  ".join(problems))
         print(f"{path}: base config valid (schema); the sweep's points are expanded and checked without "
@@ -352,18 +352,17 @@ def _validate_sweep(path: str, raw: dict, schema_only: bool) -> int:
     from .sweep.expand import check_compare, expand_sweep  # lazy: imports the kind classes (torch)
 
     points, _ = expand_sweep(raw, source=str(path))
-    problems: list[str] = []
-    first: TracekitError | None = None
+    failed: list[tuple[str, TracekitError]] = []
     for p in points:
         try:
             check_config(p.config)
         except TracekitError as e:
-            first = first or e
-            problems.append(f"point {p.index} ({p.label}): " + "\n    ".join(str(e).split("\n  ")))
-    if problems:
-        msg = f"{path}: {len(problems)} of {len(points)} sweep point(s) are invalid:\n  " + "\n  ".join(problems)
+            failed.append((f"point {p.index} ({p.label}): " + "\n    ".join(str(e).split("\n  ")), e))
+    if failed:
+        msg = f"{path}: {len(failed)} of {len(points)} sweep point(s) are invalid:\n  " + \
+            "\n  ".join(m for m, _ in failed)
         try:
-            err = type(first)(msg)
+            err = type(failed[0][1])(msg)
         except TypeError:  # a subclass with its own constructor
             err = TracekitError(msg)
         raise err

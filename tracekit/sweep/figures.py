@@ -122,13 +122,14 @@ def metric_axis(metric: str, keys) -> tuple[str, str | None]:
 def _axis_values(long: pd.DataFrame, point, step: str, key: str, n: int) -> list | None:
     """The values of summary list ``key`` of ``point``'s ``step`` (numbers or text), or None when
     it is not a list of ``n`` items."""
-    rows = long[(long["point"] == point) & (long["step"] == step) & (long["metric"] == key)
-                & (long["element"] == "") & long["index"].notna()]
+    rows = cast(pd.DataFrame, long[(long["point"] == point) & (long["step"] == step) & (long["metric"] == key)
+                                   & (long["element"] == "") & long["index"].notna()])
     if len(rows) != n:
         return None
-    rows = rows.sort_values("index")
-    vals = [t if v != v else v for v, t in zip(rows["value"].to_numpy(dtype=float), rows["text"])]
-    return vals
+    order = np.argsort(rows["index"].to_numpy(dtype=float), kind="stable")
+    vals = rows["value"].to_numpy(dtype=float)[order]
+    texts = rows["text"].to_numpy(dtype=object)[order]
+    return [t if v != v else float(v) for v, t in zip(vals, texts)]
 
 
 def curve_data(long: pd.DataFrame, hit: pd.DataFrame, name) -> tuple[str, dict[str, tuple[list, np.ndarray]]]:

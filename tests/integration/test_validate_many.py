@@ -94,3 +94,60 @@ def test_validate_takes_several_files_and_fails_if_one_is_bad(tmp_path, capsys, 
     assert "2/3 file(s) valid" in cap.out
     assert len(reads) == 1  # one model: its tokenizer and config read once for the three files
     assert main(["validate", good, sweep]) == 0
+
+
+_CHILD = """
+import json, sys
+import tracekit.model.load as load
+def no_weights(*a, **k):
+    raise AssertionError("validate loaded weights")
+load.load_model = no_weights
+from tracekit.cli import main
+rc = main(["validate", *sys.argv[1:]])
+print(json.dumps({"rc": rc, "transformer_lens": "transformer_lens" in sys.modules}))
+"""
+
+
+def _child(tmp_path, *files) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRACEKIT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", _CHILD, *files], env=env, capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_validate_reads_the_model_info_cache_without_importing_transformer_lens(tmp_path):
+    """The speed guard (not a timing): the first validate builds the model's hook names (importing
+    TransformerLens) and caches them; the next one reads them back, imports no TransformerLens
+    (about a second of CPU) and still finds the same problems. Neither loads weights."""
+    good = _write(tmp_path, "good.yaml", SINGLE)
+    bad_cfg = copy.deepcopy(SINGLE)
+    bad_cfg["experiments"][0]["target"] = " Parisian"
+    bad = _write(tmp_path, "bad.yaml", bad_cfg)
+    assert _child(tmp_path, good) == {"rc": 0, "transformer_lens": True}
+    assert _child(tmp_path, good) == {"rc": 0, "transformer_lens": False}
+    assert _child(tmp_path, bad) == {"rc": 2, "transformer_lens": False}
+
+
+def test_cached_model_info_equals_the_built_one(tmp_path, monkeypatch):
+    import tracekit.model.info as info
+    from tracekit.model.spec import as_spec
+
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    spec = as_spec(MODEL)
+    cfg, tok, bridge = info._load_config_and_tokenizer(spec)
+    built = info._info_from_config(spec, cfg, tok, bridge)
+    where = info._info_cache_file(spec)
+    assert where is not None and not where.exists()
+    info._write_cached_info(where, built)
+    cached = info._read_cached_info(where, spec, tok)
+    assert cached is not None
+    assert list(cached.hook_dict) == list(built.hook_dict)
+    assert vars(cached.cfg) == vars(built.cfg) and cached.cfg.head_dim == built.cfg.head_dim
+    assert all(cached._gated_hook_reason(n) == built._gated_hook_reason(n) for n in built.hook_dict)
+    assert any(built._gated_hook_reason(n) for n in built.hook_dict)  # the comparison covers gated hooks
+    other = as_spec({**MODEL, "config_overrides": tiny_overrides("gpt2", 3)})
+    assert info._info_cache_file(other) != where  # another config: another entry

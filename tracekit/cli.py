@@ -60,10 +60,12 @@ def _parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set model.device=cpu --set experiments[0].top_k=5")
     r.add_argument("--strict", action="store_true", help="exit 1 when an expectation is not met")
     r.add_argument("--no-progress", action="store_true", help="no progress bars (tracekit's and the libraries')")
-    v = sub.add_parser("validate", help="check a config against the model's tokenizer and config (no weights); "
-                                        "lists every problem")
-    v.add_argument("config")
-    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    v = sub.add_parser("validate", help="check configs against the model's tokenizer and config (no weights); "
+                                        "lists every problem, one result line per file; sweeps: every point")
+    v.add_argument("config", nargs="+", help="one or more config files (a shell glob works: experiments/*.yaml); "
+                                             "a config with a sweep block is expanded and every point checked")
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field in every file")
     v.add_argument("--schema-only", action="store_true",
                    help="only keys, types, required fields, ranges and kinds, from the generated schema (fast, no "
                         "torch); the kinds' own validators and the tokenizer checks run without this flag")
@@ -278,34 +280,98 @@ def _load_raw(args) -> dict:
 
 
 def _validate(args) -> int:
-    """``tracekit validate``: every problem of the config in one pass (exit 2), or "valid" (exit 0).
+    """``tracekit validate A.yaml [B.yaml ...]``: each file checked (every problem of a file in one
+    pass), one result line per file; exit 2 when any file is invalid, else 0. Files naming the same
+    model share its tokenizer and config (read once per process, :func:`tracekit.model.load_model_info`).
+    A config with a ``sweep`` block is expanded and every point checked (:func:`_validate_sweep`).
     ``--schema-only`` checks the generated schema only (no torch, :mod:`tracekit.core.schema_check`)."""
+    bad = [path for path in args.config if _validate_one(path, args) != 0]
+    if len(args.config) > 1:
+        print(f"{len(args.config) - len(bad)}/{len(args.config)} file(s) valid" +
+              (f"; invalid: {', '.join(bad)}" if bad else ""))
+    return 2 if bad else 0
+
+
+def _validate_one(path: str, args) -> int:
+    """:func:`_validate` of one file: prints its result line (stdout) or its problems (stderr)."""
     raw = None
     try:
-        raw = _load_raw(args)
-        schema = schema_check.load_schema() if args.schema_only else None
-        if schema is not None:
-            problems = _step_names(schema_check.check_raw(raw, schema), raw)
+        raw = load_raw(path)
+        for a in args.overrides:
+            apply_override(raw, a)
+        if isinstance(raw, dict) and "sweep" in raw:
+            return _validate_sweep(path, raw, args.schema_only)
+        if args.schema_only:
+            problems = _step_names(schema_check.check_raw(raw, _schema()), raw)
             if problems:
-                raise ConfigError(f"{args.config}: invalid config:\n  " + "\n  ".join(problems))
+                raise ConfigError(f"{path}: invalid config:\n  " + "\n  ".join(problems))
             names = ", ".join(f"{s.get('name', s['kind'])} ({s['kind']})" for s in raw["experiments"])
             model = (raw.get("model") or {}).get("name", "smollm2-135m")
         else:
             from .config import parse_config  # lazy: the kind classes import torch
+            from .runner import check_config  # lazy: tokenizer and model config
 
-            config = parse_config(raw, source=str(args.config))
-            if not args.schema_only:
-                from .runner import check_config  # lazy: tokenizer and model config
-
-                check_config(config)
+            config = parse_config(raw, source=str(path))
+            check_config(config)
             names = ", ".join(f"{s.step_name} ({s.kind})" for s in config.experiments)
             model = config.model.name
     except TracekitError as e:
-        lines = _step_names(str(e).split("\n  "), raw)
-        _err("\n  ".join(lines) if isinstance(e, ConfigError) else f"{type(e).__name__}: " + "\n  ".join(lines))
+        _validate_error(path, e, raw)
         return 2
     what = "schema" if args.schema_only else "schema, tokenizer and model config"
-    print(f"{args.config}: valid ({what}). model={model!r}; steps: {names}")
+    print(f"{path}: valid ({what}). model={model!r}; steps: {names}")
+    return 0
+
+
+def _validate_error(path: str, e: TracekitError, raw: Any) -> None:
+    """Print a file's problems (stderr), its name first."""
+    lines = _step_names(str(e).split("\n  "), raw)
+    text = "\n  ".join(lines) if isinstance(e, ConfigError) else f"{type(e).__name__}: " + "\n  ".join(lines)
+    _err(text if text.startswith(str(path)) else f"{path}: {text}")
+
+
+def _validate_sweep(path: str, raw: dict, schema_only: bool) -> int:
+    """Validate a sweep config: the grid expanded (:func:`tracekit.sweep.expand.expand_sweep`: each
+    point's config parsed, the ``compare`` metrics checked against the kinds' summary keys) and each
+    point checked against its model's tokenizer and config as a single config is. With
+    ``schema_only``: the base config (the sweep block left out) against the schema.
+
+    Raises:
+        TracekitError: the sweep block, a point's config or a point's inputs are invalid (every
+            invalid point listed, each with its parameters).
+    """
+    if schema_only:
+        base = {k: v for k, v in raw.items() if k != "sweep"}
+        problems = _step_names(schema_check.check_raw(base, _schema()), base)
+        if problems:
+            raise ConfigError(f"{path}: invalid config (the sweep's base config):\n  " + "\n  ".join(problems))
+        print(f"{path}: base config valid (schema); the sweep's points are expanded and checked without "
+              "--schema-only; run with `tracekit sweep`")
+        return 0
+    from .runner import check_config  # lazy: tokenizer and model config
+    from .sweep.expand import check_compare, expand_sweep  # lazy: imports the kind classes (torch)
+
+    points, _ = expand_sweep(raw, source=str(path))
+    failed: list[tuple[str, TracekitError]] = []
+    for p in points:
+        try:
+            check_config(p.config)
+        except TracekitError as e:
+            failed.append((f"point {p.index} ({p.label}): " + "\n    ".join(str(e).split("\n  ")), e))
+    if failed:
+        msg = f"{path}: {len(failed)} of {len(points)} sweep point(s) are invalid:\n  " + \
+            "\n  ".join(m for m, _ in failed)
+        try:
+            err = type(failed[0][1])(msg)
+        except TypeError:  # a subclass with its own constructor
+            err = TracekitError(msg)
+        raise err
+    unchecked = check_compare(points, raw.get("sweep") or {}, str(path))
+    note = (f"; compare metrics of {', '.join(unchecked)} are checked when drawn (the kind declares no summary "
+            "keys)") if unchecked else ""
+    models = len({p.model_key for p in points})
+    print(f"{path}: {len(points)} configs valid (schema, tokenizer and model config; {models} model(s)){note}; "
+          "run with `tracekit sweep`")
     return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -67,6 +69,9 @@ def load_model_info(spec: ModelSpec | str | dict | None = None, **overrides) -> 
     A model already loaded in this process is returned as is. Otherwise the architecture is
     instantiated with one block on the ``meta`` device (no memory, no weights) and wrapped in a
     bridge to read TransformerLens' config and hook names, which are then named for every block.
+    Those are kept in the model-info cache (:func:`_info_cache_file`; local models only), so the
+    next process reads them back without importing TransformerLens (its config then is a
+    :class:`CachedConfig` with the same fields).
 
     Raises:
         ModelLoadError: as :func:`load_model`, for what can be known without the weights.
@@ -78,9 +83,115 @@ def load_model_info(spec: ModelSpec | str | dict | None = None, **overrides) -> 
         return _INFO[spec.key()]
     _check_devices(spec)
     config, tok, bridge_name = _load_config_and_tokenizer(spec)
-    info = _info_from_config(spec, config, tok, bridge_name)
+    where = _info_cache_file(spec)
+    info = _read_cached_info(where, spec, tok) if where is not None else None
+    if info is None:
+        info = _info_from_config(spec, config, tok, bridge_name)
+        if where is not None:
+            _write_cached_info(where, info)
     _INFO[spec.key()] = info
     return info
+
+
+#: Bump when what :func:`_write_cached_info` stores changes.
+_INFO_FORMAT = 1
+
+
+class CachedConfig(SimpleNamespace):
+    """A model's TransformerLens config read back from the model-info cache: the same fields as
+    the ``TransformerBridgeConfig`` it was taken from (plain values), without importing
+    TransformerLens; ``head_dim`` as the bridge config has it."""
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.d_head)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def _stamp(path: Path) -> list:
+    """Name, size and modification time of ``path`` (a file) or of each file directly in it (a folder)."""
+    files = sorted(q for q in path.iterdir() if q.is_file()) if path.is_dir() else [path]
+    return [[q.name, q.stat().st_size, q.stat().st_mtime_ns] for q in files]
+
+
+def _info_cache_file(spec: ModelSpec) -> Optional[Path]:
+    """Where the model-info cache keeps ``spec``'s config and hook names
+    (``<cache root>/model-info/<key>.pkl``), keyed by the spec, its local files' sizes and times
+    (the GGUF file, the model folder, the tokenizer folder), the versions of TransformerLens,
+    transformers and torch, and this module's source. None for a hub model (its files are not
+    stamped here) or with ``TRACEKIT_CACHE=off``."""
+    import hashlib
+    import importlib.metadata as md
+    import json
+
+    from . import weights_cache
+    from .source import _source
+
+    if not weights_cache.cache_enabled():
+        return None
+    src = _source(spec)
+    if src.kind == "hub":
+        return None
+    try:
+        stamps = {"source": _stamp(Path(src.path)) if src.kind != "random" else None,
+                  "tokenizer": _stamp(Path(spec.tokenizer)) if spec.tokenizer and Path(spec.tokenizer).exists() else
+                  spec.tokenizer}
+        versions = {}
+        for dist in ("transformer-lens", "transformers", "torch"):
+            try:
+                versions[dist] = md.version(dist)
+            except md.PackageNotFoundError:
+                versions[dist] = None
+        blob = {"format": _INFO_FORMAT, "spec": spec.key(), "source": [src.kind, src.path, src.bridge_name],
+                "stamps": stamps, "versions": versions,
+                "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+    except OSError:
+        return None
+    key = hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return weights_cache.cache_dir() / "model-info" / f"{key}.pkl"
+
+
+def _write_cached_info(where: Path, info: ModelInfo) -> None:
+    """Store ``info``'s config fields, hook names and gated hooks (best effort: a cache that cannot
+    be written is skipped)."""
+    import pickle
+
+    from ..core.io import atomic_write
+
+    names = list(info.hook_dict)
+    data = {"format": _INFO_FORMAT, "cfg": dict(vars(info.cfg)), "names": names,
+            "gated": {n: r for n in names if (r := info._gated_hook_reason(n)) is not None}}
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(where, pickle.dumps(data))
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+        log.debug("model-info cache not written (%s): %s", where, e)
+
+
+def _read_cached_info(where: Path, spec: ModelSpec, tok) -> Optional[ModelInfo]:
+    """The :class:`ModelInfo` of a model-info cache entry (``tok`` as its tokenizer), or None when
+    there is none or it cannot be read (then it is rebuilt)."""
+    import pickle
+
+    if not where.is_file():
+        return None
+    try:
+        data = pickle.loads(where.read_bytes())
+        if data.get("format") != _INFO_FORMAT:
+            return None
+        cfg = CachedConfig(**data["cfg"])
+        gated = dict(data["gated"])
+        names = list(data["names"])
+    except Exception as e:  # noqa: BLE001 - an unreadable entry is rebuilt
+        log.debug("model-info cache entry %s unreadable: %s", where, e)
+        return None
+
+    def gate_fn(name: str) -> Optional[str]:
+        return gated.get(name)
+
+    return ModelInfo(spec, tok, cfg, names, gate_fn)
 
 
 def _info_from_config(spec: ModelSpec, config, tok, bridge_name: str) -> ModelInfo:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..core.errors import TracekitError
 from ..plotting import text_table
-from .expand import _groups, expand_sweep
+from .expand import _groups, check_compare, expand_sweep
 from .figures import SCALES, _safe, compare
 from .index import FIXED_COLUMNS, INDEX, headline_columns, load_results
 from .run import run_sweep
@@ -99,10 +99,15 @@ def _results(args) -> int:
 
 
 def _dry_run(args) -> int:
-    points, _ = expand_sweep(args.config, args.overrides)
+    """List the points (the ``compare`` metrics are checked by :func:`expand_sweep` first)."""
+    points, raw = expand_sweep(args.config, args.overrides)
     for p in points:
         print(f"point {p.index:3d} seed {p.seed:10d} hash {p.hash}  {p.label}")
     print(f"{len(points)} point(s), {len(_groups(points))} model(s)")
+    unchecked = check_compare(points, raw.get("sweep") or {}, str(args.config))
+    if unchecked:
+        print(f"note: compare metrics of {', '.join(unchecked)} are checked when drawn (the kind declares no "
+              "summary keys)")
     return 0
 
 

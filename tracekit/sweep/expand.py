@@ -6,9 +6,11 @@ Field paths (``model.name``, ``experiments[0].target``) go through :mod:`traceki
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import itertools
 import json
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from ..core.io import jsonable
 from ..inputs import input_files
 from ..results import experiment_class
 
-__all__ = ["SWEEP_KEYS", "Point", "canonical_path", "config_hash", "derive_seed", "expand_sweep"]
+__all__ = ["SWEEP_KEYS", "Point", "canonical_path", "check_compare", "config_hash", "derive_seed", "expand_sweep"]
 
 SWEEP_KEYS = ("grid", "zip", "compare", "figures")
 
@@ -290,6 +292,78 @@ def _check_distinct(points: list[Point], source: str) -> None:
         by_hash[p.hash] = p
 
 
+def _declared_keys(kind: str) -> tuple[str, ...] | None:
+    """The summary keys ``kind``'s result class declares (``summary_keys``), or None when it
+    declares none (its keys cannot be known before it runs)."""
+    cls = experiment_class(kind)
+    keys = getattr(getattr(cls, "result_class", None), "summary_keys", None) if cls is not None else None
+    return tuple(keys) if keys is not None else None
+
+
+def check_compare(points: list[Point], spec: dict, source: str = "<config>") -> list[str]:
+    """Check the sweep's ``compare`` list before anything runs: each item is a metric
+    (``step/key`` or a bare ``key`` of any step) or ``{metric, by}``; its step must be a step of
+    the points, and its key a summary key that step's kind declares (the result class's
+    ``summary_keys``) in at least one point. A step whose kind declares no keys cannot be ruled
+    out (its key is checked when the figure is drawn); ``by`` must be a swept path.
+
+    Args:
+        points: the expanded points (:func:`expand_sweep`).
+        spec: the sweep block.
+        source: the config's name, for messages.
+
+    Returns:
+        The names of the kinds whose keys could not be checked (they declare none), for a note.
+
+    Raises:
+        ConfigError: every bad item in one message, naming the key and, where one is close, the
+            known key it was probably meant to be (did you mean ...).
+    """
+    items = spec.get("compare") or []
+    if not isinstance(items, list):
+        raise ConfigError(f"{source}: sweep.compare: must be a list of metrics ('step/key') or {{metric, by}}")
+    swept = [*(spec.get("grid") or {}), *(spec.get("zip") or {})]
+    steps: dict[str, set[str]] = {}  # step name -> kinds it has in some point
+    for p in points:
+        for st in p.config.experiments:
+            steps.setdefault(st.step_name, set()).add(st.kind)
+    problems: list[str] = []
+    unchecked: set[str] = set()
+    for i, item in enumerate(items):
+        where = f"sweep.compare[{i}]"
+        metric, by = (item, None) if isinstance(item, str) else \
+            (item.get("metric"), item.get("by")) if isinstance(item, dict) else (None, None)
+        if not isinstance(metric, str) or not metric or (isinstance(item, dict) and set(item) - {"metric", "by"}):
+            problems.append(f"{where}: must be a metric 'step/key' (or a summary key of any step) or a mapping "
+                            f"{{metric: ..., by: ...}}, got {item!r}")
+            continue
+        for b in [by] if isinstance(by, str) else (by or []):
+            if b not in swept:
+                problems.append(f"{where}.by: {b!r} is not a swept path; swept: {swept}")
+        step, _, key = metric.rpartition("/")
+        if step and step not in steps:
+            close = difflib.get_close_matches(step, list(steps), n=1)
+            problems.append(f"{where}: {metric!r} names no step {step!r}" +
+                            (f" (did you mean {close[0]!r}?)" if close else "") + f"; steps: {sorted(steps)}")
+            continue
+        kinds = sorted({k for s in ([step] if step else list(steps)) for k in steps[s]})
+        declared = {k: _declared_keys(k) for k in kinds}
+        if any(v is None for v in declared.values()):
+            unchecked |= {k for k, v in declared.items() if v is None}
+            continue
+        known = sorted({x for v in declared.values() for x in (v or ())})
+        head = re.split(r"[.\[]", key, maxsplit=1)[0]
+        if head not in known:
+            close = difflib.get_close_matches(head, known, n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+            problems.append(f"{where}: {metric!r}: no summary key {head!r} in "
+                            f"{'step ' + repr(step) if step else 'any step'} ({', '.join(kinds)}); {hint}"
+                            f"known keys: {known}")
+    if problems:
+        raise ConfigError(f"{source}: " + "\n  ".join(problems))
+    return sorted(unchecked)
+
+
 def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), source: str | None = None
                  ) -> tuple[list[Point], dict]:
     """Expand a sweep config into validated points (no model is loaded).
@@ -305,7 +379,8 @@ def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), s
         ConfigError: a bad sweep block (unknown key, empty list, zip lists of different lengths, a
             field swept by two paths -- two spellings, an alias and its field, a step and a field
             inside it (:func:`canonical_path`) --, a path through a missing list item), any point whose config is
-            invalid (every such point is listed with its parameters), or two identical points.
+            invalid (every such point is listed with its parameters), two identical points, or a
+            ``compare`` metric that matches no summary key (:func:`check_compare`).
     """
     raw, source = _load(config, overrides, source)
     spec = _spec(raw, source)
@@ -313,4 +388,5 @@ def expand_sweep(config: str | Path | dict, overrides: list[str] | tuple = (), s
     axes = _axes(spec, source, base)
     points = _points(axes, base, _sweep_seed(raw, source), source)
     _check_distinct(points, source)
+    check_compare(points, spec, source)
     return points, raw

@@ -84,9 +84,12 @@ def _parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
     s.add_argument("run_dir")
     s.add_argument("--max", type=int, default=6, help="headline numbers per step (default 6; 0: all)")
-    # --- cache: every cache tracekit writes (weights, processed weights, trained SAEs) ------------
-    c = sub.add_parser("cache", help="list tracekit's caches (weights, trained SAEs) or empty them (tracekit cache clear)")
+    # --- cache: every cache tracekit writes (tracekit.core.cachedir.CACHES) -------------------
+    c = sub.add_parser("cache", help="list tracekit's caches (weights, trained SAEs, tuned lenses, transcoders, their "
+                                     "activation stores) or empty them (tracekit cache clear [NAME ...])")
     c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
+    c.add_argument("names", nargs="*", metavar="NAME",
+                   help="only these caches (weights, saes, tuned_lenses, transcoders, transcoder_stores)")
     _trace_parser(sub)
     _plugin_parsers(sub, _command_of(argv))
     return p
@@ -528,42 +531,55 @@ def silence_progress() -> None:
         disable_progress_bars()
 
 
-def _cache_cmd(action: str) -> int:
-    """``tracekit cache [list|clear]``: every cache tracekit writes: the weight cache (dequantised
-    GGUF weights and TransformerLens' processed weights) and the trained SAEs, one line per entry
-    (size, key, created, what it holds), leftovers of killed writers included."""
+def _cache_cmd(action: str, names: Optional[list[str]] = None) -> int:
+    """``tracekit cache [list|clear] [NAME ...]``: every cache tracekit writes, from the one registry
+    :data:`tracekit.core.cachedir.CACHES` (weights with processed weights, trained SAEs, tuned lenses,
+    transcoder sets, transcoder activation stores): per cache its folder, entry count and size, then
+    one line per entry (size, key, created, what it holds), leftovers of killed writers included.
+    ``clear`` empties every cache, or only the named ones."""
+    from .core.cachedir import CACHES, cache_path, cache_root, clear_kind, kind_entries
     from .model import weights_cache as cache  # lazy: the caches' modules import torch
-    from .sae import clear_sae_cache, sae_cache_dir, sae_cache_entries
 
-    root = cache.cache_dir()
+    known = [k.name for k in CACHES]
+    bad = [n for n in names or [] if n not in known]
+    if bad:
+        print(f"tracekit cache: unknown cache {', '.join(bad)}; the caches are: {', '.join(known)}", file=sys.stderr)
+        return 2
+    kinds = [k for k in CACHES if not names or k.name in names]
+    root = cache_root()
     if action == "clear":
-        n, freed = cache.clear_cache_dir()
-        n2, freed2 = clear_sae_cache()
-        print(f"removed {n} weight entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB) and {n2} SAE"
-              f"{'' if n2 == 1 else 's'} ({freed2 / 2**20:.1f} MiB) from {root}")
+        parts, total_n, total_b = [], 0, 0
+        for k in reversed(kinds):  # nested caches first (transcoders/stores before transcoders)
+            n, freed = clear_kind(k)
+            parts.append(f"{k.name}: {n} entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB)")
+            total_n, total_b = total_n + n, total_b + freed
+        print(f"removed {total_n} entr{'y' if total_n == 1 else 'ies'} ({total_b / 2**20:.1f} MiB) from {root}: "
+              + "; ".join(reversed(parts)))
         return 0
     print(f"tracekit cache: {root}" + ("" if cache.cache_enabled() else " (disabled: TRACEKIT_CACHE=off)"))
     total = n = 0
-    sections = [(f"weights ({cache._gguf_root()})", cache.list_entries(), "load",
-                 lambda r: f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}"),
-                (f"trained SAEs ({sae_cache_dir()})", sae_cache_entries(), "training", lambda r: r.get("hook") or "?")]
-    for title, rows, when, what in sections:
-        print(f"{title}:")
+    for k in kinds:
+        rows = kind_entries(k)
+        size = sum(r["size_bytes"] for r in rows)
+        print(f"{k.name}: {k.title} ({cache_path(k.name)}): {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, "
+              f"{size / 2**20:.1f} MiB")
         if not rows:
             print("  (empty)")
         for r in rows:
-            flag = "" if r["valid"] else f"  [invalid or unfinished: removed on the next {when}]"
-            print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}  {what(r)}{flag}")
-            total += r["size_bytes"]
+            flag = "" if r["valid"] else "  [invalid or unfinished: removed on the next use]"
+            what = r.get("hook") or (f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}" if "gguf_path" in r else "")
+            print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}"
+                  f"{'  ' + what if what else ''}{flag}")
+        total += size
         n += len(rows)
-    print(f"  {n} entr{'y' if n == 1 else 'ies'}, {total / 2**20:.1f} MiB")
+    print(f"total: {n} entr{'y' if n == 1 else 'ies'}, {total / 2**20:.1f} MiB")
     return 0
 
 
 #: Built-in commands: name -> handler (``args -> exit code``).
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _run, "validate": _validate, "kinds": lambda a: _kinds(a.kind), "show": _show,
-    "cache": lambda a: _cache_cmd(a.action), "verify": _verify, "trace": _trace,
+    "cache": lambda a: _cache_cmd(a.action, a.names), "verify": _verify, "trace": _trace,
 }
 
 

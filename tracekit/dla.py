@@ -48,6 +48,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 
+from .activations.cached import CachedActivations
 from .core.sites import check_layers, hook
 from .dataset import PreparedDataset
 from .dataset.targets import (
@@ -286,6 +287,7 @@ def logit_attribution(
     check_atol: float = 1e-3,
     *,
     read_at: Optional[Sequence[int]] = None,
+    keep: Optional[CachedActivations] = None,
 ) -> list[DirectAttribution]:
     """Split each row's logit (difference) at its read position into embedding / head / MLP /
     neuron parts (Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits").
@@ -331,6 +333,10 @@ def logit_attribution(
         check_atol: float32 tolerance of the identities, relative to their magnitude when above 1.
         read_at: each row's read position as an index into its own ids (BOS counted), already
             resolved (e.g. by :func:`row_positions` in a kind's ``prepare``); overrides ``position``.
+        keep: optional :class:`~tracekit.activations.cached.CachedActivations` receiving every hook
+            read at each row's attributed position, ``[row, 1, ...]`` per hook name (``hook_embed``,
+            ``blocks.0.hook_resid_pre``, ``blocks.L.attn.hook_z`` / head outputs, ``hook_attn_out``,
+            ``hook_mlp_out``, the final norm's input and output, ``mlp.hook_post`` of the neuron layers).
 
     Returns:
         One :class:`DirectAttribution` per row, in input order (logits), each with its ``row_id``.
@@ -382,7 +388,7 @@ def logit_attribution(
         if not 0 <= int(q) < len(seq):
             raise AttributionError(f"read_at[{i}]: {q} is not an index into row {row_ids[i]}'s {len(seq)} tokens")
     return _attribute(model, texts, all_ids, row_ids, tgts, [int(q) for q in pos_of], neuron_layers,
-                      batch_size, check_atol)
+                      batch_size, check_atol, keep)
 
 
 def dla_batch_size(model: HookedModel, all_ids: Sequence[Sequence[int]], n_hooks: int, batch_size: int,
@@ -415,7 +421,7 @@ def dla_batch_size(model: HookedModel, all_ids: Sequence[Sequence[int]], n_hooks
 
 def _attribute(model: HookedModel, texts: Sequence[str], all_ids: Sequence[Sequence[int]], row_ids: Sequence[int],
                tgts: Sequence[LogitTarget], pos_of: Sequence[int], neuron_layers, batch_size: int,
-               check_atol: float) -> list[DirectAttribution]:
+               check_atol: float, keep: Optional[CachedActivations] = None) -> list[DirectAttribution]:
     """The attribution of prepared rows (see :func:`logit_attribution`)."""
     # Long (reason): one pass per batch whose terms (heads, biases, post-norm scales, neurons) share per-layer products computed once per (target, foil) pair; the identity check needs them all in one place.
     n_layers = int(model.cfg.n_layers)
@@ -471,6 +477,8 @@ def _attribute(model: HookedModel, texts: Sequence[str], all_ids: Sequence[Seque
         except HookError as e:
             raise AttributionError(f"direct logit attribution is refused on {arch}: {e}") from e
         has_pos_b = has_pos and hook("pos_embed") in cache
+        if keep is not None:  # what was read at the attributed position, [b, 1, ...] (views: no copy on the CPU)
+            keep.add({n: v[:, None] for n, v in cache.items()}, [[pos_of[s + b]] for b in range(batch.size)])
         for b in range(batch.size):
             i = s + b
             tgt = tgts[i]

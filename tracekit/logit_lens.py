@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 
+from .activations.cached import CachedActivations
 from .core.budget import bytes_of, chunk_rows, run_chunked
 from .core.errors import DatasetError, TokenizationError
 from .core.sites import hook
@@ -287,6 +288,7 @@ def logit_lens(
     foils: Union[TokenSpec, Sequence[Optional[TokenSpec]], None] = None,
     reads: Optional[Sequence[Sequence[int]]] = None,
     translator: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
+    keep: Optional[CachedActivations] = None,
 ) -> list[PromptLens]:
     """Run the logit lens over rows, batched with padding; each row is read at its own tokens and
     scored against its own target, in the same forward pass.
@@ -316,6 +318,9 @@ def logit_lens(
             (:class:`tracekit.lenses.tuned.TunedLens`, Belrose et al. 2023); None (default) is the
             logit lens. Hidden state ``n_layers`` (the model's own output, also ``final_*``) is
             read untranslated.
+        keep: optional :class:`~tracekit.activations.cached.CachedActivations` receiving the
+            residual stream the lens read, ``[row, read, d_model]`` per hook name (every hidden
+            state's hook, plus ``blocks.{n_layers-1}.hook_resid_post``), before any translator.
 
     Returns:
         One :class:`PromptLens` per row, in order.
@@ -389,7 +394,7 @@ def logit_lens(
     read_hooks = hooks + ([] if last_post in hooks else [last_post])
     final_at = read_hooks.index(last_post)
     return _lens_batches(model, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at,
-                         top_k, batch_size, progress, translator)
+                         top_k, batch_size, progress, translator, keep)
 
 
 def lens_batch_size(model: HookedModel, ids_list: Sequence[Sequence[int]], row_reads: Sequence[Sequence[int]],
@@ -437,7 +442,7 @@ def _translate(resid: torch.Tensor, points: Sequence[LensPoint], translator) -> 
 
 
 def _lens_batches(model: HookedModel, ids_list, texts, row_reads, tgt, fl, track_ids, points, read_hooks, final_at, top_k,
-                  batch_size, progress, translator=None) -> list[PromptLens]:
+                  batch_size, progress, translator=None, keep=None) -> list[PromptLens]:
     from .fastpath import residual_stream
 
     H = len(points)
@@ -451,6 +456,8 @@ def _lens_batches(model: HookedModel, ids_list, texts, row_reads, tgt, fl, track
         idx = torch.stack([batch.real_index(b)[torch.tensor(r + [r[-1]] * (width - len(r)))]
                            for b, r in enumerate(reads)])  # [b, n_read] padded indices (last repeated)
         resid = residual_stream(model, batch, read_hooks, positions=idx)  # [hooks, b, n_read, d]
+        if keep is not None:  # what was read, kept (views: no copy on the CPU)
+            keep.add({h: resid[j] for j, h in enumerate(read_hooks)}, reads)
         if translator is not None:
             resid = _translate(resid, points, translator)
         own = torch.tensor([-1 if tgt[i] is None else tgt[i] for i in rows], dtype=torch.long)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Optional, TypeVar, Union
 
@@ -340,6 +341,10 @@ class Result:
         self.tables = tables
         self.meta = meta or {}
         self.arrays = arrays or {}  # name -> torch.Tensor, saved as safetensors
+        #: The activations the kind cached during its run (hook name -> tensor; a
+        #: :class:`tracekit.activations.cached.CachedActivations` where the kind keeps them), in
+        #: memory only: not saved, empty on a loaded result (docs/results.md).
+        self.activations: Mapping[str, Any] = {}
 
     def to_frame(self, name: Optional[str] = None) -> pd.DataFrame:
         """The main tidy table (or the named one)."""

@@ -290,7 +290,7 @@ def test_cli_cache_list_and_clear(cache_root, fake_gguf, capsys):
     out = capsys.readouterr().out
     assert key in out and "MiB" in out and "float32" in out and "created" in out and "invalid" not in out
     assert main(["cache", "clear"]) == 0
-    assert "removed 1 weight entry" in capsys.readouterr().out
+    assert "weights: 1 entry" in capsys.readouterr().out
     assert cache.list_entries() == []
 
 

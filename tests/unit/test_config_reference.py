@@ -72,3 +72,15 @@ def test_token_trace_fully_documented():
 def test_every_config_field_is_documented():
     _, missing = _gen().generate()
     assert missing == []
+
+
+def test_committed_reference_is_current():
+    """docs/reference/config.md is committed (linked from the index, quickstart and tutorial, so it must
+    exist without a docs build) and equals what the generator writes now."""
+    page = ROOT / "docs" / "reference" / "config.md"
+    assert page.is_file(), "docs/reference/config.md is missing: run `make schema` (docs/gen_config_reference.py)"
+    ignored = [ln.strip() for ln in (ROOT / ".gitignore").read_text().splitlines()]
+    assert "docs/reference/config.md" not in ignored, "docs/reference/config.md is committed, not ignored"
+    text, _ = _gen().generate()
+    assert page.read_text(encoding="utf-8") == text, \
+        "docs/reference/config.md is out of date: regenerate it with `make schema` (python docs/gen_config_reference.py)"

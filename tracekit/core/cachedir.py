@@ -1,4 +1,10 @@
-"""Cache folders: list, clear, and remove what interrupted writers left (shared by every on-disk cache)."""
+"""Cache folders: list, clear, and remove what interrupted writers left (shared by every on-disk cache).
+
+:data:`CACHES` is the one registry of the caches tracekit writes under the cache root
+(:func:`cache_root`); every writer takes its folder from :func:`cache_path` (an unregistered name is
+a ``KeyError``), and ``tracekit cache`` lists and clears what the registry names, so a new cache
+cannot be left out of the listing (tests/unit/test_cache_registry.py checks every cache user).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,110 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .io import ManifestInvalid, read_manifest
 
 log = logging.getLogger("tracekit.cache")
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    """One cache tracekit writes: ``<cache root>/<subdir>/<key>/`` folders, one per entry.
+
+    Attributes:
+        name: the name ``tracekit cache clear NAME`` takes.
+        subdir: the folder under :func:`cache_root` (``/``-separated; a kind's folder may sit inside
+            another's: the outer kind's listing leaves it out).
+        title: what its entries hold, for the listing.
+        writer: the module that writes (and reads) it.
+        lister: ``"module:function"`` returning its rows (``key, size_bytes, valid`` plus details),
+            or None for the generic listing (:func:`kind_entries`).
+    """
+
+    name: str
+    subdir: str
+    title: str
+    writer: str
+    lister: str | None = None
+
+
+#: Every cache under the cache root. Add a new cache here (and take its folder from :func:`cache_path`).
+CACHES: tuple[CacheKind, ...] = (
+    CacheKind("weights", "gguf", "dequantised GGUF weights (with TransformerLens' processed weights and load "
+              "verifications inside each entry)", "tracekit.model.weights_cache",
+              "tracekit.model.weights_cache:list_entries"),
+    CacheKind("saes", "saes", "trained SAEs", "tracekit.sae.train", "tracekit.sae.train:sae_cache_entries"),
+    CacheKind("tuned_lenses", "tuned_lenses", "trained tuned lenses", "tracekit.lenses.train"),
+    CacheKind("transcoders", "transcoders", "trained transcoder sets", "tracekit.dictionaries.train"),
+    CacheKind("transcoder_stores", "transcoders/stores", "activation stores written to train transcoders",
+              "tracekit.dictionaries.train"),
+)
+
+
+def cache_root() -> Path:
+    """The tracekit cache root: ``$TRACEKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/tracekit``, else
+    ``~/.cache/tracekit``. Raises nothing."""
+    env = os.environ.get("TRACEKIT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tracekit"
+
+
+def cache_kind(name: str) -> CacheKind:
+    """The registered cache called ``name``.
+
+    Raises:
+        KeyError: no cache of that name in :data:`CACHES` (register it there).
+    """
+    for k in CACHES:
+        if k.name == name:
+            return k
+    raise KeyError(f"no cache named {name!r} in tracekit.core.cachedir.CACHES (register it there): "
+                   f"{', '.join(k.name for k in CACHES)}")
+
+
+def cache_path(name: str) -> Path:
+    """The folder of the registered cache ``name`` under :func:`cache_root`.
+
+    Raises:
+        KeyError: ``name`` is not registered in :data:`CACHES`.
+    """
+    return cache_root().joinpath(*cache_kind(name).subdir.split("/"))
+
+
+def _nested(kind: CacheKind) -> set[str]:
+    """Names of the folders directly under ``kind``'s folder that are other kinds' folders."""
+    pre = kind.subdir + "/"
+    return {k.subdir[len(pre):] for k in CACHES if k.subdir.startswith(pre) and "/" not in k.subdir[len(pre):]}
+
+
+def _describe_generic(d: Path, man: dict) -> dict:
+    return {"created": man.get("created"), "valid": sizes_match(d, man)}
+
+
+def kind_entries(kind: CacheKind) -> list[dict]:
+    """The rows of one registered cache (``key, path, size_bytes, valid`` and details): its own
+    lister's, or the generic one (a folder with a readable manifest whose files have their sizes is
+    valid); other kinds' folders nested in it are left out. Raises nothing (unreadable: invalid)."""
+    if kind.lister is not None:
+        import importlib
+
+        mod, fn = kind.lister.split(":")
+        rows = getattr(importlib.import_module(mod), fn)()
+    else:
+        rows = dir_entries(cache_path(kind.name), _describe_generic)
+    skip = _nested(kind)
+    return [r for r in rows if r["key"] not in skip]
+
+
+def clear_kind(kind: CacheKind) -> tuple[int, int]:
+    """Remove every entry of one registered cache (and leftover temporary folders), leaving other
+    kinds' folders nested in it: ``(entries removed, bytes freed)``. Raises nothing."""
+    return clear_dir(cache_path(kind.name), keep=_nested(kind))
 
 
 
@@ -93,14 +197,14 @@ def dir_entries(root: Path, describe: Callable[[Path, dict], dict]) -> list[dict
     return out
 
 
-def clear_dir(root: Path) -> tuple[int, int]:
-    """Remove every entry under a cache root (and leftover temporary folders); returns ``(entries
-    removed, bytes freed)``."""
+def clear_dir(root: Path, keep: set[str] | frozenset[str] = frozenset()) -> tuple[int, int]:
+    """Remove every entry under a cache root (and leftover temporary folders), except the folders
+    named in ``keep``; returns ``(entries removed, bytes freed)``."""
     if not root.is_dir():
         return 0, 0
     n = freed = 0
     for d in list(root.iterdir()):
-        if d.is_dir():
+        if d.is_dir() and d.name not in keep:
             freed += dir_size(d)
             n += 0 if d.name.startswith(".") else 1
             remove_entry(d) if not d.name.startswith(".") else shutil.rmtree(d, ignore_errors=True)

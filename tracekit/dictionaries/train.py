@@ -65,7 +65,7 @@ from ..activations.chunking import check_fits
 from ..activations.rows import corpus_rows
 from ..activations.store import MANIFEST, ActivationStore, StoreError, model_identity
 from ..activations.write import write_store
-from ..core.cachedir import remove_stale_temps
+from ..core.cachedir import cache_path, remove_stale_temps
 from ..core.errors import SAEError
 from ..core.io import ManifestInvalid, atomic_folder, file_sha256, verify_files_manifest, write_files_manifest
 from ..core.locks import acquire, release
@@ -109,10 +109,8 @@ class LoadedTranscoders:
 
 
 def transcoder_cache_dir() -> Path:
-    """``$TRACEKIT_CACHE_DIR/transcoders`` (default ``~/.cache/tracekit/transcoders``)."""
-    root = os.environ.get("TRACEKIT_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path("~/.cache/tracekit").expanduser()
-    return base / "transcoders"
+    """``$TRACEKIT_CACHE_DIR/transcoders`` (default ``~/.cache/tracekit/transcoders``; :func:`tracekit.core.cachedir.cache_path`)."""
+    return cache_path("transcoders")
 
 
 def special_ids(model: HookedModel) -> list[int]:
@@ -206,7 +204,7 @@ def _own_store(model: HookedModel, t: TranscoderTrainSpec, hooks: list[str], win
     source = _store_source(t.corpus, t.context_size, n_data)
     blob = {"model": model_identity(model), "hooks": hooks, "source": source}  # the write plan's own identity
     key = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
-    path = root / "stores" / key
+    path = root / "stores" / key  # the registered cache "transcoder_stores" (core.cachedir.CACHES)
     rows = corpus_rows(model, t.corpus, t.context_size, n_data, "all", corpus_field=f"{field}.corpus", packed=True,
                        seq_field=f"{field}.context_size")
     write_store(model, rows, hooks, path, position="all", source=source, dtype="float32", batch_size=8,

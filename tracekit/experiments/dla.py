@@ -22,6 +22,7 @@ import pandas as pd
 from pydantic import Field
 
 from .. import plotting
+from ..activations.cached import CachedActivations
 from ..dataset import PreparedDataset
 from ..dla import POSITION_FORMS, as_position, logit_attribution, row_positions
 from ..model.info import HookedModel
@@ -356,8 +357,9 @@ class DirectLogitAttribution(RowTargetsExperiment):
     def _run(self, model: HookedModel, inputs: DirectLogitAttributionInputs, progress: bool = True
              ) -> DirectLogitAttributionResult:
         data = inputs.data
+        kept = CachedActivations("every hook DLA read, at each row's attributed position")
         das = logit_attribution(model, data, position=self.position, read_at=inputs.read_at,
-                                batch_size=self.batch_size)
+                                batch_size=self.batch_size, keep=kept)
         comps, heads, recs = [], [], []
         for d in das:
             c = d.components_frame().drop(columns=["prompt_idx"])
@@ -393,4 +395,6 @@ class DirectLogitAttribution(RowTargetsExperiment):
                          "them)",
                 "attributed": "the logit (difference) the parts add up to: the model's own, or the pre-transform "
                               "value under a nonlinear output transform (e.g. Gemma 2's final soft-cap)"}
-        return DirectLogitAttributionResult(self, tables, meta)
+        result = DirectLogitAttributionResult(self, tables, meta)
+        result.activations = kept
+        return result

@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
+from ..activations.cached import CachedActivations
 from ..dataset import DatasetSpec, Rows
 from ..lenses.train import TunedLensSpec, load_or_train_tuned_lens
 from ..logit_lens import LENS_POSITIONS, LayerConvention, LensPoint, landmarks, lens_points, logit_lens
@@ -230,16 +231,20 @@ class LogitLens(Experiment):
         tuned = load_or_train_tuned_lens(model, self.tuned, progress, "tuned") if self.lens == "tuned" else None
         bar = tqdm(total=len(data), desc=f"{self.lens} lens", disable=not progress, leave=False)
 
-        def engine(track: list[int]) -> list:
+        kept = CachedActivations("the residual stream the lens read, before any tuned-lens translator")
+
+        def engine(track: list[int], keep: Optional[CachedActivations] = None) -> list:
             return logit_lens(model, data, position=self.position, layer_convention=self.layer_convention,
                               top_k=self.top_k, batch_size=self.batch_size, progress=bar.update,
                               track=track, reads=[list(p) for p in inputs.positions],
-                              translator=None if tuned is None else tuned.transform)
+                              translator=None if tuned is None else tuned.transform, keep=keep)
 
         try:  # in a sweep, steps differing only in target share one pass (tracekit.experiments.onepass)
             shared = onepass.current() if tuned is None else None
+            if shared:
+                kept.note = "not kept: this step shared one forward pass with other steps of a sweep"
             got = shared.lens(model, self, len(data), list(inputs.track_ids), engine) if shared else None
-            lens = engine(list(inputs.track_ids)) if got is None else onepass.split_lens(
+            lens = engine(list(inputs.track_ids), kept) if got is None else onepass.split_lens(
                 got[0], got[1], len(inputs.track_ids), [e.target_id for e in data.examples])
         finally:
             bar.close()
@@ -275,7 +280,9 @@ class LogitLens(Experiment):
                 "source": data.source, "dropped": dict(data.dropped), "lens": self.lens}
         if tuned is not None:
             meta["tuned"] = {**tuned.source, "record": tuned.record, "config": tuned.config.to_dict()}
-        return LogitLensResult(self, tables, meta)
+        result = LogitLensResult(self, tables, meta)
+        result.activations = kept
+        return result
 
     # ---- table shaping ------------------------------------------------------------------------
     def _main_rows(self, pi: int, ex, pl, decode, has_t: bool, has_f: bool) -> dict[str, np.ndarray]:

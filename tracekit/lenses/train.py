@@ -53,7 +53,7 @@ from pydantic import Field
 
 from ..activations.chunking import check_fits, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..activations.store import MANIFEST, ActivationStore, StoreError
-from ..core.cachedir import remove_stale_temps
+from ..core.cachedir import cache_path, remove_stale_temps
 from ..core.errors import ConfigError, CorpusError
 from ..core.io import ManifestInvalid, file_sha256, verify_files_manifest, write_files_manifest
 from ..core.strict import StrictModel
@@ -142,10 +142,8 @@ class TunedLensSpec(StrictModel):
 
 
 def tuned_lens_cache_dir() -> Path:
-    """``$TRACEKIT_CACHE_DIR/tuned_lenses`` (default ``~/.cache/tracekit/tuned_lenses``)."""
-    root = os.environ.get("TRACEKIT_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path("~/.cache/tracekit").expanduser()
-    return base / "tuned_lenses"
+    """``$TRACEKIT_CACHE_DIR/tuned_lenses`` (default ``~/.cache/tracekit/tuned_lenses``; :func:`tracekit.core.cachedir.cache_path`)."""
+    return cache_path("tuned_lenses")
 
 
 def document_split(doc_id: str) -> str:

@@ -47,7 +47,16 @@ from typing import Any, cast
 
 import torch
 
-from ..core.cachedir import clear_dir, dir_entries, dir_size, remove_entry, remove_stale_temps, sizes_match  # noqa: F401
+from ..core.cachedir import (  # noqa: F401
+    cache_path,
+    cache_root,
+    clear_dir,
+    dir_entries,
+    dir_size,
+    remove_entry,
+    remove_stale_temps,
+    sizes_match,
+)
 from ..core.io import (
     ManifestInvalid,
     file_sha256,
@@ -92,13 +101,9 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 
 
 def cache_dir() -> Path:
-    """The tracekit cache root: ``$TRACEKIT_CACHE_DIR``, ``$XDG_CACHE_HOME/tracekit`` or ``~/.cache/tracekit``."""
-    env = os.environ.get("TRACEKIT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "tracekit"
+    """The tracekit cache root: ``$TRACEKIT_CACHE_DIR``, ``$XDG_CACHE_HOME/tracekit`` or ``~/.cache/tracekit``
+    (:func:`tracekit.core.cachedir.cache_root`)."""
+    return cache_root()
 
 
 def cache_enabled() -> bool:
@@ -201,7 +206,7 @@ def gguf_cache_key(gguf_path: str | Path, dtype: torch.dtype) -> tuple[str, dict
 
 
 def _gguf_root() -> Path:
-    return cache_dir() / "gguf"
+    return cache_path("weights")
 
 
 def entry_path(key: str) -> Path:

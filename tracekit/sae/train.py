@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from ..activations.chunking import check_fits, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..compat import has_sae_lens, require_sae_lens
-from ..core.cachedir import clear_dir, dir_entries, remove_stale_temps, sizes_match
+from ..core.cachedir import cache_path, clear_dir, dir_entries, remove_stale_temps, sizes_match
 from ..core.errors import SAEError
 from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
 from ..core.signals import preserved_signal_handlers
@@ -75,10 +75,8 @@ def clear_sae_cache() -> tuple[int, int]:
 
 
 def sae_cache_dir() -> Path:
-    """``$TRACEKIT_CACHE_DIR/saes`` (default ``~/.cache/tracekit/saes``)."""
-    root = os.environ.get("TRACEKIT_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path("~/.cache/tracekit").expanduser()
-    return base / "saes"
+    """``$TRACEKIT_CACHE_DIR/saes`` (default ``~/.cache/tracekit/saes``; :func:`tracekit.core.cachedir.cache_path`)."""
+    return cache_path("saes")
 
 
 def _train_key(model: HookedModel, t: SAETrainSpec, store_sha256: str | None = None) -> str:

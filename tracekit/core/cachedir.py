@@ -35,6 +35,7 @@ class CacheKind:
         writer: the module that writes (and reads) it.
         lister: ``"module:function"`` returning its rows (``key, size_bytes, valid`` plus details),
             or None for the generic listing (:func:`kind_entries`).
+        files: a glob (``"*.pkl"``) when the entries are single files rather than folders.
     """
 
     name: str
@@ -42,6 +43,7 @@ class CacheKind:
     title: str
     writer: str
     lister: str | None = None
+    files: str | None = None
 
 
 #: Every cache under the cache root. Add a new cache here (and take its folder from :func:`cache_path`).
@@ -54,6 +56,9 @@ CACHES: tuple[CacheKind, ...] = (
     CacheKind("transcoders", "transcoders", "trained transcoder sets", "tracekit.dictionaries.train"),
     CacheKind("transcoder_stores", "transcoders/stores", "activation stores written to train transcoders",
               "tracekit.dictionaries.train"),
+    CacheKind("model_info", "model-info", "local models' TransformerLens configs and hook names (read by "
+              "`tracekit validate` instead of importing TransformerLens; one small file per model)",
+              "tracekit.model.info", files="*.pkl"),
 )
 
 
@@ -103,6 +108,10 @@ def kind_entries(kind: CacheKind) -> list[dict]:
     """The rows of one registered cache (``key, path, size_bytes, valid`` and details): its own
     lister's, or the generic one (a folder with a readable manifest whose files have their sizes is
     valid); other kinds' folders nested in it are left out. Raises nothing (unreadable: invalid)."""
+    if kind.files is not None:
+        root = cache_path(kind.name)
+        return [{"key": f.name, "path": str(f), "size_bytes": f.stat().st_size, "valid": True}
+                for f in sorted(root.glob(kind.files)) if f.is_file()] if root.is_dir() else []
     if kind.lister is not None:
         import importlib
 
@@ -117,6 +126,17 @@ def kind_entries(kind: CacheKind) -> list[dict]:
 def clear_kind(kind: CacheKind) -> tuple[int, int]:
     """Remove every entry of one registered cache (and leftover temporary folders), leaving other
     kinds' folders nested in it: ``(entries removed, bytes freed)``. Raises nothing."""
+    if kind.files is not None:
+        n = freed = 0
+        root = cache_path(kind.name)
+        for f in (sorted(root.glob(kind.files)) if root.is_dir() else []):
+            try:
+                size = f.stat().st_size
+                f.unlink()
+            except OSError:
+                continue
+            n, freed = n + 1, freed + size
+        return n, freed
     return clear_dir(cache_path(kind.name), keep=_nested(kind))
 
 

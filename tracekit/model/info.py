@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..core.cachedir import cache_path
 from ..core.errors import ModelLoadError
 from ..core.protocols import HookedModel as HookedModel  # re-exported: the type of every model argument
 from . import load as _load
@@ -150,7 +151,7 @@ def _info_cache_file(spec: ModelSpec) -> Optional[Path]:
     except OSError:
         return None
     key = hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return weights_cache.cache_dir() / "model-info" / f"{key}.pkl"
+    return cache_path("model_info") / f"{key}.pkl"
 
 
 def _write_cached_info(where: Path, info: ModelInfo) -> None:

@@ -55,7 +55,7 @@ from .core import signals
 from .core.budget import current_budget, memory_budget
 from .core.errors import ConfigError, OutputError, TracekitError
 from .core.io import atomic_write, jsonable, write_json
-from .core.progress import format_seconds, progress_sink
+from .core.progress import Heartbeat, format_seconds, progress_sink
 from .inputs import input_files
 from .model.architectures import architecture_name
 from .model.info import HookedModel, load_model_info
@@ -468,7 +468,8 @@ class _Run:
             hf_logging.disable_progress_bar()
         self.progress_log(f"loading model {self.config.model.name!r} ...")
         self.status.write(step="(loading model)")
-        t0, model = time.time(), load_model(self.config.model)
+        with Heartbeat("loading model", sink=self.progress_log, enabled=not self.progress):
+            t0, model = time.time(), load_model(self.config.model)
         self.progress_log(f"model loaded in {format_seconds(time.time() - t0)}")
         return model
 
@@ -498,7 +499,8 @@ class _Run:
         tag = f"[step {index + 1}/{len(self.config.experiments)} {name}]" if index is not None else f"[step {name}]"
         self.progress_log(f"{tag} start")
         try:
-            result, rows = self._step(step, model, index, name, ts)
+            with progress_sink(self.progress_log), Heartbeat(tag, enabled=not self.progress):
+                result, rows = self._step(step, model, index, name, ts)
         except BaseException:
             self.progress_log(f"{tag} stopped after {format_seconds(time.time() - ts)}")
             raise
@@ -519,8 +521,7 @@ class _Run:
         with memory_budget(self.config.run.memory_budget):
             budget = current_budget(model_device(model))
             self.env.setdefault("memory_budget", {})[name] = budget.as_dict()
-            with progress_sink(self.progress_log):  # the step's throttled progress lines
-                result = step.run(model, progress=self.progress, check=pending, **kw)
+            result = step.run(model, progress=self.progress, check=pending, **kw)
         _save_step(result, self.run_dir / name, self.log, self.figures)
         self.summaries[name] = result.summary()
         self.env.setdefault("step_seconds", {})[name] = round(time.time() - ts, 2)

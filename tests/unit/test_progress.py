@@ -124,3 +124,21 @@ def test_sweep_points_report_lines_when_bars_are_off():
 @pytest.mark.parametrize("s,text", [(0.04, "0.0 s"), (41.24, "41.2 s"), (185, "3m05s"), (3725, "1h02m")])
 def test_format_seconds(s, text):
     assert P.format_seconds(s) == text
+
+
+def test_heartbeat_speaks_only_after_a_silence(monkeypatch):
+    """Work without a loop to count (a circuit's scores, a model load): a line after ``interval``
+    seconds in which no other progress line was printed."""
+    import time
+
+    lines: list[str] = []
+    monkeypatch.setattr(P, "_LAST_LINE", [float("-inf")])
+    hb = P.Heartbeat("[step 2/3 circuit]", interval=60, sink=lines.append, clock=time.monotonic)
+    t0 = hb.start
+    assert not hb.beat(t0 + 59) and lines == []
+    assert hb.beat(t0 + 61) and lines == ["[step 2/3 circuit] running, elapsed 1m01s"]
+    P._LAST_LINE[0] = t0 + 100  # a loop's own progress line
+    assert not hb.beat(t0 + 150)
+    assert hb.beat(t0 + 161) and lines[-1] == "[step 2/3 circuit] running, elapsed 2m41s"
+    with P.Heartbeat("x", enabled=False) as off:  # bars on: no thread, no line
+        assert off._thread is None

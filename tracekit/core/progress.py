@@ -14,6 +14,10 @@ Jupyter without ipywidgets: ``tqdm.auto`` falls back to the terminal bar, whose 
 many notebook front ends render as one new line per refresh (a screen of repeated bars); there
 :func:`bar_kind` picks ``"lines"`` (throttled lines, every :data:`NOTEBOOK_INTERVAL` seconds) instead.
 
+A step without such a loop (a circuit's edge scores, a model load) gets a :class:`Heartbeat`: the
+runner prints ``[step 2/3 circuit] running, elapsed 4m00s`` every ``2 x interval`` seconds (at
+least 1 s) in which no other progress line was printed, while bars are off.
+
 Where lines go: the innermost :func:`progress_sink` (the runner sets it to its log, so lines of a
 step go where the run's step lines go, and a sweep's quiet points stay quiet); default: stderr.
 """
@@ -25,11 +29,12 @@ import contextvars
 import importlib.util
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
-__all__ = ["progress_bar", "LineProgress", "progress_sink", "bar_kind", "format_seconds", "in_notebook",
+__all__ = ["progress_bar", "LineProgress", "Heartbeat", "progress_sink", "bar_kind", "format_seconds", "in_notebook",
            "DEFAULT_INTERVAL", "NOTEBOOK_INTERVAL"]
 
 #: Seconds between two progress lines when bars are off (``TRACEKIT_PROGRESS_INTERVAL`` overrides).
@@ -39,6 +44,11 @@ NOTEBOOK_INTERVAL = 5.0
 
 _SINK: contextvars.ContextVar[Optional[Callable[[str], Any]]] = contextvars.ContextVar("tracekit_progress_sink",
                                                                                        default=None)
+
+
+#: When the last progress line of this process was printed (``time.monotonic``): a heartbeat stays
+#: quiet while loops print their own lines.
+_LAST_LINE = [float("-inf")]
 
 
 def _stderr(line: str) -> None:
@@ -140,6 +150,7 @@ class LineProgress:
         if now - self.last >= self.interval:
             self.last = now
             self.lines += 1
+            _LAST_LINE[0] = time.monotonic()
             self.sink(self.line(now))
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
@@ -158,6 +169,56 @@ class LineProgress:
 
     def close(self) -> None:
         pass
+
+
+class Heartbeat:
+    """``[desc] running, elapsed E`` lines while a block runs, for work without a loop to count
+    (a model load, a circuit's scores): every ``interval`` seconds in which no other progress line
+    (a :class:`LineProgress`'s or a heartbeat's) was printed. A daemon thread checks once a second;
+    leaving the block stops it. ``enabled=False`` prints nothing.
+
+    Args:
+        desc: what is running (the line's prefix).
+        interval: seconds of silence before a line (default ``2 x`` :data:`DEFAULT_INTERVAL` or
+            ``2 x TRACEKIT_PROGRESS_INTERVAL``; at least 1 s).
+        sink: where lines go (default: the current :func:`progress_sink`, else stderr).
+        clock: seconds, monotonic (tests call :meth:`beat` with a fake one).
+    """
+
+    def __init__(self, desc: str, interval: Optional[float] = None, sink: Optional[Callable[[str], Any]] = None,
+                 clock: Callable[[], float] = time.monotonic, enabled: bool = True):
+        self.desc, self.enabled, self.clock = desc, enabled, clock
+        self.interval = max(1.0, float(interval) if interval is not None else 2 * _interval(None))
+        self.sink = sink or _SINK.get() or _stderr  # read here: a thread does not see the context
+        self.start = self.last = clock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def beat(self, now: Optional[float] = None) -> bool:
+        """Print a line if ``interval`` seconds passed since the last progress line; returns whether."""
+        now = self.clock() if now is None else now
+        quiet_since = max(self.last, _LAST_LINE[0] if self.clock is time.monotonic else self.last)
+        if now - quiet_since < self.interval:
+            return False
+        self.last = now
+        _LAST_LINE[0] = time.monotonic()
+        self.sink(f"{self.desc} running, elapsed {format_seconds(now - self.start)}")
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(1.0, self.interval)):
+            self.beat()
+
+    def __enter__(self) -> "Heartbeat":
+        if self.enabled:
+            self._thread = threading.Thread(target=self._loop, name="tracekit-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def in_notebook() -> bool:

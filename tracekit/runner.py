@@ -468,7 +468,7 @@ class _Run:
             hf_logging.disable_progress_bar()
         self.progress_log(f"loading model {self.config.model.name!r} ...")
         self.status.write(step="(loading model)")
-        with Heartbeat("loading model", sink=self.progress_log, enabled=not self.progress):
+        with Heartbeat(f"[loading model {self.config.model.name!r}]", sink=self.progress_log, enabled=not self.progress):
             t0, model = time.time(), load_model(self.config.model)
         self.progress_log(f"model loaded in {format_seconds(time.time() - t0)}")
         return model

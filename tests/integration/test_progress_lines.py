@@ -86,3 +86,26 @@ def test_library_runs_send_progress_lines_to_the_log(tmp_path, tiny_gpt2, progre
     run_config(cfg, tmp_path, model=tiny_gpt2, progress=progress, log=lambda s: None, figures=False,
                progress_log=quiet.append)
     assert quiet[0] == "[step 1/1 only] start" and quiet[-1].startswith("[step 1/1 only] done in ")
+
+
+def test_graph_backward_passes_report_rows_and_eta(monkeypatch):
+    """build_graph with bars off: a line per update at interval 0, counting every backward row
+    (logit and feature nodes) up to the total, with an ETA before the end."""
+    from graph_models import IDS, PARIS, random_transcoders
+
+    from tests.helpers import make_perturbed
+    from tracekit.core.progress import progress_sink
+    from tracekit.graphs import build_graph
+
+    monkeypatch.setenv("TRACEKIT_PROGRESS_INTERVAL", "0")
+    m = make_perturbed("llama")
+    lines: list[str] = []
+    with progress_sink(lines.append):
+        g = build_graph(m, random_transcoders(m, d_sae=12), IDS[:5], target=PARIS, batch_size=4, progress=False)
+    rows = [re.match(r"\[attribution graph backward passes\] (\d+)/(\d+) row", s) for s in lines]
+    assert rows and all(rows), lines
+    assert len(lines) == g.settings["backward_passes"]
+    done = [int(r.group(1)) for r in rows if r]
+    total = int(rows[-1].group(2)) if rows[-1] else 0
+    assert done == sorted(done) and done[-1] == total
+    assert "ETA" in lines[0] and "ETA" not in lines[-1]

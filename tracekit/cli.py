@@ -481,6 +481,12 @@ def _print_table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+def _progress_line(line: str) -> None:
+    """``tracekit run``'s progress lines (model load, step start/end, ETAs): stderr, flushed, so
+    stdout keeps the reports and a redirected log shows them as they happen."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _run(args) -> int:
     """``tracekit run CONFIG``: validate, run every step into a fresh run directory."""
     import logging
@@ -495,7 +501,8 @@ def _run(args) -> int:
         _err(str(e))
         return 2
     try:
-        run_dir, summary = run_config(config, args.out, stem=Path(args.config).stem, progress=not args.no_progress)
+        run_dir, summary = run_config(config, args.out, stem=Path(args.config).stem, progress=not args.no_progress,
+                                      progress_log=_progress_line)
     except RunInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + int(e.signum)

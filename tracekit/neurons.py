@@ -48,10 +48,10 @@ import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Bool, Float
-from tqdm.auto import tqdm
 
 from .circuits.gradients import balanced_chunk, hook_bytes, pass_bytes
 from .core.budget import chunk_rows
+from .core.progress import progress_bar
 from .core.sites import check_layer, check_layers, check_neurons, hook, mlp_width, norm_hook
 from .corpus import iter_documents, token_windows, window_batches
 from .dataset import PreparedDataset
@@ -453,7 +453,7 @@ def key_readout(
     bases = {L: NeuronBasis(model, L) for L in sorted({L for L, _ in specs})}
     windows: dict[int, Window] = {}
     wins = token_windows(model, iter_documents(corpus, jsonl_field=jsonl_field), seq_len=seq_len, max_tokens=max_tokens)
-    bar = tqdm(total=max_tokens, desc="key readout", unit="tok", disable=not progress, leave=False)
+    bar = progress_bar(total=max_tokens, desc="key readout", unit="tok", enabled=progress)
 
     deepest = max(L for L, _ in specs)
     kept = len(bases) * hook_bytes(model, hook("neuron", deepest), seq_len)

@@ -2,8 +2,8 @@
 
 Layout of ``<out>/<config-stem>-<timestamp>[-N]/``::
 
-    status.json            running | complete | failed | interrupted, the step reached, pid; written at
-                           start and at every step, so it is true after any exit (after a SIGKILL it
+    status.json            running | complete | failed | interrupted, the step reached (and when it
+                           started: step_started), pid; written at start and at every step, so it is true after any exit (after a SIGKILL it
                            still says "running" with a pid that no longer exists: readers report
                            "interrupted (process gone)", see :func:`read_status`)
     config.resolved.yaml   the config after --set overrides and defaults (written at start; a step's
@@ -55,6 +55,7 @@ from .core import signals
 from .core.budget import current_budget, memory_budget
 from .core.errors import ConfigError, OutputError, TracekitError
 from .core.io import atomic_write, jsonable, write_json
+from .core.progress import Heartbeat, format_seconds, progress_sink
 from .inputs import input_files
 from .model.architectures import architecture_name
 from .model.info import HookedModel, load_model_info
@@ -359,7 +360,8 @@ def _half_precision_note(config: RunConfig, log: Callable) -> None:
 
 
 def run_config(config: RunConfig, out: str | Path, stem: str = "run", model: HookedModel | None = None,
-               progress: bool = True, log: Callable[[str], Any] = print, figures: bool = True) -> tuple[Path, dict]:
+               progress: bool = True, log: Callable[[str], Any] = print, figures: bool = True,
+               progress_log: Optional[Callable[[str], Any]] = None) -> tuple[Path, dict]:
     """Run every step of a config into a fresh run directory.
 
     Args:
@@ -371,6 +373,8 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model: Hoo
         log: where to print human-readable reports.
         figures: write each step's figures (PNG) into its folder (sweeps leave them out:
             ``Result.load(...).figures()`` draws them later from the tables).
+        progress_log: where progress lines go (default ``log``; ``tracekit run``: stderr): model load, ``[step
+            2/3 patching] start`` / ``done in 41.2 s``, the steps' ETA lines (:mod:`tracekit.core.progress`).
 
     Returns:
         ``(run_dir, summary)``.
@@ -387,7 +391,7 @@ def run_config(config: RunConfig, out: str | Path, stem: str = "run", model: Hoo
     check_config(config, model, prepared)  # once, before anything is written (steps then run with
     # check=False; a step with references is checked when it runs, once its values are known)
     run_dir = new_run_dir(out, stem)
-    run = _Run(run_dir, config, progress, log, figures, prepared)
+    run = _Run(run_dir, config, progress, log, figures, prepared, progress_log)
     scratch = run_dir / ".scratch"
     old_scratch = os.environ.get("TRACEKIT_SCRATCH")
     os.environ["TRACEKIT_SCRATCH"] = str(scratch)
@@ -440,8 +444,9 @@ class _Run:
     references, environment, summaries, expectations, step folders, error)."""
 
     def __init__(self, run_dir: Path, config: RunConfig, progress: bool, log: Callable, figures: bool = True,
-                 prepared: Optional[dict[int, Any]] = None):
+                 prepared: Optional[dict[int, Any]] = None, progress_log: Optional[Callable] = None):
         self.run_dir, self.config, self.progress, self.log = run_dir, config, progress, log
+        self.progress_log = progress_log or log
         self.figures = figures
         self.prepared = prepared if prepared is not None else {}
         self.status = _Status(run_dir, [s.step_name for s in config.experiments])
@@ -461,9 +466,12 @@ class _Run:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-        self.log(f"loading model {self.config.model.name!r} ...")
+        self.progress_log(f"loading model {self.config.model.name!r} ...")
         self.status.write(step="(loading model)")
-        return load_model(self.config.model)
+        with Heartbeat(f"[loading model {self.config.model.name!r}]", sink=self.progress_log, enabled=not self.progress):
+            t0, model = time.time(), load_model(self.config.model)
+        self.progress_log(f"model loaded in {format_seconds(time.time() - t0)}")
+        return model
 
     def steps(self, model: HookedModel | None) -> None:
         """Load the model (unless given) and run every step in order."""
@@ -484,11 +492,25 @@ class _Run:
         _write_yaml(self.run_dir / "config.resolved.yaml", self.resolved)
 
     def step(self, step: Any, model: HookedModel, index: Optional[int] = None) -> None:
-        """Run one step (the ``index``-th of the config: its inputs checked before the run are
-        reused), save it and record its summary, timing and expectations."""
+        """Run the ``index``-th step (its inputs checked before the run reused), save and record it."""
         name = self.current = step.step_name
-        self.status.write(step=name)
+        self.status.write(step=name, step_started=_dt.datetime.now().isoformat(timespec="seconds"))
         ts = time.time()
+        tag = f"[step {index + 1}/{len(self.config.experiments)} {name}]" if index is not None else f"[step {name}]"
+        self.progress_log(f"{tag} start")
+        try:
+            with progress_sink(self.progress_log), Heartbeat(tag, enabled=not self.progress):
+                result, rows = self._step(step, model, index, name, ts)
+        except BaseException:
+            self.progress_log(f"{tag} stopped after {format_seconds(time.time() - ts)}")
+            raise
+        self.progress_log(f"{tag} done in {format_seconds(time.time() - ts)}")
+        self.log(result.report())
+        for r in rows:
+            self.log(_expectation_line(name, r))
+
+    def _step(self, step: Any, model: HookedModel, index: Optional[int], name: str, ts: float) -> tuple[Any, list]:
+        """Run, save and record one step; returns its result and expectation rows."""
         pending = isinstance(step, PendingStep)
         if pending:  # pipeline: references -> values, recorded; checked when it runs
             res = resolve(step, self.run_dir)
@@ -510,9 +532,7 @@ class _Run:
             r["step"] = name
         self.expectations += rows
         self.status.write(finished=self.status.state["finished"] + [name])
-        self.log(result.report())
-        for r in rows:
-            self.log(_expectation_line(name, r))
+        return result, rows
 
     def finish(self) -> dict:
         return _finish(self.run_dir, self.config, self.env, self.summaries, self.expectations, self.t0)

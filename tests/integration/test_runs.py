@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,7 +71,10 @@ def test_interrupt_keeps_finished_steps_and_records_where(tmp_path, sig, code):
     stdout, stderr = communicate_or_dump(proc, 60)
     assert proc.returncode == code, (stdout, stderr)
     assert "Traceback" not in stderr and "interrupted" in stderr
-    assert len(stderr.strip().splitlines()) == 1, stderr  # one line, no 23-frame traceback
+    # one error line, no 23-frame traceback; the rest of stderr is the run's progress lines
+    progress = re.compile(r"^(loading model |model loaded in |\[loading model |\[step \d+/\d+ \w+\] |\[logit lens\] )")
+    assert len([s for s in stderr.strip().splitlines() if not progress.match(s)]) == 1, stderr
+    assert re.search(r"^\[step 2/2 slow\] stopped after ", stderr, re.M), stderr
     st = read_status(run_dir)
     assert st["status"] == "interrupted" and st["step"] == "slow" and st["finished"] == ["quick"]
     assert (run_dir / "error.txt").read_text().startswith("interrupted")

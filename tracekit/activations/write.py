@@ -406,9 +406,9 @@ def _write_shards(model: HookedModel, rows: Iterable[StoreRow], hooks: list[str]
            "batch_size": int(batch_size), "shard_mb": float(shard_mb),
            "shapes": (old or {}).get("shapes"), "shard_examples": (old or {}).get("shard_examples"), "shards": done}
     write_json(path / MANIFEST, man)
-    from tqdm.auto import tqdm  # lazy: only for the bar
+    from ..core.progress import progress_bar
 
-    bar = tqdm(desc="activations", unit="row", disable=not progress, leave=False)
+    bar = progress_bar(desc="activations", unit="row", enabled=progress)
     all_ids: list[tuple[int, ...]] = []
     row_ids: list[int] = []
     row_keys: list[str] = []

@@ -69,6 +69,7 @@ from ..core.cachedir import cache_path, remove_stale_temps
 from ..core.errors import SAEError
 from ..core.io import ManifestInvalid, atomic_folder, file_sha256, verify_files_manifest, write_files_manifest
 from ..core.locks import acquire, release
+from ..core.progress import progress_bar
 from ..corpus import CorpusError, iter_documents, packed_windows
 from ..inputs import input_files
 from ..model.context import check_window
@@ -352,7 +353,9 @@ def _train_locked(model: HookedModel, t: TranscoderTrainSpec, layers: list[int],
     partial.mkdir(parents=True, exist_ok=True)
     per_layer: dict[str, dict] = {}
     dev = model_device(model)
-    with open_training_store(model, store_path, hooks, wins, t.corpus, t.context_size, field) as store:
+    total_steps = sum(settings[L].steps for L in layers if not (partial / f"layer_{L}.pt").is_file())
+    with open_training_store(model, store_path, hooks, wins, t.corpus, t.context_size, field) as store, \
+            progress_bar(total=total_steps, desc="transcoder training", unit="step", enabled=progress) as bar:
         for L in layers:
             h_in, h_out = pairs[L]
             d_in, d_out = store.width(h_in), store.width(h_out)
@@ -364,7 +367,9 @@ def _train_locked(model: HookedModel, t: TranscoderTrainSpec, layers: list[int],
                 continue
             x, y = _layer_data(store, h_in, h_out, n_ex, keep, dt)
             t1 = time.time()
-            params, st = fit_dictionary(x.to(dev), y.to(dev), s, checkpoint=partial / f"ckpt_{L}.pt")
+            bar.set_postfix_str(f"layer {L}")
+            params, st = fit_dictionary(x.to(dev), y.to(dev), s, checkpoint=partial / f"ckpt_{L}.pt",
+                                        progress=lambda _step, _parts: bar.update(1))
             st["seconds"] = round(time.time() - t1, 2)
             st.update({"hook_in": h_in, "hook_out": h_out, "d_in": d_in, "d_out": d_out, "d_sae": s.d_sae})
             tmp = done.with_name(done.name + f".tmp-{os.getpid()}")

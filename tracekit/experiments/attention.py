@@ -293,10 +293,10 @@ class AttentionPattern(Experiment):
     def _run(self, model: HookedModel, inputs: AttentionPatternInputs, progress: bool = True) -> AttentionPatternResult:
         # the engine reads the prepared ids and positions: nothing is tokenized again; the tables are
         # built by tracekit.attention_tables.query_tables from the same QueryAttention
-        from tqdm.auto import tqdm
+        from ..core.progress import progress_bar
 
         data = inputs.data
-        bar = tqdm(total=len(data), desc="attention", disable=not progress, leave=False)
+        bar = progress_bar(total=len(data), desc="attention", unit="row", enabled=progress)
 
         def advance(n: int) -> None:
             bar.update(n)

@@ -371,7 +371,7 @@ class CausalTracing(Experiment):
                                    tuple(e.target_id for e in data.examples))
 
     def _run(self, model: HookedModel, inputs: CausalTracingInputs, progress: bool = True) -> CausalTracingResult:
-        from tqdm.auto import tqdm  # lazy: tqdm only for the bar
+        from ..core.progress import progress_bar
 
         data = inputs.data
         scale = None
@@ -382,7 +382,7 @@ class CausalTracing(Experiment):
             noise_std = self.noise_std
         n_layers = int(model.cfg.n_layers)
         total = sum(len(self.kinds) * n_layers * len(e.ids) * self.n_samples for e in data.examples)
-        bar = tqdm(total=total, desc="causal tracing", disable=not progress, leave=False)
+        bar = progress_bar(total=total, desc="causal tracing", unit="patched run", enabled=progress)
         effects, recs, cat_parts = [], [], []
         batch_sizes: list[int] = []  # per row, replay rows per batch (run.memory_budget)
         try:

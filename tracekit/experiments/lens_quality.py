@@ -184,10 +184,10 @@ class LensQuality(Experiment):
                                                      "eval.corpus", "eval.seq_len")))
 
     def _run(self, model: HookedModel, inputs: LensQualityInputs, progress: bool = True) -> LensQualityResult:
-        from tqdm.auto import tqdm  # lazy: tqdm only for the bar
+        from ..core.progress import progress_bar
 
         lens = load_or_train_tuned_lens(model, self.tuned, progress, "tuned") if "tuned" in self.lenses else None
-        bar = tqdm(total=len(inputs.windows), desc="lens quality", disable=not progress, leave=False)
+        bar = progress_bar(total=len(inputs.windows), desc="lens quality", unit="window", enabled=progress)
         try:
             table = quality_table(model, inputs.windows, self.lenses, lens, self.patchscope_positions,
                                   self.eval.seed, self.batch_size, patchscope_target=self.patchscope_target,

@@ -225,11 +225,11 @@ class LogitLens(Experiment):
 
     def _run(self, model: HookedModel, inputs: LogitLensInputs, progress: bool = True) -> LogitLensResult:
         # the engine reads the prepared ids, targets and positions: nothing is tokenized again
-        from tqdm.auto import tqdm
+        from ..core.progress import progress_bar
 
         data = inputs.data
         tuned = load_or_train_tuned_lens(model, self.tuned, progress, "tuned") if self.lens == "tuned" else None
-        bar = tqdm(total=len(data), desc=f"{self.lens} lens", disable=not progress, leave=False)
+        bar = progress_bar(total=len(data), desc=f"{self.lens} lens", unit="row", enabled=progress)
 
         kept = CachedActivations("the residual stream the lens read, before any tuned-lens translator")
 

@@ -24,8 +24,8 @@ from typing import Literal, Optional, Union
 import pandas as pd
 import torch
 from pydantic import Field
-from tqdm.auto import tqdm
 
+from ..core.progress import progress_bar
 from ..dataset import PreparedDataset
 from ..dla import check_layers, row_positions
 from ..model.context import check_window
@@ -284,7 +284,7 @@ class NeuronAttribution(RowTargetsExperiment):
         clean: Optional[list] = None
         plans = abl.plans()
         sets = [("top", 0, top_set)] + [("random", i + 1, s) for i, s in enumerate(rand_sets)]
-        bar = tqdm(total=len(plans) * len(sets), desc="interventions", disable=not progress, leave=False)
+        bar = progress_bar(total=len(plans) * len(sets), desc="interventions", unit="intervention", enabled=progress)
         for mode, value in plans:
             for set_name, draw, nset in sets:
                 rs = neuron_interventions(model, data, None, nset, mode=mode, means=means,

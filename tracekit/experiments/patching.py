@@ -58,9 +58,9 @@ import numpy as np
 import pandas as pd
 import torch
 from pydantic import Field, field_serializer, field_validator, model_validator
-from tqdm.auto import tqdm
 
 from .. import patching as P
+from ..core.progress import progress_bar
 from ..dataset import DatasetSpec
 from ..dataset.paired import POSITION_SPEC_FORMS, PairedRows, position_specs
 from ..dataset.pairs import PromptPair, load_pairs
@@ -587,7 +587,7 @@ class ActivationPatching(PatchingSpec):
         total = P.count_variants(model, [len(c) for c in clean_ids], sites, len(self.modes), self.layers,
                                  self.neuron_layers, self.neurons,
                                  n_positions=None if positions is None else len(positions[0]))
-        bar = tqdm(total=total, desc="activation patching", disable=not progress, leave=False)
+        bar = progress_bar(total=total, desc="activation patching", unit="variant", enabled=progress)
 
         def tick(k: int) -> None:
             bar.update(k)

@@ -51,6 +51,7 @@ from jaxtyping import Int
 
 from ..core.budget import bytes_of, chunk_rows, current_budget, format_bytes
 from ..core.errors import MemoryBudgetError
+from ..core.progress import progress_bar
 from ..dictionaries.dictionary import DictionarySet
 from ..hooks import state_guard
 from ..model.info import HookedModel
@@ -167,7 +168,8 @@ def build_graph(model: HookedModel, dictionaries: DictionarySet, token_ids: Int[
         max_feature_nodes: most feature nodes, chosen by partial influence (None: every active feature).
         zero_bos: leave the first position out of the nodes when it is a special token.
         batch_size: rows per backward pass (None: from the memory budget).
-        progress: print a line per backward pass.
+        progress: a bar over the backward rows (off: a line with the rows done and the ETA every
+            30 s, :func:`tracekit.core.progress.progress_bar`).
 
     Returns:
         :class:`~tracekit.graphs.graph.AttributionGraph` with ``adjacency[target, source]`` (float32,
@@ -310,14 +312,14 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
     n_passes = 0
     edge_rows = torch.zeros(n_rows, n_cols, dtype=torch.float32)
     row_node = torch.zeros(n_rows, dtype=torch.long)  # column index of each row's node
+    bar = progress_bar(total=n_rows, desc="attribution graph backward passes", unit="row", enabled=progress)
     # logit rows first
     for s0 in range(0, n_log, bs):
         batch = [("logit", i) for i in range(s0, min(n_log, s0 + bs))]
         edge_rows[s0:s0 + len(batch)] = rows_for(batch)
         row_node[s0:s0 + len(batch)] = torch.arange(s0, s0 + len(batch)) + log_off
         n_passes += 1
-        if progress:
-            print(f"attribution graph: logit rows {s0 + len(batch)}/{n_log}")
+        bar.update(len(batch))
     st = n_log
     visited = torch.zeros(n_cand, dtype=torch.bool)
     update_interval = 4
@@ -335,8 +337,8 @@ def _build(model: HookedModel, dictionaries: DictionarySet, ids: torch.Tensor, *
             visited[idx] = True
             st += len(idx)
             n_passes += 1
-            if progress:
-                print(f"attribution graph: feature rows {int(visited.sum())}/{n_feat}")
+            bar.update(len(idx))
+    bar.close()
     fwd.clear()  # free the batch's autograd graph before the verification passes
 
     # ---- the bias term: the targets' inputs with every source node zeroed ----

@@ -414,7 +414,7 @@ def held_out_kl(model: HookedModel, lens: Optional[TunedLens], cache: ResidualCa
 def _fit(model: HookedModel, lens: TunedLens, cache: ResidualCache, spec: TunedLensSpec, progress: bool) -> list[float]:
     """Train every translator on the cached residuals (module docstring); returns each translator's
     mean training KL over the last epoch (nats)."""
-    from tqdm.auto import tqdm  # lazy: tqdm only for the bar
+    from ..core.progress import progress_bar
 
     readout = Readout(model)
     dev = readout.W_U.device
@@ -426,7 +426,7 @@ def _fit(model: HookedModel, lens: TunedLens, cache: ResidualCache, spec: TunedL
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm))))
     n = len(lens.layer_translators)
-    bar = tqdm(total=total, desc="tuned lens", disable=not progress, leave=False)
+    bar = progress_bar(total=total, desc="tuned lens training", unit="step", enabled=progress)
     last = np.zeros(n)
     try:
         for _epoch in range(spec.epochs):

@@ -21,6 +21,7 @@ from jaxtyping import Float
 
 from ..activations.chunking import forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..activations.store import ActivationStore
+from ..core.progress import progress_bar
 from ..core.sites import BLOCK_HOOKS, SITE_TABLE, check_layers, hook
 from ..errors import ProbingError
 from ..hooks import check_hooks, hook_layer
@@ -338,11 +339,7 @@ def extract_activations(
         rows: list[int] = []
         positions: list[int] = []
         stack.enter_context(model.hooks(fwd_hooks=fwd_hooks) if fwd_hooks else nullcontext())
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = stack.enter_context(tqdm(total=len(texts), desc="activations", leave=False))
+        bar = stack.enter_context(progress_bar(total=len(texts), desc="activations", unit="row", enabled=progress))
         for sl in chunks(len(texts), batch_size):
             batch = tokenize(model, texts[sl])
             for b in range(batch.size):
@@ -371,8 +368,7 @@ def extract_activations(
             else:
                 for h in hooks:
                     mem[h].append(parts[h])
-            if bar is not None:
-                bar.update(batch.size)
+            bar.update(batch.size)
         if writer is not None:
             writer.flush()
             (writer.dir / "index.json").write_text(json.dumps(

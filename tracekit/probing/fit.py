@@ -342,7 +342,7 @@ def probe_layers(
             ``acts``, an unknown control / correction / bootstrap unit.
     """
     # Long (reason): one loop over (site, layer) whose steps (fit, controls, selectivity, baselines) share the split, the inner CV folds and the control labels; splitting it is planned (house issue's closing note).
-    from tqdm.auto import tqdm
+    from ..core.progress import progress_bar
 
     task = ds.task
     if correction not in ("bonferroni", "none"):
@@ -408,7 +408,7 @@ def probe_layers(
     excluded: dict[str, set] = {"probe": set(), "control": set()}
     fit_kw: dict[str, Any] = dict(task=task, n_classes=K, Cs=Cs, alphas=alphas, inner_folds=inner_folds, seed=seed,
                   max_iter=max_iter, class_names=classes or None)
-    bar = tqdm(total=len(targets), desc="probing layers", disable=not progress, leave=False)
+    bar = progress_bar(total=len(targets), desc="probing layers", unit="layer", enabled=progress)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ProbingWarning)  # collected below, reported once in meta

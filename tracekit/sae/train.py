@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ..activations.chunking import check_fits, forward_chunk_size, forward_chunks, forward_row_bytes, row_slice
 from ..compat import has_sae_lens, require_sae_lens
 from ..core.cachedir import cache_path, clear_dir, dir_entries, remove_stale_temps, sizes_match
 from ..core.errors import SAEError
 from ..core.io import ManifestInvalid, verify_files_manifest, write_files_manifest
+from ..core.progress import progress_bar
 from ..core.signals import preserved_signal_handlers
 from ..dictionaries.fit import TRAIN_VERSION, DictTrainSettings, fit_dictionary, to_dictionary
 from ..dictionaries.formats import save_saelens_dir
@@ -122,8 +122,7 @@ def _cache_activations(model: HookedModel, hook: str, windows: list[list[int]], 
 
     chunks: list[np.ndarray] = []
     it = range(0, len(windows), batch_size)
-    if progress:
-        it = tqdm(it, desc=f"activations at {hook}", unit="batch")
+    it = progress_bar(it, desc=f"activations at {hook}", unit="batch", enabled=progress)
     width = hook_width(model, hook) or int(model.cfg.d_model)
     for i in it:
         batch = pad_ids(model, windows[i:i + batch_size])
@@ -460,7 +459,9 @@ def _train_own(model: HookedModel, t: SAETrainSpec, spec: ModelSpec, width: int,
                           steps=t.training_tokens // t.train_batch_size_tokens, batch=t.train_batch_size_tokens,
                           lr=t.lr, dead_feature_window=t.dead_feature_window, seed=t.seed,
                           l1_coefficient=t.l1_coefficient, apply_b_dec_to_input=True)
-    params, fit = fit_dictionary(x.to(model_device(model)), x.to(model_device(model)), s)
+    with progress_bar(total=s.steps, desc="SAE training", unit="step", enabled=progress) as bar:
+        params, fit = fit_dictionary(x.to(model_device(model)), x.to(model_device(model)), s,
+                                     progress=lambda _step, _parts: bar.update(1))
     d = to_dictionary({k: v.cpu() for k, v in params.items()}, s, t.hook, t.hook)
     try:
         save_saelens_dir(d, tmp, model_name=spec.name)

@@ -14,10 +14,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from ..core.errors import ConfigError
 from ..core.io import atomic_write
+from ..core.progress import progress_bar
 from ..experiments.onepass import SharedPasses, shared_passes
 from ..model.info import HookedModel
 from ..model.load import load_model
@@ -83,8 +82,10 @@ def execute_point(point: Point, out: str | Path, model: HookedModel | None = Non
 
 
 def _progress(total: int, enabled: bool):
-    return tqdm(total=total, disable=not enabled or total == 0, unit="point", dynamic_ncols=True,
-                file=sys.stderr, desc="sweep")
+    """The sweep's bar over points (bars off: a line with points done and the ETA every 30 s)."""
+    if enabled and total:
+        return progress_bar(total=total, unit="point", desc="sweep", dynamic_ncols=True, file=sys.stderr)
+    return progress_bar(total=total, unit="point", desc="sweep", enabled=False)
 
 
 def _run_local(todo: list[Point], out: Path, on_record: Callable, progress: bool, log, figures: bool = False

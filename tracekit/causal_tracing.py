@@ -177,7 +177,7 @@ def token_categories(n_tokens: int, subject_positions: Sequence[int]) -> dict[st
 
 
 #: Row labels of categories that are the same positions in every prompt (:func:`category_rows`).
-_MERGED = {("first subject token", "last subject token"): "subject token (first = last)",
+_MERGED: dict[tuple[str, ...], str] = {("first subject token", "last subject token"): "subject token (first = last)",
            ("first subsequent token", "last token"): "last token (= first subsequent)"}
 
 

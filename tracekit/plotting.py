@@ -186,9 +186,9 @@ def paper_heatmap(grid, x_labels: Sequence, y_labels: Sequence, *, title: str = 
 
     Args:
         grid: ``[rows, cols]`` numbers (NaN drawn blank); row 0 is drawn on top.
-        x_labels: one label per column (thinned to ``max_x_ticks``, always keeping the last).
+        x_labels: one label per column (every ``ceil(cols / max_x_ticks)``-th shown, from the first).
         y_labels: one label per row (every row labelled; cut at 32 characters).
-        title: the title (wrapped at ~70 characters).
+        title: the title (wrapped at 85 characters).
         xlabel: the x-axis label.
         ylabel: the y-axis label.
         colorbar_label: what the colour measures, with its unit.
@@ -207,7 +207,7 @@ def paper_heatmap(grid, x_labels: Sequence, y_labels: Sequence, *, title: str = 
     g = np.asarray(grid, dtype=float)
     n_rows, n_cols = g.shape
     fs = PAPER_FONT
-    wrapped = textwrap.fill(title, 70) if title else ""
+    wrapped = textwrap.fill(title, 85) if title else ""
     n_title = wrapped.count("\n") + 1 if wrapped else 0
     height = min(11.0, 1.3 + 0.22 * n_title + 0.3 * max(n_rows, 2))
     fig, ax = p.subplots(figsize=(width, height), layout="constrained")
@@ -215,8 +215,6 @@ def paper_heatmap(grid, x_labels: Sequence, y_labels: Sequence, *, title: str = 
     im = ax.imshow(g, aspect="auto", origin="upper", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     step = max(1, int(np.ceil(n_cols / max(1, max_x_ticks))))
     xt = list(range(0, n_cols, step))
-    if n_cols and xt[-1] != n_cols - 1 and n_cols - 1 - xt[-1] >= step / 2:
-        xt.append(n_cols - 1)
     ax.set_xticks(xt, [str(x_labels[i]) for i in xt], fontsize=fs)
     ax.set_yticks(range(n_rows), [short_text(str(y), 32) for y in y_labels], fontsize=fs)
     ax.set_xlabel(xlabel, fontsize=fs + 1)

@@ -87,3 +87,17 @@ def test_ffn_contexts_from_the_runs_dataset(dataset_trace):
 def test_ffn_contexts_from_a_corpus_given_with_a_dataset(tiny_gpt2):
     res = TokenTrace.model_validate({"dataset": {"rows": DATASET_ROWS}, "key_corpus": "stdlib", **SMALL}).run(tiny_gpt2, progress=False)
     assert res.meta["key_corpus"]["source"] == "corpus" and "stdlib" in res.meta["key_corpus"]["name"]
+
+
+def test_show_lists_the_traces_key_numbers(prompt_trace, tmp_path, capsys):
+    from tracekit import cli
+
+    run = tmp_path / "study"
+    prompt_trace.save(run / "trace")
+    (run / "status.json").write_text('{"status": "complete", "steps": ["trace"], "finished": ["trace"]}')
+    cli.main(["show", str(run)])
+    out = capsys.readouterr().out
+    s = prompt_trace.summary()
+    for key in ("target", "target_prob", "final_target_rank", "jump_layer", "top_components"):
+        assert re.search(rf"^\s*(trace\s+token_trace\s+done\s+)?{key}\s", out, re.M), (key, out)
+    assert re.search(rf"final_target_rank\s+{s['final_target_rank']}\b", out)

@@ -88,6 +88,8 @@ class TokenTraceResult(Result):
 
     config: "TokenTrace"
     main_table = "lens"
+    #: what ``tracekit show`` lists first (without them it listed six floats: no jump, rank or components)
+    headline_keys = ("target", "target_prob", "final_target_rank", "jump_layer", "top_components", "top_neurons")
 
     def summary(self) -> dict:
         m = self.meta

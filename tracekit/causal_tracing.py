@@ -82,7 +82,7 @@ from .tokens import encode, pad_ids, run_with_cache, str_tokens, tokenizer_of
 
 __all__ = ["KINDS", "CATEGORIES", "PREFIX_TOLERANCE", "NOISE_CALIBRATIONS", "Restoration", "RestoredProbs",
            "CausalTrace", "NoiseScale", "causal_trace", "trace_restorations", "embedding_std", "noise_scale",
-           "table_subjects", "subject_noise", "window_layers", "subject_span", "token_categories"]
+           "table_subjects", "subject_noise", "window_layers", "subject_span", "token_categories", "category_rows"]
 
 #: What is restored: the block output (residual stream), the MLP output, the attention output.
 KINDS = ("resid", "mlp", "attn")
@@ -174,6 +174,40 @@ def token_categories(n_tokens: int, subject_positions: Sequence[int]) -> dict[st
     return {"first subject token": [first], "middle subject tokens": list(range(first + 1, last)),
             "last subject token": [last], "first subsequent token": [last + 1] if last + 1 <= end else [],
             "further tokens": list(range(last + 2, end)), "last token": [end]}
+
+
+#: Row labels of categories that are the same positions in every prompt (:func:`category_rows`).
+_MERGED: dict[tuple[str, ...], str] = {("first subject token", "last subject token"): "subject token (first = last)",
+           ("first subsequent token", "last token"): "last token (= first subsequent)"}
+
+
+def category_rows(prompts: Sequence[tuple[int, Sequence[int]]]) -> list[tuple[str, tuple[str, ...]]]:
+    """The rows of a per-category figure of :data:`CATEGORIES` (ROME's average causal-tracing
+    heatmaps), for prompts given as ``(n_tokens, subject_positions)``: a category no prompt has
+    (middle subject tokens of one-token subjects) is left out, and categories that are the same
+    positions in every prompt are one row, e.g. ``"subject token (first = last)"`` for one-token
+    subjects, ``"last token (= first subsequent)"`` when the subject ends just before the last
+    token; their averages are then the same numbers, which two rows would draw twice.
+
+    Args:
+        prompts: per prompt, its token count (BOS counted) and its subject positions.
+
+    Returns:
+        ``(label, categories)`` per row, in :data:`CATEGORIES` order (``categories``: the merged
+        category names, the first of them the one whose numbers the row shows).
+    """
+    per = [token_categories(n, subj) for n, subj in prompts]
+    rows: list[tuple[str, tuple[str, ...]]] = []
+    for cat in CATEGORIES:
+        if not any(p[cat] for p in per):
+            continue
+        same = next((i for i, (_, cats) in enumerate(rows) if all(p[cats[0]] == p[cat] for p in per)), None)
+        if same is None:
+            rows.append((cat, (cat,)))
+        else:
+            cats = rows[same][1] + (cat,)
+            rows[same] = (_MERGED.get(cats, " = ".join(cats)), cats)
+    return rows
 
 
 def subject_noise(n_samples: int, n_subject: int, d_model: int, std: float, seed: int

@@ -419,6 +419,7 @@ def key_readout(
     context_after: int = 4,
     jsonl_field: str = "text",
     progress: bool = True,
+    documents: Optional[Iterable[tuple[str, str]]] = None,
 ) -> KeyReadout:
     """Top-activating contexts of neurons over a corpus (Geva et al. 2021's key readout;
     :func:`tracekit.units.top_contexts` over :class:`NeuronBasis`).
@@ -440,6 +441,8 @@ def key_readout(
             (SwiGLU activations can be negative). Default all ``+1``.
         context_before: tokens of text shown before the activating token.
         context_after: tokens of text shown after it.
+        documents: ``(doc_id, text)`` pairs read instead of ``corpus`` (e.g. a dataset's prompts,
+            one document each).
 
     Raises:
         AttributionError: bad neuron spec. CorpusError: unreadable corpus.
@@ -452,7 +455,8 @@ def key_readout(
         raise AttributionError("signs: need one sign per neuron")
     bases = {L: NeuronBasis(model, L) for L in sorted({L for L, _ in specs})}
     windows: dict[int, Window] = {}
-    wins = token_windows(model, iter_documents(corpus, jsonl_field=jsonl_field), seq_len=seq_len, max_tokens=max_tokens)
+    docs = documents if documents is not None else iter_documents(corpus, jsonl_field=jsonl_field)
+    wins = token_windows(model, docs, seq_len=seq_len, max_tokens=max_tokens)
     bar = progress_bar(total=max_tokens, desc="key readout", unit="tok", enabled=progress)
 
     deepest = max(L for L, _ in specs)

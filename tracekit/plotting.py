@@ -17,13 +17,21 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["plt", "heatmap", "curves", "bars", "text_table", "series_styles", "short_text", "fig_to_html",
-           "format_value", "html_card", "MAX_SERIES", "MAX_TICKS", "LINE_STYLES"]
+__all__ = ["plt", "heatmap", "paper_heatmap", "curves", "bars", "text_table", "series_styles", "short_text", "fig_to_html",
+           "format_value", "html_card", "MAX_SERIES", "MAX_TICKS", "LINE_STYLES", "PAPER_DPI", "PAPER_FONT",
+           "PAPER_WIDTH"]
 
 #: Above this many series, :func:`curves` draws a median and a band instead of one line each.
 MAX_SERIES = 12
 #: Tick labels shown per axis at most (evenly thinned beyond).
 MAX_TICKS = 60
+#: Resolution (dots per inch) a :func:`paper_heatmap` asks to be saved at (its ``Figure.dpi``; a
+#: saved result writes each figure at ``max(110, fig.dpi)``).
+PAPER_DPI = 200
+#: Smallest font size (points) of any text of a :func:`paper_heatmap` (a paper's figure text: 8-10 pt).
+PAPER_FONT = 9
+#: Width (inches) of a :func:`paper_heatmap`: a two-column paper's full text width (~6.5-7 in).
+PAPER_WIDTH = 6.5
 
 
 def plt():
@@ -164,6 +172,62 @@ def heatmap(grid, x_labels: Optional[Sequence] = None, y_labels: Optional[Sequen
                     dark = np.isfinite(g[i, j]) and g[i, j] > 0.6 * top
                     ax.text(j, i, str(txt)[:10], ha="center", va="center", fontsize=6,
                             color="white" if dark else "black", clip_on=True)
+    return fig
+
+
+def paper_heatmap(grid, x_labels: Sequence, y_labels: Sequence, *, title: str = "", xlabel: str = "",
+                  ylabel: str = "", colorbar_label: str = "", cmap: str = "Purples", vmin: Optional[float] = None,
+                  vmax: Optional[float] = None, width: float = PAPER_WIDTH, max_x_ticks: int = 16):
+    """A heatmap sized for a paper: :data:`PAPER_WIDTH` inches wide, ~0.3 inch per row, every text
+    at least :data:`PAPER_FONT` points, saved at :data:`PAPER_DPI` (``Figure.dpi``): a 6-row,
+    30-column grid is ~1300 x 650 pixels with 9-10 pt (25-28 px) text, not a 20-inch strip. The
+    layout of ROME's causal-tracing heatmaps (Meng et al. 2022, Fig. 1): rows = tokens or token
+    categories (first row on top), columns = layers.
+
+    Args:
+        grid: ``[rows, cols]`` numbers (NaN drawn blank); row 0 is drawn on top.
+        x_labels: one label per column (every ``ceil(cols / max_x_ticks)``-th shown, from the first).
+        y_labels: one label per row (every row labelled; cut at 32 characters).
+        title: the title (wrapped at 85 characters).
+        xlabel: the x-axis label.
+        ylabel: the y-axis label.
+        colorbar_label: what the colour measures, with its unit.
+        cmap: a matplotlib colormap name.
+        vmin: the colour range's low end (default the data's minimum).
+        vmax: the colour range's high end (default the data's maximum).
+        width: figure width in inches.
+        max_x_ticks: column labels shown at most.
+
+    Returns:
+        The ``Figure`` (``fig.dpi`` = :data:`PAPER_DPI`).
+    """
+    import textwrap
+
+    p = plt()
+    g = np.asarray(grid, dtype=float)
+    n_rows, n_cols = g.shape
+    fs = PAPER_FONT
+    wrapped = textwrap.fill(title, 85) if title else ""
+    n_title = wrapped.count("\n") + 1 if wrapped else 0
+    height = min(11.0, 1.3 + 0.22 * n_title + 0.3 * max(n_rows, 2))
+    fig, ax = p.subplots(figsize=(width, height), layout="constrained")
+    fig.set_dpi(PAPER_DPI)
+    im = ax.imshow(g, aspect="auto", origin="upper", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    step = max(1, int(np.ceil(n_cols / max(1, max_x_ticks))))
+    xt = list(range(0, n_cols, step))
+    ax.set_xticks(xt, [str(x_labels[i]) for i in xt], fontsize=fs)
+    ax.set_yticks(range(n_rows), [short_text(str(y), 32) for y in y_labels], fontsize=fs)
+    ax.set_xlabel(xlabel, fontsize=fs + 1)
+    ax.set_ylabel(ylabel, fontsize=fs + 1)
+    if wrapped:
+        ax.set_title(wrapped, fontsize=fs + 1)
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.ax.tick_params(labelsize=fs)
+    from matplotlib.ticker import FuncFormatter
+
+    cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))  # no offset text over the title
+    if colorbar_label:
+        cb.set_label(colorbar_label, fontsize=fs)
     return fig
 
 

@@ -482,7 +482,8 @@ class Result:
         if figures:
             for name, fig in self.figures().items():
                 try:
-                    fig.savefig(tmp / f"{name}.png", dpi=110, bbox_inches="tight")
+                    # a figure that asks for more (plotting.paper_heatmap: its Figure.dpi) gets it
+                    fig.savefig(tmp / f"{name}.png", dpi=max(110, float(fig.dpi)), bbox_inches="tight")
                 finally:
                     plt.close(fig)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}

@@ -477,10 +477,23 @@ def _top_heads(ranked: pd.DataFrame, attention: pd.DataFrame, head_types: pd.Dat
     return pd.DataFrame(rows)
 
 
+def _corpus_name(corpus) -> str:
+    """A corpus source in words, for the report's "contexts from:" line: the default offline corpus
+    as what it is (Python's documentation), a path or list of paths as given."""
+    from .corpus import STDLIB
+
+    if corpus is None or corpus == STDLIB:
+        return "stdlib corpus (Python's documentation: reference-manual topics and standard-library docstrings)"
+    return str(corpus) if isinstance(corpus, str) else ", ".join(str(c) for c in corpus)
+
+
 def _ffn_section(model: HookedModel, dla, layer: int, n_neurons: int, n_values: int, key_top_n: int, max_tokens: int, corpus,
-                 target_only=None):
+                 target_only=None, key_prompts: Optional[Sequence[str]] = None, key_prompts_name: str = ""):
     """The jump block's top neurons by ``dla``'s contribution (the logit difference when a foil is
-    set); ``target_only``: the attribution of the target logit alone (adds ``contribution_target``)."""
+    set); ``target_only``: the attribution of the target logit alone (adds ``contribution_target``).
+    Their top-activating contexts come from ``key_prompts`` (the run's dataset, one document per
+    prompt) when given, else from ``corpus``; the last value returned says which (``source``
+    ``dataset`` or ``corpus``, ``name``, ``n_tokens`` read, ``n_documents`` for a dataset)."""
     contrib = dla.neuron_contrib[layer]
     act = dla.neuron_act[layer]
     order = contrib.argsort(descending=True)[:n_neurons].tolist()  # the neurons that write the target most
@@ -496,12 +509,18 @@ def _ffn_section(model: HookedModel, dla, layer: int, n_neurons: int, n_values: 
         values.append(vr)
     neurons = pd.DataFrame(rows)
     contexts = pd.DataFrame(columns=["layer", "neuron", "rank", "activation", "token", "context"])
+    source: dict[str, Any] = ({"source": "dataset", "name": key_prompts_name or "the run's dataset",
+                               "n_documents": len(key_prompts)} if key_prompts else
+                              {"source": "corpus", "name": _corpus_name(corpus)})
+    source["n_tokens"] = 0
     if max_tokens > 0 and order:
         signs = [1.0 if float(act[n]) >= 0 else -1.0 for n in order]
+        docs = [(f"row {i}", p) for i, p in enumerate(key_prompts)] if key_prompts else None
         kr = key_readout(model, [(layer, n) for n in order], corpus, top_n=key_top_n, max_tokens=max_tokens, signs=signs,
-                     progress=False)
+                         progress=False, documents=docs)
         contexts = cast(pd.DataFrame, kr.contexts[["layer", "neuron", "rank", "activation", "token", "context"]])
-    return neurons, pd.concat(values, ignore_index=True) if values else pd.DataFrame(), contexts
+        source["n_tokens"] = int(kr.n_tokens)
+    return neurons, pd.concat(values, ignore_index=True) if values else pd.DataFrame(), contexts, source
 
 
 def _sampling(model: HookedModel, logits: torch.Tensor, target_id: int, seed: int, n_samples: int):
@@ -647,6 +666,8 @@ def token_trace(
     n_samples: int = 5,
     top_heads: int = 6,
     positions: Optional[dict[str, int]] = None,
+    key_prompts: Optional[Sequence[str]] = None,
+    key_prompts_name: str = "",
 ) -> TraceTables:
     """Trace ``prompt`` through every stage (module docstring) and return its tables.
 
@@ -665,7 +686,11 @@ def token_trace(
         value_tokens: promoted tokens per neuron (value readout).
         key_contexts: top-activating corpus contexts per neuron.
         key_max_tokens: corpus text tokens read for them (0 skips the key readout).
-        corpus: the corpus (default: the offline stdlib corpus; see :mod:`tracekit.corpus`).
+        corpus: the corpus (default: the offline stdlib corpus, Python's documentation; see
+            :mod:`tracekit.corpus`), read when ``key_prompts`` is not given.
+        key_prompts: prompts the contexts are read from instead of ``corpus`` (the run's own
+            dataset: contexts of the task's own text), one document each.
+        key_prompts_name: what ``key_prompts`` are, in words (``meta["key_corpus"]["name"]``).
         n_nearest: nearest tokens (cosine, embedding matrix) of the last token.
         top_k: final tokens listed.
         seed: seed of the sampling draws (``torch.Generator``).
@@ -777,8 +802,9 @@ def token_trace(
     meta["pattern_window"] = PATTERN_WINDOW
     lap("attention")
     # 4. FFN neurons
-    tables["neurons"], tables["neuron_values"], tables["neuron_contexts"] = _ffn_section(
-        model, dla, ffn_layer, top_neurons, value_tokens, key_contexts, key_max_tokens, corpus, dla_t)
+    tables["neurons"], tables["neuron_values"], tables["neuron_contexts"], meta["key_corpus"] = _ffn_section(
+        model, dla, ffn_layer, top_neurons, value_tokens, key_contexts, key_max_tokens, corpus, dla_t, key_prompts,
+        key_prompts_name)
     meta["key_max_tokens"] = key_max_tokens
     lap("ffn")
     # 8. output and sampling

@@ -22,7 +22,7 @@ import pandas as pd
 from pydantic import Field, field_validator, model_validator
 
 from .. import plotting
-from ..causal_tracing import CATEGORIES, KINDS, causal_trace, noise_scale, subject_span, token_categories
+from ..causal_tracing import CATEGORIES, KINDS, category_rows, causal_trace, noise_scale, subject_span, token_categories
 from ..core.errors import ConfigError, DatasetError
 from ..core.strict import StrictModel
 from ..dataset import PreparedDataset, rows_from_prompts
@@ -126,11 +126,16 @@ class CausalTracingResult(Result):
     and their means ``mean_p_clean``, ``mean_p_corrupted``, ``mean_total_effect``; per kind
     ``peak_<kind>_layer_by_row``, ``peak_<kind>_position_by_row``, ``peak_<kind>_token_by_row``,
     ``peak_<kind>_effect_by_row``, and over rows (the ``categories`` table)
-    ``mean_peak_<kind>_layer``, ``mean_peak_<kind>_category``, ``mean_peak_<kind>_effect``.
+    ``mean_peak_<kind>_layer``, ``mean_peak_<kind>_category``, ``mean_peak_<kind>_effect``, and
+    the three in one line ``peak_<kind>`` (``"layer 5, last subject token: AIE +0.41"``; categories
+    that coincide in every row named as one, e.g. ``subject token (first = last)``; ``IE`` for one
+    row), which ``tracekit show`` lists.
     """
 
     config: "CausalTracing"
     main_table = "effects"
+    headline_keys = ("mean_p_clean", "mean_p_corrupted", "mean_total_effect", "peak_resid", "peak_mlp", "peak_attn",
+                     "n_rows")
     table_names = ("effects", "rows", "categories")
 
     def summary(self) -> dict:
@@ -164,6 +169,13 @@ class CausalTracingResult(Result):
             s[f"mean_peak_{k}_layer"] = int(best["layer"]) if best is not None else None
             s[f"mean_peak_{k}_category"] = str(best["category"]) if best is not None else None
             s[f"mean_peak_{k}_effect"] = float(best["mean_indirect_effect"]) if best is not None else None
+        merged = {c: label for label, cs in category_rows([(int(n), [int(p) for p in sp]) for n, sp in
+                                                            zip(rows["n_tokens"], rows["subject_positions"])])
+                  for c in cs}
+        for k in self.meta["kinds"]:  # one line per site for `tracekit show` (headline_keys)
+            cat = s[f"mean_peak_{k}_category"]
+            s[f"peak_{k}"] = (None if cat is None else f"layer {s[f'mean_peak_{k}_layer']}, {merged.get(cat, cat)}: "
+                              f"{'AIE' if len(rows) > 1 else 'IE'} {s[f'mean_peak_{k}_effect']:+.3g}")
         return s
 
     def report(self) -> str:
@@ -191,29 +203,41 @@ class CausalTracingResult(Result):
         return "\n".join(lines)
 
     def figures(self) -> dict:
+        """One paper-sized heatmap per kind (:func:`tracekit.plotting.paper_heatmap`: rows x layers,
+        text >= 9 pt, saved at 200 dpi), in ROME's colours. One row: rows are the prompt's tokens
+        (``*`` = subject), colour p(target) restored. Several rows: rows are ROME's token categories
+        (:func:`tracekit.causal_tracing.category_rows`: categories no row has are left out, and
+        categories that coincide in every row, e.g. the first and last token of one-token subjects,
+        are one row ``subject token (first = last)``), colour the mean indirect effect."""
         rows, eff, cats = self.tables["rows"], self.tables["effects"], self.tables["categories"]
         figs = {}
         if len(rows) == 1:
             r = rows.iloc[0]
             toks = list(r["tokens"])
             subj = {int(p) for p in r["subject_positions"]}
-            labels = [f"{t!r}{'*' if i in subj else ''}" for i, t in enumerate(toks)][::-1]  # first token on top
+            shown = [repr(t) for t in toks]
+            labels = [f"{t}{'*' if i in subj else ''}" + (f" ({i})" if shown.count(t) > 1 else "")
+                      for i, t in enumerate(shown)]  # first token on top; a repeated token names its position
             for k in self.meta["kinds"]:
                 e = eff[eff["kind"] == k]
                 grid = e.pivot(index="position", columns="layer", values="p_restored").sort_index()
-                figs[k] = plotting.heatmap(
-                    grid.to_numpy()[::-1], grid.columns.tolist(), labels, cmap=_CMAP[k],
-                    title=f"{_LABEL[k]} restored: p({r['target']!r}); clean {r['p_clean']:.3f}, corrupted "
-                          f"{r['p_corrupted']:.3f} (* = subject)", xlabel="layer" + _WINDOW(self, k),
-                    ylabel="token", colorbar_label="p(target) restored")
+                figs[k] = plotting.paper_heatmap(
+                    grid.to_numpy(), grid.columns.tolist(), labels, cmap=_CMAP[k],
+                    title=f"{_LABEL[k]} restored: p({r['target']!r}), clean {r['p_clean']:.3g}, corrupted "
+                          f"{r['p_corrupted']:.3g} (* = subject token)", xlabel="layer" + _WINDOW(self, k),
+                    ylabel="token", colorbar_label=f"p({r['target']!r}) restored")
             return figs
+        merged = category_rows([(int(n), [int(p) for p in sp]) for n, sp in zip(rows["n_tokens"],
+                                                                                 rows["subject_positions"])])
         for k in self.meta["kinds"]:
             c = cats[cats["kind"] == k]
-            grid = c.pivot(index="category", columns="layer", values="mean_indirect_effect").reindex(CATEGORIES)
-            figs[k] = plotting.heatmap(
-                grid.to_numpy()[::-1], grid.columns.tolist(), list(CATEGORIES)[::-1], cmap=_CMAP[k],
-                title=f"{_LABEL[k]}: mean indirect effect over {len(rows)} rows", xlabel="layer" + _WINDOW(self, k),
-                ylabel="token category", colorbar_label="mean indirect effect (probability)")
+            grid = c.pivot(index="category", columns="layer", values="mean_indirect_effect")
+            figs[k] = plotting.paper_heatmap(
+                grid.reindex([cs[0] for _, cs in merged]).to_numpy(), grid.columns.tolist(),
+                [label for label, _ in merged], cmap=_CMAP[k],
+                title=f"{_LABEL[k]}: average indirect effect over {len(rows)} prompts",
+                xlabel="layer" + _WINDOW(self, k), ylabel="token category",
+                colorbar_label="average indirect effect (AIE, probability)")
         return figs
 
 

@@ -49,7 +49,8 @@ __all__ = ["TokenTrace", "TokenTraceInputs", "TokenTraceResult", "MAX_TABLE_ROWS
 @dataclass(frozen=True)
 class TokenTraceInputs:
     """What :meth:`TokenTrace.prepare` builds once: the prompt's token ids, the target and foil ids
-    (None: the model's top-1 / no foil) and the head shown as ``(layer, head)`` (None: picked by the run)."""
+    (None: the model's top-1 / no foil) and the head shown as ``(layer, head)`` (None: picked by the run);
+    ``key_prompts``: the dataset's prompts the FFN contexts are read from (empty: the corpus)."""
 
     ids: tuple[int, ...]
     target_id: Optional[int]
@@ -61,6 +62,8 @@ class TokenTraceInputs:
     row_id: Optional[int] = None
     #: the dataset row's named positions (name -> token index, BOS counted); empty for prompts
     positions: tuple[tuple[str, int], ...] = ()
+    key_prompts: tuple[str, ...] = ()
+    key_prompts_name: str = ""
 
 
 @register
@@ -81,6 +84,10 @@ class TokenTrace(Experiment):
         top_heads: heads drawn as query x key patterns (ranked by |direct logit attribution|).
         top_neurons, value_tokens, key_contexts, key_max_tokens: FFN section sizes (``key_max_tokens``
             0 skips the corpus key readout).
+        key_corpus: where the FFN neurons' top-activating contexts come from: default the run's own
+            dataset's prompts when a dataset is given (contexts of the task's text), else the offline
+            ``stdlib`` corpus (Python's documentation); or ``stdlib`` / a text, JSONL or directory
+            path (:mod:`tracekit.corpus`). The report says which ("contexts from: ...").
         top_k: final tokens listed; seed, n_samples: sampling draws.
     """
 
@@ -101,6 +108,10 @@ class TokenTrace(Experiment):
     key_contexts: int = Field(default=3, ge=1, le=50, description="Top-activating corpus contexts per neuron.")
     key_max_tokens: int = Field(default=1024, ge=0, description="Corpus text tokens read for the key readout "
                                 "(0 skips it).")
+    key_corpus: Optional[str] = Field(default=None, description="Where the FFN neurons' top-activating contexts "
+                                      "come from: default the dataset's prompts when a dataset is given, else the "
+                                      "offline 'stdlib' corpus (Python's documentation); or 'stdlib' or a text/JSONL "
+                                      "file or directory.")
     dataset: Optional[DatasetSpec] = Field(default=None, description="Rows to trace one of (instead of prompts); "
                                            "the row's own target and foil are followed.")
     row: int = Field(default=0, ge=0, description="Index of the dataset row traced (after the dataset's filter).")
@@ -147,16 +158,20 @@ class TokenTrace(Experiment):
             raise DatasetError(f"row: {self.row} is out of range for a dataset of {len(data)} rows "
                                f"(after {dict(data.dropped) or 'no drops'}); use 0..{len(data) - 1}")
         e = data.examples[self.row]
+        own = self.key_corpus is None  # the contexts come from the dataset's own prompts
         return TokenTraceInputs(e.ids, e.target_id, e.foil_id, parse_head(self.head, model), e.prompt,
                                 e.row.target, e.row.foil, e.row_id,
-                                tuple((str(k), int(v)) for k, v in e.positions.items()))
+                                positions=tuple((str(k), int(v)) for k, v in e.positions.items()),
+                                key_prompts=tuple(x.prompt for x in data.examples) if own else (),
+                                key_prompts_name=f"the run's dataset ({data.source}, {len(data)} prompts)" if own else "")
 
     def _run(self, model: HookedModel, inputs: TokenTraceInputs, progress: bool = True) -> TokenTraceResult:
         # The engine (tracekit.trace.token_trace) takes the prompt string and tokenizes it in each of
         # its stages (lens, attribution, attention; no ids parameter yet).
         tr = token_trace(model, inputs.prompt, inputs.target, inputs.foil, self.head, self.top_neurons, self.value_tokens,
-                         self.key_contexts, self.key_max_tokens, top_k=self.top_k, seed=self.seed,
-                         n_samples=self.n_samples, top_heads=self.top_heads,
-                         positions=dict(inputs.positions) or None)
+                         self.key_contexts, self.key_max_tokens, corpus=self.key_corpus, top_k=self.top_k,
+                         seed=self.seed, n_samples=self.n_samples, top_heads=self.top_heads,
+                         positions=dict(inputs.positions) or None,
+                         key_prompts=inputs.key_prompts or None, key_prompts_name=inputs.key_prompts_name)
         meta = {**tr.meta, "row_id": inputs.row_id, "model": model_spec_of(model).model_dump(mode="json"), "tokenization": bos_info(model)}
         return TokenTraceResult(self, tr.tables, meta)

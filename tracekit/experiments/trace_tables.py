@@ -36,7 +36,7 @@ from .typed_frames import column, records, values, where
 if TYPE_CHECKING:
     from .trace import TokenTrace
 
-__all__ = ["TokenTraceResult", "TOP_COMPONENTS", "MAX_TABLE_ROWS"]
+__all__ = ["TokenTraceResult", "TOP_COMPONENTS", "MAX_TABLE_ROWS", "HEAD_RANK_FONT", "contexts_from"]
 
 _HS = "hidden state (0 = embeddings, h = output of block h-1)"
 
@@ -45,6 +45,8 @@ _HS = "hidden state (0 = embeddings, h = output of block h-1)"
 TOP_COMPONENTS = 20
 #: Rows of a table shown in the report before it is cut (the rest: the linked CSV file).
 MAX_TABLE_ROWS = 20
+#: Font size (points) of the rank numbers of the top heads on the DLA head grid.
+HEAD_RANK_FONT = 10
 
 
 def _pct(x) -> str:
@@ -73,6 +75,16 @@ def _tick(tok) -> str:
     return (shown if shown == str(tok) else shown[1:-1])[:10]
 
 
+def contexts_from(meta: dict) -> str:
+    """Where the FFN section's top-activating contexts come from, in words: ``"<corpus name>, N
+    tokens"`` (``meta["key_corpus"]`` of :func:`tracekit.trace.token_trace`; a result saved before
+    it: the offline corpus, up to ``key_max_tokens`` tokens)."""
+    kc = meta.get("key_corpus")
+    if not kc:
+        return f"the offline stdlib corpus (Python's documentation), up to {meta.get('key_max_tokens')} tokens"
+    return f"{kc['name']}, {int(kc.get('n_tokens') or 0):,} tokens"
+
+
 def _component_label(c: str) -> str:
     """``attn.23`` -> ``attention L23``, ``mlp.4`` -> ``MLP L4``, ``bias`` -> ``final biases``."""
     kind, _, layer = str(c).partition(".")
@@ -86,6 +98,8 @@ class TokenTraceResult(Result):
 
     config: "TokenTrace"
     main_table = "lens"
+    #: what ``tracekit show`` lists first (without them it listed six floats: no jump, rank or components)
+    headline_keys = ("target", "target_prob", "final_target_rank", "jump_layer", "top_components", "top_neurons")
 
     def summary(self) -> dict:
         m = self.meta
@@ -109,6 +123,7 @@ class TokenTraceResult(Result):
             "ffn_layer": m["ffn_layer"], "top_neurons": [f"{r.layer}.{r.neuron}" for r in records(neu)],
             "parameters": m["cost"]["parameters"], "kv_bytes_per_token": m["cost"]["kv_bytes_per_token"],
             "decode_intensity": m["cost"]["decode_intensity"],
+            "neuron_contexts_from": contexts_from(m),
         }))
 
     def report(self) -> str:
@@ -182,6 +197,7 @@ class TokenTraceResult(Result):
 
     def _fig_heads_grid(self):
         """The all-heads summary: layers x heads grid of each head's DLA, the top heads boxed."""
+        from matplotlib import patheffects
         from matplotlib.patches import Rectangle
 
         plt = plotting.plt()
@@ -193,11 +209,17 @@ class TokenTraceResult(Result):
         fig, ax = plt.subplots(figsize=(min(14.0, 3.0 + 0.32 * nL), min(9.0, 1.6 + 0.28 * nH)), layout="constrained")
         im = ax.imshow(g, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto", origin="lower", interpolation="nearest")
         step = 1 if nL <= 40 else 2
-        ax.set_xticks(range(0, nL, step), [str(i) for i in range(0, nL, step)], fontsize=7)
-        ax.set_yticks(range(nH), [str(i) for i in range(nH)], fontsize=7)
+        ax.set_xticks(range(0, nL, step), [str(i) for i in range(0, nL, step)], fontsize=8)
+        ax.set_yticks(range(nH), [str(i) for i in range(nH)], fontsize=8)
         for r in records(self.tables.get("top_heads", pd.DataFrame())):
             ax.add_patch(Rectangle((r.layer - 0.5, r.head_idx - 0.5), 1, 1, fill=False, ec="k", lw=1.4))
-            ax.text(r.layer, r.head_idx, str(r.top_rank), ha="center", va="center", fontsize=6)
+            # only the top heads are numbered, at a readable size, in the colour that contrasts with the
+            # cell (white on dark, black on light; an outline of the other colour on mid tones)
+            rgb = np.asarray(im.cmap(im.norm(g[r.head_idx, r.layer]))[:3])
+            dark = float(rgb @ np.array([0.2126, 0.7152, 0.0722])) < 0.5
+            ink, halo = ("white", "black") if dark else ("black", "white")
+            ax.text(r.layer, r.head_idx, str(r.top_rank), ha="center", va="center", fontsize=HEAD_RANK_FONT,
+                    fontweight="bold", color=ink, path_effects=[patheffects.withStroke(linewidth=2, foreground=halo)])
         ax.set_xlabel("layer")
         ax.set_ylabel("head")
         ax.set_title(f"Direct logit attribution of every head to {_metric(m)} (numbered boxes: the top heads)",
@@ -414,9 +436,10 @@ class TokenTraceResult(Result):
         sf = sec["ffn"]
         both = ("; contribution_target is the same neuron's contribution to "
                 f"logit({m['target']!r}) alone" if m.get("foil") else "")
+        src = contexts_from(m)
         sf["text"].append(f"The MLP of block {m['ffn_layer']} (the lens jump block) read as key-value memory "
-                          "(Geva et al. 2021): each neuron's key fires on some contexts (top-activating corpus "
-                          f"contexts, first {m.get('key_max_tokens')} tokens of the offline corpus) and its value "
+                          "(Geva et al. 2021): each neuron's key fires on some contexts (its top-activating contexts; "
+                          f"contexts from: {src}) and its value "
                           "vector promotes tokens (value readout, Geva et al. 2022). Neurons are ranked by their direct "
                           f"contribution to {metric} (largest positive first): contribution = activation x "
                           f"logit_per_activation, both in logits of {metric}{both}.")
@@ -424,7 +447,8 @@ class TokenTraceResult(Result):
                                  f"{metric}" + (f", beside their contribution to logit({m['target']!r}) alone."
                                                 if m.get("foil") else ".")))
         sf["tables"] += [tab(f"Top neurons by direct contribution to {metric}", "neurons"),
-                         tab("Top-activating corpus contexts ([[ ]] marks the token)", "neuron_contexts")]
+                         tab("Top-activating contexts ([[ ]] marks the token)", "neuron_contexts",
+                             note=f"contexts from: {src}")]
         sr = sec["residual"]
         comp = t["components"]
         top = ", ".join(f"{_component_label(r.component)} ({r.contribution:+.3f})" for r in

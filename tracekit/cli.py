@@ -39,6 +39,8 @@ PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
     "results": ("tracekit.sweep.cli", "print a sweep's index (and draw a comparison figure)"),
     "cache-activations": ("tracekit.activations_cli", "write the activation stores of a config's `kind: activations` "
                                                       "steps (resumable; read by linear_probe's store:, tuned.store, sae.train.store)"),
+    "cache": ("tracekit.cache_cli", "list tracekit's caches (weights, trained SAEs, tuned lenses, transcoders, their "
+                                    "activation stores, model info) or empty them (tracekit cache clear [NAME ...])"),
     "export": ("tracekit.export", "export an SAE (SAELens directory), a run's tables (CSV/Parquet) or SAE features "
                                   "(Neuronpedia/SAEDashboard JSON)"),
 }
@@ -84,12 +86,6 @@ def _parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="show a run directory: status, steps, headline numbers")
     s.add_argument("run_dir")
     s.add_argument("--max", type=int, default=6, help="headline numbers per step (default 6; 0: all)")
-    # --- cache: every cache tracekit writes (tracekit.core.cachedir.CACHES) -------------------
-    c = sub.add_parser("cache", help="list tracekit's caches (weights, trained SAEs, tuned lenses, transcoders, their "
-                                     "activation stores) or empty them (tracekit cache clear [NAME ...])")
-    c.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
-    c.add_argument("names", nargs="*", metavar="NAME",
-                   help="only these caches (weights, saes, tuned_lenses, transcoders, transcoder_stores)")
     _trace_parser(sub)
     _plugin_parsers(sub, _command_of(argv))
     return p
@@ -538,55 +534,10 @@ def silence_progress() -> None:
         disable_progress_bars()
 
 
-def _cache_cmd(action: str, names: Optional[list[str]] = None) -> int:
-    """``tracekit cache [list|clear] [NAME ...]``: every cache tracekit writes, from the one registry
-    :data:`tracekit.core.cachedir.CACHES` (weights with processed weights, trained SAEs, tuned lenses,
-    transcoder sets, transcoder activation stores): per cache its folder, entry count and size, then
-    one line per entry (size, key, created, what it holds), leftovers of killed writers included.
-    ``clear`` empties every cache, or only the named ones."""
-    from .core.cachedir import CACHES, cache_path, cache_root, clear_kind, kind_entries
-    from .model import weights_cache as cache  # lazy: the caches' modules import torch
-
-    known = [k.name for k in CACHES]
-    bad = [n for n in names or [] if n not in known]
-    if bad:
-        print(f"tracekit cache: unknown cache {', '.join(bad)}; the caches are: {', '.join(known)}", file=sys.stderr)
-        return 2
-    kinds = [k for k in CACHES if not names or k.name in names]
-    root = cache_root()
-    if action == "clear":
-        parts, total_n, total_b = [], 0, 0
-        for k in reversed(kinds):  # nested caches first (transcoders/stores before transcoders)
-            n, freed = clear_kind(k)
-            parts.append(f"{k.name}: {n} entr{'y' if n == 1 else 'ies'} ({freed / 2**20:.1f} MiB)")
-            total_n, total_b = total_n + n, total_b + freed
-        print(f"removed {total_n} entr{'y' if total_n == 1 else 'ies'} ({total_b / 2**20:.1f} MiB) from {root}: "
-              + "; ".join(reversed(parts)))
-        return 0
-    print(f"tracekit cache: {root}" + ("" if cache.cache_enabled() else " (disabled: TRACEKIT_CACHE=off)"))
-    total = n = 0
-    for k in kinds:
-        rows = kind_entries(k)
-        size = sum(r["size_bytes"] for r in rows)
-        print(f"{k.name}: {k.title} ({cache_path(k.name)}): {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, "
-              f"{size / 2**20:.1f} MiB")
-        if not rows:
-            print("  (empty)")
-        for r in rows:
-            flag = "" if r["valid"] else "  [invalid or unfinished: removed on the next use]"
-            what = r.get("hook") or (f"{r.get('dtype') or '?'}  {r.get('gguf_path') or '?'}" if "gguf_path" in r else "")
-            print(f"  {r['size_bytes'] / 2**20:8.1f} MiB  {r['key']}  created {r.get('created') or '?'}"
-                  f"{'  ' + what if what else ''}{flag}")
-        total += size
-        n += len(rows)
-    print(f"total: {n} entr{'y' if n == 1 else 'ies'}, {total / 2**20:.1f} MiB")
-    return 0
-
-
 #: Built-in commands: name -> handler (``args -> exit code``).
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _run, "validate": _validate, "kinds": lambda a: _kinds(a.kind), "show": _show,
-    "cache": lambda a: _cache_cmd(a.action, a.names), "verify": _verify, "trace": _trace,
+    "verify": _verify, "trace": _trace,
 }
 
 

@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
      "tracekit.circuits", "tracekit.lenses", "tracekit.steering", "tracekit.causal_tracing",
      "tracekit.sae", "tracekit.dictionaries", "tracekit.graphs", "tracekit.probing", "tracekit.activations", "tracekit.trace", "tracekit.verify", "tracekit.results"),
     ("tracekit.experiments",),
-    ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep", "tracekit.export", "tracekit.activations_cli"),
+    ("tracekit.runner", "tracekit.pipeline", "tracekit.config", "tracekit.sweep", "tracekit.export", "tracekit.activations_cli",
+     "tracekit.cache_cli"),
     ("tracekit.cli", "tracekit.__main__", "tracekit"),  # the package root re-exports everything
 ]
 #: Compatibility shims: old module paths re-exporting a lower module.

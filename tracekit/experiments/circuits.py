@@ -19,6 +19,7 @@ from ..circuits.curves import (
     Candidates,
     circuit_frame,
     circuit_nodes,
+    curve_drops,
     faithfulness_curve,
     hand_candidates,
     ranked_candidates,
@@ -185,10 +186,15 @@ class Circuit(CircuitRowsExperiment):
             "circuit_edges": list(circuit_df["edge"].head(50)),
             "chunks": {"circuit evaluation replay": {"circuits": list(run.batch_sizes)}},
         }
+        drops = curve_drops(fc.curve, cand, graph)
+        summary["non_monotone"] = bool(drops)
+        summary["curve_drops"] = drops
         rows = self._rows_table(inputs, run.clean[:, 0].numpy(), run.corrupted[:, 0].numpy())
         rows[f"empty_{self.metric}"] = m_empty
         rows[f"circuit_{self.metric}"] = fc.circuits[j]
-        tables = {"curve": fc.curve, "circuit": circuit_df,
+        curve = fc.curve.copy()
+        curve["falls"] = [False] + [bool(b < a) for a, b in zip(curve["faithfulness"], curve["faithfulness"].iloc[1:])]
+        tables = {"curve": curve, "circuit": circuit_df,
                   "scores": cand.scores.head(5000).reset_index(drop=True), "rows": rows}
         return CircuitResult(self, tables, {"summary": summary, "n_scores": int(len(cand.scores)),
                                             "scores_file_model": scores_model})

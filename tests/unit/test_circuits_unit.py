@@ -270,5 +270,9 @@ def test_a_curve_that_falls_is_flagged_and_its_negative_edges_named():
     assert d["negative_score_sum"] == pytest.approx(-3.0) and d["added_score_sum"] == pytest.approx(-1.5)
     text = drop_text(d)
     assert "NON-MONOTONE" in text and "a0.h1->m2" in text and "m0->logits" not in text
+    # scores whose sign points away from the full model (m(full) < m(empty), or noising): the added
+    # positive-score edge is the one that pushes away
+    flipped = curve_drops(curve, cand, g, sign=-1.0)[0]
+    assert [x["edge"] for x in flipped["negative_edges"]] == ["m1->logits"]
     # a monotone curve: nothing flagged
     assert curve_drops(curve.assign(faithfulness=[0.5, 0.8, 1.0]), cand, g) == []

@@ -289,16 +289,17 @@ def circuit_frame(graph: Graph, chosen: Bool[torch.Tensor, "n_down n_up"], es: O
     return df.assign(_a=df["score"].abs()).sort_values("_a", ascending=False).drop(columns="_a").reset_index(drop=True)
 
 
-def curve_drops(curve: pd.DataFrame, cand: Candidates, graph: Graph, n_named: int = 5) -> list[dict]:
+def curve_drops(curve: pd.DataFrame, cand: Candidates, graph: Graph, n_named: int = 5, sign: float = 1.0) -> list[dict]:
     """Where faithfulness falls as the circuit grows, and the added edges that push it down.
 
     Between two consecutive evaluated sizes ``k_i < k_j`` a larger circuit holds every edge of the
     smaller one (top-k of one ranking), so a drop ``f(k_j) < f(k_i)`` comes from the edges added
-    between them. With ``rank_by: abs`` those include edges of negative score (they move the
-    metric away from the clean run: in denoising attribution, patching them in lowers the metric).
-    Each drop lists the added edges, their summed score and the negative ones, most negative first
-    (the scores are the measured attributions of the ranking, e.g. EAP-IG; the drop itself is the
-    measured faithfulness difference).
+    between them. With ``rank_by: abs`` those include edges of negative effect: ``score x sign <
+    0``, they push the metric away from the full model (a denoising score is the metric change of
+    keeping the edge; ``sign`` turns it towards the full model: ``sign(m(full) - m(empty))``,
+    negated for noising scores). Each drop lists the added edges, their summed effect and the
+    negative ones, most negative first (the scores are the measured attributions of the ranking,
+    e.g. EAP-IG; the drop itself is the measured faithfulness difference).
 
     Args:
         curve: the ``curve`` table (``circuit_size``, ``fraction``, ``faithfulness``, ``ci_low``,
@@ -306,13 +307,15 @@ def curve_drops(curve: pd.DataFrame, cand: Candidates, graph: Graph, n_named: in
         cand: the candidates evaluated (their circuits and edge scores).
         graph: the graph (edge names).
         n_named: negative edges named per drop at most.
+        sign: +1 or -1, what turns a score into its push towards the full model.
 
     Returns:
         One dict per drop: ``from_size``, ``to_size``, ``from_fraction``, ``to_fraction``,
         ``from_faithfulness``, ``to_faithfulness``, ``drop`` (> 0), ``within_ci`` (the two sizes'
         bootstrap intervals overlap: the drop may be noise; None without intervals), ``n_added``
         (edges), ``added_score_sum``, ``n_negative``, ``negative_score_sum``, ``negative_edges``
-        (``[{edge, score}]``, the ``n_named`` most negative); empty for a monotone curve or a
+        (``[{edge, score}]``, the ``n_named`` most negative); sums and scores are ``score x sign``
+        (metric units, positive = towards the full model); empty for a monotone curve or a
         circuit listed by hand (no scores).
     """
     if cand.edge_scores is None or len(curve) < 2:
@@ -327,7 +330,7 @@ def curve_drops(curve: pd.DataFrame, cand: Candidates, graph: Graph, n_named: in
             continue
         added = cand.circuits[j] & ~cand.circuits[i]
         v, u = added.nonzero(as_tuple=True)
-        sc = mean[v, u].double().numpy()
+        sc = mean[v, u].double().numpy() * float(sign)
         order = np.argsort(sc, kind="stable")
         neg = [int(k) for k in order if sc[k] < 0]
         within = None
@@ -348,11 +351,11 @@ def curve_drops(curve: pd.DataFrame, cand: Candidates, graph: Graph, n_named: in
 def drop_text(d: dict) -> str:
     """One line explaining a drop of :func:`curve_drops`."""
     names = ", ".join(f"{e['edge']} ({e['score']:+.3g})" for e in d["negative_edges"])
-    why = (f"{d['n_negative']} of the {d['n_added']} edges added have negative scores (summed "
+    why = (f"{d['n_negative']} of the {d['n_added']} edges added push away from the full model (scores summed "
            f"{d['negative_score_sum']:+.4g}; all added: {d['added_score_sum']:+.4g})"
            + (f", most negative: {names}" if names else "")
            if d["n_negative"] else
-           f"none of the {d['n_added']} edges added has a negative score (summed {d['added_score_sum']:+.4g}): "
+           f"none of the {d['n_added']} edges added pushes away from the full model (summed {d['added_score_sum']:+.4g}): "
            "the scores' linear estimate misses an interaction")
     noise = {True: " (within the bootstrap intervals: may be noise)", False: "", None: ""}[d["within_ci"]]
     return (f"NON-MONOTONE: faithfulness falls {d['from_faithfulness']:.3f} -> {d['to_faithfulness']:.3f} from "

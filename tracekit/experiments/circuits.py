@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Literal, Optional
 
+import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from ..circuits.curves import (
@@ -186,7 +187,10 @@ class Circuit(CircuitRowsExperiment):
             "circuit_edges": list(circuit_df["edge"].head(50)),
             "chunks": {"circuit evaluation replay": {"circuits": list(run.batch_sizes)}},
         }
-        drops = curve_drops(fc.curve, cand, graph)
+        # a score is the metric change of keeping the edge (denoising); towards the full model when
+        # it has the sign of m(full) - m(empty)
+        towards = float(np.sign(fc.full.mean() - m_empty.mean()) or 1.0) * (-1.0 if self.scores.mode == "noising" else 1.0)
+        drops = curve_drops(fc.curve, cand, graph, sign=towards)
         summary["non_monotone"] = bool(drops)
         summary["curve_drops"] = drops
         rows = self._rows_table(inputs, run.clean[:, 0].numpy(), run.corrupted[:, 0].numpy())

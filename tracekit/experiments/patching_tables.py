@@ -328,7 +328,7 @@ def trivial_causes(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame
             out[i] = "embedding of the only changed token"
             eff = ln.get("effect")
             if not is_missing(eff):
-                embed[(str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else "")] = float(eff)
+                embed[(str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else "")] = float(cast(float, eff))
         else:
             comps.append(i)
     for i in comps:
@@ -373,22 +373,27 @@ def line_intervals(lines: pd.DataFrame, main: pd.DataFrame, baselines: pd.DataFr
             "neuron", "metric"]
 
     def keyed(df: pd.DataFrame) -> pd.DataFrame:
-        k = df[keys].copy()
+        k = pd.DataFrame(index=df.index)
         for c in keys:
-            k[c] = k[c].astype(object).where(k[c].notna(), "<NA>").astype(str)
+            v = column(df, c)
+            k[c] = v.astype(object).where(v.notna(), "<NA>").astype(str)
         return k
+
+    def values_of(c: str) -> list:
+        return column(lines, c).unique().tolist()
 
     lk = keyed(lines).drop_duplicates()
     lk["_line"] = np.arange(len(lk))
-    per = where(main, (main["scope"] == "pair") & main["metric"].isin(set(lines["metric"]))
-                & main["site"].isin(set(lines["site"])) & main["intervention"].isin(set(lines["intervention"]))
-                & main["layer"].isin(set(lines["layer"])))
+    per = where(main, (main["scope"] == "pair") & main["metric"].isin(values_of("metric"))
+                & main["site"].isin(values_of("site")) & main["intervention"].isin(values_of("intervention"))
+                & main["layer"].isin(values_of("layer")))
     per = where(per, ~per["flagged"].astype(bool))
     if per.empty:
         return out
     pk = keyed(per).assign(_pair=per["pair"].astype(int).to_numpy(), _value=per["value"].to_numpy(dtype=float))
     pk = pk.merge(lk, on=keys, how="inner")
-    pairs = np.sort(pk["_pair"].unique())
+    pairs = np.sort(column(pk, "_pair").to_numpy(dtype=np.int64))
+    pairs = np.unique(pairs)
     R = len(pairs)
     if R < 2:
         return out
@@ -396,7 +401,7 @@ def line_intervals(lines: pd.DataFrame, main: pd.DataFrame, baselines: pd.DataFr
     V = np.zeros((len(lk), R))
     Msk = np.zeros((len(lk), R))
     ki = pk["_line"].to_numpy(dtype=int)
-    pj = pk["_pair"].map(col).to_numpy(dtype=int)
+    pj = np.array([col[int(p)] for p in column(pk, "_pair")], dtype=int)
     V[ki, pj] = pk["_value"].to_numpy()
     Msk[ki, pj] = 1.0
     b = baselines.set_index(["pair", "metric"])

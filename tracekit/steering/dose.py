@@ -208,9 +208,9 @@ def control_spread(table: pd.DataFrame, alphas: Sequence[float], col: str = "tar
     out = []
     for a in alphas:
         at = table[table["alpha"] == float(a)]
-        sv = at[at["direction"] == "steer"][col].to_numpy(dtype=float)
+        sv = np.asarray(at[at["direction"] == "steer"][col], dtype=float)
         x = float(sv[0]) if len(sv) else float("nan")
-        r = at[at["direction"] != "steer"][col].to_numpy(dtype=float)
+        r = np.asarray(at[at["direction"] != "steer"][col], dtype=float)
         rec = {"alpha": float(a), "n_random": int(len(r)), "steer": x}
         if len(r):
             above, tied = int(np.sum(r > x)), int(np.sum(r == x))

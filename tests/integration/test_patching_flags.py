@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 import tracekit as tk
 from helpers import make_tiny
+from tracekit.experiments.patching import ActivationPatchingResult
 
 PAIRS: list = [{"clean": "The capital of France is", "corrupted": "The capital of Italy is", "target": " Paris",
                 "foil": " Rome"},
@@ -35,28 +37,36 @@ def mlp0_embedding_model():
     return m
 
 
-def _run(model, pairs, **kw):
-    return tk.ActivationPatching(pairs=pairs, sites=["resid_pre", "mlp_out", "attn_out"],
+def frame(x) -> pd.DataFrame:
+    """A selection typed as a frame (the stubs type ``df[mask]`` loosely)."""
+    assert isinstance(x, pd.DataFrame)
+    return x
+
+
+def _run(model, pairs, **kw) -> ActivationPatchingResult:
+    r = tk.ActivationPatching(pairs=pairs, sites=["resid_pre", "mlp_out", "attn_out"],
                                  directions=["denoising", "noising"], metrics=["logit_diff"],
                                  min_denominator=1e-6, **kw).run(model, progress=False)
+    assert isinstance(r, ActivationPatchingResult)
+    return r
 
 
 def test_block0_mlp_at_the_only_changed_token_is_trivially_complete(mlp0_embedding_model):
     r = _run(mlp0_embedding_model, PAIRS)
     allr = r.top_sites(n=10_000, family="all", trivial=True, intervals=False)
-    mlp = allr[allr["site"] == "mlp_out"]
-    at = mlp[(mlp["layer"] == 0) & (mlp["pos_from_end"] == -2)]  # ' France' / ' Italy', the only change
+    mlp = frame(allr[allr["site"] == "mlp_out"])
+    at = frame(mlp[(mlp["layer"] == 0) & (mlp["pos_from_end"] == -2)])  # ' France' / ' Italy', the only change
     assert len(at) == 2  # denoising and noising
     # the construction works: the MLP's write restores the whole difference within the tolerance
-    assert np.abs(at["effect"].to_numpy(dtype=float) - 1).max() < 0.05
-    assert at["trivial"].all()
+    assert np.abs(np.asarray(at["effect"], dtype=float) - 1).max() < 0.05
+    assert bool(np.asarray(at["trivial"]).all())
     assert all("first write after the only changed token" in c for c in at["trivial_cause"])
     # not an unrelated site: block 0's MLP elsewhere, later MLPs at the token, the attention writes
-    others = allr[~allr.index.isin(at.index) & allr["site"].isin(["mlp_out", "attn_out"])]
-    assert len(others) > 0 and not others["trivial"].any()
+    others = frame(allr[~allr.index.isin(at.index) & allr["site"].isin(["mlp_out", "attn_out"])])
+    assert len(others) > 0 and not bool(np.asarray(others["trivial"]).any())
     # left out of the ranking, listed with its cause in the summary and the report
     top = r.top_sites(n=50)
-    assert not ((top["site"] == "mlp_out") & (top["layer"] == 0) & (top["pos_from_end"] == -2)).any()
+    assert not bool(np.asarray((top["site"] == "mlp_out") & (top["layer"] == 0) & (top["pos_from_end"] == -2)).any())
     s = r.summary()
     causes = {(t["intervention"], t["site"], t["label"]): t["cause"] for t in s["trivial_sites"]}
     assert any(k[1] == "mlp_out" and "L0" in k[2] for k in causes)
@@ -70,10 +80,10 @@ def test_block0_mlp_that_does_not_restore_everything_is_a_finding(tiny_gpt2):
 
     r = _run(tiny_gpt2, PAIRS)
     allr = r.top_sites(n=10_000, family="all", trivial=True, intervals=False)
-    at = allr[(allr["site"] == "mlp_out") & (allr["layer"] == 0) & (allr["pos_from_end"] == -2)]
+    at = frame(allr[(allr["site"] == "mlp_out") & (allr["layer"] == 0) & (allr["pos_from_end"] == -2)])
     assert len(at) == 2
-    expect = (at["effect"].astype(float) - 1).abs() <= TRIVIAL_TOL
-    assert (at["trivial"] == expect).all()
+    expect = np.abs(np.asarray(at["effect"], dtype=float) - 1) <= TRIVIAL_TOL
+    assert (np.asarray(at["trivial"], dtype=bool) == expect).all()
 
 
 def test_top_sites_ties_within_the_bootstrap_interval(tiny_gpt2):

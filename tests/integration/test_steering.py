@@ -471,8 +471,8 @@ def test_default_controls_spread_and_vector_rank(tiny_gpt2):
     dr = r.tables["dose_response"]
     for i, a in enumerate(s["alphas"]):
         at = dr[dr["alpha"] == a]
-        vec = float(at[at["direction"] == "steer"]["target_prob"].iloc[0])
-        rnd = at[at["direction"] != "steer"]["target_prob"].to_numpy()
+        vec = float(np.asarray(at[at["direction"] == "steer"]["target_prob"], dtype=float)[0])
+        rnd = np.asarray(at[at["direction"] != "steer"]["target_prob"], dtype=float)
         assert len(rnd) == n
         assert s["vector_rank_by_alpha"][i] == 1 + int((rnd > vec).sum())
         assert s["vector_percentile_by_alpha"][i] == pytest.approx(

@@ -449,3 +449,37 @@ def test_kind_refuses_generation_past_the_context_at_check(tiny_gpt2):
         bad.run(tiny_gpt2, progress=False)
     # only the rows that generate count
     Steering(**{**KIND_CFG, "generate": {"max_new_tokens": room + 1, "max_prompts": 1}}).check(tiny_gpt2)
+
+
+def test_default_controls_spread_and_vector_rank(tiny_gpt2):
+    """Issue 36 item 7: 3 random controls left their spread unknown. The default is now at least
+    16, the controls table and summary give their mean, percentile band and max, and the vector's
+    rank among them is the count of controls above it, checked here from the dose_response table."""
+    import inspect
+
+    assert inspect.signature(dose_response).parameters["n_random"].default >= 16
+    cfg = {k: v for k, v in KIND_CFG.items() if k not in ("controls", "generate")}
+    spec = Steering(**cfg)
+    assert spec.controls.n_random >= 16
+    r = spec.run(tiny_gpt2, progress=False)
+    s = r.summary()
+    n = s["n_random"]
+    assert n == spec.controls.n_random
+    ctl = r.tables["controls"]
+    for c in ("random_mean", "random_p5", "random_p95", "random_max", "vector_rank", "vector_percentile"):
+        assert c in ctl.columns
+    dr = r.tables["dose_response"]
+    for i, a in enumerate(s["alphas"]):
+        at = dr[dr["alpha"] == a]
+        vec = float(np.asarray(at[at["direction"] == "steer"]["target_prob"], dtype=float)[0])
+        rnd = np.asarray(at[at["direction"] != "steer"]["target_prob"], dtype=float)
+        assert len(rnd) == n
+        assert s["vector_rank_by_alpha"][i] == 1 + int((rnd > vec).sum())
+        assert s["vector_percentile_by_alpha"][i] == pytest.approx(
+            100 * ((rnd < vec).sum() + 0.5 * (rnd == vec).sum()) / n)
+        assert s["random_target_prob_p5_by_alpha"][i] == pytest.approx(np.percentile(rnd, 5))
+        assert s["random_target_prob_p95_by_alpha"][i] == pytest.approx(np.percentile(rnd, 95))
+        assert int(ctl.loc[i, "vector_rank"]) == s["vector_rank_by_alpha"][i]
+    # alpha 0 adds nothing: the vector and every control tie (percentile 50, rank 1)
+    assert s["vector_percentile_by_alpha"][0] == pytest.approx(50.0) and s["vector_rank_by_alpha"][0] == 1
+    assert "random p5-p95" in r.report() and "vector rank" in r.report()

@@ -236,3 +236,43 @@ def test_top_k_circuits_rank_edges_inside_the_graph():
     assert [_edges(g, x) for x in c] == [{"m0->logits"}, {"m0->logits", "a1.h2->m1"}, set(big)]
     signed = top_k_circuits(g, scores, [2], rank_by="signed")[0]
     assert _edges(g, signed) == {"m0->logits", "input->a0.h0<q>"}
+
+
+def test_a_curve_that_falls_is_flagged_and_its_negative_edges_named():
+    """Issue 36 item 7: a faithfulness curve that falls as edges are added (0.991 at 5%, 0.972 at
+    10% in the capitals study) is flagged, and the explanation names the added edges of negative
+    score between the two sizes (and no edge of the smaller circuit)."""
+    import pandas as pd
+
+    from tracekit.circuits.curves import curve_drops, drop_text, ranked_candidates
+    from tracekit.circuits.edges import EdgeScores
+
+    g = _graph(4)
+    scores = torch.zeros(g.mask.shape)
+    planted = {"m0->logits": 3.0, "a1.h2->m1": 2.5,  # the first circuit (size 2)
+               "a0.h1->m2": -2.0, "m1->logits": 1.5, "a0.h3->a2.h0<q>": -1.0}  # added for size 5
+    for e, s in planted.items():
+        v, u = g.parse_edge(e)
+        scores[v, u] = s
+    nan = torch.full((1,), float("nan"))
+    es = EdgeScores(g, scores[None], nan, nan, "file", "denoising", "", 0)
+    cand = ranked_candidates(g, es, "edges", [2, 5, 6], (), "abs")
+    assert cand.counts == [2, 5, 6]
+    curve = pd.DataFrame({"circuit_size": cand.counts, "fraction": [k / g.n_edges for k in cand.counts],
+                          "faithfulness": [0.991, 0.972, 0.99], "ci_low": [0.985, 0.96, 0.98],
+                          "ci_high": [0.995, 0.98, 1.0]})
+    drops = curve_drops(curve, cand, g)
+    assert len(drops) == 1
+    d = drops[0]
+    assert (d["from_size"], d["to_size"]) == (2, 5) and d["drop"] == pytest.approx(0.019)
+    assert d["within_ci"] is False and d["n_added"] == 3 and d["n_negative"] == 2
+    assert [x["edge"] for x in d["negative_edges"]] == ["a0.h1->m2", "a0.h3->a2.h0<q>"]  # most negative first
+    assert d["negative_score_sum"] == pytest.approx(-3.0) and d["added_score_sum"] == pytest.approx(-1.5)
+    text = drop_text(d)
+    assert "NON-MONOTONE" in text and "a0.h1->m2" in text and "m0->logits" not in text
+    # scores whose sign points away from the full model (m(full) < m(empty), or noising): the added
+    # positive-score edge is the one that pushes away
+    flipped = curve_drops(curve, cand, g, sign=-1.0)[0]
+    assert [x["edge"] for x in flipped["negative_edges"]] == ["m1->logits"]
+    # a monotone curve: nothing flagged
+    assert curve_drops(curve.assign(faithfulness=[0.5, 0.8, 1.0]), cand, g) == []

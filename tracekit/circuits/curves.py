@@ -10,6 +10,8 @@
   (:func:`tracekit.circuits.faithfulness.evaluate_circuits`), the MIB measures and the chosen one.
 * :func:`circuit_frame` / :func:`circuit_nodes`: the chosen circuit's edges and the heads and MLPs
   they touch.
+* :func:`curve_drops`: where the curve is non-monotone (faithfulness falls when edges are added)
+  and which of the added edges have negative scores.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .graph import Graph
 
 __all__ = ["Candidates", "FaithfulnessCurve", "size_counts", "hand_candidates", "ranked_candidates",
            "read_edge_scores", "edges_file_model", "faithfulness_curve", "circuit_frame", "circuit_nodes",
-           "NODE_FRACTIONS"]
+           "NODE_FRACTIONS", "curve_drops", "drop_text"]
 
 #: The default node-circuit sizes (fractions of the heads and MLPs).
 NODE_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -285,3 +287,76 @@ def circuit_frame(graph: Graph, chosen: Bool[torch.Tensor, "n_down n_up"], es: O
                        "downstream": [graph.downstream[i] for i in v.tolist()], "score": score})
     df.insert(0, "edge", df["upstream"] + "->" + df["downstream"])
     return df.assign(_a=df["score"].abs()).sort_values("_a", ascending=False).drop(columns="_a").reset_index(drop=True)
+
+
+def curve_drops(curve: pd.DataFrame, cand: Candidates, graph: Graph, n_named: int = 5, sign: float = 1.0) -> list[dict]:
+    """Where faithfulness falls as the circuit grows, and the added edges that push it down.
+
+    Between two consecutive evaluated sizes ``k_i < k_j`` a larger circuit holds every edge of the
+    smaller one (top-k of one ranking), so a drop ``f(k_j) < f(k_i)`` comes from the edges added
+    between them. With ``rank_by: abs`` those include edges of negative effect: ``score x sign <
+    0``, they push the metric away from the full model (a denoising score is the metric change of
+    keeping the edge; ``sign`` turns it towards the full model: ``sign(m(full) - m(empty))``,
+    negated for noising scores). Each drop lists the added edges, their summed effect and the
+    negative ones, most negative first (the scores are the measured attributions of the ranking,
+    e.g. EAP-IG; the drop itself is the measured faithfulness difference).
+
+    Args:
+        curve: the ``curve`` table (``circuit_size``, ``fraction``, ``faithfulness``, ``ci_low``,
+            ``ci_high``), one line per size of ``cand``, increasing.
+        cand: the candidates evaluated (their circuits and edge scores).
+        graph: the graph (edge names).
+        n_named: negative edges named per drop at most.
+        sign: +1 or -1, what turns a score into its push towards the full model.
+
+    Returns:
+        One dict per drop: ``from_size``, ``to_size``, ``from_fraction``, ``to_fraction``,
+        ``from_faithfulness``, ``to_faithfulness``, ``drop`` (> 0), ``within_ci`` (the two sizes'
+        bootstrap intervals overlap: the drop may be noise; None without intervals), ``n_added``
+        (edges), ``added_score_sum``, ``n_negative``, ``negative_score_sum``, ``negative_edges``
+        (``[{edge, score}]``, the ``n_named`` most negative); sums and scores are ``score x sign``
+        (metric units, positive = towards the full model); empty for a monotone curve or a
+        circuit listed by hand (no scores).
+    """
+    if cand.edge_scores is None or len(curve) < 2:
+        return []
+    mean = cand.edge_scores.mean()
+    f = curve["faithfulness"].to_numpy(dtype=float)
+    lo, hi = curve["ci_low"].to_numpy(dtype=float), curve["ci_high"].to_numpy(dtype=float)
+    out = []
+    for i in range(len(f) - 1):
+        j = i + 1
+        if not (np.isfinite(f[i]) and np.isfinite(f[j]) and f[j] < f[i]):
+            continue
+        added = cand.circuits[j] & ~cand.circuits[i]
+        v, u = added.nonzero(as_tuple=True)
+        sc = mean[v, u].double().numpy() * float(sign)
+        order = np.argsort(sc, kind="stable")
+        neg = [int(k) for k in order if sc[k] < 0]
+        within = None
+        if np.isfinite(lo[i]) and np.isfinite(lo[j]):
+            within = bool(lo[i] <= hi[j] and lo[j] <= hi[i])
+        out.append({
+            "from_size": int(curve["circuit_size"].iloc[i]), "to_size": int(curve["circuit_size"].iloc[j]),
+            "from_fraction": float(curve["fraction"].iloc[i]), "to_fraction": float(curve["fraction"].iloc[j]),
+            "from_faithfulness": float(f[i]), "to_faithfulness": float(f[j]), "drop": float(f[i] - f[j]),
+            "within_ci": within, "n_added": int(len(sc)), "added_score_sum": float(sc.sum()),
+            "n_negative": len(neg), "negative_score_sum": float(sc[neg].sum()) if neg else 0.0,
+            "negative_edges": [{"edge": f"{graph.upstream[int(u[k])]}->{graph.downstream[int(v[k])]}",
+                                "score": float(sc[k])} for k in neg[:n_named]],
+        })
+    return out
+
+
+def drop_text(d: dict) -> str:
+    """One line explaining a drop of :func:`curve_drops`."""
+    names = ", ".join(f"{e['edge']} ({e['score']:+.3g})" for e in d["negative_edges"])
+    why = (f"{d['n_negative']} of the {d['n_added']} edges added push away from the full model (scores summed "
+           f"{d['negative_score_sum']:+.4g}; all added: {d['added_score_sum']:+.4g})"
+           + (f", most negative: {names}" if names else "")
+           if d["n_negative"] else
+           f"none of the {d['n_added']} edges added pushes away from the full model (summed {d['added_score_sum']:+.4g}): "
+           "the scores' linear estimate misses an interaction")
+    noise = {True: " (within the bootstrap intervals: may be noise)", False: "", None: ""}[d["within_ci"]]
+    return (f"NON-MONOTONE: faithfulness falls {d['from_faithfulness']:.3f} -> {d['to_faithfulness']:.3f} from "
+            f"{d['from_fraction']:.4g} to {d['to_fraction']:.4g} of the candidates{noise}: {why}")

@@ -13,12 +13,14 @@ from __future__ import annotations
 import warnings
 from typing import Literal, Optional
 
+import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from ..circuits.curves import (
     Candidates,
     circuit_frame,
     circuit_nodes,
+    curve_drops,
     faithfulness_curve,
     hand_candidates,
     ranked_candidates,
@@ -185,10 +187,18 @@ class Circuit(CircuitRowsExperiment):
             "circuit_edges": list(circuit_df["edge"].head(50)),
             "chunks": {"circuit evaluation replay": {"circuits": list(run.batch_sizes)}},
         }
+        # a score is the metric change of keeping the edge (denoising); towards the full model when
+        # it has the sign of m(full) - m(empty)
+        towards = float(np.sign(fc.full.mean() - m_empty.mean()) or 1.0) * (-1.0 if self.scores.mode == "noising" else 1.0)
+        drops = curve_drops(fc.curve, cand, graph, sign=towards)
+        summary["non_monotone"] = bool(drops)
+        summary["curve_drops"] = drops
         rows = self._rows_table(inputs, run.clean[:, 0].numpy(), run.corrupted[:, 0].numpy())
         rows[f"empty_{self.metric}"] = m_empty
         rows[f"circuit_{self.metric}"] = fc.circuits[j]
-        tables = {"curve": fc.curve, "circuit": circuit_df,
+        curve = fc.curve.copy()
+        curve["falls"] = [False] + [bool(b < a) for a, b in zip(curve["faithfulness"], curve["faithfulness"].iloc[1:])]
+        tables = {"curve": curve, "circuit": circuit_df,
                   "scores": cand.scores.head(5000).reset_index(drop=True), "rows": rows}
         return CircuitResult(self, tables, {"summary": summary, "n_scores": int(len(cand.scores)),
                                             "scores_file_model": scores_model})

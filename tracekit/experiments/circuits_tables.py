@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..circuits.curves import drop_text
 from .base import Result
 from .patching_tables import column, is_missing, records, where
 
@@ -24,7 +25,7 @@ class CircuitResult(Result):
     Tables: ``curve`` (one line per evaluated circuit size: ``circuit_size`` = edges or nodes ranked in,
     ``fraction`` = size / all, ``n_edges`` = edges of the graph in the circuit, ``metric`` = mean
     over rows, ``faithfulness`` = (m(C) - m(empty)) / (m(full) - m(empty)), ``ci_low``/``ci_high``
-    = bootstrap interval over rows); ``circuit`` (the chosen circuit's edges, or nodes, with their
+    = bootstrap interval over rows, ``falls`` = faithfulness below the previous size's); ``circuit`` (the chosen circuit's edges, or nodes, with their
     scores); ``scores`` (every edge's or node's score, ranked); ``rows`` (per row clean, corrupted,
     empty-circuit and chosen-circuit metric).
 
@@ -37,7 +38,10 @@ class CircuitResult(Result):
     n_edges, faithfulness, ci_low, ci_high}``: the smallest evaluated circuit reaching
     ``threshold``, else the most faithful), ``circuit_heads`` / ``circuit_mlps`` (the nodes its
     edges touch, by the summed |score| of their edges in it),
-    ``circuit_edges`` (its first 50 edges by score).
+    ``circuit_edges`` (its first 50 edges by score); ``non_monotone`` (the curve falls somewhere as
+    edges are added) and ``curve_drops`` (per fall, :func:`tracekit.circuits.curves.curve_drops`:
+    the sizes, the drop, whether the bootstrap intervals overlap, the edges added between the two
+    sizes, their summed score and the negative-score edges that explain it, most negative first).
     """
 
     config: "Circuit"
@@ -45,7 +49,7 @@ class CircuitResult(Result):
     table_names = ("curve", "circuit", "scores", "rows")
     summary_keys = ("level", "method", "ig_rule", "ablation", "n_rows", "n_candidates", "n_graph_edges", "mean_clean",
                     "mean_corrupted", "mean_empty", "full_faithfulness", "cpr", "cmd", "cpr_ci", "cmd_ci", "threshold",
-                    "chosen", "circuit_heads", "circuit_mlps", "circuit_edges", "chunks")
+                    "chosen", "circuit_heads", "circuit_mlps", "circuit_edges", "non_monotone", "curve_drops", "chunks")
     null_reasons = {"ig_rule": "the scores were not computed with eap_ig in this step (method eap or atp, a circuit "
                                "listed by hand, or scores.edges_file: that step's summary has its ig_rule)",
                     "cpr_ci": "one row, bootstrap: 0, or a circuit listed by hand",
@@ -73,7 +77,9 @@ class CircuitResult(Result):
                  "  size  fraction  edges  faithfulness [95% CI]"]
         for r in records(self.tables["curve"]):
             c = "" if is_missing(r["ci_low"]) else f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
-            lines.append(f"  {int(r['circuit_size']):5d}  {r['fraction']:.4f}  {int(r['n_edges']):6d}  {r['faithfulness']:+.3f}{c}")
+            falls = "  <- falls (non-monotone)" if r.get("falls") is True else ""
+            lines.append(f"  {int(r['circuit_size']):5d}  {r['fraction']:.4f}  {int(r['n_edges']):6d}  {r['faithfulness']:+.3f}{c}"
+                         f"{falls}")
         size = f"{ch['size']} {s['level']}" + (f" ({ch['n_edges']} edges)" if s["level"] == "nodes" else "")
         reached = ch["faithfulness"] >= s["threshold"]
         lines.append(f"  chosen circuit: {size}, faithfulness {ch['faithfulness']:+.3f} "
@@ -86,6 +92,8 @@ class CircuitResult(Result):
         if mlps:
             lines.append(f"  its {len(mlps)} MLPs: {', '.join(mlps[:15])}{' ...' if len(mlps) > 15 else ''}")
         lines.append("  (every edge of it: the circuit table)")
+        for d in s.get("curve_drops") or []:
+            lines.append("  " + drop_text(d))
         return "\n".join(lines)
 
     def figures(self) -> dict:

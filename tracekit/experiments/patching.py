@@ -16,6 +16,9 @@ their own); this module is the YAML/notebook experiment around it::
     res.tables["rows"]              # one line per row: clean/corrupted logit difference, correct
     res.summary()["mean_clean"]     # {metric: mean over rows}
 
+Over 600 lines because the result's readings (ranking, ties, trivially complete lines, summary)
+sit with the spec's fields and checks; the table code is in :mod:`.patching_tables`.
+
 Rows come from ``pairs`` / ``pairs_file`` (``{clean, corrupted, target, foil}``) or from a
 ``dataset`` (:class:`tracekit.dataset.DatasetSpec`: each row's ``prompt`` is the clean prompt,
 ``corrupted`` the corrupted one, ``target``/``foil`` its own answers, ``positions`` its named
@@ -144,8 +147,13 @@ class ActivationPatchingResult(Result):
       scores). The list ranks the component sites (``attn``, ``mlp``, ``heads``, ``neurons``)
       when the run patched any, else the residual stream (``top_sites_families`` says which);
       ``top_resid_sites``: the residual-stream lines ranked apart (a residual patch moves a
-      position's whole state, so it would crowd out the components). Lines whose effect is fixed by
-      construction are left out of both (:meth:`top_sites`). ``top_by_site``:
+      position's whole state, so it would crowd out the components). Each record also has
+      ``rank``, ``tied_with_top`` and ``ci_low``/``ci_high`` (95% bootstrap interval over rows);
+      ``top_sites_tied`` / ``top_resid_sites_tied``: the labels of the lines tied with the first
+      (their |effect| intervals overlap: the order among them is noise). Trivially complete lines
+      (fixed by construction, or a block-0 write at the only changed token that restores the whole
+      difference) are left out of both (:meth:`top_sites`) and listed in ``trivial_sites``
+      (``{intervention, site, label, cause, mean_effect}``, main metric). ``top_by_site``:
       ``{"<intervention>/<site>": the top 3 such records}``. Numbers are not rounded (float64 of the tables).
     """
 
@@ -159,7 +167,8 @@ class ActivationPatchingResult(Result):
                     "clean_logit_diff_by_row", "corrupted_logit_diff_by_row", "correct_by_row",
                     "share_rows_correct", "flagged_rows", "n_rows_flagged", "n_rows_unflagged",
                     "metrics_with_flagged_mean", "baseline_population", "ranked_by", "top_sites", "top_sites_families",
-                    "top_resid_sites", "top_by_site", "chunks")
+                    "top_sites_tied", "top_resid_sites", "top_resid_sites_tied", "trivial_sites", "top_by_site",
+                    "chunks")
     table_names = ("main", "rows", "baselines", "tokens")
     #: First in the notebook display (``_repr_html_``).
     headline_keys = ("n_rows", "main_metric", "ranked_by", "mean_clean", "mean_corrupted", "share_rows_correct",
@@ -185,7 +194,7 @@ class ActivationPatchingResult(Result):
 
     def top_sites(self, n: int | None = None, intervention: str | None = None, site: str | None = None,
                   metric: str | None = None, *, family: str | list[str] = "auto", trivial: bool = False,
-                  k: int | None = None) -> pd.DataFrame:
+                  k: int | None = None, intervals: bool = True) -> pd.DataFrame:
         """Mean-over-rows lines with the largest |effect| (|delta| without corrupted prompts; ties:
         lower layer first). ``effect`` is ``normalized`` for denoising and ``1 - normalized`` for
         noising and ablations (the damage).
@@ -194,9 +203,19 @@ class ActivationPatchingResult(Result):
         whole state of a position, so late layers at the last token restore nearly everything and
         would fill the list. ``family="auto"`` ranks the component sites (``attn``, ``mlp``,
         ``heads``, ``neurons``) when the run patched any, else the residual stream; lines whose
-        effect is fixed by construction (:func:`~tracekit.experiments.patching_tables.trivial_lines`:
+        effect is fixed by construction or that carry the whole clean/corrupted difference by where
+        they sit (trivially complete, :func:`~tracekit.experiments.patching_tables.trivial_causes`:
         the last block's ``resid_post`` at the last token, block 0's ``resid_pre`` at the only
-        changed token, whole-layer residual sites) are left out unless ``trivial=True``.
+        changed token, whole-layer residual sites, and a block-0 ``attn_out``/``mlp_out`` at the
+        only changed token whose measured effect is within
+        :data:`~tracekit.experiments.patching_tables.TRIVIAL_TOL` of the whole residual's) are left
+        out unless ``trivial=True``.
+
+        Ties: each returned line gets a 95% percentile bootstrap interval over the rows
+        (:func:`~tracekit.experiments.patching_tables.line_intervals`, 1000 resamples, seed
+        ``seed``); a line whose interval of |effect| overlaps the first line's is **tied with the
+        top** (``tied_with_top``) and shares its ``rank`` 1: the order among them is noise. One row:
+        no intervals, no ties.
 
         Args:
             n: lines returned (default: the config's ``top_k``).
@@ -206,11 +225,16 @@ class ActivationPatchingResult(Result):
             family: ``auto``, ``all``, or one family or a list of
                 :data:`~tracekit.experiments.patching_tables.SITE_FAMILIES` (``resid``, ``attn``,
                 ``mlp``, ``heads``, ``neurons``).
-            trivial: keep the by-construction residual lines.
+            trivial: keep the trivially complete lines.
             k: the former name of ``n`` (kept as an alias).
+            intervals: compute the bootstrap intervals and ties (else those columns are NaN/False).
 
         Returns:
-            The ``main`` lines (``scope`` ``mean``), best first, with columns ``family`` and ``trivial``.
+            The ``main`` lines (``scope`` ``mean``), best first, with columns ``family``,
+            ``trivial`` (trivially complete), ``trivial_cause`` (why, or None), ``ci_low`` /
+            ``ci_high`` (the 95% bootstrap interval of the ranked column, ``effect`` or ``delta``),
+            ``tied_with_top`` (its |value| interval overlaps the first line's; False for the first
+            line) and ``rank`` (1 for the first line and every line tied with it, else its place).
 
         Raises:
             TypeError: ``n`` and ``k`` both given with different values.
@@ -225,21 +249,40 @@ class ActivationPatchingResult(Result):
         if site is not None:
             df = T.where(df, df["site"] == site)
         df = df.assign(family=df["site"].astype(str).map(T.site_family))
-        df = df.assign(trivial=self._trivial().reindex(df.index).fillna(False).astype(bool))
+        causes = self._trivial().reindex(df.index)
+        df = df.assign(trivial=causes.notna().to_numpy(), trivial_cause=causes.astype(object).to_numpy())
         fams = T.families(family, df)
         df = T.where(df, df["family"].isin(fams) & (trivial | ~df["trivial"]))
         col = self.ranked_by
         df = T.where(df, df[col].notna())
         df = df.assign(_abs=df[col].abs()).sort_values(["_abs", "layer"], ascending=[False, True])
-        return df.drop(columns="_abs").head(n or self.config.top_k)
+        df = df.drop(columns="_abs").head(n or self.config.top_k)
+        return self._ties(df, intervals)
+
+    def _ties(self, df: pd.DataFrame, intervals: bool) -> pd.DataFrame:
+        """``df`` (ranked, best first) with ``ci_low``, ``ci_high``, ``tied_with_top`` and ``rank``."""
+        df = df.assign(ci_low=np.nan, ci_high=np.nan, tied_with_top=False,
+                       rank=np.arange(1, len(df) + 1, dtype=np.int64))
+        if not intervals or len(df) == 0:
+            return df
+        iv = T.line_intervals(df, self.tables["main"], self.tables["baselines"], self.ranked_by,
+                              self.config.min_denominator, named=bool(self.meta.get("positions")),
+                              seed=self.config.seed)
+        df["ci_low"], df["ci_high"] = iv["ci_low"].to_numpy(), iv["ci_high"].to_numpy()
+        lo, hi = iv["abs_low"].to_numpy(), iv["abs_high"].to_numpy()
+        tied = (lo <= hi[0]) & (hi >= lo[0]) & np.isfinite(lo) & np.isfinite(lo[0])
+        tied[0] = False
+        df["tied_with_top"] = tied
+        df.loc[tied, "rank"] = 1
+        return df
 
     def _trivial(self) -> pd.Series:
-        """:func:`~tracekit.experiments.patching_tables.trivial_lines` of the mean lines (computed once)."""
+        """:func:`~tracekit.experiments.patching_tables.trivial_causes` of the mean lines (computed once)."""
         main = self.tables["main"]
         key = (id(main), len(main))
         if getattr(self, "_trivial_key", None) != key:
             mean = T.where(main, main["scope"] == "mean")
-            self._trivial_flags = T.trivial_lines(mean, self._rows_table(), self.tables["tokens"],
+            self._trivial_flags = T.trivial_causes(mean, self._rows_table(), self.tables["tokens"],
                                                   int(self.meta.get("n_layers", 0)))
             self._trivial_key = key
         return self._trivial_flags
@@ -309,15 +352,29 @@ class ActivationPatchingResult(Result):
             for c in ("position_name", "token"):
                 if isinstance(r.get(c), str):
                     d[c] = r[c]
+            if "rank" in r:
+                d["rank"] = int(r["rank"])
+                d["tied_with_top"] = bool(r["tied_with_top"])
+                for c in ("ci_low", "ci_high"):
+                    d[c] = None if T.is_missing(r.get(c)) else float(cast(float, r[c]))
             return d
 
         top = self.top_sites()
         out["top_sites"] = [rec(r) for r in T.records(top)]
         out["top_sites_families"] = sorted(set(top["family"]))
+        out["top_sites_tied"] = [f"{r['site']} {r['label']}" for r in out["top_sites"] if r.get("tied_with_top")]
         out["top_resid_sites"] = [rec(r) for r in T.records(self.top_sites(family="resid"))]
+        out["top_resid_sites_tied"] = [f"{r['site']} {r['label']}" for r in out["top_resid_sites"] if r.get("tied_with_top")]
+        allm = self._mean_rows()
+        causes = self._trivial().reindex(allm.index)
+        triv = T.where(allm, causes.notna())
+        out["trivial_sites"] = [{"intervention": r["intervention"], "site": r["site"], "label": T.site_label(r),
+                                 "cause": str(causes[i]),
+                                 "mean_effect": None if T.is_missing(r.get("effect")) else float(r["effect"])}
+                                for i, r in zip(triv.index, T.records(triv))]
         by = {}
         for (d, s), _ in self._mean_rows().groupby(["intervention", "site"], sort=True):  # pyright: ignore[reportGeneralTypeIssues] # stubs: a list key gives tuples
-            top = self.top_sites(k=3, intervention=str(d), site=str(s))
+            top = self.top_sites(k=3, intervention=str(d), site=str(s), intervals=False)
             by[f"{d}/{s}"] = [rec(r) for r in T.records(top)]
         out["top_by_site"] = by
         out["chunks"] = self.meta.get("chunks")

@@ -5,10 +5,14 @@
 Every table has one line per dataset row where it is per row: ``pair`` is the row's index in the
 run (0 .. n_rows-1, the order of the rows), ``row_id`` its id in the dataset (kept from the source
 when ``filter: correct`` or ``limit`` dropped rows).
+
+Over 600 lines because the readings of the ``main`` table live together: the tables, the
+trivially-complete rule, the bootstrap intervals that decide ties, the heatmaps and the report.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -22,7 +26,14 @@ from ..model.info import HookedModel
 from ..tokens import str_tokens
 
 __all__ = ["families", "rows_table", "heatmaps", "records", "where", "column", "is_missing", "report_text", "site_label", "tokens_frame", "baselines_frame", "rows_frame", "job_frame", "normalise", "MAIN_COLUMNS", "SITE_FAMILIES",
-           "site_family", "trivial_lines"]
+           "site_family", "trivial_lines", "trivial_causes", "line_intervals", "TRIVIAL_TOL", "TIE_CI"]
+
+#: How close (in effect units) a block-0 component at the only changed token must come to the
+#: whole residual's restoration (1) to be marked trivially complete (:func:`trivial_causes`).
+TRIVIAL_TOL = 0.05
+
+#: The mass of the bootstrap interval that decides ties in ``top_sites`` (:func:`line_intervals`).
+TIE_CI = 0.95
 
 #: Columns of the ``main`` table, in order.
 MAIN_COLUMNS = ["scope", "intervention", "site", "hook", "layer", "position", "position_name", "pos_from_end",
@@ -234,34 +245,56 @@ def _row_positions(line: Any, rows: pd.DataFrame) -> np.ndarray | None:
     return None if is_missing(pfe) else rows["n_tokens"].to_numpy(dtype=np.int64) + int(pfe)
 
 
-def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame, n_layers: int) -> pd.Series:
-    """Which lines are residual-stream patches whose effect is fixed by construction (not a finding).
-
-    A line is trivial when its site is the residual stream and the patch replaces everything the
-    result depends on:
-
-    * a whole-layer residual site (``resid_pre_layer``, ``resid_mid_layer``, ``resid_post_layer``):
-      every position's whole state, so the run from there on is the source run (effect 1);
-    * ``resid_post`` of the last block at each row's last token: the very vector the unembedding
-      reads (effect 1, for every intervention);
-    * ``resid_pre`` of block 0 (the embeddings) at each row's only position where the clean and
-      corrupted tokens differ, for ``denoising``/``noising``: the patched run is the other run (effect 1).
-
-    Args:
-        lines: lines of the ``main`` table (``site``, ``layer``, ``intervention``, ``position_name``,
-            ``pos_from_end``).
-        rows: the ``rows`` table (``n_tokens``, ``pos_<NAME>``), one line per row in ``pair`` order.
-        tokens: the ``tokens`` table (clean and corrupted tokens of every row).
-        n_layers: the model's number of blocks.
+def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame, n_layers: int,
+                  tol: float = TRIVIAL_TOL) -> pd.Series:
+    """Which lines are trivially complete (not a finding): :func:`trivial_causes` is not None.
 
     Returns:
         A boolean Series aligned with ``lines``.
     """
-    out = pd.Series(False, index=lines.index)
+    return trivial_causes(lines, rows, tokens, n_layers, tol).notna()
+
+
+def trivial_causes(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame, n_layers: int,
+                   tol: float = TRIVIAL_TOL) -> pd.Series:
+    """Why each line is trivially complete (its effect is fixed by construction, or it carries the
+    whole clean/corrupted difference by where it sits), or None.
+
+    A line is trivially complete when the patched value determines everything downstream:
+
+    * ``whole-layer residual``: a whole-layer residual site (``resid_pre_layer``, ``resid_mid_layer``,
+      ``resid_post_layer``) replaces every position's whole state, so the run from there on is the
+      source run (effect 1);
+    * ``unembedding input``: ``resid_post`` of the last block at each row's last token, the very
+      vector the unembedding reads (effect 1, for every intervention);
+    * ``embedding of the only changed token``: ``resid_pre`` of block 0 at each row's only position
+      where the clean and corrupted tokens differ, for ``denoising``/``noising`` (the patched run is
+      the other run: effect 1);
+    * ``first write after the only changed token's embedding``: a block-0 component (``attn_out``,
+      ``mlp_out``) at each row's only changed position, for ``denoising``/``noising``, whose
+      **measured** effect is within ``tol`` of that position's whole-residual restoration (the
+      block-0 ``resid_pre`` line when it was patched, else 1, its value by construction). Nothing but
+      the token's embedding differs upstream of it, so such a write is an extended embedding (in
+      many models block 0's MLP is): restoring it restores the token, not a mechanism. A block-0
+      component that restores less than that is a finding and is not marked.
+
+    Args:
+        lines: lines of the ``main`` table (``site``, ``layer``, ``intervention``, ``position_name``,
+            ``pos_from_end``, ``effect``).
+        rows: the ``rows`` table (``n_tokens``, ``pos_<NAME>``), one line per row in ``pair`` order.
+        tokens: the ``tokens`` table (clean and corrupted tokens of every row).
+        n_layers: the model's number of blocks.
+        tol: the largest |effect - whole-residual restoration| of a marked block-0 component
+            (effect units: 1 = the whole clean/corrupted difference).
+
+    Returns:
+        An object Series aligned with ``lines``: the cause (a string), or None.
+    """
+    out = pd.Series([None] * len(lines), index=lines.index, dtype=object)
     if lines.empty:
         return out
-    resid = lines["site"].astype(str).str.startswith("resid_")
-    out |= resid & lines["site"].astype(str).str.endswith("_layer")
+    site = lines["site"].astype(str)
+    out[site.str.startswith("resid_") & site.str.endswith("_layer")] = "whole-layer residual"
     if "n_tokens" not in rows:  # a result saved before the rows table: only the whole-layer rule
         return out
     last = rows["n_tokens"].to_numpy(dtype=np.int64) - 1
@@ -273,15 +306,133 @@ def trivial_lines(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame,
             diff[int(pair)].add(int(pos))
     sole = [diff[int(p)] for p in rows["pair"]]
     layer = lines["layer"].astype(int)
-    cand = lines[((lines["site"] == "resid_post") & (layer == n_layers - 1)) | ((lines["site"] == "resid_pre") & (layer == 0))]
+    paired = lines["intervention"].astype(str).isin(["denoising", "noising"])
+    first_comp = site.isin(["attn_out", "mlp_out"]) & (layer == 0) & paired
+    cand = lines[((site == "resid_post") & (layer == n_layers - 1)) | ((site == "resid_pre") & (layer == 0))
+                 | first_comp]
+    embed: dict[tuple, float] = {}  # (intervention, position key) -> the block-0 resid_pre line's effect
+    comps = []
     for i, ln in cand.iterrows():
         pos = _row_positions(ln, rows)
         if pos is None:
             continue
-        if str(ln["site"]) == "resid_post":
-            out[i] = bool(np.all(pos == last))
-        elif str(ln["intervention"]) in ("denoising", "noising"):
-            out[i] = all(s == {int(p)} for s, p in zip(sole, pos))
+        sname = str(ln["site"])
+        if sname == "resid_post":
+            if bool(np.all(pos == last)):
+                out[i] = "unembedding input"
+            continue
+        at_sole = all(s == {int(p)} for s, p in zip(sole, pos))
+        if not at_sole or str(ln["intervention"]) not in ("denoising", "noising"):
+            continue
+        if sname == "resid_pre":
+            out[i] = "embedding of the only changed token"
+            eff = ln.get("effect")
+            if not is_missing(eff):
+                embed[(str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else "")] = float(cast(float, eff))
+        else:
+            comps.append(i)
+    for i in comps:
+        ln = lines.loc[i]
+        eff = ln.get("effect")
+        if is_missing(eff):
+            continue
+        ref = embed.get((str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else ""), 1.0)
+        if abs(float(eff) - ref) <= tol:
+            out[i] = (f"first write after the only changed token's embedding (block 0): restores {float(eff):.3f} "
+                      f"of the whole residual's {ref:.3f}")
+    return out
+
+
+def line_intervals(lines: pd.DataFrame, main: pd.DataFrame, baselines: pd.DataFrame, ranked_by: str,
+                   min_denominator: float, *, named: bool, n_boot: int = 1000, ci: float = TIE_CI,
+                   seed: int = 0) -> pd.DataFrame:
+    """Percentile bootstrap intervals over rows of mean-over-rows lines (the ratio of means
+    recomputed on each resample of the unflagged rows, all lines on the same resamples).
+
+    Args:
+        lines: mean lines of the ``main`` table (``scope`` ``mean``).
+        main: the ``main`` table (its per-row lines, ``scope`` ``pair``).
+        baselines: the ``baselines`` table (per row and metric ``clean``, ``corrupted``).
+        ranked_by: ``effect`` (normalised; ``1 - normalized`` for noising and ablations) or ``delta``
+            (patched - clean, metric units).
+        min_denominator: a resample whose mean clean/corrupted gap is below it gives NaN.
+        named: the mean lines are keyed by ``position_name`` (chosen positions), else by ``pos_from_end``.
+        n_boot: resamples (rows drawn with replacement).
+        ci: the interval's mass.
+        seed: the resampling seed.
+
+    Returns:
+        Aligned with ``lines``: ``ci_low``, ``ci_high`` (of ``ranked_by``) and ``abs_low``,
+        ``abs_high`` (of its absolute value, what ``top_sites`` ranks by); NaN with fewer than 2 rows.
+    """
+    out = pd.DataFrame({"ci_low": np.nan, "ci_high": np.nan, "abs_low": np.nan, "abs_high": np.nan},
+                       index=lines.index)
+    if lines.empty:
+        return out
+    keys = ["intervention", "site", "hook", "layer", "position_name" if named else "pos_from_end", "head_idx",
+            "neuron", "metric"]
+
+    def keyed(df: pd.DataFrame) -> pd.DataFrame:
+        k = pd.DataFrame(index=df.index)
+        for c in keys:
+            v = column(df, c)
+            k[c] = v.astype(object).where(v.notna(), "<NA>").astype(str)
+        return k
+
+    def values_of(c: str) -> list:
+        return column(lines, c).unique().tolist()
+
+    lk = keyed(lines).drop_duplicates()
+    lk["_line"] = np.arange(len(lk))
+    per = where(main, (main["scope"] == "pair") & main["metric"].isin(values_of("metric"))
+                & main["site"].isin(values_of("site")) & main["intervention"].isin(values_of("intervention"))
+                & main["layer"].isin(values_of("layer")))
+    per = where(per, ~per["flagged"].astype(bool))
+    if per.empty:
+        return out
+    pk = keyed(per).assign(_pair=per["pair"].astype(int).to_numpy(), _value=per["value"].to_numpy(dtype=float))
+    pk = pk.merge(lk, on=keys, how="inner")
+    pairs = np.sort(column(pk, "_pair").to_numpy(dtype=np.int64))
+    pairs = np.unique(pairs)
+    R = len(pairs)
+    if R < 2:
+        return out
+    col = {p: j for j, p in enumerate(pairs.tolist())}
+    V = np.zeros((len(lk), R))
+    Msk = np.zeros((len(lk), R))
+    ki = pk["_line"].to_numpy(dtype=int)
+    pj = np.array([col[int(p)] for p in column(pk, "_pair")], dtype=int)
+    V[ki, pj] = pk["_value"].to_numpy()
+    Msk[ki, pj] = 1.0
+    b = baselines.set_index(["pair", "metric"])
+    C = np.zeros((len(lk), R))
+    X = np.zeros((len(lk), R))
+    for i, m in enumerate(lk["metric"]):
+        idx = list(zip(pairs.tolist(), [m] * R))
+        C[i] = b["clean"].reindex(idx).to_numpy(dtype=float)
+        X[i] = b["corrupted"].reindex(idx).to_numpy(dtype=float)
+    rng = np.random.default_rng(seed)
+    W = rng.multinomial(R, np.full(R, 1.0 / R), size=n_boot).astype(float)  # [B, R] draw counts
+    with np.errstate(invalid="ignore", divide="ignore"):
+        n = W @ Msk.T
+        vbar = W @ (V * Msk).T / n
+        cbar = W @ (np.nan_to_num(C) * Msk).T / n
+        if ranked_by == "delta":
+            stat = vbar - cbar
+        else:
+            xbar = W @ (np.nan_to_num(X) * Msk).T / n
+            den = cbar - xbar
+            norm = np.where(np.abs(den) < min_denominator, np.nan, (vbar - xbar) / den)
+            is_den = (lk["intervention"] == "denoising").to_numpy()
+            stat = np.where(is_den[None, :], norm, 1.0 - norm)
+    lo, hi = (1 - ci) / 2 * 100, (1 + ci) / 2 * 100
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a line without rows has no interval
+        q = np.nanpercentile(stat, [lo, hi], axis=0)
+        qa = np.nanpercentile(np.abs(stat), [lo, hi], axis=0)
+    rows_of = keyed(lines).merge(lk, on=keys, how="left")["_line"].to_numpy(dtype=int)
+    out["ci_low"], out["ci_high"] = q[0][rows_of], q[1][rows_of]
+    out["abs_low"], out["abs_high"] = qa[0][rows_of], qa[1][rows_of]
     return out
 
 
@@ -459,10 +610,22 @@ def report_text(summary: dict[str, Any], config: Any, baselines: pd.DataFrame) -
         return (f"  {num(t['mean_effect'], 8)} {num(t['mean_normalized'], 10)} {num(t['mean_delta'], 9)}  "
                 f"{t['intervention']:12s} {t['site']:18s} {t['label']}")
 
+    def tied(labels: list) -> list[str]:
+        return ([f"  tied (within the 95% bootstrap interval) with the first: {', '.join(labels)}"]
+                if labels else [])
+
     lines += [line(t) for t in s["top_sites"]]
+    lines += tied(s.get("top_sites_tied") or [])
     if "resid" not in s["top_sites_families"] and s["top_resid_sites"]:
-        lines.append("residual stream, ranked apart (a whole position's state; by-construction lines left out):")
+        lines.append("residual stream, ranked apart (a whole position's state; trivially complete lines left out):")
         lines += [line(t) for t in s["top_resid_sites"][:3]]
+        lines += tied(s.get("top_resid_sites_tied") or [])
+    triv = s.get("trivial_sites") or []
+    if triv:
+        lines.append(f"trivially complete, left out of the ranking ({len(triv)} line(s)):")
+        lines += [f"  {t['intervention']:12s} {t['site']:18s} {t['label']}: {t['cause']}" for t in triv[:8]]
+        if len(triv) > 8:
+            lines.append(f"  ... {len(triv) - 8} more (summary trivial_sites)")
     return "\n".join(lines)
 
 

@@ -31,11 +31,13 @@ from ..model.context import check_generation, check_window
 from ..model.info import HookedModel
 from ..sae.spec import SAESpec
 from ..steering import (
+    DEFAULT_N_RANDOM,
     Steer,
     SteeringError,
     SteeringVector,
     SteerRow,
     check_vector,
+    control_spread,
     dose_response,
     file_vector,
     forward_batch,
@@ -125,11 +127,13 @@ class Controls(StrictModel):
     """Random control directions of exactly the vector's norm.
 
     Fields:
-        n_random: how many (0: none).
+        n_random: how many (0: none; default 16, run in the same batches as the vector: a
+            handful of controls leaves their spread unknown, one of 3 reached p 0.17 where a
+            vector reached 0.5).
         seed: their seed (seeded standard Gaussian directions, normalised, scaled to the vector's norm).
     """
 
-    n_random: int = Field(default=3, ge=0)
+    n_random: int = Field(default=DEFAULT_N_RANDOM, ge=0)
     seed: int = 0
 
 
@@ -191,6 +195,11 @@ class SteeringResult(Result):
       ``target_log_prob`` (nats), ``logit_diff`` (logits: target - foil, or the target logit without
       foils), ``foil_prob``, ``n_rows``.
     * ``rows``: the same per row (``row_id``, ``prompt``, ``target``, ``foil`` added).
+    * ``controls``: one line per alpha, the random controls' spread on the target probability
+      (:func:`tracekit.steering.control_spread`): ``alpha``, ``n_random``, ``steer``, ``random_mean``,
+      ``random_std``, ``random_min``, ``random_p5`` / ``random_p95`` (percentiles), ``random_max``,
+      ``vector_rank`` (1 + the controls above the vector, of ``n_random + 1``) and
+      ``vector_percentile`` (% of controls below it, ties half).
     * ``generations`` (with ``generate``): ``row_id``, ``prompt``, ``alpha``, ``steered_text``,
       ``unsteered_text``, ``same_text``, ``steered_first_token``, ``unsteered_first_token``.
 
@@ -201,7 +210,10 @@ class SteeringResult(Result):
     ``mean_target_prob_by_alpha`` / ``mean_logit_diff_by_alpha`` (the vector, means over rows), ``random_target_prob_mean_by_alpha``
     / ``random_target_prob_max_by_alpha`` and ``random_logit_diff_mean_by_alpha`` /
     ``random_logit_diff_max_by_alpha`` (over the controls' means over rows), ``effect_vs_random_max_by_alpha``
-    (vector minus the best control, target prob), ``beats_random_by_alpha``; at the largest alpha:
+    (vector minus the best control, target prob), ``beats_random_by_alpha``,
+    ``random_target_prob_p5_by_alpha`` / ``random_target_prob_p95_by_alpha`` (the controls' 5th / 95th
+    percentile), ``vector_rank_by_alpha`` / ``vector_percentile_by_alpha`` (the vector's rank among the
+    ``n_random + 1`` directions, 1 = highest target prob; the % of controls below it); at the largest alpha:
     ``top_alpha``, ``top_alpha_mean_target_prob``, ``top_alpha_random_max_target_prob``; with ``generate``:
     ``generation_alpha``, ``generated_row_ids`` and, aligned with them, ``steered_text_by_row``,
     ``unsteered_text_by_row``, ``steered_first_token_by_row``, ``unsteered_first_token_by_row``;
@@ -211,7 +223,7 @@ class SteeringResult(Result):
 
     config: "Steering"
     main_table = "dose_response"
-    table_names = ("dose_response", "rows", "generations")
+    table_names = ("dose_response", "rows", "controls", "generations")
 
     def summary(self) -> dict:
         dr = self.tables["dose_response"]
@@ -243,6 +255,12 @@ class SteeringResult(Result):
              "beats_random_by_alpha": [None if m is None else bool(x > m) for x, m in zip(p, r_max)],
              "top_alpha": alphas[top], "top_alpha_mean_target_prob": p[top], "top_alpha_random_max_target_prob": r_max[top],
              "chunks": self.meta.get("chunks")}
+        sp = control_spread(dr, alphas)
+        has = bool(s["n_random"])
+        for key, c in (("random_target_prob_p5_by_alpha", "random_p5"), ("random_target_prob_p95_by_alpha", "random_p95"),
+                       ("vector_percentile_by_alpha", "vector_percentile")):
+            s[key] = [float(v) if has else None for v in sp[c]]
+        s["vector_rank_by_alpha"] = [int(v) if has else None for v in sp["vector_rank"]]
         gen = self.tables.get("generations")
         if gen is not None and len(gen):
             s.update({"generation_alpha": float(gen.iloc[0]["alpha"]),
@@ -257,12 +275,21 @@ class SteeringResult(Result):
                  f"{s['hook']} ({', '.join(map(str, self.config.steer_at))}); {s['n_rows']} row(s), metric {s['metric']}; "
                  f"clean target prob {s['mean_clean_target_prob']:.4g}"]
         rows = []
+
+        def g(v: Optional[float]) -> str:
+            return "-" if v is None else f"{v:.4g}"
+        n = s["n_random"]
         for i, a in enumerate(s["alphas"]):
-            rm, rx = s["random_target_prob_mean_by_alpha"][i], s["random_target_prob_max_by_alpha"][i]
-            rows.append((f"{a:g}", f"{s['mean_target_prob_by_alpha'][i]:.4g}", "-" if rm is None else f"{rm:.4g}",
-                         "-" if rx is None else f"{rx:.4g}", f"{s['mean_logit_diff_by_alpha'][i]:+.3f}"))
-        lines.append(plotting.text_table(rows, ["alpha", "p(target) steer", f"random mean ({s['n_random']})",
-                                                "random max", "logit diff steer"]))
+            lo, hi = s["random_target_prob_p5_by_alpha"][i], s["random_target_prob_p95_by_alpha"][i]
+            rank = s["vector_rank_by_alpha"][i]
+            rows.append((f"{a:g}", f"{s['mean_target_prob_by_alpha'][i]:.4g}", g(s["random_target_prob_mean_by_alpha"][i]),
+                         "-" if lo is None else f"{lo:.4g}-{hi:.4g}", g(s["random_target_prob_max_by_alpha"][i]),
+                         "-" if rank is None else f"{rank}/{n + 1} ({s['vector_percentile_by_alpha'][i]:.0f}%)",
+                         f"{s['mean_logit_diff_by_alpha'][i]:+.3f}"))
+        lines.append(plotting.text_table(rows, ["alpha", "p(target) steer", f"random mean ({n})", "random p5-p95",
+                                                "random max", "vector rank (% controls below)", "logit diff steer"]))
+        if 0 < n < DEFAULT_N_RANDOM:
+            lines.append(f"  only {n} random control(s): their spread is poorly known (the default is {DEFAULT_N_RANDOM})")
         gen = self.tables.get("generations")
         if gen is not None and len(gen):
             for g in tuples(gen.head(4)):
@@ -279,8 +306,11 @@ class SteeringResult(Result):
             rnd = select(dr, column(dr, "direction") != "steer").groupby("alpha")[col]
             if s["n_random"]:
                 lo, hi, mean = cast(pd.Series, rnd.min()), cast(pd.Series, rnd.max()), cast(pd.Series, rnd.mean())
-                ax.fill_between(lo.index, lo.to_numpy(), hi.to_numpy(), color="gray", alpha=0.3,
+                p5, p95 = cast(pd.Series, rnd.quantile(0.05)), cast(pd.Series, rnd.quantile(0.95))
+                ax.fill_between(lo.index, lo.to_numpy(), hi.to_numpy(), color="gray", alpha=0.15,
                                 label=f"random directions, same norm (min-max of {s['n_random']})")
+                ax.fill_between(p5.index, p5.to_numpy(), p95.to_numpy(), color="gray", alpha=0.35,
+                                label="random 5th-95th percentile")
                 ax.plot(mean.index, mean.to_numpy(), color="gray", ls="--", label="random mean")
             ax.plot(st["alpha"], st[col], "o-", color="tab:red", label="steering vector")
             ax.set_xlabel("alpha (multiple of the vector)")
@@ -313,7 +343,9 @@ class Steering(RowTargetsExperiment):
             position of the dataset's rows (``SUBJ``).
         alphas: multipliers (the vector's own units; with ``normalize``, residual-norm units).
         normalize: scale the vector to unit norm first.
-        controls: ``{n_random, seed}``: random directions of exactly the vector's norm.
+        controls: ``{n_random, seed}``: random directions of exactly the vector's norm (default 16;
+            the summary, report and figure give their mean, 5th-95th percentile band and max, and the
+            vector's rank among them).
         generate: optional :class:`GenerateSpec`: text with and without steering.
         batch_size: sequences per forward pass of the dose-response.
 
@@ -459,7 +491,7 @@ class Steering(RowTargetsExperiment):
         agg["n_rows"] = len(rows)
         a0 = column(select(per, (column(per, "direction") == "steer") & (column(per, "alpha") == 0.0)),
                     "target_prob").to_numpy()
-        tables = {"dose_response": agg, "rows": per,
+        tables = {"dose_response": agg, "rows": per, "controls": control_spread(agg, self.alphas),
                   "generations": self._generations(model, inputs, v, hook)}
         has_foil = all(r.foil_id is not None for r in rows)
         meta = {"hook": hook, "vector_source": vec.source.get("source"), "vector": dict(vec.source),

@@ -19,7 +19,9 @@ prompt).
   Hooks are removed whatever is raised (:func:`tracekit.hooks.fwd_hooks`).
 * **dose-response** (:func:`dose_response`): target probability / log-prob / logit difference at each
   alpha for the vector and for ``n_random`` seeded Gaussian directions rescaled to exactly the
-  vector's norm (:func:`random_directions`), rows x alphas x directions batched.
+  vector's norm (:func:`random_directions`; :data:`DEFAULT_N_RANDOM` of them), rows x alphas x
+  directions batched; :func:`control_spread`: the controls' mean, percentile band and max per alpha
+  and the vector's rank among them.
 * **generation** (:func:`generate`): greedy or seeded sampling (temperature, top-p) with a KV cache,
   the same loop with and without steering.
 
@@ -37,7 +39,16 @@ from __future__ import annotations
 
 from ..core.errors import SteeringError
 from .apply import Steer, StepClock, steer
-from .dose import DoseResponse, SteerRow, dose_response, forward_batch, sequence_bytes
+from .dose import (
+    CONTROL_BAND,
+    DEFAULT_N_RANDOM,
+    DoseResponse,
+    SteerRow,
+    control_spread,
+    dose_response,
+    forward_batch,
+    sequence_bytes,
+)
 from .generation import Generation, generate
 from .vectors import (
     SteeringVector,
@@ -51,4 +62,5 @@ from .vectors import (
 
 __all__ = ["SteeringError", "SteeringVector", "mean_difference", "probe_vector", "sae_vector", "file_vector",
            "check_vector", "random_directions", "StepClock", "Steer", "steer", "SteerRow", "DoseResponse",
-           "dose_response", "forward_batch", "sequence_bytes", "Generation", "generate"]
+           "dose_response", "forward_batch", "sequence_bytes", "Generation", "generate", "control_spread",
+           "DEFAULT_N_RANDOM", "CONTROL_BAND"]

@@ -18,7 +18,15 @@ from ..tokens import pad_rows
 from .apply import StepClock, _add_hook
 from .vectors import SteeringVector, check_vector, random_directions
 
-__all__ = ["SteerRow", "DoseResponse", "dose_response", "forward_batch", "sequence_bytes"]
+__all__ = ["SteerRow", "DoseResponse", "dose_response", "forward_batch", "sequence_bytes", "control_spread",
+           "DEFAULT_N_RANDOM", "CONTROL_BAND"]
+
+#: Random control directions of a dose-response by default (the ``steering`` kind's
+#: ``controls.n_random``): enough for a percentile band and a rank, batched with the vector's runs.
+DEFAULT_N_RANDOM = 16
+
+#: The controls' percentile band (in %) reported and drawn (:func:`control_spread`).
+CONTROL_BAND = (5.0, 95.0)
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,7 @@ def _dose_batch(model: HookedModel, rows: Sequence[SteerRow], jobs: Sequence[tup
 
 
 def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[SteeringVector, torch.Tensor], hook: str,
-                  alphas: Sequence[float], *, n_random: int = 3, seed: int = 0, batch_size: int = 32) -> DoseResponse:
+                  alphas: Sequence[float], *, n_random: int = DEFAULT_N_RANDOM, seed: int = 0, batch_size: int = 32) -> DoseResponse:
     """Target probability, log-prob and logit difference at each alpha, for the vector and for
     ``n_random`` random directions of exactly the vector's norm (:func:`random_directions`: seeded
     Gaussian directions normalised, then scaled), so an effect of the direction can be told from an
@@ -149,7 +157,7 @@ def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[St
         vector: the steering vector ``[d]`` (checked against ``hook``).
         hook: TransformerLens hook steered.
         alphas: multipliers (finite; at least one).
-        n_random: random control directions (0: none).
+        n_random: random control directions (0: none; default :data:`DEFAULT_N_RANDOM`).
         seed: the random directions' seed.
         batch_size: sequences per forward pass at most (the budget may choose fewer; an
             out-of-memory error halves it).
@@ -178,3 +186,41 @@ def dose_response(model: HookedModel, rows: Sequence[SteerRow], vector: Union[St
     with enabled_hooks(model, [hook]):
         used = run_chunked(do, len(jobs), bs, what="steering dose-response")
     return DoseResponse(pd.DataFrame(recs), directions, norm, int(used))
+
+
+def control_spread(table: pd.DataFrame, alphas: Sequence[float], col: str = "target_prob",
+                   band: tuple[float, float] = CONTROL_BAND) -> pd.DataFrame:
+    """Per alpha, the random controls' spread and the vector's place among them.
+
+    ``table`` holds means over rows per (direction, alpha): ``direction`` (``steer`` or
+    ``random_<i>``), ``alpha`` and ``col`` (the ``steering`` kind's ``dose_response`` table, or
+    :attr:`DoseResponse.table` averaged over rows).
+
+    Returns:
+        One line per alpha: ``alpha``, ``n_random``, ``steer`` (the vector's value), the controls'
+        ``random_mean``, ``random_std`` (ddof 0), ``random_min``, ``random_p<lo>`` / ``random_p<hi>``
+        (the ``band`` percentiles, linear interpolation), ``random_max``; ``vector_rank`` (1 + the
+        controls strictly above the vector: 1 = at or above every control; of ``n_random + 1``) and
+        ``vector_percentile`` (the share of controls below the vector in %, a tie counting half: 100
+        = above every control; NaN without controls). Units: those of ``col``.
+    """
+    lo_name, hi_name = f"random_p{band[0]:g}", f"random_p{band[1]:g}"
+    out = []
+    for a in alphas:
+        at = table[table["alpha"] == float(a)]
+        sv = np.asarray(at[at["direction"] == "steer"][col], dtype=float)
+        x = float(sv[0]) if len(sv) else float("nan")
+        r = np.asarray(at[at["direction"] != "steer"][col], dtype=float)
+        rec = {"alpha": float(a), "n_random": int(len(r)), "steer": x}
+        if len(r):
+            above, tied = int(np.sum(r > x)), int(np.sum(r == x))
+            rec.update({"random_mean": float(r.mean()), "random_std": float(r.std()), "random_min": float(r.min()),
+                        lo_name: float(np.percentile(r, band[0])), hi_name: float(np.percentile(r, band[1])),
+                        "random_max": float(r.max()), "vector_rank": 1 + above,
+                        "vector_percentile": 100.0 * (len(r) - above - tied + 0.5 * tied) / len(r)})
+        else:
+            rec.update({k: float("nan") for k in ("random_mean", "random_std", "random_min", lo_name, hi_name,
+                                                  "random_max", "vector_percentile")})
+            rec["vector_rank"] = 1
+        out.append(rec)
+    return pd.DataFrame(out)

@@ -112,10 +112,13 @@ def biased():
     ' Rome' second: so ' Rome' beats ' Berlin' (filter: correct keeps a Rome row) but is not top-1."""
     m = make_tiny("gpt2")
     paris, rome = single_token_id(m, " Paris"), single_token_id(m, " Rome")
+    before = m.unembed.b_U.detach().clone()
     with torch.no_grad():
         m.unembed.b_U[paris] += 1000.0
         m.unembed.b_U[rome] += 500.0
-    return m
+    yield m
+    with torch.no_grad():  # make_tiny's models are shared by the session: leave it as it was
+        m.unembed.b_U.copy_(before)
 
 
 ROWS = [{"prompt": "The capital of France is", "target": " Paris", "foil": " Rome"},

@@ -225,7 +225,9 @@ def test_trace_follows_the_chosen_rows_own_target_and_foil():
     rows = [{"prompt": "The capital of France is", "target": " Paris", "foil": " Rome"},
             {"prompt": "The capital of Italy is not", "target": " Rome", "foil": " Paris"}]
     small = {"key_max_tokens": 64, "top_neurons": 2, "n_samples": 1}
-    by_row = TokenTrace(dataset={"rows": rows}, row=1, **small).run(m, progress=False)
+    # key_corpus: the contexts from the corpus, as the prompt-mode trace reads them (a dataset trace
+    # reads its own rows' prompts by default)
+    by_row = TokenTrace(dataset={"rows": rows}, row=1, key_corpus="stdlib", **small).run(m, progress=False)
     direct = TokenTrace(prompts=rows[1]["prompt"], target=" Rome", foil=" Paris", **small).run(m, progress=False)
     assert by_row.meta["row_id"] == 1
     assert set(by_row.tables) == set(direct.tables)

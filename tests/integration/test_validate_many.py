@@ -79,6 +79,7 @@ def test_validate_takes_several_files_and_fails_if_one_is_bad(tmp_path, capsys, 
     monkeypatch.setattr(load, "load_model", no_weights)
     monkeypatch.setattr(source, "load_hf", no_weights)
     monkeypatch.setattr(info, "_INFO", {})
+    monkeypatch.setattr(load, "_CACHE", {})  # a model loaded by an earlier test would answer first
     reads = []
     real = info._load_config_and_tokenizer
     monkeypatch.setattr(info, "_load_config_and_tokenizer", lambda spec: reads.append(spec) or real(spec))

@@ -180,7 +180,8 @@ def test_parse_edge_names_and_errors():
              ("x->logits", r"edges\[3\]: 'x' is not an upstream node"),
              ("a0.h4->logits", r"'a0.h4' is not an upstream node.*heads 0..3"),
              ("m0->m9", r"edges\[3\]: 'm9' is not a downstream node"),
-             ("a0.h0->a1.h2<k>", r"'a1.h2<k>' is not a downstream node"),  # 2 key/value heads: k0, k1
+             # 2 key/value heads (k0, k1) shared by 4 query heads: a query head's number is refused, naming the right node
+             ("a0.h0->a1.h2<k>", r"'a1.h2<k>': query head 2's k input is key/value head 1: write 'a1.h1<k>'"),
              ("a1.h0->a1.h1<q>", r"edges\[3\]: 'a1.h0->a1.h1<q>' is not an edge: a1.h0 writes after a1.h1<q> reads")]
     for name, match in cases:
         with pytest.raises(CircuitError, match=match):

@@ -110,3 +110,33 @@ def test_top_sites_ties_within_the_bootstrap_interval(tiny_gpt2):
     assert s["top_resid_sites_tied"] == tied
     if tied:
         assert "tied (within the 95% bootstrap interval)" in varied.report()
+
+
+#: Two-token countries swapped for two-token countries (GPT-2: ' New' ' Zealand', ' South' ' Africa',
+#: ' Costa' ' Rica', ' Sri' ' Lanka'): two changed positions per row, as some generated capitals rows
+#: (the targets are any single tokens: the model is random).
+TWO_TOKEN_PAIRS: list = [{"clean": "The capital of New Zealand is", "corrupted": "The capital of South Africa is",
+                          "target": " Paris", "foil": " Rome"},
+                         {"clean": "The capital of Costa Rica is", "corrupted": "The capital of Sri Lanka is",
+                          "target": " Madrid", "foil": " Tokyo"}]
+
+
+def test_block0_write_where_several_tokens_differ_is_marked_against_the_measured_residual(mlp0_embedding_model):
+    """Two changed tokens: block 0's MLP at the last one is compared with the measured block-0
+    residual at that position (not with 1: the other changed token is not restored), and marked
+    only when it restores as much."""
+    from tracekit.experiments.patching_tables import TRIVIAL_TOL
+
+    r = _run(mlp0_embedding_model, TWO_TOKEN_PAIRS)
+    allr = r.top_sites(n=10_000, family="all", trivial=True, intervals=False)
+    at0 = (allr["layer"] == 0) & (allr["pos_from_end"] == -2)
+    mlp = frame(allr[at0 & (allr["site"] == "mlp_out")]).set_index("intervention")
+    res = frame(allr[at0 & (allr["site"] == "resid_pre")]).set_index("intervention")
+    assert len(mlp) == len(res) == 2
+    # the block-0 residual at one of two changed tokens is not trivially complete: a finding
+    assert not bool(np.asarray(res["trivial"]).any())
+    close = (mlp["effect"].astype(float) - res.loc[mlp.index, "effect"].astype(float)).abs() <= TRIVIAL_TOL
+    assert bool(close.any())  # the construction makes the MLP's write the whole residual there
+    assert (mlp["trivial"].astype(bool) == close).all()
+    for c in mlp.loc[close[close].index, "trivial_cause"]:
+        assert "other tokens differ too" in c

@@ -276,7 +276,11 @@ def trivial_causes(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame
       block-0 ``resid_pre`` line when it was patched, else 1, its value by construction). Nothing but
       the token's embedding differs upstream of it, so such a write is an extended embedding (in
       many models block 0's MLP is): restoring it restores the token, not a mechanism. A block-0
-      component that restores less than that is a finding and is not marked.
+      component that restores less than that is a finding and is not marked. Where a row's pair
+      differs in several tokens (a two-token country swapped for another), a block-0 component at a
+      changed position is marked the same way when the block-0 ``resid_pre`` line at that position
+      was patched and the component restores as much (within ``tol``) as it does: a measured
+      reference only (no reference, no mark).
 
     Args:
         lines: lines of the ``main`` table (``site``, ``layer``, ``intervention``, ``position_name``,
@@ -322,24 +326,29 @@ def trivial_causes(lines: pd.DataFrame, rows: pd.DataFrame, tokens: pd.DataFrame
                 out[i] = "unembedding input"
             continue
         at_sole = all(s == {int(p)} for s, p in zip(sole, pos))
-        if not at_sole or str(ln["intervention"]) not in ("denoising", "noising"):
+        at_changed = all(int(p) in s for s, p in zip(sole, pos))
+        if not at_changed or str(ln["intervention"]) not in ("denoising", "noising"):
             continue
+        key = (str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else "", tuple(int(p) for p in pos))
         if sname == "resid_pre":
-            out[i] = "embedding of the only changed token"
+            if at_sole:
+                out[i] = "embedding of the only changed token"
             eff = ln.get("effect")
             if not is_missing(eff):
-                embed[(str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else "")] = float(cast(float, eff))
+                embed[key] = float(cast(float, eff))
         else:
-            comps.append(i)
-    for i in comps:
+            comps.append((i, key, at_sole))
+    for i, key, at_sole in comps:
         ln = lines.loc[i]
         eff = ln.get("effect")
-        if is_missing(eff):
+        ref = embed.get(key, 1.0 if at_sole else None)
+        if is_missing(eff) or ref is None:  # several changed tokens and no block-0 residual measured there
             continue
-        ref = embed.get((str(ln["intervention"]), str(ln["metric"]) if "metric" in ln else ""), 1.0)
         if abs(float(eff) - ref) <= tol:
             out[i] = (f"first write after the only changed token's embedding (block 0): restores {float(eff):.3f} "
-                      f"of the whole residual's {ref:.3f}")
+                      f"of the whole residual's {ref:.3f}" if at_sole else
+                      f"first write after a changed token's embedding (block 0; other tokens differ too): restores "
+                      f"{float(eff):.3f} where the block-0 residual at that position restores {ref:.3f}")
     return out
 
 

@@ -56,7 +56,11 @@ ExperimentConfig = Any
 _E = TypeVar("_E", bound=type)
 
 __all__ = ["KINDS", "REGISTRY", "RESULTS", "RENAMED_COLUMNS", "shadowing_columns", "register", "experiment_class", "known_kinds", "Expectation",
-           "Result", "ResultFolder", "lookup", "MANIFEST", "round_sig", "SUMMARY_DIGITS"]
+           "Result", "ResultFolder", "lookup", "MANIFEST", "round_sig", "SUMMARY_DIGITS", "COMMON_SUMMARY_KEYS"]
+
+#: Summary keys any kind's result may carry besides the ones its class declares (``summary_keys``):
+#: ``dataset_filter``, what the rows' ``filter`` kept and dropped (added by the experiment base).
+COMMON_SUMMARY_KEYS: tuple[str, ...] = ("dataset_filter",)
 
 #: Built-in kinds: kind name -> ``"module:ExperimentClass"``, imported on demand by :data:`REGISTRY`;
 #: generated from the one table :data:`tracekit.core.kinds.BUILTIN_KINDS`.

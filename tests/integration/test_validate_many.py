@@ -152,3 +152,29 @@ def test_cached_model_info_equals_the_built_one(tmp_path, monkeypatch):
     assert any(built._gated_hook_reason(n) for n in built.hook_dict)  # the comparison covers gated hooks
     other = as_spec({**MODEL, "config_overrides": tiny_overrides("gpt2", 3)})
     assert info._info_cache_file(other) != where  # another config: another entry
+
+
+def test_steering_sweep_compare_key_is_checked_and_declared_keys_are_the_summarys(tmp_path, capsys):
+    """The issue's case: a steering sweep whose ``compare`` names no metric is refused before any run
+    (steering declares its summary keys), and the declared keys are exactly what its summary holds
+    (so the check cannot refuse a real key)."""
+    from helpers import KIND_EXAMPLES, make_tiny
+    from tracekit.experiments.steering import Steering, SteeringResult
+    from tracekit.results import COMMON_SUMMARY_KEYS
+
+    step = {"kind": "steering", "name": "steer", **KIND_EXAMPLES["steering"]}
+    cfg = {"model": MODEL, "experiments": [step],
+           "sweep": {"grid": {"experiments[0].layer": [0, 1]}, "compare": ["steer/mean_target_prob_by_alpa"]}}
+    assert main(["validate", _write(tmp_path, "steer.yaml", cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "'mean_target_prob_by_alpa'" in err and "did you mean 'mean_target_prob_by_alpha'" in err
+    cfg["sweep"]["compare"] = ["steer/mean_target_prob_by_alpha", "steer/dataset_filter"]
+    assert main(["validate", _write(tmp_path, "steer_ok.yaml", cfg)]) == 0
+    capsys.readouterr()
+    res = Steering.model_validate({k: v for k, v in step.items() if k not in ("kind", "name")}).run(
+        make_tiny("gpt2"), progress=False)
+    keys = set(res.summary())
+    assert keys <= set(SteeringResult.summary_keys) | set(COMMON_SUMMARY_KEYS), keys - set(SteeringResult.summary_keys)
+    generation = {"generation_alpha", "generated_row_ids", "steered_text_by_row", "unsteered_text_by_row",
+                  "steered_first_token_by_row", "unsteered_first_token_by_row"}
+    assert set(SteeringResult.summary_keys) - keys <= generation  # only the keys of `generate` may be absent

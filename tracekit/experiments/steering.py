@@ -224,6 +224,15 @@ class SteeringResult(Result):
     config: "Steering"
     main_table = "dose_response"
     table_names = ("dose_response", "rows", "controls", "generations")
+    summary_keys = ("hook", "vector_source", "vector_norm", "normalize", "alphas", "n_random", "n_rows", "metric",
+                    "mean_clean_target_prob", "alpha0_max_abs_error", "mean_target_prob_by_alpha",
+                    "mean_logit_diff_by_alpha", "random_target_prob_mean_by_alpha", "random_target_prob_max_by_alpha",
+                    "random_logit_diff_mean_by_alpha", "random_logit_diff_max_by_alpha",
+                    "effect_vs_random_max_by_alpha", "beats_random_by_alpha", "top_alpha", "top_alpha_mean_target_prob",
+                    "top_alpha_random_max_target_prob", "chunks", "random_target_prob_p5_by_alpha",
+                    "random_target_prob_p95_by_alpha", "vector_percentile_by_alpha", "vector_rank_by_alpha",
+                    "generation_alpha", "generated_row_ids", "steered_text_by_row", "unsteered_text_by_row",
+                    "steered_first_token_by_row", "unsteered_first_token_by_row")
 
     def summary(self) -> dict:
         dr = self.tables["dose_response"]

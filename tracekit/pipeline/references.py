@@ -20,7 +20,7 @@ from ..core import paths
 from ..core.errors import ConfigError
 from ..core.io import jsonable
 from ..core.strict import StrictModel
-from ..results import MANIFEST, REGISTRY, RESULTS
+from ..results import COMMON_SUMMARY_KEYS, MANIFEST, REGISTRY, RESULTS
 
 __all__ = ["Reference", "check_references", "find_references", "is_reference", "lookup_path", "resolve_reference"]
 
@@ -213,7 +213,7 @@ def check_references(steps_raw: list, prefix: str = "experiments") -> list[str]:
             if ref.key is not None:
                 documented = getattr(rcls, "summary_keys", None)
                 head = re.split(r"[.\[]", ref.key, maxsplit=1)[0]
-                if documented is not None and head not in documented:
+                if documented is not None and head not in documented and head not in COMMON_SUMMARY_KEYS:
                     problems.append(f"{where}.key: {kind} step {src!r} has no summary key {head!r}; its summary "
                                     f"keys: {sorted(documented)}")
             if ref.table is not None:

@@ -21,7 +21,7 @@ from ..core import paths
 from ..core.errors import ConfigError
 from ..core.io import jsonable
 from ..inputs import input_files
-from ..results import experiment_class
+from ..results import COMMON_SUMMARY_KEYS, experiment_class
 
 __all__ = ["SWEEP_KEYS", "Point", "canonical_path", "check_compare", "config_hash", "derive_seed", "expand_sweep"]
 
@@ -297,7 +297,7 @@ def _declared_keys(kind: str) -> tuple[str, ...] | None:
     declares none (its keys cannot be known before it runs)."""
     cls = experiment_class(kind)
     keys = getattr(getattr(cls, "result_class", None), "summary_keys", None) if cls is not None else None
-    return tuple(keys) if keys is not None else None
+    return tuple(keys) + COMMON_SUMMARY_KEYS if keys is not None else None
 
 
 def check_compare(points: list[Point], spec: dict, source: str = "<config>") -> list[str]:

@@ -101,3 +101,14 @@ def test_show_lists_the_traces_key_numbers(prompt_trace, tmp_path, capsys):
     for key in ("target", "target_prob", "final_target_rank", "jump_layer", "top_components"):
         assert re.search(rf"^\s*(trace\s+token_trace\s+done\s+)?{key}\s", out, re.M), (key, out)
     assert re.search(rf"final_target_rank\s+{s['final_target_rank']}\b", out)
+
+
+def test_bad_key_corpus_is_refused_naming_the_field_before_the_trace():
+    from helpers import make_tiny
+    from tracekit.core.errors import TracekitError
+    from tracekit.experiments.trace import TokenTrace
+
+    exp = TokenTrace(prompts="The capital of France is", target=" Paris", key_corpus="no-such-corpus-dir",
+                     key_max_tokens=64, top_neurons=2, n_samples=1)
+    with pytest.raises(TracekitError, match=r"key_corpus: no such file or directory 'no-such-corpus-dir'"):
+        exp.prepare(make_tiny("gpt2"))

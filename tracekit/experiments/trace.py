@@ -146,7 +146,15 @@ class TokenTrace(Experiment):
 
     def prepare(self, model: HookedModel) -> TokenTraceInputs:
         """Tokenize the prompt, resolve the target/foil ids and the head shown (tokenizer and config
-        only: works on a :class:`tracekit.model.ModelInfo`)."""
+        only: works on a :class:`tracekit.model.ModelInfo`).
+
+        Raises:
+            CorpusError: ``key_corpus`` names no readable corpus (naming ``key_corpus``), before any work.
+        """
+        if self.key_corpus is not None:
+            from ..corpus import iter_documents
+
+            next(iter_documents(self.key_corpus, field="key_corpus"), None)  # lazy: opens the first source only
         if self.dataset is None:
             ids = encode_prompts(model, self.prompts)[0]
             target_id = single_token_id(model, self.target, field="target") if self.target is not None else None
